@@ -1,0 +1,143 @@
+"""Building blocks of the stock M3 model: Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI, format-aware linears.
+
+Every linear holds its weight as a `QWeight` in the format the checkpoint stored (dense, FP8, MXFP8, NVFP4)
+and dequantizes per call, so a quantized checkpoint occupies on the GPU what it occupies on disk. A dense
+weight is an nn.Parameter (trainable); quantized tensors are buffers. Tensor parallelism is decided by the
+loader (which slices each parameter) and by the caller (which all-reduces row-parallel outputs once per block).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from m3serve.model.parallel import SINGLE, TPGroup
+from m3serve.model.qweight import QWeight
+
+# A dispatch hook set by m3serve.targets: (linear, x) -> y or None. None means "stock path".
+_LINEAR_DISPATCH = None
+
+
+def set_linear_dispatch(fn) -> None:
+    global _LINEAR_DISPATCH
+    _LINEAR_DISPATCH = fn
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32, cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [*, rotary_dim] for NeoX (rotate-half) RoPE over the first rotary_dim channels."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32)
+                                / rotary_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq                               # [*, rd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, D]; cos/sin [..., T, rd]. Rotates channels [0, rd) (pairs i, i + rd/2); the rest pass."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd].float(), x[..., rd:]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+    rotated = xr * c + torch.cat((-x2, x1), dim=-1) * s
+    return torch.cat((rotated.to(x.dtype), xp), dim=-1)
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[.., 2I] (gate | up) -> [.., I] in fp32: clamp(g, max=L) * sigmoid(a g) * (clamp(u, -L, L) + 1)."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    g = g.clamp(max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1.0)
+
+
+class Linear(nn.Module):
+    """y = x @ W^T with W [out_local, in_local] in any QWeight format (optionally stacked: [E, out, in])."""
+
+    def __init__(self, in_features: int, out_features: int, *, num_experts: int | None = None,
+                 parallel: str = "replicated", name: str = ""):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.num_experts = num_experts
+        self.parallel = parallel  # "replicated" | "column" | "row" (documentation for the loader and tests)
+        self.name = name
+        self.fmt = "unset"
+        self._qkeys: tuple[str, ...] = ()
+
+    def set_weight(self, qw: QWeight, requires_grad: bool = False) -> None:
+        lead = () if self.num_experts is None else (self.num_experts,)
+        expect = (*lead, self.out_features, self.in_features)
+        if tuple(qw.shape) != expect:
+            raise ValueError(f"{self.name}: weight of shape {list(qw.shape)} does not fit this rank's "
+                             f"layer {list(expect)}")
+        for key in self._qkeys:
+            delattr(self, f"q_{key}")
+        if "weight" in self._parameters:
+            del self._parameters["weight"]
+        self.fmt = qw.fmt
+        if qw.fmt == "dense":
+            self.weight = nn.Parameter(qw.tensors["w"], requires_grad=requires_grad)
+            self._qkeys = ()
+        else:
+            for key, t in qw.tensors.items():
+                self.register_buffer(f"q_{key}", t)
+            self._qkeys = tuple(qw.tensors)
+
+    @property
+    def qweight(self) -> QWeight:
+        if self.fmt == "dense":
+            return QWeight("dense", {"w": self.weight})
+        return QWeight(self.fmt, {k: getattr(self, f"q_{k}") for k in self._qkeys})
+
+    def dense_weight(self, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        if self.fmt == "dense":
+            w = self.weight if expert is None else self.weight[expert]
+            return w if w.dtype == dtype else w.to(dtype)
+        return self.qweight.dequantize(dtype, expert)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _LINEAR_DISPATCH is not None:
+            y = _LINEAR_DISPATCH(self, x)
+            if y is not None:
+                return y
+        return F.linear(x, self.dense_weight(x.dtype))
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype, e))
+
+    def extra_repr(self) -> str:
+        lead = "" if self.num_experts is None else f"experts={self.num_experts}, "
+        return f"{lead}in={self.in_features}, out={self.out_features}, fmt={self.fmt}, {self.parallel}"
+
+
+class VocabEmbedding(nn.Module):
+    """Vocab-parallel embedding: rank r holds rows [r*V/tp, (r+1)*V/tp); others contribute zeros, then all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.vocab_start, self.vocab_local = tp.shard(vocab_size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.hidden = hidden
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_local)
+        out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)

@@ -1,0 +1,225 @@
+"""MiniMax-M3 text model, stock path: plain PyTorch, CPU and CUDA, fp32 and bf16. Reads top to bottom.
+
+    h = x + Attn(RMSNorm_in(x));  y = h + FFN(RMSNorm_post(h));  logits = lm_head(RMSNorm(h_last))
+
+Shape legend
+  T  tokens in the step (all sequences packed)   H  hidden   V  vocab (local to this rank)
+  Hq query heads, Hk KV heads (both local to this rank), D head dim, Di index head dim
+  S  sequences in the step; each has n query tokens and L = context + n keys
+
+Attention reads K/V (and index-K on MSA layers) from the paged KV cache after writing this step's tokens, so
+a quantized cache is seen exactly as decode sees it. Without a cache (training, `forward_train`), each batch
+row is a whole sequence attending to itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from m3serve.config import M3Config
+from m3serve.model import msa
+from m3serve.model.layers import Linear, RMSNorm, VocabEmbedding, apply_rope, rope_cos_sin
+from m3serve.model.moe import DenseMLP, MoE
+from m3serve.model.parallel import SINGLE, TPGroup
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's share of a packed step."""
+    start: int                        # first row of its query tokens in the packed batch
+    num_query: int                    # n
+    seq_len: int                      # L: tokens in the sequence after this step
+    slots: torch.Tensor | None = None  # int64 slot ids (pages) covering L tokens; None without a cache
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor                      # [T] int64
+    positions: torch.Tensor                      # [T] int64
+    seqs: list[SeqSpan]
+    slot_mapping: torch.Tensor | None = None     # [T] int64 flat token slots (page * page_size + offset)
+    kv: object | None = None                     # m3serve.kv.cache.PagedKVCache
+    logits_rows: torch.Tensor | None = None      # rows to compute logits for (default: every row)
+    capture_layers: tuple[int, ...] = ()         # residual streams to return (Eagle3: the stream entering layer i)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.layer, self.cfg, self.tp = layer, cfg, tp
+        self.sparse = cfg.layer_types[layer] == "sparse"
+        d, h = cfg.head_dim, cfg.hidden_size
+        _, self.hq = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        _, self.hk = tp.kv_head_shard(cfg.num_key_value_heads)
+        self.scale = d ** -0.5
+        p = f"layers.{layer}.self_attn"
+        self.q_proj = Linear(h, self.hq * d, parallel="column", name=f"{p}.q_proj")
+        self.k_proj = Linear(h, self.hk * d, parallel="column", name=f"{p}.k_proj")
+        self.v_proj = Linear(h, self.hk * d, parallel="column", name=f"{p}.v_proj")
+        self.o_proj = Linear(self.hq * d, h, parallel="row", name=f"{p}.o_proj")
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if self.sparse:
+            di = cfg.index_head_dim
+            # One index-query head per KV group (split like the KV heads); one shared index-K head, replicated.
+            self.index_q_proj = Linear(h, self.hk * di, parallel="column", name=f"{p}.index_q_proj")
+            self.index_k_proj = Linear(h, di, parallel="replicated", name=f"{p}.index_k_proj")
+            self.index_q_norm = RMSNorm(di, cfg.rms_norm_eps)
+            self.index_k_norm = RMSNorm(di, cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, detach_indexer: bool = False):
+        """x [..., T, H] -> q [.., T, Hq, D], k/v [.., T, Hk, D], index q [.., T, Hk, Di] / k [.., T, Di] (or None)."""
+        lead, d = x.shape[:-1], self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(*lead, self.hq, d))
+        k = self.k_norm(self.k_proj(x).view(*lead, self.hk, d))
+        v = self.v_proj(x).view(*lead, self.hk, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        iq = ik = None
+        if self.sparse:
+            xi = x.detach() if detach_indexer else x
+            di = self.cfg.index_head_dim
+            iq = apply_rope(self.index_q_norm(self.index_q_proj(xi).view(*lead, self.hk, di)), cos, sin)
+            ik = apply_rope(self.index_k_norm(self.index_k_proj(xi).view(*lead, 1, di)), cos, sin).squeeze(-2)
+        return q, k, v, iq, ik
+
+    def core(self, q, k, v, iq, ik, q_pos) -> torch.Tensor:
+        """Batched attention over whole key sequences: q [B, n, Hq, D], k/v [B, L, Hk, D] -> [B, n, Hq, D] fp32."""
+        mask = None
+        if self.sparse:
+            c = self.cfg
+            scores = msa.block_scores(iq, ik, q_pos, c.index_block_size)
+            sel = msa.select_blocks(scores, q_pos, c.index_block_size, c.index_topk_blocks,
+                                    c.index_local_blocks, c.index_init_blocks)
+            mask = msa.selection_mask(sel, k.shape[1], c.index_block_size)
+        return msa.attend(q, k, v, q_pos, self.scale, mask)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> this rank's partial o_proj output [T, H]."""
+        q, k, v, iq, ik = self.project(x, cos, sin)
+        out = torch.empty(x.shape[0], self.hq, self.cfg.head_dim, dtype=torch.float32, device=x.device)
+        kv = batch.kv
+        if kv is not None:
+            kv.write(self.layer, batch.slot_mapping, k, v, ik)
+        for s in batch.seqs:
+            rows = slice(s.start, s.start + s.num_query)
+            if kv is not None:
+                keys, values, index_keys = kv.read(self.layer, s.slots, s.seq_len, x.dtype)
+            else:
+                if s.seq_len != s.num_query:
+                    raise ValueError(f"sequence at row {s.start}: {s.seq_len} keys but {s.num_query} tokens and "
+                                     "no KV cache to hold the context")
+                keys, values, index_keys = k[rows], v[rows], (ik[rows] if ik is not None else None)
+            o = self.core(q[rows][None], keys[None], values[None],
+                          iq[rows][None] if iq is not None else None,
+                          index_keys[None] if index_keys is not None else None,
+                          batch.positions[rows][None])
+            out[rows] = o[0]
+        return self.o_proj(out.to(x.dtype).view(x.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, tp)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        name = f"layers.{layer}.mlp"
+        self.mlp = (MoE(cfg, tp, name) if cfg.mlp_layer_types[layer] == "moe"
+                    else DenseMLP(cfg, cfg.dense_intermediate_size, tp, name))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos, sin) -> torch.Tensor:
+        h = x + self.tp.all_reduce(self.attn(self.input_norm(x), batch, cos, sin))
+        return h + self.tp.all_reduce(self.mlp(self.post_norm(h)))
+
+
+class M3ForCausalLM(nn.Module):
+    def __init__(self, cfg: M3Config, tp: TPGroup = SINGLE, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.tp, self.dtype = cfg, tp, dtype
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        _, vocab_local = tp.shard(cfg.vocab_size, "vocab_size")
+        self.lm_head = Linear(cfg.hidden_size, vocab_local, parallel="column", name="lm_head")
+        if device is not None:
+            self.to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    # ------------------------------------------------------------------ serving forward
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [T, H] (after the final norm)."""
+        cos, sin = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+        x = self.embed(batch.input_ids).to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            if i in batch.capture_layers:
+                batch.captured[i] = x
+            x = layer(x, batch, cos, sin)
+        if self.cfg.num_hidden_layers in batch.capture_layers:
+            batch.captured[self.cfg.num_hidden_layers] = x
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> fp32 logits [R, V] over the full vocabulary (gathered across TP ranks)."""
+        return self.tp.all_gather_last(self.lm_head(h).float())
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.hidden(batch)
+        if batch.logits_rows is not None:
+            h = h[batch.logits_rows]
+        return self.logits(h)
+
+    # ------------------------------------------------------------------ training / plain forward
+    def forward_train(self, input_ids: torch.Tensor, indexer_stats: bool = False, sparse_attention: bool = True):
+        """Full causal forward of whole sequences, no cache. input_ids [B, T] -> (logits [B, T, V] fp32, stats).
+
+        stats (when asked): one (index_block_logits, attn_block_mass) pair per MSA layer, each [B, Hk, T, nb]:
+        the indexer's max-pooled block scores (gradient flows only into the indexer: its input is detached)
+        and the dense attention's probability mass per block, averaged over the group (no gradient).
+        """
+        b, t = input_ids.shape
+        pos = torch.arange(t, device=input_ids.device).expand(b, t)
+        cos, sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
+        x = self.embed(input_ids).to(self.dtype)
+        stats = []
+        for layer in self.layers:
+            a = layer.attn
+            q, k, v, iq, ik = a.project(layer.input_norm(x), cos, sin, detach_indexer=indexer_stats)
+            if a.sparse and (indexer_stats or sparse_attention):
+                scores = msa.block_scores(iq, ik, pos, self.cfg.index_block_size)
+                if indexer_stats:
+                    with torch.no_grad():
+                        mass = msa.block_attention_mass(q, k, pos, a.scale, self.cfg.index_block_size)
+                    stats.append((scores, mass))
+            if a.sparse and sparse_attention:
+                c = self.cfg
+                sel = msa.select_blocks(scores.detach(), pos, c.index_block_size, c.index_topk_blocks,
+                                        c.index_local_blocks, c.index_init_blocks)
+                o = msa.attend(q, k, v, pos, a.scale, msa.selection_mask(sel, t, c.index_block_size))
+            else:
+                o = msa.attend(q, k, v, pos, a.scale)
+            h = x + self.tp.all_reduce(a.o_proj(o.to(x.dtype).reshape(b, t, -1)))
+            mlp_in = layer.post_norm(h)
+            if isinstance(layer.mlp, MoE):
+                y = layer.mlp(mlp_in.reshape(b * t, -1)).reshape(b, t, -1)
+            else:
+                y = layer.mlp(mlp_in)
+            x = h + self.tp.all_reduce(y)
+        logits = self.tp.all_gather_last(self.lm_head(self.norm(x)).float())
+        return logits, stats
+
+    # ------------------------------------------------------------------ random initialisation
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02, nontrivial_norms: bool = False) -> None:
+        """Dense random weights (training start, tests). Norm weights are zero (scale 1) unless
+        `nontrivial_norms`, which also gives the router bias real values so tests see them matter."""
+        from m3serve.model.random_init import init_dense_random
+        init_dense_random(self, seed, std, nontrivial_norms)
