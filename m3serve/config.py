@@ -61,7 +61,7 @@ class M3Config:
     bos_token_id: int | None = 200034
     eos_token_id: int | list[int] | None = 200020
     pad_token_id: int | None = None
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = False  # M3 is untied; tied tiny configs load with the head = embedding
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,9 +106,6 @@ class M3Config:
             if not 0 < self.num_experts_per_tok <= self.num_local_experts:
                 raise ConfigError(f"num_experts_per_tok = {self.num_experts_per_tok} with "
                                   f"num_local_experts = {self.num_local_experts}")
-        if self.tie_word_embeddings:
-            raise ConfigError("tie_word_embeddings = true: MiniMax-M3 has an untied lm_head; a tied "
-                              "checkpoint is not an M3 checkpoint")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -196,7 +193,7 @@ class M3Config:
             "layer_types": ["minimax_m3_sparse" if k == "sparse" else "full_attention" for k in self.layer_types],
             "mlp_layer_types": ["sparse" if k == "moe" else "dense" for k in self.mlp_layer_types],
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id, "tie_word_embeddings": False,
+            "pad_token_id": self.pad_token_id, "tie_word_embeddings": self.tie_word_embeddings,
         }
 
     def to_published_dict(self) -> dict[str, Any]:
@@ -228,10 +225,10 @@ class M3Config:
                 "sparse_attention_freq": sparse, "sparse_disable_index_value": sparse,
             },
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id, "tie_word_embeddings": False,
+            "pad_token_id": self.pad_token_id, "tie_word_embeddings": self.tie_word_embeddings,
         }
         return {"model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
-                "text_config": text, "tie_word_embeddings": False}
+                "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
 
 
 # ---------------------------------------------------------------------- parsing
@@ -261,8 +258,6 @@ def _from_text_dict(t: dict[str, Any], *, published: bool) -> M3Config:
     act = g("hidden_act", "swigluoai")
     # transformers' text config forces hidden_act="silu" while implementing SwiGLU-OAI, so both names mean it.
     _require(act in ("swigluoai", "silu"), f"{where}.hidden_act = {act!r}: only swigluoai is implemented")
-    if g("tie_word_embeddings", False):
-        raise ConfigError(f"{where}.tie_word_embeddings = true: M3 has an untied lm_head")
 
     num_layers = g("num_hidden_layers", defaults.num_hidden_layers)
     head_dim = g("head_dim") or g("hidden_size", defaults.hidden_size) // g("num_attention_heads", defaults.num_attention_heads)
@@ -359,7 +354,7 @@ def _from_text_dict(t: dict[str, Any], *, published: bool) -> M3Config:
         bos_token_id=g("bos_token_id", defaults.bos_token_id),
         eos_token_id=g("eos_token_id", defaults.eos_token_id),
         pad_token_id=g("pad_token_id"),
-        tie_word_embeddings=False,
+        tie_word_embeddings=bool(g("tie_word_embeddings", False)),
     )
 
 

@@ -392,6 +392,9 @@ def load_checkpoint(model, src: TensorSource, *, keep_quantized: bool, dtype: to
         _resolve(model, slot).set_weight(QWeight("dense", {"w": w.to(device)}))
         loaded.add(f"layers.{layer}.{module}")
 
+    if cfg.tie_word_embeddings and "lm_head" not in loaded and "embed.weight" in loaded:
+        model.lm_head.set_weight(QWeight("dense", {"w": model.embed.weight.data}))
+        loaded.add("lm_head")
     if check_complete:
         check_loaded(model, loaded)
     return loaded

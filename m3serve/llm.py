@@ -1,0 +1,104 @@
+"""Offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from m3serve.engine.engine import EngineConfig, LLMEngine
+from m3serve.engine.outputs import CompletionOutput, RequestOutput
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.model.loader import load_model
+from m3serve.tokenizer import load_tokenizer
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "m3-tiny-verse")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_model() -> str:
+    """The embedded trained model when it ships in the package, else the tiny preset (random weights)."""
+    return DEFAULT_MODEL_DIR if os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "config.json")) else "tiny"
+
+
+def parse_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, device: str | None = None, dtype="auto", seed: int = 0,
+                 random_weights: bool | None = None, quantization: str | None = None,
+                 tensor_parallel_size: int = 1, **engine_kwargs):
+        model = model or default_model()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = parse_dtype(dtype, self.device)
+        if random_weights is None:
+            random_weights = not os.path.isdir(model)
+        if tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1: not available in this build yet")
+        torch.manual_seed(seed)
+        self.model = load_model(model, device=self.device, dtype=self.dtype, random_weights=random_weights,
+                                quantization=quantization, seed=seed)
+        self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
+        self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)
+
+    def encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError(f"prompt dict: expected key 'prompt_token_ids', found {sorted(prompt)}")
+            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompt given but the model has no tokenizer; pass "
+                                 "{'prompt_token_ids': [...]} instead")
+            return self.tokenizer.encode(prompt), prompt
+        raise TypeError(f"prompt: expected str or {{'prompt_token_ids': [...]}}, found {type(prompt).__name__}")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]          # validate everything before queueing anything
+        reqs = []
+        try:
+            for (ids, text), p in zip(encoded, params):
+                reqs.append(self.engine.add_request(ids, p, text))
+        except Exception:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(reqs), desc="generate", unit="req", dynamic_ncols=True)
+        done = 0
+        while any(not r.is_finished for r in reqs):
+            self.engine.step()
+            now = sum(r.is_finished for r in reqs)
+            if bar is not None and now > done:
+                bar.update(now - done)
+            done = now
+        if bar is not None:
+            bar.close()
+        outs = [self._output(r) for r in reqs]
+        for r in reqs:
+            self.engine.release(r)
+        return outs
+
+    def _output(self, r) -> RequestOutput:
+        comp = CompletionOutput(0, self.engine.detokenize(r), list(r.output_token_ids),
+                                r.output_logprobs if r.params.logprobs is not None else None,
+                                r.finish_reason, r.stop_reason)
+        return RequestOutput(str(r.request_id), r.prompt, r.prompt_token_ids, [comp])
