@@ -222,7 +222,7 @@ class M3Config:
                 "sparse_num_index_heads": self.index_n_heads, "sparse_topk_blocks": self.index_topk_blocks,
                 "sparse_block_size": self.index_block_size, "sparse_score_type": "max",
                 "sparse_init_block": self.index_init_blocks, "sparse_local_block": self.index_local_blocks,
-                "sparse_attention_freq": sparse, "sparse_disable_index_value": sparse,
+                "sparse_attention_freq": sparse, "sparse_disable_index_value": list(sparse),
             },
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id, "tie_word_embeddings": self.tie_word_embeddings,

@@ -247,11 +247,12 @@ def _read_sharded(src: TensorSource, base: str, names: dict[str, str], n: int, k
                   shard: tuple[int, int] | None, split: tuple[int, int] | None = None) -> QWeight:
     """Read one part of a linear, only this rank's slice. `split` = (part, parts) cuts a fused tensor's rows."""
     present = {s: nm for s, nm in names.items() if s not in IGNORED_SUFFIXES}
+    ckpt = next(iter(names.values())).rsplit(".", 1)[0]      # the checkpoint's own name for this linear
     if not present:
-        raise CheckpointError(f"{base}: only activation scales present, no weight")
+        raise CheckpointError(f"{ckpt}: only activation scales present, no weight")
     wname = present.get("weight_packed") or present.get("weight")
     if wname is None:
-        raise CheckpointError(f"{base}: missing `weight`; found {sorted(names)}")
+        raise CheckpointError(f"{ckpt}.weight: missing (for {base}); found {sorted(names)}")
     wdtype = src.dtype(wname)
     packed = wdtype == torch.uint8
     rows_full = n * (split[1] if split else 1)
@@ -286,7 +287,7 @@ def _read_sharded(src: TensorSource, base: str, names: dict[str, str], n: int, k
         if suffix in ("weight_scale", "weight_scale_inv") and t.dtype == getattr(torch, "float8_e8m0fnu", None):
             t = t.view(torch.uint8)
         tensors[suffix] = t.contiguous()
-    return read_linear(base, tensors, nrows, ncols)
+    return read_linear(ckpt, tensors, nrows, ncols)
 
 
 def load_checkpoint(model, src: TensorSource, *, keep_quantized: bool, dtype: torch.dtype,
