@@ -48,6 +48,8 @@ def quantize_tensors(name: str, w: torch.Tensor, fmt: str, dtype: torch.dtype) -
     if fmt == "mxfp8":
         q, s = quantize_mxfp8(w.float())
         return {f"{name}.weight": q, f"{name}.weight_scale_inv": s}
+    if w.shape[-1] % 16:
+        raise ValueError(f"{name}: NVFP4 needs in_features divisible by 16, found {w.shape[-1]}")
     g = nvfp4_global_scale(w.float().abs().amax())
     packed, s = quantize_nvfp4(w.float(), g)
     return {f"{name}.weight": packed, f"{name}.weight_scale": s,

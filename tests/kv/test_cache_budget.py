@@ -14,7 +14,8 @@ def test_from_budget_uses_true_hybrid_bytes():
     spec = small_spec("nvfp4", "fp8", draft=1)
     lay = SlotLayout(spec)
     per_slot = lay.slot_bytes + lay.scale_slot_bytes
-    assert per_slot == spec.bytes_per_token()["total"] * spec.page_size  # power-of-two dims: no padding
+    pad = lay.padding_bytes + lay.scale_padding_bytes
+    assert per_slot == spec.bytes_per_token()["total"] * spec.page_size + pad
     cache = PagedKVCache.from_budget(spec, device="cpu", budget_bytes=10 * per_slot + per_slot - 1)
     assert cache.num_slots == 10
     assert cache.data.numel() + cache.scales.numel() == 10 * per_slot

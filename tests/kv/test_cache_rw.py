@@ -212,3 +212,30 @@ def test_m3_hybrid_real_shapes_roundtrip():
         assert torch.equal(rv, reference(fmt, v, cache.kv_global_scale[layer, 1]))
         if ik is not None:
             assert torch.equal(rik, reference("fp8", ik, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_cuda_matches_cpu_bytes(kv):
+    # Same m3serve.quant fp32 ops on both devices; elementwise IEEE ops without fusion round the same,
+    # so the stored bytes must be identical (tolerance 0).
+    spec = small_spec(kv, "fp8", draft=1)
+    caches = [PagedKVCache(spec, NUM_SLOTS, dev) for dev in ("cpu", "cuda")]
+    gen = torch.Generator().manual_seed(77)
+    for layer in range(spec.num_attention_layers):
+        mapping = torch.randperm(NUM_SLOTS * P, generator=gen)[:20]
+        k = torch.randn(20, 2, spec.head_dim, generator=gen) * 3
+        v = torch.randn(20, 2, spec.head_dim, generator=gen)
+        ik = torch.randn(20, spec.index_head_dim, generator=gen) if spec.is_sparse(layer) else None
+        for c in caches:
+            d = c.device
+            c.write(layer, mapping.to(d), k.to(d), v.to(d), None if ik is None else ik.to(d))
+    assert torch.equal(caches[0].data, caches[1].data.cpu())
+    if caches[0].scales is not None:
+        assert torch.equal(caches[0].scales, caches[1].scales.cpu())
+    slots = torch.tensor([5, 0, 3])
+    for layer in range(spec.num_attention_layers):
+        a = caches[0].read(layer, slots, 20, torch.float32)
+        b = caches[1].read(layer, slots.cuda(), 20, torch.float32)
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y.cpu())

@@ -37,7 +37,8 @@ def test_layout_invariants_every_combination(kv, index, draft, model_dtype):
         if has_scales:
             sg = lay.scale_geometry(layer)
             assert sg.index_scale * sg.unit_bytes == lay.scale_slot_bytes
-            assert lay.scale_pages[(layer, "v_scale")].offset == lay.scale_pages[(layer, "k_scale")].offset + sg.unit_bytes
+            ks, vs = lay.scale_pages[(layer, "k_scale")], lay.scale_pages[(layer, "v_scale")]
+            assert vs.offset == ks.offset + sg.unit_bytes
     # With power-of-two sub-page sizes (2 heads, dims 32/16, page 8) largest-first placement leaves no
     # alignment gaps: the only padding rounds slot_bytes up to a multiple of the largest K/V sub-page.
     pow2 = SlotLayout(small_spec(kv, index, draft, heads=2, model_dtype=model_dtype))
@@ -76,8 +77,9 @@ def test_flat_subpage_pool_addresses_each_layers_pages(kv):
         for slot in range(n):
             kpage = cache.pages(layer, "k")[slot]
             vpage = cache.pages(layer, "v")[slot]
-            assert torch.equal(flat[slot * geom.index_scale].view(torch.uint8), kpage.contiguous().view(torch.uint8))
-            assert torch.equal(flat[slot * geom.index_scale + 1].view(torch.uint8), vpage.contiguous().view(torch.uint8))
+            kbytes, vbytes = kpage.contiguous().view(torch.uint8), vpage.contiguous().view(torch.uint8)
+            assert torch.equal(flat[slot * geom.index_scale].view(torch.uint8), kbytes)
+            assert torch.equal(flat[slot * geom.index_scale + 1].view(torch.uint8), vbytes)
             kb = geom.k_page(slot)
             assert torch.equal(base[kb], kpage.contiguous().view(torch.uint8).reshape(-1))
             assert torch.equal(base[kb + geom.kv_offset], vpage.contiguous().view(torch.uint8).reshape(-1))
@@ -101,3 +103,11 @@ def test_geometry_errors():
         cache.flat_scale_pool(0)
     with pytest.raises(ValueError, match="index_k"):
         cache.pages(0, "index_k")
+
+
+def test_uniform_index_scale_for_dense_layers():
+    spec = KVCacheSpec.from_model_config(M3Config(), tp_size=4, kv_cache_dtype="nvfp4", num_draft_layers=1)
+    cache = PagedKVCache(spec, 2, "cpu")
+    # Dense FP8 layers 0-2 and the FP8 draft layer share one sub-page size, so one table serves them.
+    assert cache.uniform_index_scale(spec.dense_layers + (spec.draft_layer,)) == 179
+    assert cache.uniform_index_scale([0, 3]) is None  # FP8 dense vs NVFP4 sparse sub-pages differ

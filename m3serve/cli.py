@@ -1,0 +1,135 @@
+"""`m3serve` command line: generate, quantize, serve, bench, eval."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_PROMPT = "To be, or not to be:"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or preset (tiny, minimax-m3, minimax-m3:L); "
+                                                 "default: the embedded model")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-weights", action="store_true", help="deterministic random weights for a preset")
+    p.add_argument("--quantization", choices=["mxfp8", "nvfp4"], default=None,
+                   help="storage format of random weights (the published split)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"])
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def build_llm(args, **extra):
+    from m3serve.llm import LLM
+    return LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+               random_weights=True if args.random_weights else None, quantization=args.quantization,
+               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, **extra)
+
+
+def cmd_generate(args) -> int:
+    from m3serve.engine.sampling_params import SamplingParams
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    tok = llm.tokenizer
+    if args.prompt_ids:
+        ids, prompt = [int(x) for x in args.prompt_ids.split(",")], None
+    elif tok is None:
+        ids, prompt = [llm.model.cfg.bos_token_id or 1, 5, 17, 42], None
+        print(f"(model has no tokenizer: prompting with token ids {ids})", file=sys.stderr)
+    else:
+        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+        if args.chat:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = tok.encode(prompt)
+    eng = llm.engine
+    req = eng.add_request(ids, params, prompt)
+    if prompt is not None and not args.chat:
+        sys.stdout.write(prompt)
+    shown = ""
+    t1 = time.perf_counter()
+    while not req.is_finished:
+        eng.step()
+        if tok is not None:
+            text = eng.detokenize(req) if req.is_finished else tok.decode(req.output_token_ids,
+                                                                           skip_special_tokens=True)
+            if text.startswith(shown):
+                sys.stdout.write(text[len(shown):])
+                shown = text
+        elif req.output_token_ids:
+            sys.stdout.write(f" {req.output_token_ids[-1]}")
+        sys.stdout.flush()
+    dt = time.perf_counter() - t1
+    n = len(req.output_token_ids)
+    print()
+    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s; load {load_s:.1f} s; finish: "
+          f"{req.finish_reason}; device {llm.device}, {llm.dtype}]", file=sys.stderr)
+    eng.release(req)
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    import torch
+    from m3serve.model.checkpoint import save_checkpoint
+    from m3serve.model.loader import load_model
+    model = load_model(args.input, device="cpu", dtype=torch.float32, keep_quantized=False)
+    save_checkpoint(model, model.cfg, args.output, layout="original", quantization=args.format,
+                    dtype=torch.bfloat16)
+    import os
+    import shutil
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if os.path.exists(os.path.join(args.input, f)):
+            shutil.copy(os.path.join(args.input, f), os.path.join(args.output, f))
+    print(f"wrote {args.format} checkpoint to {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="m3serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+
+    g = sub.add_parser("generate", help="stream a completion (default: the embedded model)")
+    _add_model_args(g)
+    g.add_argument("--prompt", default=None)
+    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+
+    q = sub.add_parser("quantize", help="write an MXFP8 or NVFP4 (published split) checkpoint")
+    q.add_argument("input")
+    q.add_argument("output")
+    q.add_argument("--format", choices=["nvfp4", "mxfp8"], required=True)
+    q.set_defaults(fn=cmd_quantize)
+
+    import importlib
+    import importlib.util
+    for module in ("m3serve.server.cli", "m3serve.bench.cli"):
+        parent = module.rsplit(".", 1)[0]
+        if importlib.util.find_spec(parent) and importlib.util.find_spec(module):  # subcommands living elsewhere
+            importlib.import_module(module).register(sub)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        argv = ["generate"]
+    args = parser.parse_args(argv)
+    if getattr(args, "fn", None) is None:
+        parser.print_help()
+        return 2
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

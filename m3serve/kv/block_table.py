@@ -1,0 +1,145 @@
+"""Device block tables built from the manager's host rows with one device operation per step.
+
+Shape legend (S = batch size, B = max_blocks_per_seq):
+    host_table    int32 [max_seqs, B]     BlockManager.host_table (-1 = unallocated); source of truth
+    mirror        int32 [max_seqs, B]     device copy of host rows, refreshed only for changed rows
+    slot_table    int32 [S, B]            slot ids of each batch row, -1 -> 0
+    subpage_table int32 [S, 2, B]         [:, 0] K = slot*index_scale, [:, 1] V = K + kv_offset;
+                                          unallocated -> 0 (a safe page: kernels never read past kv_len)
+
+Per step, build(seq_ids):
+  1. rows and row versions are looked up in numpy (no Python loop body over requests or blocks);
+  2. the batch rows plus the rows whose version changed since their last upload are packed into
+     one pinned staging buffer of a ring (staging.py), and sent with ONE async H2D copy;
+  3. changed rows are scattered into the device mirror, then ONE expansion op (a single Triton
+     launch on CUDA; torch ops on CPU) writes slot_table and subpage_table for the whole batch
+     into persistent buffers, so the outputs are stable addresses (CUDA-graph friendly).
+All device work is enqueued on the current stream, which orders it against the kernels that
+read the previous step's tables.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from m3serve.kv.block_manager import BlockManager
+from m3serve.kv.staging import Event, NullEvent, StagingRing
+
+
+def _expand_torch(mirror: Tensor, rows: Tensor, index_scale: int, kv_offset: int, slot_out: Tensor,
+                  sub_out: Tensor) -> None:
+    sel = mirror.index_select(0, rows)
+    torch.clamp_min(sel, 0, out=slot_out)
+    k, v = sub_out[:, 0], sub_out[:, 1]
+    torch.mul(slot_out, index_scale, out=k)  # unallocated: 0 * scale = 0
+    torch.add(k, kv_offset, out=v)
+    v.masked_fill_(sel < 0, 0)
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+class DeviceBlockTables:
+    def __init__(self, manager: BlockManager, device: torch.device | str, index_scale: int, kv_offset: int = 1,
+                 ring_size: int = 3, *, event_factory: Callable[[], Event] | None = None,
+                 use_triton: bool | None = None) -> None:
+        if not isinstance(manager, BlockManager):
+            raise TypeError(f"manager: expected BlockManager, found {type(manager).__name__}")
+        for name, val, lo in (("index_scale", index_scale, 1), ("kv_offset", kv_offset, 0)):
+            if not isinstance(val, int) or val < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, found {val!r}")
+        if (manager.num_slots - 1) * index_scale + kv_offset > np.iinfo(np.int32).max:
+            raise ValueError(f"index_scale: {index_scale} overflows int32 sub-page ids for {manager.num_slots} slots")
+        self.manager = manager
+        self.device = torch.device(device)
+        self.index_scale = index_scale
+        self.kv_offset = kv_offset
+        on_cuda = self.device.type == "cuda"
+        s, b = manager.max_seqs, manager.max_blocks_per_seq
+        self.max_blocks = b
+        self.mirror = torch.full((s, b), -1, dtype=torch.int32, device=self.device)
+        self._uploaded = np.full(s, -1, dtype=np.int64)  # row_version at the last upload of each row
+        # Staging layout: [S batch rows | n changed row ids | n changed rows x B].
+        stage_numel = s * (b + 2)
+        # On CPU copies are synchronous: one buffer and a no-op event, unless a test injects events.
+        if event_factory is None and not on_cuda:
+            ring_size, event_factory = 1, NullEvent
+        elif event_factory is None:
+            event_factory = torch.cuda.Event
+        self.ring = StagingRing(stage_numel, torch.int32, ring_size, pin_memory=on_cuda, event_factory=event_factory)
+        self._dev_stage = torch.empty(stage_numel, dtype=torch.int32, device=self.device)
+        self.slot_table = torch.zeros(s, b, dtype=torch.int32, device=self.device)
+        self.subpage_table = torch.zeros(s, 2, b, dtype=torch.int32, device=self.device)
+        self.use_triton = _triton_usable(self.device) if use_triton is None else use_triton
+        self._batch_rows: Tensor = self._dev_stage[:0]
+        self.last_num_uploaded_rows = 0  # rows staged by the last build (for tests / benchmarks)
+
+    def build(self, seq_ids: list[int]) -> tuple[Tensor, Tensor]:
+        """(slot_table [S, B], subpage_table [S, 2, B]) for the batch, as views of persistent buffers."""
+        mgr = self.manager
+        rows = mgr.rows_of(seq_ids)
+        s, b = rows.shape[0], self.max_blocks
+        if s > mgr.max_seqs:
+            raise ValueError(f"seq_ids: expected at most max_seqs = {mgr.max_seqs} sequences, found {s}")
+        ver = mgr.row_version[rows]
+        stale = self._uploaded[rows] != ver
+        changed = np.unique(rows[stale]) if stale.any() else rows[:0]
+        n = changed.shape[0]
+        i = self.ring.acquire()
+        buf = self.ring.arrays[i]
+        buf[:s] = rows
+        buf[s:s + n] = changed
+        total = s + n + n * b
+        np.take(mgr.host_table, changed, axis=0, out=buf[s + n:total].reshape(n, b))
+        self._dev_stage[:total].copy_(self.ring.buffers[i][:total], non_blocking=True)
+        self.ring.release(i)
+        self._uploaded[changed] = mgr.row_version[changed]
+        self.last_num_uploaded_rows = n
+        stage = self._dev_stage
+        if n:
+            self.mirror[stage[s:s + n]] = stage[s + n:total].view(n, b)
+        self._batch_rows = stage[:s]
+        slot_out, sub_out = self.slot_table[:s], self.subpage_table[:s]
+        if self.use_triton:
+            from m3serve.kv._expand_triton import expand_triton
+
+            expand_triton(self.mirror, self._batch_rows, self.index_scale, self.kv_offset, slot_out, sub_out)
+        else:
+            _expand_torch(self.mirror, self._batch_rows, self.index_scale, self.kv_offset, slot_out, sub_out)
+        return slot_out, sub_out
+
+    def slot_mapping(self, token_seq_idx: Tensor, positions: Tensor) -> Tensor:
+        """Flat token slots (slot*page_size + offset; -1 where the page is unallocated) of tokens at
+        `positions` (int64 [T]) of batch sequences `token_seq_idx` (int64 [T]) of the last build()."""
+        for name, t in (("token_seq_idx", token_seq_idx), ("positions", positions)):
+            if t.dtype != torch.int64 or t.device != self.device:
+                raise TypeError(f"{name}: expected int64 on {self.device}, found {t.dtype} on {t.device}")
+        p = self.manager.page_size
+        rows = self._batch_rows[token_seq_idx].long()
+        page = self.mirror[rows, positions // p]
+        return torch.where(page >= 0, page.long() * p + positions % p, torch.full_like(positions, -1))
+
+
+def build_block_tables_reference(host_table: np.ndarray, rows: list[int] | np.ndarray, index_scale: int,
+                                 kv_offset: int) -> tuple[Tensor, Tensor]:
+    """Plain per-entry reference of DeviceBlockTables.build for tests (CPU int32 tensors)."""
+    rows = [int(r) for r in rows]
+    b = host_table.shape[1]
+    slot = torch.zeros(len(rows), b, dtype=torch.int32)
+    sub = torch.zeros(len(rows), 2, b, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        for j in range(b):
+            page = int(host_table[r, j])
+            if page >= 0:
+                slot[i, j] = page
+                sub[i, 0, j] = page * index_scale
+                sub[i, 1, j] = page * index_scale + kv_offset
+    return slot, sub
