@@ -15,9 +15,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,15 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from m3serve import LLM, SamplingParams  # noqa: E402
-from m3serve.config import preset  # noqa: E402
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(__file__) or ".",
-                                       text=True).strip()
-    except Exception:
-        return "unknown"
+from m3serve.benchmeta import run_metadata  # noqa: E402
 
 
 def copy_bandwidth(device, nbytes=2 << 30) -> float:
@@ -133,9 +123,7 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             results.append(r)
     out = {
-        "bench": "decode", "command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(),
-        "commit": git_commit(), "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-        "host": platform.node(), "preset": args.preset, "quantization": quant,
+        "bench": "decode", **run_metadata(), "preset": args.preset, "quantization": quant,
         "kv_cache": llm.engine.kv.describe(), "load_s": load_s, "copy_bandwidth_Bps": bw, "results": results,
     }
     path = args.out or os.path.join(os.path.dirname(__file__), "results",

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from m3serve.device import canonical_device
 from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.staging import Event, NullEvent, StagingRing
 
@@ -59,7 +60,7 @@ class DeviceBlockTables:
         if (manager.num_slots - 1) * index_scale + kv_offset > np.iinfo(np.int32).max:
             raise ValueError(f"index_scale: {index_scale} overflows int32 sub-page ids for {manager.num_slots} slots")
         self.manager = manager
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.index_scale = index_scale
         self.kv_offset = kv_offset
         on_cuda = self.device.type == "cuda"
@@ -120,7 +121,7 @@ class DeviceBlockTables:
         """Flat token slots (slot*page_size + offset; -1 where the page is unallocated) of tokens at
         `positions` (int64 [T]) of batch sequences `token_seq_idx` (int64 [T]) of the last build()."""
         for name, t in (("token_seq_idx", token_seq_idx), ("positions", positions)):
-            if t.dtype != torch.int64 or t.device != self.device:
+            if t.dtype != torch.int64 or canonical_device(t.device) != self.device:
                 raise TypeError(f"{name}: expected int64 on {self.device}, found {t.dtype} on {t.device}")
         p = self.manager.page_size
         rows = self._batch_rows[token_seq_idx].long()

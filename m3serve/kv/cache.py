@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from m3serve.device import canonical_device
 from m3serve.kv import codec
 from m3serve.kv.layout import SlotLayout, SubPage, SubpageGeometry
 from m3serve.kv.spec import NVFP4_BLOCK, KVCacheSpec
@@ -54,7 +55,7 @@ class PagedKVCache:
         self.num_slots = num_slots
         self.page_size = spec.page_size
         self.draft_layer = spec.draft_layer
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         # Check bounds of slot ids on write/read (costs a device sync on CUDA; hot paths may disable).
         self.check_bounds = True
         self.data = torch.zeros(num_slots, self.layout.slot_bytes, dtype=torch.uint8, device=self.device)

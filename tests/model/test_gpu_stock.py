@@ -11,17 +11,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3serve.model.loader import load_model
-from m3serve.model.m3 import ForwardBatch, SeqSpan
+from m3serve.config import preset
+from m3serve.model.checkpoint import random_tensors
+from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
+from m3serve.model.weights import DictSource, load_checkpoint
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("quant", [None, "mxfp8", "nvfp4"])
 def test_stock_cuda_bf16_matches_cpu_fp32(quant):
-    gpu = load_model("tiny", device="cuda", dtype=torch.bfloat16, random_weights=True, quantization=quant, seed=3)
-    cpu = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, quantization=quant, seed=3,
-                     keep_quantized=False)
+    # Random weights are generated on the GPU (device generators differ from CPU ones), then both models
+    # load the same tensors: the GPU one keeps the stored formats, the CPU one dequantizes at load.
+    cfg = preset("tiny")
+    tensors = random_tensors(cfg, 3, quant, "cuda", torch.bfloat16)
+    gpu = M3ForCausalLM(cfg, dtype=torch.bfloat16)
+    load_checkpoint(gpu, DictSource(tensors), keep_quantized=True, dtype=torch.bfloat16, device="cuda")
+    gpu.to("cuda")
+    cpu = M3ForCausalLM(cfg, dtype=torch.float32)
+    load_checkpoint(cpu, DictSource({k: v.cpu() for k, v in tensors.items()}), keep_quantized=False,
+                    dtype=torch.float32, device="cpu")
     if quant is not None:
         assert gpu.layers[1].mlp.w13.fmt in ("nvfp4", "mxfp8")
     ids = torch.randint(3, 512, (64,), generator=torch.Generator().manual_seed(0))

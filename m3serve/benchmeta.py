@@ -1,0 +1,34 @@
+"""Provenance recorded with every benchmark result: GPU, commit, command, date."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+
+def git_commit() -> str:
+    """HEAD of the checkout, or $M3SERVE_COMMIT where the tree travelled without its history (the device
+    machine receives a working-tree copy)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        pass
+    return os.environ.get("M3SERVE_COMMIT", "unknown")
+
+
+def run_metadata() -> dict:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "date": datetime.datetime.now(
+        datetime.timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(), "gpu": gpu,
+        "gpu_count": torch.cuda.device_count() if gpu else 0, "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "host": platform.node()}
