@@ -1,0 +1,106 @@
+"""`m3serve eval`: compare two configurations on a task, with McNemar's exact test.
+
+    python -m m3serve.eval [--model DIR] [--task synthetic|FILE.jsonl] [--limit N]
+                           [--config-a reference:fp32] [--config-b reference:bf16] [--json OUT]
+
+A configuration is "kind[:options]". Built in: `reference[:fp32|bf16]`, the stock model's
+cache-free greedy generation (m3serve.eval.reference). Engines add their kinds with
+`register_config(kind, builder)`, builder(model_dir, options, device) -> generate_fn.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+from m3serve.eval.harness import Comparison, GenerateFn, compare, format_report
+from m3serve.eval.tasks import TaskItem, load_task_file, parse_items
+
+Builder = Callable[[str, str, str], GenerateFn]
+BUILDERS: dict[str, Builder] = {}
+SYNTHETIC_TASK_FILE = "synthetic_heldout.jsonl"
+SYNTHETIC_HELDOUT_N = 500  # the training default (presets.RUN_PRESETS["m3-tiny-verse"].n_syn_heldout)
+
+
+def default_model_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets" / "m3-tiny-verse"
+
+
+def register_config(kind: str, builder: Builder) -> None:
+    if not kind or ":" in kind:
+        raise ValueError(f"kind: expected a non-empty name without ':', found {kind!r}")
+    BUILDERS[kind] = builder
+
+
+def build_config(spec: str, model_dir: str, device: str) -> GenerateFn:
+    kind, _, options = spec.partition(":")
+    if kind not in BUILDERS:
+        raise ValueError(f"configuration {spec!r}: expected a kind in {sorted(BUILDERS)}, found {kind!r}")
+    return BUILDERS[kind](model_dir, options, device)
+
+
+def _reference_builder(model_dir: str, options: str, device: str) -> GenerateFn:
+    import torch
+
+    from m3serve.eval.reference import make_reference_generate_fn
+    from m3serve.model.loader import load_model
+    from m3serve.train.tokenizer import load_tokenizer
+
+    dtypes = {"": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}
+    if options not in dtypes:
+        raise ValueError(f"reference options: expected one of {sorted(k for k in dtypes if k)}, found {options!r}")
+    model = load_model(model_dir, device=device, dtype=dtypes[options])
+    return make_reference_generate_fn(model, load_tokenizer(model_dir))
+
+
+register_config("reference", _reference_builder)
+
+
+def load_task(spec: str, model_dir: str, limit: int | None) -> list[TaskItem]:
+    """`synthetic`: the model's held-out synthetic file if it ships one, else regenerated (seed 0)."""
+    if spec != "synthetic":
+        return load_task_file(spec, limit)
+    shipped = Path(model_dir) / SYNTHETIC_TASK_FILE
+    if shipped.exists():
+        return load_task_file(shipped, limit)
+    from m3serve.train.synthetic import make_split
+
+    _, held = make_split(0, SYNTHETIC_HELDOUT_N, seed=0)
+    items = parse_items([p.to_json() for p in held], "synthetic")
+    return items[:limit] if limit is not None else items
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=str(default_model_dir()), help="checkpoint directory")
+    ap.add_argument("--task", default="synthetic", help="'synthetic' or a jsonl of {question, answer}")
+    ap.add_argument("--limit", type=int, default=None, help="first N items only")
+    ap.add_argument("--config-a", default="reference:fp32")
+    ap.add_argument("--config-b", default="reference:bf16")
+    ap.add_argument("--batch-size", type=int, default=None, help="prompts per generate_fn call (default: all)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--json", default=None, help="write the full result (with per-item outputs) here")
+
+
+def run(args: argparse.Namespace) -> Comparison:
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.config_a == args.config_b:
+        raise ValueError(f"config_b: expected a configuration different from config_a, found {args.config_b!r} twice")
+    items = load_task(args.task, args.model, args.limit)
+    configs = {s: build_config(s, args.model, args.device) for s in (args.config_a, args.config_b)}
+    cmp = compare(items, configs, batch_size=args.batch_size)
+    print(format_report(cmp))
+    if args.json:
+        Path(args.json).write_text(json.dumps(cmp.to_dict(include_items=True), indent=2) + "\n")
+    return cmp
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="m3serve eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    run(ap.parse_args(argv))
+    return 0
