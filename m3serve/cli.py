@@ -45,9 +45,8 @@ def cmd_generate(args) -> int:
     else:
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         if args.chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            from m3serve.tokenizer import chat_token_ids
+            ids = chat_token_ids(tok, [{"role": "user", "content": prompt}])
         else:
             ids = tok.encode(prompt)
     eng = llm.engine
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import importlib
     import importlib.util
-    for module in ("m3serve.server.cli", "m3serve.bench.cli"):
+    for module in ("m3serve.server.cli", "m3serve.bench.cli", "m3serve.eval.cli"):
         parent = module.rsplit(".", 1)[0]
         if importlib.util.find_spec(parent) and importlib.util.find_spec(module):  # subcommands living elsewhere
             importlib.import_module(module).register(sub)

@@ -12,3 +12,13 @@ def load_tokenizer(path: str | None):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
+
+def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Render `messages` with the checkpoint's chat template, then encode (the template writes any bos)."""
+    if tokenizer is None:
+        raise ValueError("chat messages need a tokenizer; this model has none")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat_template; send a plain completion prompt instead")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

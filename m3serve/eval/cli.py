@@ -57,6 +57,28 @@ def _reference_builder(model_dir: str, options: str, device: str) -> GenerateFn:
 register_config("reference", _reference_builder)
 
 
+def _engine_builder(model_dir: str, options: str, device: str) -> GenerateFn:
+    """`engine[:key=value,...]` with keys dtype (fp32|bf16|auto), kv (auto|bf16|fp8|nvfp4), max_tokens."""
+    from m3serve.engine.sampling_params import SamplingParams
+    from m3serve.llm import LLM
+
+    opts = dict(kv.split("=", 1) for kv in options.split(",") if kv) if options else {}
+    unknown = set(opts) - {"dtype", "kv", "max_tokens"}
+    if unknown:
+        raise ValueError(f"engine options: unknown keys {sorted(unknown)}; expected dtype, kv, max_tokens")
+    llm = LLM(model_dir, device=device, dtype=opts.get("dtype", "auto"), kv_cache_dtype=opts.get("kv", "auto"))
+    params = SamplingParams(max_tokens=int(opts.get("max_tokens", 64)), temperature=0.0)
+
+    def generate(prompts: list[str]) -> list[str]:
+        ids = [{"prompt_token_ids": llm.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+        return [o.outputs[0].text for o in llm.generate(ids, params, use_tqdm=False)]
+
+    return generate
+
+
+register_config("engine", _engine_builder)
+
+
 def load_task(spec: str, model_dir: str, limit: int | None) -> list[TaskItem]:
     """`synthetic`: the model's held-out synthetic file if it ships one, else regenerated (seed 0)."""
     if spec != "synthetic":
@@ -75,8 +97,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=str(default_model_dir()), help="checkpoint directory")
     ap.add_argument("--task", default="synthetic", help="'synthetic' or a jsonl of {question, answer}")
     ap.add_argument("--limit", type=int, default=None, help="first N items only")
-    ap.add_argument("--config-a", default="reference:fp32")
-    ap.add_argument("--config-b", default="reference:bf16")
+    ap.add_argument("--config-a", default="engine:kv=bf16", help="kind[:options]: engine[:dtype=,kv=,max_tokens=] "
+                                                                 "or reference[:fp32|bf16]")
+    ap.add_argument("--config-b", default="engine:kv=nvfp4")
     ap.add_argument("--batch-size", type=int, default=None, help="prompts per generate_fn call (default: all)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--json", default=None, help="write the full result (with per-item outputs) here")
@@ -96,6 +119,14 @@ def run(args: argparse.Namespace) -> Comparison:
     if args.json:
         Path(args.json).write_text(json.dumps(cmp.to_dict(include_items=True), indent=2) + "\n")
     return cmp
+
+
+def register(subparsers) -> None:
+    """The `m3serve eval` subcommand."""
+    p = subparsers.add_parser("eval", help="accuracy of two configurations on a task, with McNemar's test",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(fn=lambda args: (run(args), 0)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
