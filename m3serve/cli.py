@@ -124,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["generate"]
     args = parser.parse_args(argv)
-    if getattr(args, "fn", None) is None:
+    fn = getattr(args, "fn", None) or getattr(args, "func", None)
+    if fn is None:
         parser.print_help()
         return 2
-    return args.fn(args)
+    return fn(args)
 
 
 if __name__ == "__main__":

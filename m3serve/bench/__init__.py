@@ -1,0 +1,1 @@
+"""Benchmarks. serve: closed-loop serving benchmark against an OpenAI-compatible server; plot: Pareto charts."""

@@ -1,0 +1,4 @@
+"""python -m m3serve.bench: see m3serve.bench.cli."""
+from m3serve.bench.cli import main
+
+raise SystemExit(main())

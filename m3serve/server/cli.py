@@ -1,0 +1,80 @@
+"""`m3serve serve`: the OpenAI-compatible HTTP server.
+
+    m3serve serve [--model DIR|tiny] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+
+The lead's m3serve/cli.py calls register(subparsers); `python -m m3serve.server` runs main() alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model directory or preset (same as --model)")
+    p.add_argument("--model", default=None, help="checkpoint directory or preset name (default: the embedded "
+                   "model when shipped, else the tiny preset)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' "
+                   "(default: the model directory's base name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
+    p.add_argument("--api-key", default=os.environ.get("M3SERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $M3SERVE_API_KEY, else none)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting requests beyond which new ones get 429 (default 1024)")
+    p.add_argument("--max-choices", type=int, default=64, help="prompts x n allowed in one request")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    from m3serve.llm import LLM, default_model
+    from m3serve.server.app import build_app, model_name, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model_pos and args.model and args.model_pos != args.model:
+        print(f"m3serve serve: MODEL {args.model_pos!r} and --model {args.model!r} disagree", file=sys.stderr)
+        return 2
+    model = args.model or args.model_pos or default_model()
+    llm = LLM(model, device=args.device, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=not args.no_prefix_caching, max_queue=args.max_queue)
+    name = args.served_model_name or model_name(model)
+    app = build_app(llm, served_model_name=name, api_key=args.api_key, max_choices=args.max_choices)
+
+    def ready(url: str) -> None:
+        print(f"m3serve: serving {name!r} at {url}  (OpenAI base_url {url}/v1)", flush=True)
+
+    serve(app, args.host, args.port, on_ready=ready)
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add `serve` to the top-level m3serve CLI's subparsers."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                          "/metrics over HTTP (aiohttp).")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="m3serve serve")
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,387 @@
+"""Request validation: a parsed JSON body -> GenRequest, or an APIError (4xx) that names the field.
+
+Follows OpenAI's /v1/completions and /v1/chat/completions fields; null means "unset" for every optional field.
+Extensions (vLLM's names): top_k, ignore_eos, stop_token_ids, return_token_ids. Features the engine does not
+have (penalties, logit_bias, suffix, best_of > n, forced tool calls, structured output) are refused with 400
+rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.server.errors import APIError, bad_field, short_repr
+
+MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+@dataclass
+class ModelInfo:
+    """What validation needs to know about the served model (read-only, safe off the engine thread)."""
+    name: str
+    vocab_size: int
+    max_model_len: int
+    capacity_tokens: int             # tokens the whole KV cache holds
+    tokenizer: object | None = None
+    max_choices: int = 64            # prompts x n in one request
+
+
+@dataclass
+class GenRequest:
+    kind: str                               # "completion" | "chat"
+    prompts: list[list[int]]                # token ids, one list per prompt
+    prompt_texts: list[str | None]
+    params: list[SamplingParams]            # one per prompt, n = 1 (copies are made by choices())
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None             # top-k alternatives per token; None: no logprobs
+    return_token_ids: bool = False
+    stop: list[str] = field(default_factory=list)
+
+    def choices(self) -> list[tuple[list[int], str | None, SamplingParams]]:
+        """One entry per choice, index = prompt * n + copy. A seeded request gives copy j the seed + j, so
+        the n choices differ yet the whole response is reproducible."""
+        out = []
+        for ids, text, p in zip(self.prompts, self.prompt_texts, self.params):
+            for j in range(self.n):
+                q = p
+                if j and p.seed is not None:
+                    q = SamplingParams(**{**p.__dict__, "seed": (p.seed + j) % 2 ** 63})
+                out.append((ids, text, q))
+        return out
+
+
+# ---------------------------------------------------------------------------------------- field readers
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    # An int is always finite (and math.isfinite() overflows on one with 309+ digits).
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _int(body: dict, name: str, lo: int, hi: int, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or not lo <= v <= hi:
+        raise bad_field(name, v, f"an integer in [{lo}, {hi}]")
+    return v
+
+
+def _num(body: dict, name: str, lo: float, hi: float, default, lo_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v) or not (lo < v if lo_open else lo <= v) or v > hi:
+        raise bad_field(name, v, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_field(name, v, "true or false")
+    return v
+
+
+def _unsupported(body: dict, name: str, neutral) -> None:
+    """A field the engine cannot honour: only its neutral value (or null) is accepted."""
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(neutral, dict):
+        if not isinstance(v, dict):
+            raise bad_field(name, v, "an object")
+        ok = not v
+    elif isinstance(neutral, str):
+        if not isinstance(v, str):
+            raise bad_field(name, v, "a string")
+        ok = v == neutral
+    else:
+        if not _is_num(v):
+            raise bad_field(name, v, "a number")
+        ok = v == neutral
+    if not ok:
+        raise APIError(400, f"'{name}' = {short_repr(v)} is not supported by this server (only "
+                            f"{short_repr(neutral)} or null)", param=name)
+
+
+def _check_model(body: dict, info: ModelInfo) -> None:
+    m = body.get("model")
+    if m is None:
+        return
+    if not isinstance(m, str):
+        raise bad_field("model", m, "a string")
+    if m != info.name:
+        raise APIError(404, f"The model {short_repr(m)} does not exist; this server serves {info.name!r}",
+                       param="model", code="model_not_found")
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_field("stop", v, "a non-empty string or a list of non-empty strings")
+    if len(items) > MAX_STOP:
+        raise bad_field("stop", v, f"at most {MAX_STOP} strings")
+    return list(items)
+
+
+def _stop_token_ids(body: dict, vocab: int) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS or \
+            not all(_is_int(t) and 0 <= t < vocab for t in v):
+        raise bad_field("stop_token_ids", v, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab})")
+    return list(v)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(opts, dict):
+        raise bad_field("stream_options", opts, "an object")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise bad_field("stream_options.include_usage", usage, "true or false")
+    return stream, bool(usage)
+
+
+def _prompt_limit(info: ModelInfo) -> int:
+    return min(info.max_model_len, info.capacity_tokens) - 1
+
+
+def _check_prompt_len(ids: list[int], info: ModelInfo, param: str) -> None:
+    if not ids:
+        raise APIError(400, f"'{param}': the prompt is empty (at least one token is needed)", param=param)
+    limit = _prompt_limit(info)
+    if len(ids) > limit:
+        raise APIError(400, f"'{param}': the prompt has {len(ids)} tokens, but this model's context limit "
+                            f"(max_model_len) is {info.max_model_len} tokens and the KV cache holds "
+                            f"{info.capacity_tokens}; a prompt may have at most {limit} tokens so that at least one "
+                            "can be generated", param=param, code="context_length_exceeded")
+
+
+def _max_tokens(explicit: int | None, name: str, ids: list[int], info: ModelInfo, default: int | None) -> int:
+    room = info.max_model_len - len(ids)
+    if explicit is None:
+        return room if default is None else min(default, room)
+    if explicit > room:
+        raise APIError(400, f"'{name}' = {explicit} plus the prompt's {len(ids)} tokens exceeds this model's "
+                            f"context limit (max_model_len) of {info.max_model_len} tokens; at most {room} can be "
+                            "generated for this prompt", param=name, code="context_length_exceeded")
+    return explicit
+
+
+def _common(body: dict, info: ModelInfo) -> dict:
+    """Sampling fields shared by both endpoints -> SamplingParams keyword arguments (no max_tokens/logprobs)."""
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                          ("min_tokens", 0), ("logit_bias", {})):
+        _unsupported(body, name, neutral)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_field("user", user, "a string")
+    return dict(temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
+                top_p=_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+                top_k=_int(body, "top_k", -1, 2 ** 31 - 1, 0),
+                seed=_int(body, "seed", 0, 2 ** 63 - 1, None),
+                stop=_stop(body),
+                stop_token_ids=_stop_token_ids(body, info.vocab_size),
+                ignore_eos=_bool(body, "ignore_eos", False))
+
+
+def _n(body: dict, info: ModelInfo, num_prompts: int) -> int:
+    n = _int(body, "n", 1, info.max_choices, 1)
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != n):
+        raise APIError(400, f"'best_of' = {short_repr(best_of)}: only best_of == n ({n}) is supported",
+                       param="best_of")
+    if n * num_prompts > info.max_choices:
+        raise APIError(400, f"'n': {num_prompts} prompts x n = {n} gives {n * num_prompts} choices; at most "
+                            f"{info.max_choices} per request", param="n")
+    return n
+
+
+def _params(**kw) -> SamplingParams:
+    """The fields were checked above; should SamplingParams still refuse one, it is a 400 naming it too."""
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        m = re.match(r"SamplingParams\.(\w+)", str(e))
+        raise APIError(400, str(e), param=m.group(1) if m else None) from None
+
+
+def _object(body: object) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, found {type(body).__name__}", param=None)
+    return body
+
+
+# ---------------------------------------------------------------------------------------- /v1/completions
+def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], list[str | None]]:
+    want = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(v, str):
+        items: list = [v]
+    elif isinstance(v, list) and v and all(_is_int(t) for t in v):
+        items = [v]
+    elif isinstance(v, list) and v and (all(isinstance(s, str) for s in v) or all(isinstance(s, list) for s in v)):
+        items = v
+    else:
+        raise bad_field("prompt", v, want)
+    if len(items) > info.max_choices:
+        raise APIError(400, f"'prompt': {len(items)} prompts; at most {info.max_choices} per request", param="prompt")
+    ids_out, texts = [], []
+    for p in items:
+        if isinstance(p, str):
+            if info.tokenizer is None:
+                raise APIError(400, "'prompt': this model has no tokenizer, so prompts must be token ids",
+                               param="prompt")
+            ids_out.append(list(info.tokenizer.encode(p)))
+            texts.append(p)
+        else:
+            if not p:
+                raise bad_field("prompt", p, "a non-empty list of token ids")
+            bad = next((k for k, t in enumerate(p) if not (_is_int(t) and 0 <= t < info.vocab_size)), None)
+            if bad is not None:
+                raise APIError(400, f"'prompt': expected token ids in [0, {info.vocab_size}), found "
+                                    f"{short_repr(p[bad])} at position {bad}", param="prompt")
+            ids_out.append(list(p))
+            texts.append(None)
+    for ids in ids_out:
+        _check_prompt_len(ids, info, "prompt")
+    return ids_out, texts
+
+
+def parse_completion(body: object, info: ModelInfo) -> GenRequest:
+    body = _object(body)
+    _check_model(body, info)
+    if "prompt" not in body:
+        raise APIError(400, "'prompt' is required", param="prompt")
+    prompts, texts = _completion_prompts(body["prompt"], info)
+    common = _common(body, info)
+    _unsupported(body, "suffix", "")
+    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS, None)
+    echo = _bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise APIError(400, "'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo")
+    max_tokens = _int(body, "max_tokens", 1, info.max_model_len, None)
+    n = _n(body, info, len(prompts))
+    stream, include_usage = _stream(body)
+    params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, **common)
+              for ids in prompts]
+    return GenRequest("completion", prompts, texts, params, n=n, stream=stream, include_usage=include_usage,
+                      echo=echo, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids", False),
+                      stop=common["stop"])
+
+
+# ---------------------------------------------------------------------------------------- /v1/chat/completions
+def _content(msg: dict, i: int) -> str | None:
+    c = msg.get("content")
+    name = f"messages[{i}].content"
+    if c is None or isinstance(c, str):
+        return c
+    if not isinstance(c, list):
+        raise bad_field(name, c, "a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(c):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"'{name}[{j}]': expected {{'type': 'text', 'text': str}} (only text is supported), "
+                                f"found {short_repr(part)}", param=name)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(v: object) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise bad_field("messages", v, "a non-empty list of messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad_field(f"messages[{i}]", m, "an object with 'role' and 'content'")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise bad_field(f"messages[{i}].role", role, f"one of {sorted(CHAT_ROLES)}")
+        content = _content(m, i)
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
+            raise bad_field(f"messages[{i}].tool_calls", tool_calls, "a list, on an assistant message")
+        if content is None and not (role == "assistant" and tool_calls):
+            raise APIError(400, f"'messages[{i}].content' is required", param=f"messages[{i}].content")
+        msg = {"role": "system" if role == "developer" else role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad_field(f"messages[{i}].{key}", m[key], "a string")
+                msg[key] = m[key]
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        out.append(msg)
+    return out
+
+
+def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo) -> tuple[list[int], str]:
+    tok = info.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # the template's own raise_exception() or a jinja error on odd input
+        raise APIError(400, f"'messages': the chat template rejected them: {short_repr(str(e), 200)}",
+                       param="messages") from None
+    if not isinstance(text, str):
+        raise APIError(400, "'messages': the chat template did not produce text", param="messages")
+    return list(tok.encode(text, add_special_tokens=False)), text
+
+
+def parse_chat(body: object, info: ModelInfo) -> GenRequest:
+    body = _object(body)
+    _check_model(body, info)
+    if "messages" not in body:
+        raise APIError(400, "'messages' is required", param="messages")
+    messages = _messages(body["messages"])
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad_field("tools", tools, "a list of tools")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise APIError(400, f"'tool_choice' = {short_repr(choice)} is not supported (only 'none' or 'auto')",
+                       param="tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError(400, f"'response_format' = {short_repr(fmt)} is not supported (only {{'type': 'text'}})",
+                       param="response_format")
+    common = _common(body, info)
+    want_lp = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS, None)
+    if top is not None and not want_lp:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    logprobs = (top or 0) if want_lp else None
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, 1, info.max_model_len, None)
+    ids, text = _chat_prompt(messages, tools or None, info)
+    _check_prompt_len(ids, info, "messages")
+    n = _n(body, info, 1)
+    stream, include_usage = _stream(body)
+    params = [_params(max_tokens=_max_tokens(max_tokens, name, ids, info, None), logprobs=logprobs, **common)]
+    return GenRequest("chat", [ids], [text], params, n=n, stream=stream, include_usage=include_usage,
+                      logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids", False),
+                      stop=common["stop"])
