@@ -35,7 +35,8 @@ def parse_dtype(dtype, device: torch.device) -> torch.dtype:
 class LLM:
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype="auto", seed: int = 0,
                  random_weights: bool | None = None, quantization: str | None = None,
-                 tensor_parallel_size: int = 1, cpu_threads: int | None = None, **engine_kwargs):
+                 tensor_parallel_size: int = 1, cpu_threads: int | None = None,
+                 speculative_config: dict | None = None, **engine_kwargs):
         model = model or default_model()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and (cpu_threads is not None or "OMP_NUM_THREADS" not in os.environ):
@@ -45,13 +46,62 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device)
         if random_weights is None:
             random_weights = not os.path.isdir(model)
+        self.tp_context = None
         if tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1: not available in this build yet")
+            if speculative_config is not None:
+                raise NotImplementedError("speculative_config with tensor_parallel_size > 1: not available yet")
+            torch.manual_seed(seed)
+            self._start_tp(model, tensor_parallel_size, seed, random_weights, quantization, engine_kwargs)
+            return
         torch.manual_seed(seed)
         self.model = load_model(model, device=self.device, dtype=self.dtype, random_weights=random_weights,
                                 quantization=quantization, seed=seed)
         self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
-        self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)
+        if speculative_config is None:
+            self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)
+        else:  # vLLM's shape: {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K, ...}
+            from m3serve.engine.speculative import SpeculativeEngine
+            self.engine = SpeculativeEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer,
+                                            speculative_config=speculative_config)
+
+    def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict) -> None:
+        """tensor_parallel_size = N > 1 (m3serve.distributed): this process is rank 0 and starts ranks 1..N-1
+        itself (one GPU each on CUDA, gloo on CPU). Under torchrun every process calls LLM(...): rank 0
+        returns, the other ranks serve it and exit when it shuts down. `shutdown()` (or `with LLM(...)`)
+        stops the workers early; they also stop when this object is collected or at exit."""
+        import weakref
+
+        from m3serve.distributed.driver import start_tp
+        from m3serve.distributed.launch import TPLaunchSpec
+        from m3serve.model.loader import resolve_config
+        from m3serve.model.parallel import check_tp_shapes
+
+        check_tp_shapes(resolve_config(model), size)       # a bad size fails here, before any process starts
+        kw = dict(engine_kwargs)
+        tp_kw = {k: kw.pop(k) for k in ("kv_cache_dtype", "index_k_dtype", "kv_cache_bytes",
+                                        "gpu_memory_utilization", "keep_quantized") if k in kw}
+        for k, name in (("tp_timeout_s", "timeout_s"), ("tp_load_timeout_s", "load_timeout_s"),
+                        ("tp_grace_s", "grace_s")):
+            if k in kw:
+                tp_kw[name] = kw.pop(k)
+        spec = TPLaunchSpec(model=os.path.abspath(model) if os.path.isdir(model) else model, world_size=size,
+                            device=str(self.device), dtype=self.dtype, seed=seed, random_weights=random_weights,
+                            quantization=quantization, **tp_kw)
+        self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
+        self.tp_context, self.model, self.engine = start_tp(spec, kw, self.tokenizer)
+        self.device = self.model.device
+        self._finalizer = weakref.finalize(self, self.tp_context.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (no-op at TP = 1)."""
+        if self.tp_context is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def encode(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
@@ -105,4 +155,6 @@ class LLM:
         comp = CompletionOutput(0, self.engine.detokenize(r), list(r.output_token_ids),
                                 r.output_logprobs if r.params.logprobs is not None else None,
                                 r.finish_reason, r.stop_reason)
-        return RequestOutput(str(r.request_id), r.prompt, r.prompt_token_ids, [comp])
+        out = RequestOutput(str(r.request_id), r.prompt, r.prompt_token_ids, [comp])
+        out.spec_metrics = getattr(r, "spec_metrics", None)  # acceptance per request (SpeculativeEngine)
+        return out

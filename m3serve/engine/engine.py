@@ -114,20 +114,13 @@ class LLMEngine:
         if not chunks:
             return self._unschedulable()
         batch = self._build_batch(chunks)
-        with torch.inference_mode():
-            logits = self.model(batch)
         sampled = [c for c in chunks if c.reaches_end]
+        reqs = [c.request for c in sampled]
+        tokens, lp = self._forward_sample(batch, reqs)
         for c in chunks:
             c.request.num_computed += c.num_tokens
         if not sampled:
             return []
-        reqs = [c.request for c in sampled]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        want = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
-        lp = top_logprobs(logits, tokens, want) if want is not None else None
-        tokens = tokens.tolist()
-        if lp is not None:
-            lp = tuple(x.tolist() for x in lp)
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_token_ids.append(tok)
             if req.params.logprobs is not None:
@@ -138,6 +131,19 @@ class LLMEngine:
             if not req.is_finished:
                 self.blocks.commit_full_pages(req.request_id, req.all_token_ids[:req.num_computed])
         return reqs
+
+    def _forward_sample(self, batch: ForwardBatch, reqs: list[Request]) -> tuple[list[int], tuple | None]:
+        """Model forward, then one token per sampled row (batch.logits_rows order, one per request in `reqs`)
+        and, when asked, (chosen logprobs, top ids, top logprobs) as lists. The tensor-parallel driver
+        (m3serve.distributed.driver) overrides this to broadcast the step and sample vocab-parallel."""
+        with torch.inference_mode():
+            logits = self.model(batch)
+        if not reqs:
+            return [], None
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        want = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
+        lp = top_logprobs(logits, tokens, want) if want is not None else None
+        return tokens.tolist(), (tuple(x.tolist() for x in lp) if lp is not None else None)
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         page = self.kv.page_size

@@ -114,10 +114,17 @@ class Linear(nn.Module):
             y = _LINEAR_DISPATCH(self, x)
             if y is not None:
                 return y
-        return F.linear(x, self.dense_weight(x.dtype))
+        return self._stock(x)
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype, e))
+        return self._stock(x, e)
+
+    def _stock(self, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+        if self.fmt == "dense":
+            return F.linear(x, self.dense_weight(x.dtype, expert))
+        w, row_factor = self.qweight.dequantize_factored(x.dtype, expert)
+        y = F.linear(x, w)
+        return y if row_factor is None else (y.float() * row_factor).to(x.dtype)
 
     def extra_repr(self) -> str:
         lead = "" if self.num_experts is None else f"experts={self.num_experts}, "

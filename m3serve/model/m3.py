@@ -145,7 +145,7 @@ class M3ForCausalLM(nn.Module):
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        _, vocab_local = tp.shard(cfg.vocab_size, "vocab_size")
+        self.vocab_start, vocab_local = tp.shard(cfg.vocab_size, "vocab_size")
         self.lm_head = Linear(cfg.hidden_size, vocab_local, parallel="column", name="lm_head")
         if device is not None:
             self.to(device)
@@ -167,9 +167,14 @@ class M3ForCausalLM(nn.Module):
             batch.captured[self.cfg.num_hidden_layers] = x
         return self.norm(x)
 
+    def local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> fp32 logits [R, V/tp] of this rank's vocabulary slice [vocab_start, vocab_start + V/tp).
+        m3serve.distributed.vocab samples from these without gathering the full rows."""
+        return self.lm_head(h).float()
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[R, H] -> fp32 logits [R, V] over the full vocabulary (gathered across TP ranks)."""
-        return self.tp.all_gather_last(self.lm_head(h).float())
+        return self.tp.all_gather_last(self.local_logits(h))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.hidden(batch)

@@ -14,6 +14,14 @@ from m3serve.config import M3Config
 from m3serve.model.layers import Linear, swiglu_oai
 from m3serve.model.parallel import SINGLE, TPGroup
 
+# A dispatch hook set by m3serve.targets.routing: (moe, x) -> partial output or None ("stock path").
+_MOE_DISPATCH = None
+
+
+def set_moe_dispatch(fn) -> None:
+    global _MOE_DISPATCH
+    _MOE_DISPATCH = fn
+
 
 class DenseMLP(nn.Module):
     """SwiGLU-OAI MLP; gate and up are one column-parallel linear (gate rows first), down is row-parallel.
@@ -56,6 +64,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial [T, H] (the caller all-reduces)."""
+        if _MOE_DISPATCH is not None:
+            y = _MOE_DISPATCH(self, x)
+            if y is not None:
+                return y
         ids, weights = route(x, self.router, self.e_score_correction_bias, self.top_k)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():                                           # experts hit this step

@@ -66,6 +66,20 @@ class QWeight:
         return (w / _per_row(t["global_scale"], w.shape[-2])).to(dtype)
 
 
+    def dequantize_factored(self, dtype: torch.dtype, index: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W', f) with W = W' * f per output row, where W' is exact in bf16 (E2M1 x E4M3 has at most 6
+        significant bits, FP8 and MXFP8 values at most 4) and f [N] fp32 (None when W' is W). The stock
+        GEMM then rounds only where a fused kernel does: at the fp32 output, not in the weights."""
+        t = self.tensors if index is None else {k: v[index] for k, v in self.tensors.items()}
+        if self.fmt == "nvfp4":
+            w = dequantize_nvfp4(t["packed"], t["scale"], 1.0, dtype=torch.float32).to(dtype)
+            return w, 1.0 / _per_row(t["global_scale"], w.shape[-2]).squeeze(-1)
+        if self.fmt == "fp8":
+            return t["q"].to(dtype), _per_row(t["scale"], t["q"].shape[-2]).squeeze(-1)
+        return self.dequantize(dtype, index), None
+
+
 def _per_row(part_scale: torch.Tensor, n: int) -> torch.Tensor:
     """[.., P] per-part factors -> [.., N, 1] per-row factors."""
     p = part_scale.shape[-1]

@@ -46,8 +46,19 @@ class TensorSource:
     def names(self) -> list[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> torch.dtype: ...
-    def get(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
-            ) -> torch.Tensor: ...
+    def get(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+            dim1: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only (start, length) of its first dim (`rows`), last dim (`cols`) and/or second dim
+        (`dim1`, for stacked [E, N, K] expert tensors)."""
+        ...
+
+
+def _index(nd: int, rows, cols, dim1) -> tuple[slice, ...]:
+    idx = [slice(None)] * nd
+    for axis, span in ((0, rows), (1, dim1), (nd - 1, cols)):
+        if span is not None:
+            idx[axis] = slice(span[0], span[0] + span[1])
+    return tuple(idx)
 
 
 class DictSource(TensorSource):
@@ -63,13 +74,11 @@ class DictSource(TensorSource):
     def dtype(self, name):
         return self.t[name].dtype
 
-    def get(self, name, rows=None, cols=None):
+    def get(self, name, rows=None, cols=None, dim1=None):
         x = self.t[name]
-        if rows is not None:
-            x = x[rows[0]:rows[0] + rows[1]]
-        if cols is not None:
-            x = x[..., cols[0]:cols[0] + cols[1]]
-        return x
+        if rows is None and cols is None and dim1 is None:
+            return x
+        return x[_index(x.dim(), rows, cols, dim1)]
 
 
 class SafetensorsSource(TensorSource):
@@ -113,17 +122,12 @@ class SafetensorsSource(TensorSource):
             raise CheckpointError(f"{name}: unsupported safetensors dtype {d}")
         return _SAFE_DTYPES[d]
 
-    def get(self, name, rows=None, cols=None):
+    def get(self, name, rows=None, cols=None, dim1=None):
         s = self._slice(name)
         nd = len(s.get_shape())
-        if rows is None and cols is None:
+        if rows is None and cols is None and dim1 is None:
             return s[:] if nd else self._handles[self.where[name]].get_tensor(name)
-        idx = [slice(None)] * nd
-        if rows is not None:
-            idx[0] = slice(rows[0], rows[0] + rows[1])
-        if cols is not None:
-            idx[-1] = slice(cols[0], cols[0] + cols[1])
-        return s[tuple(idx)]
+        return s[_index(nd, rows, cols, dim1)]
 
 
 # ----------------------------------------------------------------------------- the name table
@@ -384,11 +388,12 @@ def load_checkpoint(model, src: TensorSource, *, keep_quantized: bool, dtype: to
             raise CheckpointError(f"{name}: expected shape {list(expect)}, found {list(src.shape(name))}")
         if not src.dtype(name).is_floating_point or src.dtype(name) == torch.float8_e4m3fn:
             raise CheckpointError(f"{name}: stacked expert tensors must be bf16/fp16/fp32, found {src.dtype(name)}")
-        full = src.get(name)
-        parts = [full[:, p * n:(p + 1) * n] for p in range(split)]
-        if shard is not None:
-            a, ln = shard
-            parts = [x[:, a:a + ln] if axis == "rows" else x[..., a:a + ln] for x in parts]
+        # Read only this rank's slice: rows of each fused part (column parallel) or input columns (row parallel).
+        a, ln = shard if shard is not None else (0, n if axis == "rows" else k)
+        if axis == "rows":
+            parts = [src.get(name, dim1=(p * n + a, ln)) for p in range(split)]
+        else:
+            parts = [src.get(name, dim1=(p * n, n), cols=(a, ln)) for p in range(split)]
         w = torch.cat(parts, dim=1).to(dtype).contiguous()
         _resolve(model, slot).set_weight(QWeight("dense", {"w": w.to(device)}))
         loaded.add(f"layers.{layer}.{module}")

@@ -33,7 +33,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from m3serve.model.eagle3 import Eagle3Config, Eagle3Drafter, LlamaRMSNorm, default_capture_layers, save_drafter
 
@@ -139,12 +138,13 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, decay
 
 
 # ---------------------------------------------------------------------- model construction
-def new_drafter(target, capture_layers: tuple[int, ...] | None = None, seed: int = 0, std: float = 0.02
-                ) -> Eagle3Drafter:
-    """A fresh drafter for `target`: own LM head copied from the target's, Llama norms at 1, linears N(0, std)."""
+def new_drafter(target, capture_layers: tuple[int, ...] | None = None, seed: int = 0, std: float = 0.02,
+                own_lm_head: bool = True) -> Eagle3Drafter:
+    """A fresh drafter for `target`: Llama norms at 1, linears N(0, std), and either its own LM head copied from
+    the target's (trained) or the target's head itself (frozen, not saved)."""
     cfg = Eagle3Config.for_target(target.cfg, capture_layers=capture_layers or
                                   pick_capture_layers(target.cfg.num_hidden_layers))
-    net = Eagle3Drafter(cfg, own_lm_head=True)
+    net = Eagle3Drafter(cfg, own_lm_head=own_lm_head)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in net.modules():
@@ -152,12 +152,14 @@ def new_drafter(target, capture_layers: tuple[int, ...] | None = None, seed: int
                 m.weight.fill_(1.0)
             elif isinstance(m, torch.nn.Linear) and m is not net.lm_head:
                 m.weight.copy_(std * torch.randn(m.weight.shape, generator=g))
-        net.lm_head.weight.copy_(target.lm_head.dense_weight(torch.float32).cpu())
+        if own_lm_head:
+            net.lm_head.weight.copy_(target.lm_head.dense_weight(torch.float32).cpu())
     return net.to(target.device).attach_target(target)
 
 
 # ---------------------------------------------------------------------- data
-def _streams(target_dir: str | Path, data_dir: str | Path, n_syn_train: int, n_syn_held: int, seed: int):
+def _streams(target_dir: str | Path, data_dir: str | Path, n_syn_train: int, n_syn_held: int, seed: int,
+             train: bool = True):
     from tokenizers import Tokenizer
 
     from m3serve.train.data import load_corpus
@@ -170,12 +172,12 @@ def _streams(target_dir: str | Path, data_dir: str | Path, n_syn_train: int, n_s
     tok = Tokenizer.from_file(str(tok_file))
     corpus = load_corpus(data_dir)
     syn_train, syn_held = make_split(n_syn_train, n_syn_held, seed)
-    return {
-        "text_train": TokenStream(encode_documents(tok, [d.text for d in corpus.train]), "text_train"),
-        "text_heldout": TokenStream(encode_documents(tok, [d.text for d in corpus.heldout]), "text_heldout"),
-        "chat_train": TokenStream(encode_chats(tok, syn_train), "chat_train"),
-        "chat_heldout": TokenStream(encode_chats(tok, syn_held), "chat_heldout"),
-    }
+    out = {"text_heldout": TokenStream(encode_documents(tok, [d.text for d in corpus.heldout]), "text_heldout"),
+           "chat_heldout": TokenStream(encode_chats(tok, syn_held), "chat_heldout")}
+    if train:
+        out["text_train"] = TokenStream(encode_documents(tok, [d.text for d in corpus.train]), "text_train")
+        out["chat_train"] = TokenStream(encode_chats(tok, syn_train), "chat_train")
+    return out
 
 
 # ---------------------------------------------------------------------- training
@@ -200,6 +202,7 @@ class DrafterTrainConfig:
     autocast: bool = True
     log_every: int = 50
     capture_layers: tuple[int, ...] | None = None
+    share_lm_head: bool = False     # use the target's (frozen) head: a smaller drafter, usually lower acceptance
 
     def validate(self) -> None:
         if self.ttt_steps < 3:
@@ -211,11 +214,13 @@ class DrafterTrainConfig:
             raise ValueError(f"seq_len: expected > ttt_steps ({self.ttt_steps}), found {self.seq_len}")
 
 
-def _lr(step: int, tc: DrafterTrainConfig, total: int) -> float:
+def _lr(step: int, elapsed: float, tc: DrafterTrainConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine to min_lr_ratio. Progress is the larger of the step and the
+    wall-clock fraction, so a run cut short by max_seconds still ends annealed."""
     if step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
-    frac = min(1.0, (step - tc.warmup_steps) / max(1, total - tc.warmup_steps))
-    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    frac = max((step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps), elapsed / tc.max_seconds)
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def _autocast(device: torch.device, on: bool):
@@ -284,7 +289,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, out_dir: str | P
         p.requires_grad_(False)
     streams = _streams(target_dir, data_dir, tc.n_syn_train, tc.n_syn_heldout, tc.seed)
     t_data = time.perf_counter() - t0
-    drafter = new_drafter(target, tc.capture_layers, tc.seed)
+    drafter = new_drafter(target, tc.capture_layers, tc.seed, own_lm_head=not tc.share_lm_head)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -303,7 +308,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, out_dir: str | P
     step = 0
     try:
         for step in range(tc.steps):
-            lr = _lr(step, tc, tc.steps)
+            lr = _lr(step, time.perf_counter() - t_train, tc)
             for g in opt.param_groups:
                 g["lr"] = lr
             x = _batch(streams, tc, gen).to(dev, non_blocking=True)
@@ -367,54 +372,81 @@ def _run(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], flo
     return toks, dt, sum(len(x) for x in toks)
 
 
+def _chat_prompts(target_dir: str | Path, n: int, seed: int) -> list[list[int]]:
+    """Held-out synthetic questions (the target's held-out split) as single-turn chat prompts."""
+    from tokenizers import Tokenizer
+
+    from m3serve.train.synthetic import make_split
+    from m3serve.train.tokenizer import chat_prompt
+
+    tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    _, held = make_split(0, n, seed)
+    return [tok.encode(chat_prompt(p.question), add_special_tokens=False).ids for p in held]
+
+
 def measure_acceptance(target_dir: str | Path, drafter_dir: str | Path, data_dir: str | Path, *,
                        device: str = "cpu", dtype: str = "auto", k: int = 3, num_prompts: int = 16,
                        prompt_len: int = 64, max_tokens: int = 64, temperatures: tuple[float, ...] = (0.0, 0.8),
-                       seed: int = 0, log: Callable[[str], None] = print, target=None) -> dict:
-    """AL (mean tokens per verify step) of the real SpeculativeEngine at K = k on held-out text prompts, greedy
-    and sampled, plus end-to-end tokens/s of plain vs speculative decoding on the same prompts."""
+                       sources: tuple[str, ...] = ("text",), seed: int = 0, log: Callable[[str], None] = print,
+                       target=None) -> dict:
+    """AL (mean tokens per verify step) of the real SpeculativeEngine at K = k, greedy and sampled, plus
+    end-to-end tokens/s of plain vs speculative decoding on the same prompts. Sources: "text" = windows of
+    prompt_len tokens of the held-out plays, continued for max_tokens; "chat" = held-out synthetic questions as
+    chat prompts, answered until <|eos|> or max_tokens."""
     from m3serve.engine.engine import EngineConfig, LLMEngine
     from m3serve.engine.sampling_params import SamplingParams
     from m3serve.engine.speculative import SpeculativeEngine
     from m3serve.llm import parse_dtype
     from m3serve.model.loader import load_model
 
+    bad = set(sources) - {"text", "chat"}
+    if bad:
+        raise ValueError(f"sources: expected 'text' and/or 'chat', found {sorted(bad)}")
     dev = torch.device(device)
     dt = parse_dtype(dtype, dev)
     if target is None:
         target = load_model(str(target_dir), device=dev, dtype=dt)
-    streams = _streams(target_dir, data_dir, 0, 0, seed)
-    held = streams["text_heldout"]
-    windows = held.fixed_windows(num_prompts, prompt_len)
-    prompts = [w[:prompt_len].tolist() for w in windows]
-    ecfg = EngineConfig(max_num_seqs=max(num_prompts, 1), max_num_batched_tokens=max(2048, prompt_len * 4), seed=seed,
-                        kv_cache_bytes=(1 << 30) if dev.type == "cuda" else 64 << 20)   # two engines share the GPU
+    prompt_sets = {}
+    if "text" in sources:
+        held = _streams(target_dir, data_dir, 0, 0, seed, train=False)["text_heldout"]
+        prompt_sets["text"] = [w[:prompt_len].tolist() for w in held.fixed_windows(num_prompts, prompt_len)]
+    if "chat" in sources:
+        prompt_sets["chat"] = _chat_prompts(target_dir, num_prompts, seed)
+    longest = max(len(p) for ps in prompt_sets.values() for p in ps)
+    ecfg = EngineConfig(max_num_seqs=max(num_prompts, 1), max_num_batched_tokens=max(2048, longest * num_prompts),
+                        seed=seed, kv_cache_bytes=(1 << 30) if dev.type == "cuda" else 64 << 20)  # 2 engines, 1 GPU
     plain = LLMEngine(target, ecfg)
     spec = SpeculativeEngine(target, ecfg, speculative_config={"method": "eagle3", "model": str(drafter_dir),
                                                                "num_speculative_tokens": k})
-    out: dict = {"k": k, "num_prompts": len(prompts), "prompt_len": prompt_len, "max_tokens": max_tokens,
+    out: dict = {"k": k, "num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
                  "device": str(dev), "dtype": str(dt), "runs": {}}
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    _run(plain, prompts[:2], warm)
-    _run(spec, prompts[:2], warm)
-    for temp in temperatures:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temp, ignore_eos=True, seed=seed)
-        ref, t_plain, n_plain = _run(plain, prompts, params)
-        spec.reset_spec_stats()
-        got, t_spec, n_spec = _run(spec, prompts, params)
-        st = spec.stats()["spec_decode"]
-        run = {"acceptance_length": st["acceptance_length"],
-               "acceptance_rate_per_position": st["acceptance_rate_per_position"],
-               "verify_steps": st["verify_steps"],
-               "plain_tokens_per_s": n_plain / t_plain, "spec_tokens_per_s": n_spec / t_spec,
-               "speedup": (n_spec / t_spec) / (n_plain / t_plain)}
-        if temp == 0.0:
-            # Exact in fp32; with bf16 the batched verify rows may round differently from single-row decode.
-            run["greedy_identical_requests"] = sum(a == b for a, b in zip(ref, got)) / len(ref)
-        out["runs"][f"temperature_{temp}"] = run
-        log(f"K={k} temperature {temp}: AL {st['acceptance_length']:.3f}, per-position acceptance "
-            f"{[round(x, 3) if x is not None else None for x in st['acceptance_rate_per_position']]}, "
-            f"{n_spec / t_spec:.1f} tok/s speculative vs {n_plain / t_plain:.1f} plain")
+    first = next(iter(prompt_sets.values()))
+    _run(plain, first[:2], warm)
+    _run(spec, first[:2], warm)
+    for source, prompts in prompt_sets.items():
+        out["runs"][source] = {}
+        for temp in temperatures:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temp, ignore_eos=source == "text", seed=seed)
+            ref, t_plain, n_plain = _run(plain, prompts, params)
+            spec.reset_spec_stats()
+            got, t_spec, n_spec = _run(spec, prompts, params)
+            st = spec.stats()["spec_decode"]
+            run = {"acceptance_length": st["acceptance_length"],
+                   "acceptance_rate_per_position": st["acceptance_rate_per_position"],
+                   "verify_steps": st["verify_steps"], "tokens": n_spec,
+                   "plain_tokens_per_s": n_plain / t_plain, "spec_tokens_per_s": n_spec / t_spec,
+                   "speedup": (n_spec / t_spec) / (n_plain / t_plain)}
+            if temp == 0.0:
+                # Exact in fp32; in bf16 the batched verify rows may round differently from single-row decode.
+                run["greedy_identical_requests"] = sum(a == b for a, b in zip(ref, got)) / len(ref)
+            out["runs"][source][f"temperature_{temp}"] = run
+            al = st["acceptance_length"]
+            log(f"{source}, K={k}, temperature {temp}: AL {al:.3f}" if al is not None else
+                f"{source}, K={k}, temperature {temp}: no verify step")
+            rates = [round(x, 3) if x is not None else None for x in run["acceptance_rate_per_position"]]
+            log(f"  per-position acceptance {rates}, {n_spec / t_spec:.1f} tok/s speculative vs "
+                f"{n_plain / t_plain:.1f} plain")
     return out
 
 
@@ -437,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--capture-layers", default=None, help="comma-separated ids (residual entering layer i)")
+    ap.add_argument("--share-lm-head", action="store_true", help="use the target's LM head (frozen, not saved)")
     ap.add_argument("--no-autocast", action="store_true")
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--no-eval", action="store_true", help="skip the engine AL measurement after training")
@@ -445,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto", help="serving dtype for --eval (auto: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--sources", default="text", help="comma-separated: text (held-out plays), chat (held-out "
+                                                      "synthetic questions)")
     return ap
 
 
@@ -456,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--eval needs --drafter <dir>")
         res = measure_acceptance(args.target, drafter, args.data, device=args.device, dtype=args.dtype, k=args.k,
                                  num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                                 max_tokens=args.max_tokens, seed=args.seed)
+                                 max_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), seed=args.seed)
         print(json.dumps(res, indent=2))
         return 0
     if not args.out:
@@ -465,12 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     tc = DrafterTrainConfig(steps=args.steps, max_seconds=args.max_seconds, batch_size=args.batch_size,
                             seq_len=args.seq_len, ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed,
                             device=args.device, autocast=not args.no_autocast, log_every=args.log_every,
-                            capture_layers=caps)
+                            capture_layers=caps, share_lm_head=args.share_lm_head)
     report = train_drafter(args.target, args.data, args.out, tc)
     if not args.no_eval:
         res = measure_acceptance(args.target, args.out, args.data, device=args.device, dtype=args.dtype, k=args.k,
                                  num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-                                 max_tokens=args.max_tokens, seed=args.seed)
+                                 max_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), seed=args.seed)
         report["engine_acceptance"] = res
         (Path(args.out) / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -1,0 +1,214 @@
+"""Microbenchmark of the kernel catalog (m3serve.kernels) on the GPU.
+
+For each entry and cell (rows 1 and 4 for the 1-4 row cells, the last row count otherwise):
+time of the raw call (captured in a CUDA graph as decode runs it; CUDA events around each
+replay, median of --iters replays, the 60 MB L2 flushed by a 256 MB memset before every
+replay so weights stream from HBM), achieved bytes/s over the
+bytes the call must move (weights once + activations; for the MoE the experts the routing
+actually touched), the fraction of this run's measured device-to-device copy bandwidth (bytes
+read + written), and the stock torch path (dequantize + matmul), timed eagerly the same way.
+
+Goals (issue 4; measured, never gated): NVFP4 / MXFP8 GEMMs at 1-4 rows >= 70 % of copy
+bandwidth; MoE at 1 and 4 tokens >= 60 % on the touched experts' bytes; head12 >= 75 % on its
+12-bit bytes and >= 1.25x faster than the BF16 head.
+
+Usage (on the device machine, repository root):
+    python3 bench/kernels.py [--entry NAME ...] [--iters 50] [--out-dir DIR] [--quick]
+Writes bench/results/kernels-<date>.json (and a copy in --out-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from m3serve.kernels.catalog import all_entries  # noqa: E402
+
+FLUSH_BYTES = 256 << 20
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (median)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def time_call(fn, iters: int, flush: torch.Tensor) -> float:
+    """Median seconds of fn() with a cold L2 (flush before each launch, outside the events)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (decode runs under graphs, so host launch cost is excluded the
+    same way); None if capture fails (e.g. a path that synchronizes)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        return g.replay
+    except Exception as exc:  # capture not possible: report and time eagerly
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eagerly)")
+        torch.cuda.synchronize()
+        return None
+
+
+def bench_rows(cell) -> list[int]:
+    lo, hi = cell.rows
+    return [1, 4] if (lo, hi) == (1, 4) else [hi]
+
+
+def moe_bytes(case) -> int:
+    """Bytes the MoE must read at least: touched experts + shared (once) + router + x + y."""
+    x, router_w = case.args[0], case.args[1]
+    ws = case.args[-2]
+    w13, sh_w13 = case.args[3], case.args[9]
+    e, two_i, h_half = w13.shape
+    h, i = h_half * 2, two_i // 2
+    touched = int((ws.slot_e >= 0).sum())
+    per_expert = 3 * h * i * 9 // 16 + 3 * 4
+    shared = 3 * h * i * 2 if sh_w13.dtype == torch.bfloat16 else per_expert
+    return touched * per_expert + shared + router_w.numel() * router_w.element_size() + 2 * x.numel() * 2
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except Exception as exc:  # no git, or a tree without commits
+        return f"unknown ({type(exc).__name__})"
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    out = []
+
+    def add(name: str, sel: list[dict], key: str, target: float) -> None:
+        for r in sel:
+            out.append({"goal": name, "entry": r["entry"], "shape": r["shape"], "rows": r["rows"],
+                        "value": r.get(key), "target": target,
+                        "met": r.get(key) is not None and r[key] >= target})
+
+    add(">= 70% copy BW, NVFP4/MXFP8 GEMM, 1-4 rows",
+        [r for r in rows if r["entry"] in ("linear.nvfp4", "linear.mxfp8", "qkv.nvfp4", "qkv.mxfp8")
+         and r["rows"] <= 4], "frac_copy", 0.70)
+    add(">= 60% copy BW on touched experts, MoE 1 and 4 tokens",
+        [r for r in rows if r["entry"] == "moe.nvfp4" and r["rows"] in (1, 4)], "frac_copy", 0.60)
+    add(">= 75% copy BW on 12-bit bytes, head12", [r for r in rows if r["entry"] == "head.head12"], "frac_copy", 0.75)
+    bf = {(tuple(r["shape"]), r["rows"]): r for r in rows if r["entry"] == "head.bf16"}
+    for r in rows:
+        if r["entry"] == "head.head12" and (tuple(r["shape"]), r["rows"]) in bf:
+            r["speedup_vs_bf16_head"] = bf[(tuple(r["shape"]), r["rows"])]["us"] / r["us"]
+    add(">= 1.25x faster than the BF16 head, head12",
+        [r for r in rows if "speedup_vs_bf16_head" in r], "speedup_vs_bf16_head", 1.25)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--entry", action="append", help="entry name (repeatable); default all")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--stock-iters", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="TP1 shapes and rows 1/4 only")
+    ap.add_argument("--out-dir", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the stock path in plain bf16/fp32 semantics
+    ents = all_entries()
+    chosen = [ents[n] for n in a.entry] if a.entry else list(ents.values())
+    t0 = time.time()
+    bw = copy_bandwidth(dev)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    print(f"device {torch.cuda.get_device_name(dev)}; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)")
+    rows_out: list[dict] = []
+    gen = torch.Generator().manual_seed(0)
+    for e in chosen:
+        e.warmup(dev)
+        for cell in e.cells:
+            for rows in bench_rows(cell):
+                if a.quick and (rows not in (1, 4) or "TP2" in cell.why):
+                    continue
+                case = e.make_case(cell, rows, dev, gen)
+                call = lambda: e.raw_call(*case.args, **case.kwargs)  # noqa: E731
+                replay = graphed(call)
+                t = time_call(replay or call, a.iters, flush)
+                nbytes = moe_bytes(case) if e.kind == "moe.nvfp4" else case.bytes_moved
+                rec = {"entry": e.name, "shape": list(cell.shape), "rows": rows, "why": cell.why, "graph": replay is not None,
+                       "config": {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in cell.config.items()},
+                       "us": t * 1e6, "bytes": nbytes, "GBps": nbytes / t / 1e9, "frac_copy": nbytes / t / bw}
+                if e.stock is not None:
+                    try:
+                        ts = time_call(lambda: e.stock(*case.args, **case.kwargs), a.stock_iters, flush)
+                        rec["stock_us"] = ts * 1e6
+                        rec["speedup_vs_stock"] = ts / t
+                    except torch.cuda.OutOfMemoryError:
+                        rec["stock_us"] = None
+                        torch.cuda.empty_cache()
+                rows_out.append(rec)
+                print(f"{e.name:13s} {str(tuple(cell.shape)):24s} rows {rows:2d}  {t * 1e6:9.1f} us  "
+                      f"{rec['GBps']:7.0f} GB/s  {100 * rec['frac_copy']:5.1f}% copy  "
+                      f"stock {rec.get('stock_us') or float('nan'):9.1f} us", flush=True)
+                del case
+            torch.cuda.empty_cache()
+    g = goals(rows_out)
+    met = sum(x["met"] for x in g)
+    print(f"\ngoals met {met}/{len(g)}")
+    for x in g:
+        if not x["met"]:
+            print(f"  MISSED {x['goal']}: {x['entry']} {tuple(x['shape'])} rows {x['rows']}: {x['value']}")
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    doc = {"gpu": torch.cuda.get_device_name(dev), "git_commit": git_commit(), "command": " ".join(sys.argv),
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "copy_bandwidth_Bps": bw, "iters": a.iters,
+           "l2_flush_bytes": FLUSH_BYTES, "wall_s": time.time() - t0, "results": rows_out, "goals": g}
+    res_dir = Path(__file__).resolve().parent / "results"
+    res_dir.mkdir(exist_ok=True)
+    path = res_dir / f"kernels-{date}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    if a.out_dir:
+        os.makedirs(a.out_dir, exist_ok=True)
+        Path(a.out_dir, path.name).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

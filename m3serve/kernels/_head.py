@@ -1,0 +1,108 @@
+"""LM-head GEMV + greedy argmax without materialising logits (shared by head.bf16 / head.head12).
+
+Shape legend:
+    x          [M, K]          bf16 final hidden states (M = 1..48 tokens)
+    W          [V, K]          bf16 (HEAD12=False) or the Head12 planes (HEAD12=True):
+      sm         [V, K]          uint8 sign << 7 | mantissa
+      codes      [V, K/2]        uint8 exponent codes, column 2j in the low nibble
+      tile_base  [V/16, K/128]   uint8
+      esc_ptr    [V + 1]         int32 CSR row pointers into the escape list (sorted by row)
+      esc_row    [E] int32, esc_col [E] int32, esc_val [E] fp32
+    part_val   [M, P]          fp32 per-program maxima, P = V / BN   (workspace)
+    part_idx   [M, P]          int32 their vocabulary indices         (workspace)
+    ids        [M]             int64 greedy token ids (+ index_offset, for a vocab shard)
+    best       [M]             fp32 the winning logits (for a cross-rank max at TP > 1)
+
+Pass 1 (grid V/BN): the swap-AB tile dot of _wstream, then each program reduces its [BM, BN]
+logit tile to (max, first index of the max) per row. Pass 2 (grid M) reduces the P partials in
+increasing program order, keeping the earlier one on ties, so ties go to the smallest index,
+as torch.argmax does. Only 8 bytes per (row, program) ever reach memory.
+
+Head12 decode (m3serve.quant.head12): code 0 -> exponent 0, 1..14 -> tile_base + code,
+15 (escape) -> the element is 0 in the dense tile, and its exact value is added afterwards:
+for each escape in the program's rows, logits[:, row] += x[:, col] * value. So the result equals
+the bf16 head up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from m3serve.kernels._jit import helper, kernel
+
+
+@helper
+def _head12_tile(sm_ptr, code_ptr, tb_ptr, n0, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """[BN, BK] bf16 weights of rows [n0, n0 + BN) (BN % 16 == 0, n0 16-aligned), columns
+    [k0, k0 + BK) (BK % 128 == 0, k0 128-aligned), escapes decoded as 0."""
+    rn = n0 + tl.arange(0, BN)
+    rn2 = rn[:, None]
+    kk = k0 + tl.arange(0, BK)
+    sm = tl.load(sm_ptr + rn2 * K + kk[None, :]).to(tl.int32)
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    b = tl.load(code_ptr + rn2 * (K // 2) + kb[None, :]).to(tl.int32)
+    code = tl.join(b & 15, b >> 4).reshape(BN, BK)
+    tr = n0 // 16 + tl.arange(0, BN // 16)
+    tc = k0 // 128 + tl.arange(0, BK // 128)
+    tb = tl.load(tb_ptr + tr[:, None] * (K // 128) + tc[None, :]).to(tl.int32)
+    c4 = code.reshape(BN // 16, 16, BK // 128, 128)
+    e4 = tl.where((c4 == 0) | (c4 == 15), 0, tb[:, None, :, None] + c4)
+    e = e4.reshape(BN, BK)
+    bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+    bits = tl.where(code == 15, 0, bits)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@kernel
+def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr,
+                        pval_ptr, pidx_ptr, M, V, K, stride_xm, P, HEAD12: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    mmask = rm[None, :] < M
+    acc = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(0, K, BK):
+        if HEAD12:
+            w = _head12_tile(w_ptr, code_ptr, tb_ptr, pid * BN, k0, K, BN, BK)
+        else:
+            w = tl.load(w_ptr + rn[:, None] * K + (k0 + tl.arange(0, BK))[None, :])
+        kk = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
+        if CUDA:
+            acc = tl.dot(w, xt, acc)
+        else:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    if HEAD12:
+        e_lo = tl.load(esc_ptr + pid * BN)
+        e_hi = tl.load(esc_ptr + pid * BN + BN)
+        for e in range(e_lo, e_hi):
+            r = tl.load(esc_row_ptr + e)
+            col = tl.load(esc_col_ptr + e)
+            v = tl.load(esc_val_ptr + e)
+            xv = tl.load(x_ptr + rm * stride_xm + col, mask=rm < M, other=0.0).to(tl.float32)
+            acc += tl.where(rn[:, None] == r, v * xv[None, :], 0.0)
+    logits = tl.trans(acc)  # [BM, BN]
+    best = tl.max(logits, axis=1)
+    arg = tl.argmax(logits, axis=1, tie_break_left=True)
+    tl.store(pval_ptr + rm * P + pid, best, mask=rm < M)
+    tl.store(pidx_ptr + rm * P + pid, pid * BN + arg, mask=rm < M)
+
+
+@kernel
+def argmax_reduce(pval_ptr, pidx_ptr, ids_ptr, best_ptr, P, index_offset, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    best = tl.full([1], float("-inf"), tl.float32)
+    best_i = tl.full([1], 0, tl.int32)
+    for p0 in range(0, P, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        v = tl.load(pval_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
+        i = tl.load(pidx_ptr + row * P + offs, mask=offs < P, other=0)
+        cm = tl.max(v, axis=0)
+        # partials are in increasing index order: the first maximal partial has the smallest index
+        ci = tl.min(tl.where(v == cm, i, 2147483647), axis=0)
+        take = cm > best  # strict: an equal later chunk never replaces an earlier one
+        best_i = tl.where(take, ci, best_i)
+        best = tl.where(take, cm, best)
+    tl.store(ids_ptr + row + tl.arange(0, 1), (best_i + index_offset).to(tl.int64))
+    tl.store(best_ptr + row + tl.arange(0, 1), best)

@@ -1,0 +1,198 @@
+"""One Triton source, two executors: compiled for CUDA tensors, interpreted for CPU tensors.
+
+Why not plain `@triton.jit`: Triton decides compiled-vs-interpreted once, when the decorator
+runs, from the TRITON_INTERPRET environment variable. In a shared test process another module
+may import these kernels before any test sets that variable, and a compiled kernel cannot run
+on CPU tensors. Here the choice is made per launch from the tensors' device, so the same
+kernel source is exercised on the CPU (interpreter) and on the GPU (compiled), and no entry
+reads an environment variable.
+
+    kernel(fn)  -> DualKernel: kernel[grid](*args, num_warps=..., num_stages=..., **constexprs)
+    helper(fn)  -> a device function callable from both executors
+
+`aot_compile` builds a kernel for a named GPU target without a GPU (Triton ships ptxas), so
+the catalog can prove that every certified cell compiles for sm_90 on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import triton
+import triton.runtime.interpreter as _interp_mod
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+
+_ORIG_PATCH_LANG_TENSOR = _interp_mod._patch_lang_tensor
+_INTERP_CACHE: dict[Callable, InterpretedFunction] = {}
+
+
+def _interpreted_call(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+    f = _INTERP_CACHE.get(self.fn)
+    if f is None:
+        f = _INTERP_CACHE[self.fn] = InterpretedFunction(self.fn)
+    return f(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _interpreting() -> Iterator[None]:
+    """While a CPU launch runs, nested @jit functions (ours and triton.language's own, e.g.
+    tl.zeros / tl.sum, which Triton built as compiled functions because TRITON_INTERPRET was
+    unset at import) are executed by the interpreter instead of refusing to be called."""
+    saved_call = JITFunction.__call__
+    saved_patch = _interp_mod._patch_lang_tensor
+    JITFunction.__call__ = _interpreted_call  # type: ignore[method-assign]
+    _interp_mod._patch_lang_tensor = _patch_lang_tensor_np2
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = saved_call  # type: ignore[method-assign]
+        _interp_mod._patch_lang_tensor = saved_patch
+
+
+def _patch_lang_tensor_np2(tensor: Any, scope: Any) -> None:
+    """Triton 3.6's interpreter converts scalars with int(1-element array), which numpy >= 2.4
+    rejects (e.g. `for k in range(0, K, BK)` with a runtime K); take the element explicitly."""
+    _ORIG_PATCH_LANG_TENSOR(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+
+def helper(fn: Callable) -> JITFunction:
+    """A device function, inlined by compiled kernels and called by the interpreter."""
+    return JITFunction(fn)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    raise TypeError("kernel launch: expected at least one torch.Tensor argument, found none")
+
+
+_CAPTURE: list[list] = []
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list]:
+    """Record (kernel, grid, args, kwargs) instead of launching: raw calls run on 'meta' tensors
+    with real shapes yield the exact compiled variants a GPU would build (see aot_check)."""
+    rec: list = []
+    _CAPTURE.append(rec)
+    try:
+        yield rec
+    finally:
+        _CAPTURE.pop()
+
+
+class DualKernel:
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.gpu = JITFunction(fn)
+        self.cpu = InterpretedFunction(fn)
+        self.__name__ = fn.__name__
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            if _CAPTURE:
+                _CAPTURE[-1].append((self, grid, args, dict(kwargs)))
+                return None
+            if _first_tensor(args, kwargs).device.type == "cuda":
+                return self.gpu[grid](*args, **kwargs)
+            # The interpreter has no notion of warps or pipelining; drop the launch options.
+            for opt in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
+                kwargs.pop(opt, None)
+            with _interpreting():
+                return self.cpu[grid](*args, **kwargs)
+
+        return launch
+
+
+def kernel(fn: Callable) -> DualKernel:
+    return DualKernel(fn)
+
+
+def is_compiled(t: torch.Tensor) -> bool:
+    """True when launches on `t` run compiled code rather than the interpreter ('meta' tensors
+    stand for GPU tensors in capture_launches)."""
+    return t.device.type in ("cuda", "meta")
+
+
+# --- ahead-of-time compile check (no GPU needed) ---------------------------------------------
+
+_LAUNCH_OPTS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+@dataclass
+class AotResult:
+    name: str
+    regs: int
+    stack: int
+    shared: int
+    local: int
+    sass: str | None
+
+
+def _bin(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def aot_compile(k: DualKernel, args: tuple, kwargs: dict, arch: int = 90, sass: bool = False) -> AotResult:
+    """Compile `k` for sm_`arch` with the argument types/alignments of `args` (CPU tensors are
+    fine: only dtype and 16-byte alignment are read), then read registers/stack/shared from the
+    cubin with Triton's bundled cuobjdump."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    jf = k.gpu
+    names = [p.name for p in jf.params]
+    opts = {o: kwargs[o] for o in _LAUNCH_OPTS if o in kwargs}
+    bound = dict(zip(names, args))
+    bound.update({n: v for n, v in kwargs.items() if n not in _LAUNCH_OPTS})
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], Any] = {}
+    for i, p in enumerate(jf.params):
+        if p.name not in bound:
+            if p.default is not inspect.Parameter.empty:
+                bound[p.name] = p.default
+            else:
+                raise TypeError(f"aot_compile({k.__name__}): missing argument {p.name}")
+        v = bound[p.name]
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = v
+            continue
+        ty, attr = native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize, True)
+        signature[p.name] = ty
+        if ty == "constexpr":
+            constexprs[p.name] = attr
+        elif isinstance(attr, str) and "D" in attr:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=jf, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        res = subprocess.run([_bin("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        text = None
+        if sass:
+            text = subprocess.run([_bin("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+
+    def field(key: str) -> int:
+        for tok in res.replace(",", " ").split():
+            if tok.startswith(key + ":"):
+                return int(tok.split(":")[1])
+        return -1
+
+    return AotResult(k.__name__, field("REG"), field("STACK"), field("SHARED"), field("LOCAL"), text)

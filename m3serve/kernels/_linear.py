@@ -1,0 +1,167 @@
+"""Launch, tile configs, workspaces and cells shared by the weight-streaming linear entries.
+
+Shape legend:
+    x      [M, K]            bf16, M = rows (tokens in the step), unit column stride
+    out    [M, N]            bf16, unit column stride
+    part   [SPLIT * BM * N]  fp32 split-K partials (GemmWorkspace)
+    count  [N / BN]          int32 split-K arrival counters, zero between launches
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from m3serve.kernels._jit import is_compiled
+from m3serve.kernels._wstream import wstream_gemm
+from m3serve.kernels.catalog import Cell, check_tensor, device_rng
+
+# Row ranges served by one compiled variant each; BM is the padded MMA width for the range.
+ROW_RANGES = ((1, 4), (5, 16), (17, 32), (33, 48))
+N_SM = 132  # H200 multiprocessors: split-K aims for >= 2 resident programs per SM
+# M3 shapes (N, K) at TP1 and TP2 with the reason each exists.
+M3_LINEAR_SHAPES: tuple[tuple[tuple[int, int], str], ...] = (
+    ((9856, 6144), "fused q|k|v|index-q|index-k projection, TP1 (8192+512+512+512+128)"),
+    ((4992, 6144), "fused q|k|v|index-q|index-k projection, TP2 (4096+256+256+256+128)"),
+    ((8192, 6144), "q_proj alone, TP1 (checkpoints keep the indexer BF16, so q/k/v cannot fuse with it)"),
+    ((4096, 6144), "q_proj alone, TP2"),
+    ((512, 6144), "k_proj / v_proj alone, TP1"),
+    ((256, 6144), "k_proj / v_proj alone, TP2"),
+    ((6144, 8192), "attention output projection o_proj, TP1"),
+    ((6144, 4096), "attention output projection o_proj, TP2 (K halved)"),
+    ((24576, 6144), "dense-layer gate|up (2 x 12288), TP1"),
+    ((12288, 6144), "dense-layer gate|up, TP2 (N halved)"),
+    ((6144, 12288), "dense-layer down projection, TP1"),
+    ((6144, 6144), "dense-layer down projection TP2 / shared-expert gate|up (2 x 3072) TP1"),
+    ((3072, 6144), "shared-expert gate|up, TP2 (2 x 1536)"),
+    ((6144, 3072), "shared-expert down projection, TP1"),
+    ((6144, 1536), "shared-expert down projection, TP2 (K halved)"),
+)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BM: int
+    BN: int
+    BK: int
+    SPLIT: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass
+class GemmWorkspace:
+    part: torch.Tensor
+    count: torch.Tensor
+
+
+def bm_for(rows_hi: int) -> int:
+    return 16 if rows_hi <= 16 else 32 if rows_hi <= 32 else 64
+
+
+def choose_config(rows_hi: int, n: int, k: int, weight_bytes: float, bn: int = 64, bk: int = 128) -> GemmConfig:
+    """Deterministic tile config for a cell. Split K (powers of two) until >= 2*N_SM programs,
+    keeping >= 2 K-steps per program and the fp32 partial traffic (write + read,
+    8 * SPLIT * rows * N bytes) under a quarter of the weight bytes."""
+    tiles = n // bn
+    iters = k // bk
+    split = 1
+    while (tiles * split < 2 * N_SM and iters % (2 * split) == 0 and iters // (2 * split) >= 2
+           and 8 * (2 * split) * rows_hi <= 0.25 * k * weight_bytes):
+        split *= 2
+    bm = bm_for(rows_hi)
+    # BM = 64 holds a [64, 64] fp32 accumulator plus the decoded tile: 8 warps keep it in registers
+    return GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=8 if bm >= 64 else 4)
+
+
+def linear_cells(weight_bytes: float, shapes=M3_LINEAR_SHAPES, why_prefix: str = "") -> tuple[Cell, ...]:
+    cells = []
+    for (n, k), why in shapes:
+        for lo, hi in ROW_RANGES:
+            # narrow projections (k/v: 512 rows) use 32-row weight tiles so enough programs stream them
+            cfg = choose_config(hi, n, k, weight_bytes, bn=32 if n < 2048 else 64)
+            cells.append(Cell(rows=(lo, hi), shape=(n, k), why=f"{why_prefix}{why}; rows {lo}-{hi}", config={"gemm": cfg}))
+    return tuple(cells)
+
+
+def interp_cells(shapes: tuple[tuple[int, int], ...]) -> tuple[Cell, ...]:
+    """Tiny cells for the interpreter: split-K on and off, both padded widths that matter."""
+    out = []
+    for n, k in shapes:
+        out.append(Cell(rows=(1, 3), shape=(n, k), why="interpreter: BM 16, no split",
+                        config={"gemm": GemmConfig(BM=16, BN=64, BK=128, SPLIT=1)}))
+        out.append(Cell(rows=(2, 2), shape=(n, k), why="interpreter: split-K 2, ticket + ordered reduce",
+                        config={"gemm": GemmConfig(BM=16, BN=64, BK=128, SPLIT=2)}))
+        out.append(Cell(rows=(17, 17), shape=(n, k), why="interpreter: BM 32 padding",
+                        config={"gemm": GemmConfig(BM=32, BN=64, BK=128, SPLIT=1)}))
+    return tuple(out)
+
+
+def make_workspace(cfg: GemmConfig, n: int, device: torch.device) -> GemmWorkspace:
+    """Per call site, allocated once (before graph capture); the counters must start at zero and
+    are left at zero by every completed launch. Two launches in flight at once (two streams)
+    must not share a workspace."""
+    part = torch.empty(max(cfg.SPLIT, 1) * cfg.BM * n if cfg.SPLIT > 1 else 1, dtype=torch.float32, device=device)
+    count = torch.zeros(max(n // cfg.BN, 1), dtype=torch.int32, device=device)
+    return GemmWorkspace(part=part, count=count)
+
+
+def check_gemm_args(x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: GemmConfig, ws: GemmWorkspace) -> int:
+    check_tensor("x", x, torch.bfloat16)
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x: expected [M, {k}] with unit column stride, found shape {tuple(x.shape)} "
+                         f"strides {tuple(x.stride())}")
+    m = x.shape[0]
+    if not 1 <= m <= cfg.BM:
+        raise ValueError(f"x: this config (BM={cfg.BM}) serves 1..{cfg.BM} rows, found M={m}")
+    check_tensor("out", out, torch.bfloat16, (m, n), x.device)
+    if out.stride(1) != 1:
+        raise ValueError(f"out: expected unit column stride, found strides {tuple(out.stride())}")
+    if n % cfg.BN or k % (cfg.BK * cfg.SPLIT):
+        raise ValueError(f"shape (N={n}, K={k}): expected N % {cfg.BN} == 0 and K % {cfg.BK * cfg.SPLIT} == 0 "
+                         f"for config {cfg}")
+    if cfg.SPLIT > 1:
+        check_tensor("workspace.part", ws.part, torch.float32)
+        if ws.part.numel() < cfg.SPLIT * cfg.BM * n:
+            raise ValueError(f"workspace.part: expected >= {cfg.SPLIT * cfg.BM * n} fp32, found {ws.part.numel()}")
+        check_tensor("workspace.count", ws.count, torch.int32)
+        if ws.count.numel() < n // cfg.BN:
+            raise ValueError(f"workspace.count: expected >= {n // cfg.BN} int32, found {ws.count.numel()}")
+    return m
+
+
+def launch_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
+                out: torch.Tensor, ws: GemmWorkspace, *, fmt: int, alpha_mode: int, gs: int, n: int, k: int,
+                cfg: GemmConfig) -> torch.Tensor:
+    m = check_gemm_args(x, out, n, k, cfg, ws)
+    grid = (n // cfg.BN, cfg.SPLIT)
+    wstream_gemm[grid](
+        x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0), out.stride(0), alpha_stride,
+        FMT=fmt, ALPHA=alpha_mode, GS=gs, SPLIT=cfg.SPLIT, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+        CUDA=is_compiled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def fresh_x(rows: int, k: int, device: torch.device, gen: torch.Generator | None) -> torch.Tensor:
+    """Activations with a realistic spread: normal, with a few large outlier columns
+    (gen=None: zeros, for compile-only warmup)."""
+    if gen is None:
+        return torch.zeros(rows, k, dtype=torch.bfloat16, device=device)
+    g = device_rng(gen, device)
+    x = torch.randn(rows, k, generator=g, device=device)
+    cols = torch.randint(0, k, (max(k // 512, 1),), generator=g, device=device)
+    x[:, cols] *= 20.0
+    return x.to(torch.bfloat16)
+
+
+def warmup_cells(cells: tuple[Cell, ...], make_case: Callable, raw_call: Callable, device: torch.device) -> None:
+    """Compile every cell's variant by running it once on zero-filled inputs (gen=None); cells
+    that share a variant compile once (Triton caches by constexprs and specialization)."""
+    for c in cells:
+        case = make_case(c, c.rows[1], device, None)
+        raw_call(*case.args, **case.kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,74 @@
+"""Explicit dispatch: for each module kind, the row ranges each fast path serves.
+
+    lookup(kind, rows, shape, mode) -> Entry | None
+
+mode "off"      -> None: the stock path, always.
+mode "auto"     -> the entry when (rows, shape) lies inside one of its certified cells, else None.
+mode "require"  -> the entry, or ValueError naming the kind, the rows/shape and the nearest
+                   certified cell. A covered shape never falls back silently.
+An unknown mode (or kind) raises: a typo is never read as "off".
+
+An entry whose module constant ENABLED is False is switched off on purpose: lookup returns
+None for it in every mode (that is the documented way to turn one fast path off).
+
+Every row count a table lists must be a certified cell of its entry for the shapes the entry
+certifies; tests/kernels/test_dispatch.py checks the tables against the catalog both ways.
+The table reads no environment variables; the mode is the caller's (e.g. a target's setting).
+"""
+
+from __future__ import annotations
+
+from m3serve.kernels.catalog import Entry, all_entries
+
+MODES = ("off", "auto", "require")
+
+# kind -> ((first row, last row), entry name), ranges disjoint and ascending.
+TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
+    "linear.nvfp4": (((1, 48), "linear.nvfp4"),),
+    "linear.mxfp8": (((1, 48), "linear.mxfp8"),),
+    "linear.fp8": (((1, 48), "linear.fp8"),),
+    "qkv.nvfp4": (((1, 48), "qkv.nvfp4"),),
+    "qkv.mxfp8": (((1, 48), "qkv.mxfp8"),),
+    "qkv.fp8": (((1, 48), "qkv.fp8"),),
+    "moe.nvfp4": (((1, 48), "moe.nvfp4"),),
+    "norm.add_rms": (((1, 48), "norm.add_rms"),),
+    "head.bf16": (((1, 48), "head.bf16"),),
+    "head.head12": (((1, 48), "head.head12"),),
+}
+
+
+def _fmt_cell(entry: Entry, rows: int, shape: tuple[int, ...]) -> str:
+    c = entry.nearest_cell(rows, shape)
+    if c is None:
+        return "no certified cells"
+    return f"nearest certified cell: rows {c.rows[0]}-{c.rows[1]} shape {c.shape} ({c.why})"
+
+
+def lookup(kind: str, rows: int, shape: tuple[int, ...], mode: str) -> Entry | None:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, found {mode!r}")
+    if mode == "off":
+        return None
+    if kind not in TABLES:
+        raise ValueError(f"kind: expected one of {tuple(TABLES)}, found {kind!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows: expected a positive int, found {rows!r}")
+    shape = tuple(int(s) for s in shape)
+    entries = all_entries()
+    for (lo, hi), name in TABLES[kind]:
+        if lo <= rows <= hi:
+            entry = entries[name]
+            if not entry.enabled():
+                return None
+            if entry.cell_for(rows, shape) is not None:
+                return entry
+            if mode == "require":
+                raise ValueError(f"{kind}: rows {rows} shape {shape} is in the table's range {lo}-{hi} for "
+                                 f"{name}, but no certified cell covers it; {_fmt_cell(entry, rows, shape)}")
+            return None
+    if mode == "require":
+        ranges = ", ".join(f"{lo}-{hi} ({name})" for (lo, hi), name in TABLES[kind])
+        entry = entries[TABLES[kind][0][1]]
+        raise ValueError(f"{kind}: rows {rows} shape {shape} is outside every listed row range ({ranges}); "
+                         f"{_fmt_cell(entry, rows, shape)}")
+    return None

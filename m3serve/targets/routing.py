@@ -1,0 +1,115 @@
+"""Explicit routing of the stock model's modules to certified Triton entries (the Hopper decode target).
+
+    set_mode("off")      the stock path, byte for byte (no hook installed)
+    set_mode("auto")     modules whose (rows, shape) lie in a certified cell run the entry; others stock
+    set_mode("require")  as auto, but a module outside every certified cell raises, naming the shape and cell
+
+The mode is the caller's setting (LLM(route=...), bench flags); nothing here reads the environment.
+Routed today: quantized linears (linear.nvfp4 / linear.mxfp8 / linear.fp8, 1-48 rows) and the NVFP4 MoE
+layer (moe.nvfp4: router + routed experts + shared expert in three launches). Workspaces and output
+buffers are made once per call site and row cell, before any graph capture could need them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3serve.model import layers, moe
+from m3serve.targets.dispatch import MODES, lookup
+
+_mode = "off"
+_workspaces: dict[tuple, object] = {}
+_row_scales: dict[int, torch.Tensor] = {}
+
+
+def mode() -> str:
+    return _mode
+
+
+def set_mode(new: str) -> None:
+    global _mode
+    if new not in MODES:
+        raise ValueError(f"route mode: expected one of {MODES}, found {new!r}")
+    _mode = new
+    on = new != "off"
+    layers.set_linear_dispatch(_linear if on else None)
+    moe.set_moe_dispatch(_moe if on else None)
+
+
+def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A [P] per-part scale as the entries take it: 0-dim when P == 1, else one value per output row."""
+    if t.numel() == 1:
+        return t.reshape(())
+    key = t.data_ptr()
+    if key not in _row_scales:
+        _row_scales[key] = t.float().repeat_interleave(n // t.numel()).contiguous()
+    return _row_scales[key]
+
+
+def _linear(lin, x: torch.Tensor):
+    if x.device.type != "cuda" or lin.num_experts is not None or lin.fmt not in ("nvfp4", "mxfp8", "fp8"):
+        if _mode == "require" and x.device.type == "cuda" and lin.fmt in ("nvfp4", "mxfp8", "fp8"):
+            raise ValueError(f"{lin.name}: require mode, but stacked expert linears route through moe.nvfp4")
+        return None
+    n, k = lin.out_features, lin.in_features
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    if x2.dtype != torch.bfloat16:
+        if _mode == "require":
+            raise ValueError(f"{lin.name}: require mode needs bf16 activations, found {x2.dtype}")
+        return None
+    entry = lookup(f"linear.{lin.fmt}", rows, (n, k), _mode)
+    if entry is None:
+        return None
+    cell = entry.cell_for(rows, (n, k))
+    cfg = cell.config["gemm"]
+    key = (id(lin), cell.rows)
+    if key not in _workspaces:
+        from m3serve.kernels._linear import make_workspace
+        _workspaces[key] = make_workspace(cfg, n, x.device)
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
+    x2 = x2.contiguous()
+    if lin.fmt == "nvfp4":
+        entry.raw_call(x2, lin.q_packed, lin.q_scale, _per_row(lin.q_global_scale, n), out, _workspaces[key], cfg)
+    elif lin.fmt == "mxfp8":
+        entry.raw_call(x2, lin.q_q, lin.q_scale, out, _workspaces[key], cfg)
+    else:
+        entry.raw_call(x2, lin.q_q, _per_row(lin.q_scale, n), out, _workspaces[key], cfg)
+    return out.view(*x.shape[:-1], n)
+
+
+def _moe(m, x: torch.Tensor):
+    if x.device.type != "cuda" or m.w13.fmt != "nvfp4" or m.w2.fmt != "nvfp4":
+        return None
+    sh = m.shared
+    shared_bf16 = int(sh is not None and sh.gate_up_proj.fmt == "dense")
+    e, h, i = m.w13.num_experts, m.w13.in_features, m.w2.in_features
+    if (sh is None or (not shared_bf16 and sh.gate_up_proj.fmt != "nvfp4") or x.dtype != torch.bfloat16
+            or sh.down_proj.in_features != i or m.top_k != 4):
+        if _mode == "require":
+            raise ValueError("moe: require mode needs bf16 activations, top-4 routing and an NVFP4 or BF16 shared "
+                             "expert as wide as the routed ones")
+        return None
+    shape = (e, h, i, shared_bf16)
+    rows = x.shape[0]
+    entry = lookup("moe.nvfp4", rows, shape, _mode)
+    if entry is None:
+        return None
+    cell = entry.cell_for(rows, shape)
+    cfg = cell.config["moe"]
+    key = (id(m), rows)
+    if key not in _workspaces:
+        from m3serve.kernels.moe_nvfp4 import make_moe_workspace
+        _workspaces[key] = make_moe_workspace(cfg, rows, e, h, i, x.device)
+    if shared_bf16:
+        sh_args = (sh.gate_up_proj.weight, None, None, sh.down_proj.weight, None, None)
+    else:
+        gu, dn = sh.gate_up_proj, sh.down_proj
+        sh_args = (gu.q_packed.unsqueeze(0), gu.q_scale.unsqueeze(0), gu.q_global_scale.reshape(1, 2),
+                   dn.q_packed.unsqueeze(0), dn.q_scale.unsqueeze(0), dn.q_global_scale.reshape(1))
+    out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
+    entry.raw_call(x.contiguous(), m.router, m.e_score_correction_bias,
+                   m.w13.q_packed, m.w13.q_scale, m.w13.q_global_scale.reshape(e, 2),
+                   m.w2.q_packed, m.w2.q_scale, m.w2.q_global_scale.reshape(e),
+                   *sh_args, m.scaling, out, _workspaces[key], cfg)
+    return out

@@ -1,0 +1,57 @@
+"""The catalog contract itself: every entry is complete, every cell says why, every module has
+its ENABLED switch, nothing reads the environment, and the linear configs are consistent."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pathlib
+
+import pytest
+
+import m3serve.kernels as kernels_pkg
+from m3serve.kernels import catalog
+from m3serve.kernels.catalog import all_entries
+
+ENTRIES = all_entries()
+
+
+def test_entries_are_complete() -> None:
+    assert set(ENTRIES) == {"linear.nvfp4", "linear.mxfp8", "linear.fp8", "qkv.nvfp4", "qkv.mxfp8", "qkv.fp8",
+                            "norm.add_rms", "head.bf16", "head.head12", "moe.nvfp4"}
+    for name, e in ENTRIES.items():
+        assert e.cells and e.interp_cells, name
+        assert e.archs == ("sm_90",)
+        for c in e.cells + e.interp_cells:
+            assert c.why.strip(), f"{name}: a cell without a reason"
+            assert 1 <= c.rows[0] <= c.rows[1] <= 48, f"{name}: rows {c.rows}"
+        # raw call and reference share the signature (the reference may ignore outputs/workspaces)
+        assert list(inspect.signature(e.raw_call).parameters)[:3] == list(inspect.signature(e.reference).parameters)[:3]
+
+
+@pytest.mark.parametrize("mod", catalog.ENTRY_MODULES)
+def test_each_entry_module_has_one_enabled_switch(mod: str) -> None:
+    m = importlib.import_module(mod)
+    assert m.ENABLED is True, f"{mod}: fast paths are on by default"
+    for e in m.ENTRIES:
+        assert e.enabled() is True
+
+
+def test_no_environment_reads() -> None:
+    root = pathlib.Path(kernels_pkg.__file__).parent
+    for p in root.glob("*.py"):
+        src = p.read_text()
+        assert "os.environ" not in src and "getenv" not in src, f"{p.name} reads the environment"
+
+
+def test_linear_configs_divide_their_shapes() -> None:
+    for name in ("linear.nvfp4", "linear.mxfp8", "linear.fp8", "qkv.nvfp4", "qkv.mxfp8", "qkv.fp8"):
+        for c in ENTRIES[name].cells:
+            n, k = c.shape
+            g = c.config["gemm"]
+            assert n % g.BN == 0 and k % (g.BK * g.SPLIT) == 0 and k // (g.BK * g.SPLIT) >= 2, (name, c)
+            assert c.rows[1] <= g.BM, (name, c)
+            # Narrow k/v projections (<= 3 MB at N <= 512) may use fewer programs: more split-K would move more
+            # fp32 partials than weight bytes, and at that size the launch, not the stream, sets the time.
+            min_programs = 96 if n >= 2048 else 16
+            assert (n // g.BN) * g.SPLIT >= min_programs, f"{name} {c.shape}: too few programs to stream the weight"

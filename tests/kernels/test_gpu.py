@@ -1,0 +1,180 @@
+"""GPU certification: every certified cell of every entry on the real device (H200, sm_90),
+fresh random inputs per case, outputs poisoned, reference in true fp32 on the same device.
+
+Run on the device machine: `python -m pytest -m gpu tests/kernels -q` (bench/gpu_check.sh).
+
+Rows per cell: the row count is a runtime argument inside one compiled variant (it only masks
+rows), except that M == 1 is specialised by Triton; so each cell runs at its first and last
+row count, plus one random interior count for the linears and the norm (heads and the MoE
+have expensive references). Set ALL_ROWS = True to run every row count.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from m3serve.kernels._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
+from m3serve.kernels.catalog import all_entries, true_fp32
+
+pytestmark = pytest.mark.gpu
+
+ALL_ROWS = False
+ENTRIES = all_entries()
+CELLS = [(name, i) for name, e in ENTRIES.items() for i in range(len(e.cells))]
+
+
+def _dev() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda")
+
+
+def _rows(kind: str, cell, rnd: random.Random) -> list[int]:
+    lo, hi = cell.rows
+    if ALL_ROWS:
+        return list(range(lo, hi + 1))
+    rows = {lo, hi}
+    # heads and the MoE: the end points only (their references are the expensive part)
+    if hi - lo >= 2 and not kind.startswith(("head", "moe")):
+        rows.add(rnd.randint(lo + 1, hi - 1))
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("name,i", CELLS, ids=[f"{n}-{ENTRIES[n].cells[i].shape}-r{ENTRIES[n].cells[i].rows[0]}-"
+                                               f"{ENTRIES[n].cells[i].rows[1]}" for n, i in CELLS])
+def test_cell(name: str, i: int) -> None:
+    dev = _dev()
+    e = ENTRIES[name]
+    cell = e.cells[i]
+    rnd = random.Random(hash((name, i)) & 0xFFFF)
+    for rows in _rows(e.kind, cell, rnd):
+        gen = torch.Generator().manual_seed(rnd.randint(0, 2**31))
+        case = e.make_case(cell, rows, dev, gen)
+        out = e.raw_call(*case.args, **case.kwargs)
+        torch.cuda.synchronize()
+        ref = e.reference(*case.args, **case.kwargs)
+        e.compare(out, ref, case)
+        del case, out, ref
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_warmup_compiles_every_cell(name: str) -> None:
+    ENTRIES[name].warmup(_dev())
+
+
+# --- compiled decoders (the bf16 LOWP path and native fp8 conversion exist only here) -------
+
+
+@pytest.mark.parametrize("fmt", [FMT_NVFP4, FMT_MXFP8, FMT_FP8, FMT_BF16])
+@pytest.mark.parametrize("lowp", [False, True])
+def test_group_decoder_is_exact_compiled(fmt: int, lowp: bool) -> None:
+    from tests.kernels.test_decode import decoded_tile
+
+    o, ref, xc = decoded_tile(fmt, 16, 256, _dev(), cuda=True, lowp=lowp, gen=torch.Generator().manual_seed(fmt))
+    assert sorted(xc.tolist()) == list(range(256))
+    assert torch.equal(o, ref[:, xc]), "compiled decode (incl. bf16 subnormal E2M1 x scale) must be exact"
+
+
+def test_scalar_decoders_compiled() -> None:
+    from tests.kernels.test_decode import _scalar
+
+    dev = _dev()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(dev)
+    finite = (codes & 0x7F) != 0x7F
+    got = _scalar(0, codes, cuda=True)
+    assert torch.equal(got[finite], codes.view(torch.float8_e4m3fn).float()[finite])
+    x = torch.randn(1 << 16, device=dev) * torch.exp2(torch.randint(-60, 60, (1 << 16,), device=dev).float())
+    assert torch.equal(_scalar(2, x, cuda=True).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+# --- split-K tickets, determinism and CUDA graphs --------------------------------------------
+
+
+def _split_cell(name: str):
+    e = ENTRIES[name]
+    for i, c in enumerate(e.cells):
+        if "gemm" in c.config and c.config["gemm"].SPLIT > 1:
+            return e, c
+    raise AssertionError(f"{name}: no split-K cell")
+
+
+@pytest.mark.parametrize("name", ["linear.nvfp4", "linear.mxfp8"])
+def test_split_k_is_deterministic_and_leaves_counters_at_zero(name: str) -> None:
+    dev = _dev()
+    e, cell = _split_cell(name)
+    case = e.make_case(cell, cell.rows[1], dev, torch.Generator().manual_seed(1))
+    out = e.raw_call(*case.args).clone()
+    for _ in range(5):
+        again = e.raw_call(*case.args)
+        assert torch.equal(again.view(torch.int16), out.view(torch.int16)), "split-K sums in a fixed order"
+    ws = case.args[-2]
+    torch.cuda.synchronize()
+    assert int(ws.count.abs().sum()) == 0
+
+
+def _graph_check(e, cell, rows: int, fresh_inputs) -> None:
+    """Capture one raw call after warmup, then replay it on fresh inputs copied into the
+    captured buffers; every replay must match its reference (counters reset between replays)."""
+    dev = _dev()
+    gen = torch.Generator().manual_seed(5)
+    case = e.make_case(cell, rows, dev, gen)
+    e.raw_call(*case.args)  # compile + warm outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            e.raw_call(*case.args)
+    torch.cuda.current_stream().wait_stream(s)
+    for k in range(3):
+        fresh_inputs(case, torch.Generator().manual_seed(100 + k))
+        g.replay()
+        torch.cuda.synchronize()
+        e.compare(_outputs(e, case), e.reference(*case.args), case)
+
+
+def _outputs(e, case):
+    """The raw call's outputs inside case.args: (ids, best) for heads, else `out`."""
+    if e.kind.startswith("head"):
+        return case.args[-5], case.args[-4]
+    return case.args[-3]
+
+
+def _fresh_x(case, gen: torch.Generator) -> None:
+    x = case.args[0]
+    x.copy_((torch.randn(x.shape, generator=gen) * 2).to(x.dtype).to(x.device))
+
+
+@pytest.mark.parametrize("name", ["linear.nvfp4", "qkv.mxfp8", "moe.nvfp4", "head.head12"])
+def test_cuda_graph_replay(name: str) -> None:
+    e = ENTRIES[name]
+    cell = _split_cell(name)[1] if name.startswith(("linear", "qkv")) else e.cells[0]
+    _graph_check(e, cell, cell.rows[1], _fresh_x)
+
+
+def test_head12_agrees_with_bf16_head_on_the_same_weights() -> None:
+    from m3serve.kernels import head12 as H12
+    from m3serve.kernels import head_bf16 as HB
+    from m3serve.quant.head12 import encode_head12
+
+    dev = _dev()
+    cell = HB.CELLS[0]
+    case = HB.make_case(cell, 8, dev, torch.Generator().manual_seed(9))
+    x, w = case.args[0], case.args[1]
+    h = H12.prepare_head12(encode_head12(w))
+    assert h.esc_row.numel() > 0, "the test weights must exercise escapes"
+    ids_b, best_b = HB.head_bf16_argmax(*case.args)
+    ids_b, best_b = ids_b.clone(), best_b.clone()
+    cfg = cell.config["head"]
+    ids12, best12, ws = HB.head_case_io(cfg, 8, w.shape[0], dev)
+    H12.head12_argmax(x, *h.args(), ids12, best12, ws, case.args[5], cfg)
+    logits = HB.head_bf16_reference(x, w)
+    with true_fp32():
+        absprod = x.float().abs() @ w.float().abs().T
+    HB.compare_argmax("head12 vs bf16", (ids12, best12), logits, absprod, x.shape[1], case.args[5])
+    HB.compare_argmax("bf16", (ids_b, best_b), logits, absprod, x.shape[1], case.args[5])

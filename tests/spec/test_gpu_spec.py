@@ -1,0 +1,75 @@
+"""Speculative decoding on CUDA (stock path): exact greedy in fp32, the device RNG is bit-identical to the CPU one,
+sampled verify on the device, and a bf16 smoke run with forced acceptance. Run with `pytest -m gpu tests/spec`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3serve.engine.engine import EngineConfig
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.engine.speculative import DeviceRNG, SpeculativeEngine, verify_sampled
+from m3serve.model.loader import load_model
+from tests.spec.specutil import cheat_engine, plain_outputs, prompts, run_staggered, spec_cfg
+from tests.spec.test_verify import chi2_pvalue
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def test_device_rng_is_bit_identical_across_devices():
+    keys = torch.tensor([0, 7, 2 ** 62 + 3], dtype=torch.int64)
+    a = DeviceRNG(9, "cpu").uniform(3, 4096, keys)
+    b = DeviceRNG(9, "cuda").uniform(3, 4096, keys.cuda())
+    assert torch.equal(a, b.cpu())          # pure integer hashing: no device-dependent rounding
+
+
+def test_greedy_exact_on_cuda_fp32():
+    model = load_model("tiny", device="cuda", random_weights=True, dtype=torch.float32)
+    ps = prompts(8, seed=40)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 8
+    cfg = dict(kv_cache_bytes=8 << 20)
+    ref = plain_outputs(model, ps, params, **cfg)
+    eng = SpeculativeEngine(model, EngineConfig(**cfg), speculative_config=spec_cfg(3))
+    assert [list(r.output_token_ids) for r in run_staggered(eng, ps, params, [0, 0, 1, 2, 3, 5, 8, 9])] == ref
+    eng = cheat_engine(model, ps, params, ref, k=3, **cfg)
+    assert [list(r.output_token_ids) for r in run_staggered(eng, ps, params, [0, 0, 1, 2, 3, 5, 8, 9])] == ref
+    assert eng.stats()["spec_decode"]["acceptance_length"] > 2.5
+
+
+def test_sampled_verify_on_cuda_preserves_distribution():
+    r, k, v = 200_000, 3, 8
+    g = torch.Generator().manual_seed(41)
+    p1 = torch.softmax(torch.randn(k + 1, v, generator=g), -1)
+    q1 = torch.softmax(torch.randn(k, v, generator=g), -1)
+    drafts = torch.stack([torch.multinomial(q1[i], r, replacement=True, generator=g) for i in range(k)], 1)
+    dev = "cuda"
+    tokens, n = verify_sampled(p1.expand(r, k + 1, v).contiguous().to(dev), q1.expand(r, k, v).contiguous().to(dev),
+                               drafts.to(dev), torch.full((r,), k, device=dev), DeviceRNG(42, dev),
+                               torch.arange(r, device=dev))
+    tokens, n = tokens.cpu(), n.cpu()
+    assert chi2_pvalue(tokens[:, 0], p1[0]) > 1e-3
+    assert chi2_pvalue(tokens[n >= 2, 1], p1[1]) > 1e-3
+
+
+def test_bf16_forced_acceptance_smoke():
+    model = load_model("tiny", device="cuda", random_weights=True, dtype=torch.bfloat16)
+    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=32 << 20, kv_cache_dtype="fp8"),
+                            speculative_config=spec_cfg(3, forced_acceptance=2.78))
+    assert eng.kv.spec.kv_format(eng.kv.draft_layer) == "fp8"
+    ps = prompts(4, seed=43)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=64, temperature=0.8, ignore_eos=True, seed=i))
+            for i, p in enumerate(ps)]
+    while eng.has_work():
+        eng.step()
+    assert all(len(r.output_token_ids) == 64 for r in reqs)
+    st = eng.stats()["spec_decode"]
+    assert abs(st["acceptance_length"] - 2.78) <= len(reqs) / st["verify_steps"]
