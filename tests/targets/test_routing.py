@@ -35,18 +35,23 @@ def test_cpu_model_is_unaffected_by_auto():
     assert llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids == off
 
 
+@pytest.fixture(scope="module")
+def real_model():
+    from m3serve.model.loader import load_model
+    return load_model("minimax-m3:4", device="cuda", dtype=torch.bfloat16, random_weights=True,
+                      quantization="nvfp4", seed=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4, 16])
-def test_routed_matches_stock_on_gpu(rows):
+def test_routed_matches_stock_on_gpu(rows, real_model):
     """minimax-m3:4 (real dims, NVFP4 experts, MXFP8 projections) decode logits, routed vs stock.
     Tolerance: each entry equals its fp32 reference to one bf16 ulp plus fp32 reordering; the stock path
     rounds each GEMM output to bf16 once more before its per-row scale. Over 4 layers the logits (|l| ~ 1)
     may drift by a few bf16 ulps of the hidden state: we bound max |diff| by 0.05 and require >= 95 %
     argmax agreement (ties within that drift may flip)."""
-    from m3serve.model.loader import load_model
     from m3serve.model.m3 import ForwardBatch, SeqSpan
-    model = load_model("minimax-m3:4", device="cuda", dtype=torch.bfloat16, random_weights=True,
-                       quantization="nvfp4", seed=1)
+    model = real_model
     ids = torch.randint(0, model.cfg.vocab_size, (rows,), device="cuda")
     batch = lambda: ForwardBatch(ids, torch.arange(rows, device="cuda"),  # noqa: E731
                                  [SeqSpan(i, 1, 1) for i in range(rows)])
