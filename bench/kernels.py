@@ -24,7 +24,6 @@ import datetime as dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -108,11 +107,8 @@ def moe_bytes(case) -> int:
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except Exception as exc:  # no git, or a tree without commits
-        return f"unknown ({type(exc).__name__})"
+    from m3serve.benchmeta import git_commit as commit
+    return commit()
 
 
 def goals(rows: list[dict]) -> list[dict]:

