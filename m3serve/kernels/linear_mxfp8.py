@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from m3serve.kernels import _linear as L
+from m3serve.kernels._gemv import GemvConfig, launch_gemv
 from m3serve.kernels._decode import FMT_MXFP8
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
@@ -45,10 +46,13 @@ def _one(device: torch.device) -> torch.Tensor:
 
 
 def mxfp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                 workspace: L.GemmWorkspace, config: L.GemmConfig) -> torch.Tensor:
-    """Raw call. Writes and returns `out`."""
+                 workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig) -> torch.Tensor:
+    """Raw call. Writes and returns `out`. A GemvConfig selects the decode GEMV (_gemv.py)."""
     n, k = q.shape
     check_mxfp8_weight(q, scale, n, k)
+    if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (_gemv.py), same contract
+        return launch_gemv(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
+                           fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k, cfg=config)
     return L.launch_gemm(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
                          fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k, cfg=config)
 

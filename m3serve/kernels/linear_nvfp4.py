@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from m3serve.kernels import _linear as L
+from m3serve.kernels._gemv import GemvConfig, launch_gemv
 from m3serve.kernels._decode import FMT_NVFP4
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
@@ -35,7 +36,7 @@ def check_nvfp4_weight(packed: torch.Tensor, block_scale: torch.Tensor, n: int, 
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                 out: torch.Tensor, workspace: L.GemmWorkspace, config: L.GemmConfig) -> torch.Tensor:
+                 out: torch.Tensor, workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig) -> torch.Tensor:
     """Raw call. Writes and returns `out`. `global_scale` may also be a [N] fp32 vector (one
     ENCODE scale per output row; used by the fused projection entry)."""
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -44,6 +45,9 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     if global_scale.numel() not in (1, n) or global_scale.dim() > 1:
         raise ValueError(f"global_scale: expected a 0-dim/1-element or [{n}] tensor, found {tuple(global_scale.shape)}")
     stride = 1 if global_scale.numel() == n and n > 1 else 0
+    if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (_gemv.py), same contract
+        return launch_gemv(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride, out,
+                           workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k, cfg=config)
     return L.launch_gemm(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride, out,
                          workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k, cfg=config)
 

@@ -42,30 +42,61 @@ def real_model():
                       quantization="nvfp4", seed=1)
 
 
+def _record_moe_inputs(model, store: list):
+    from m3serve.model.moe import MoE
+    return [m.register_forward_pre_hook(lambda mod, args: store.append(args[0].detach().clone()))
+            for m in model.modules() if isinstance(m, MoE)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4, 16])
-def test_routed_matches_stock_on_gpu(rows, real_model):
+@pytest.mark.parametrize("rows,seed", [(1, 0), (4, 1), (4, 2), (16, 3)])
+def test_routed_matches_stock_on_gpu(rows, seed, real_model):
     """minimax-m3:4 (real dims, NVFP4 experts, MXFP8 projections) decode logits, routed vs stock.
+
     Tolerance: each entry equals its fp32 reference to one bf16 ulp plus fp32 reordering; the stock path
-    rounds each GEMM output to bf16 once more before its per-row scale. The logits themselves are bf16
-    outputs of the head, so any change in the hidden state shows up as whole bf16 ulps of the logit
-    magnitude: we bound max |diff| by 2 ulps of max |logit| (measured on the H200: 1 ulp), and require
-    >= 90 % argmax agreement (bf16-rounded logits tie often over 200k entries; a tie may flip)."""
+    rounds each GEMM output to bf16 once more before its per-row scale. The logits are bf16 outputs of the
+    head, so a change in the hidden state shows up as whole bf16 ulps of the logit magnitude: a token whose
+    experts are the same in both runs must agree within 2 ulps of max |logit| (measured: 1-2 ulps).
+    Top-k routing is discontinuous: those rounding differences upstream may flip a near-tied 4th/5th
+    expert, which legitimately moves that token's logits by O(1). Such a token is accepted only when its
+    expert sets really differ and the stock router's 4th-5th score gap is below 0.02 (a near tie)."""
     from m3serve.model.m3 import ForwardBatch, SeqSpan
+    from m3serve.model.moe import route
     model = real_model
-    ids = torch.randint(0, model.cfg.vocab_size, (rows,), device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows,), device="cuda", generator=g)
     batch = lambda: ForwardBatch(ids, torch.arange(rows, device="cuda"),  # noqa: E731
                                  [SeqSpan(i, 1, 1) for i in range(rows)])
+    x_ref, x_got = [], []
     with torch.no_grad():
         routing.set_mode("off")
+        hooks = _record_moe_inputs(model, x_ref)
         ref = model(batch())
+        for h in hooks:
+            h.remove()
         routing.set_mode("require")
+        hooks = _record_moe_inputs(model, x_got)
         got = model(batch())
+        for h in hooks:
+            h.remove()
     assert torch.isfinite(got).all()
-    diff = (ref - got).abs().max().item()
+    moes = [m for m in model.modules() if m.__class__.__name__ == "MoE"]
+    flipped = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    near_tie = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    for m, xr, xg in zip(moes, x_ref, x_got):
+        a, _ = route(xr, m.router, m.e_score_correction_bias, m.top_k)
+        b, _ = route(xg, m.router, m.e_score_correction_bias, m.top_k)
+        flipped |= (a.sort(-1).values != b.sort(-1).values).any(-1)
+        s = torch.sigmoid(xr.float() @ m.router.float().t()) + m.e_score_correction_bias
+        top = s.topk(m.top_k + 1, dim=-1).values
+        near_tie |= (top[:, -2] - top[:, -1]) < 0.02
     scale = ref.abs().max().item()
     ulp = 2.0 ** (torch.floor(torch.log2(torch.tensor(scale))).item() - 7)
+    row_diff = (ref - got).abs().max(-1).values
+    same = ~flipped
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    print(f"rows {rows}: max |logit| {scale:.3f}, max |diff| {diff:.4f} = {diff / ulp:.1f} ulp, "
-          f"argmax agreement {agree:.3f}")
-    assert diff <= 2 * ulp and agree >= 0.9
+    print(f"rows {rows} seed {seed}: max |logit| {scale:.3f}, max |diff| over same-routing tokens "
+          f"{(row_diff[same].max().item() if same.any() else 0.0) / ulp:.1f} ulp, routing flips "
+          f"{int(flipped.sum())}, argmax agreement {agree:.3f}")
+    assert (row_diff[same] <= 2 * ulp).all()
+    assert bool((near_tie | ~flipped).all()), "a routing flip without a near tie: the kernel routed wrongly"

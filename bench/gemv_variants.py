@@ -1,0 +1,220 @@
+"""Decode GEMV variants (m3serve/kernels/_gemv.py) vs the certified tensor-core cell, 1-4 rows.
+
+For linear.nvfp4 and linear.mxfp8, each real (N, K) shape and rows 1, 2, 4: the entry's current
+cell config ("cell") and each GEMV config below run on the SAME fresh random inputs through the
+entry's raw call; every output is checked against the entry's reference with the entry's
+compare (a failure is reported and the run continues), then timed like bench/kernels.py (CUDA
+graph replay, 256 MB L2 flush before each replay, median of --iters) and reported as GB/s over
+the bytes the call must move and as a fraction of this run's device-to-device copy bandwidth.
+"det" says whether the last timed replay reproduced the first output bit for bit.
+
+Usage:
+    python3 bench/gemv_variants.py [--iters 20] [--budget-s 210] [--out-dir DIR]   (GPU; ~2-4 min)
+    python3 bench/gemv_variants.py --cpu-smoke                                     (interpreter)
+Writes gemv_variants-<date>.json to $OUT (or --out-dir) and bench/results/ (GPU runs).
+A variant still compiling when --budget-s has passed finishes; later ones are skipped (listed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from m3serve.kernels import _linear as L  # noqa: E402
+from m3serve.kernels import linear_mxfp8, linear_nvfp4  # noqa: E402
+from m3serve.kernels._gemv import GemvConfig, gemv_split  # noqa: E402
+from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
+
+SHAPES = ((9856, 6144), (8192, 6144), (6144, 8192), (24576, 6144), (6144, 12288), (6144, 3072), (512, 6144))
+ROWS = (1, 2, 4)
+ENTRIES = (linear_nvfp4.ENTRY, linear_mxfp8.ENTRY)
+# (name, BN, BK, num_warps, target programs, PREFETCH, num_stages); SPLIT follows from the target
+GEMV_GRID = (
+    ("g32x256w4", 32, 256, 4, 528, True, 1),
+    ("g16x512w4", 16, 512, 4, 528, True, 1),
+    ("g64x256w8", 64, 256, 8, 264, True, 1),
+    ("g32x256w4p1k", 32, 256, 4, 1056, True, 1),
+    ("g32x256w4s3", 32, 256, 4, 528, False, 3),  # no manual prefetch: does the pipeliner do it?
+)
+SMOKE_SHAPES = ((64, 512), (32, 256))
+SMOKE_GRID = (("s16x64", 16, 64, 2, 8, True, 1), ("s32x128np", 32, 128, 4, 4, False, 1))
+
+
+def _load_kernels_bench():
+    """bench/kernels.py's timing helpers (one methodology for both benchmarks)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def variants(n: int, k: int, rows: int, cell_cfg, grid) -> list[tuple[str, object]]:
+    bm = 1 if rows <= 1 else 2 if rows <= 2 else 4
+    out: list[tuple[str, object]] = [("cell", cell_cfg)] if cell_cfg is not None else []
+    for name, bn, bk, warps, programs, prefetch, stages in grid:
+        if n % bn or k % bk or k // bk < 2:
+            continue
+        split = gemv_split(n, k, bn, bk, programs)
+        out.append((f"{name}/s{split}", GemvConfig(BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=warps,
+                                                   num_stages=stages, PREFETCH=prefetch)))
+    return out
+
+
+def with_config(case: Case, cfg, n: int, device: torch.device) -> Case:
+    """The same inputs with a fresh poisoned output, a fresh workspace and another config."""
+    inputs = case.args[:-3]
+    out = poisoned(tuple(case.args[-3].shape), torch.bfloat16, device)
+    return Case(args=(*inputs, out, L.make_workspace(cfg, n, device), cfg), kwargs={}, bytes_moved=case.bytes_moved)
+
+
+def cfg_dict(cfg) -> dict:
+    return {"type": type(cfg).__name__, **cfg.__dict__}
+
+
+def run(a: argparse.Namespace) -> dict:
+    cpu = a.cpu_smoke
+    dev = torch.device("cpu" if cpu else "cuda")
+    kb = None if cpu else _load_kernels_bench()
+    shapes, grid = (SMOKE_SHAPES, SMOKE_GRID) if cpu else (SHAPES, GEMV_GRID)
+    t0 = time.time()
+    bw = None
+    flush = None
+    if not cpu:
+        bw = kb.copy_bandwidth(dev)
+        flush = torch.empty(kb.FLUSH_BYTES, dtype=torch.uint8, device=dev)
+        print(f"device {torch.cuda.get_device_name(dev)}; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    results: list[dict] = []
+    skipped: list[str] = []
+    for e in ENTRIES:
+        for n, k in shapes:
+            for rows in ROWS:
+                cell = e.cell_for(rows, (n, k))
+                cell_cfg = cell.config["gemm"] if cell is not None else None
+                if cpu:  # tiny shapes have no certified cell: exercise the tensor-core path at a small tile
+                    cell_cfg = L.GemmConfig(BM=16, BN=32, BK=64, SPLIT=2)
+                base_cfg = cell_cfg or GemvConfig(BM=4, BN=16, BK=64, SPLIT=1)
+                base = e.make_case(Cell(rows=(rows, rows), shape=(n, k), why="bench", config={"gemm": base_cfg}),
+                                   rows, dev, gen)
+                ref = e.reference(*base.args)
+                for vname, cfg in variants(n, k, rows, cell_cfg, grid):
+                    tag = f"{e.name} {(n, k)} rows {rows} {vname}"
+                    if time.time() - t0 > a.budget_s:
+                        skipped.append(tag)
+                        continue
+                    rec = {"entry": e.name, "shape": [n, k], "rows": rows, "variant": vname, "config": cfg_dict(cfg)}
+                    try:
+                        case = with_config(base, cfg, n, dev)
+                        tc = time.time()
+                        out = e.raw_call(*case.args).clone()
+                        rec["first_call_s"] = time.time() - tc  # compile (GPU) or interpret (CPU) time
+                        e.compare(out, ref, case)
+                        rec["ok"] = True
+                        if not cpu:
+                            call = lambda case=case: e.raw_call(*case.args)  # noqa: E731
+                            replay = kb.graphed(call)
+                            t = kb.time_call(replay or call, a.iters, flush)
+                            torch.cuda.synchronize()
+                            rec.update(graph=replay is not None, us=t * 1e6, bytes=case.bytes_moved,
+                                       GBps=case.bytes_moved / t / 1e9, frac_copy=case.bytes_moved / t / bw)
+                            rec["det"] = bool(torch.equal(case.args[-3], out))
+                            rec["counters_zero"] = bool((case.args[-2].count == 0).all())
+                        else:
+                            rec["det"] = bool(torch.equal(e.raw_call(*case.args), out))
+                    except Exception as exc:  # report, keep going: one bad variant must not end the run
+                        rec["ok"] = False
+                        rec["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                        rec["trace"] = traceback.format_exc(limit=3)[-1500:]
+                        if not cpu:
+                            torch.cuda.synchronize()
+                    results.append(rec)
+                    line = (f"{e.name:13s} {str((n, k)):14s} rows {rows}  {vname:22s} "
+                            + ("FAIL " + rec["error"][:160] if not rec["ok"] else
+                               f"ok  interpreted in {rec['first_call_s']:.2f} s  det={rec['det']}" if cpu else
+                               f"ok  {rec.get('us', float('nan')):8.1f} us  {rec.get('GBps', float('nan')):7.0f} GB/s  "
+                               f"{100 * rec.get('frac_copy', float('nan')):5.1f}% copy  det={rec['det']}"))
+                    print(line, flush=True)
+                del base, ref
+                if not cpu:
+                    torch.cuda.empty_cache()
+    doc = {"gpu": "cpu-interpreter" if cpu else torch.cuda.get_device_name(dev), "command": " ".join(sys.argv),
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "copy_bandwidth_Bps": bw, "iters": a.iters,
+           "wall_s": time.time() - t0, "results": results, "skipped": skipped, "summary": summarize(results)}
+    return doc
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per (entry, rows): each variant family's geometric-mean fraction of copy bandwidth over the
+    shapes it ran correctly on, and per (entry, shape, rows) the best correct variant vs the cell."""
+    out: list[dict] = []
+    fam: dict[tuple, list[float]] = {}
+    best: dict[tuple, dict] = {}
+    cell: dict[tuple, dict] = {}
+    for r in results:
+        if not r.get("ok") or "frac_copy" not in r:
+            continue
+        key = (r["entry"], tuple(r["shape"]), r["rows"])
+        fam.setdefault((r["entry"], r["rows"], r["variant"].split("/")[0]), []).append(r["frac_copy"])
+        if r["variant"] == "cell":
+            cell[key] = r
+        if key not in best or r["frac_copy"] > best[key]["frac_copy"]:
+            best[key] = r
+    for (ent, rows, v), fr in sorted(fam.items()):
+        out.append({"entry": ent, "rows": rows, "variant": v, "n_shapes": len(fr),
+                    "geomean_frac_copy": math.exp(sum(math.log(f) for f in fr) / len(fr))})
+    for key, r in sorted(best.items()):
+        c = cell.get(key)
+        out.append({"entry": key[0], "shape": list(key[1]), "rows": key[2], "best": r["variant"],
+                    "best_frac_copy": r["frac_copy"], "cell_frac_copy": c["frac_copy"] if c else None,
+                    "speedup_vs_cell": c["us"] / r["us"] if c else None})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=210.0, help="stop starting new variants after this")
+    ap.add_argument("--out-dir", default=os.environ.get("OUT"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the Triton interpreter")
+    a = ap.parse_args(argv)
+    if not a.cpu_smoke and not torch.cuda.is_available():
+        print("no CUDA device: use --cpu-smoke", file=sys.stderr)
+        return 2
+    if not a.cpu_smoke:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    doc = run(a)
+    fails = [r for r in doc["results"] if not r["ok"]]
+    for s in doc["summary"]:
+        if "geomean_frac_copy" in s:
+            print(f"  {s['entry']:13s} rows {s['rows']}  {s['variant']:14s} geomean {100 * s['geomean_frac_copy']:5.1f}% "
+                  f"copy over {s['n_shapes']} shapes")
+    print(f"{len(doc['results'])} runs, {len(fails)} failed, {len(doc['skipped'])} skipped (budget); "
+          f"wall {doc['wall_s']:.0f} s")
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    name = f"gemv_variants-{'cpu-smoke' if a.cpu_smoke else 'gpu'}-{date}.json"
+    paths = [Path(a.out_dir) / name] if a.out_dir else []
+    if not a.cpu_smoke:
+        paths.append(ROOT / "bench" / "results" / name)
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {p}")
+    return 1 if a.cpu_smoke and fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
