@@ -124,7 +124,7 @@ def run(a: argparse.Namespace) -> dict:
                         e.compare(out, ref, case)
                         rec["ok"] = True
                         if not cpu:
-                            call = lambda case=case: e.raw_call(*case.args)  # noqa: E731
+                            call = lambda case=case, e=e: e.raw_call(*case.args)  # noqa: E731
                             replay = kb.graphed(call)
                             t = kb.time_call(replay or call, a.iters, flush)
                             torch.cuda.synchronize()

@@ -75,8 +75,10 @@ def cmd_generate(args) -> int:
     dt = time.perf_counter() - t1
     n = len(req.output_token_ids)
     print()
+    spec = getattr(req, "spec_metrics", None)
+    spec_note = f"; Eagle3 acceptance length {spec['acceptance_length']:.2f}" if spec else ""
     print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s; load {load_s:.1f} s; finish: "
-          f"{req.finish_reason}; device {llm.device}, {llm.dtype}]", file=sys.stderr)
+          f"{req.finish_reason}; device {llm.device}, {llm.dtype}{spec_note}]", file=sys.stderr)
     eng.release(req)
     return 0
 

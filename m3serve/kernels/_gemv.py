@@ -47,7 +47,14 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from m3serve.kernels._decode import FMT_MXFP8, FMT_NVFP4, e2m1_pair, e4m3_to_f32, e8m0_to_f32, to_bf16
+from m3serve.kernels._decode import (
+    FMT_MXFP8,
+    FMT_NVFP4,
+    e2m1_pair,
+    e4m3_to_f32,
+    e8m0_to_f32,
+    to_bf16,
+)
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._linear import GemmWorkspace, check_gemm_args
 from m3serve.kernels._wstream import apply_alpha
@@ -294,7 +301,7 @@ def gemv_cells(shapes: tuple[tuple[tuple[int, int], str], ...], why_prefix: str 
 
 def interp_gemv_cells(shape: tuple[int, int] = (64, 256)) -> tuple[Cell, ...]:
     """Tiny cells for the interpreter: every BM, split-K on/off, prefetch on/off, masked rows."""
-    n, k = shape
+    k = shape[1]
     return (
         Cell(rows=(1, 1), shape=shape, why="gemv interp: BM 1, no split, prefetch",
              config={"gemm": GemvConfig(BM=1, BN=32, BK=64, SPLIT=1)}),

@@ -42,7 +42,7 @@ def test_gemv_matches_reference(name: str, i: int, rows: int) -> None:
 def test_gemv_is_deterministic_with_split_k(name: str) -> None:
     cell = CELLS[1]  # split-K 2: the last-arriving program sums the partials in a fixed order
     assert cell.config["gemm"].SPLIT > 1
-    e, case, out, ref = _run(name, cell, 2, seed=5)
+    e, case, out, _ = _run(name, cell, 2, seed=5)
     first = out.clone()
     case.args[-3].fill_(float("nan"))
     assert torch.equal(e.raw_call(*case.args), first)
@@ -108,3 +108,29 @@ def test_gemv_config_and_rows_are_validated() -> None:
                                   torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"x: this config \(BM=2\) serves 1..2 rows, found M=3"):
         linear_mxfp8.mxfp8_linear(*case.args)
+
+
+GPU_SHAPES = ((6144, 8192), (512, 6144))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gemv_compiled_real_shapes(name: str, rows: int) -> None:
+    """Compiled GEMV at real shapes with the proposed configs (gemv_cells), fresh inputs, twice
+    (bitwise equal: fixed reduction order), counters back at zero."""
+    from m3serve.kernels._gemv import gemv_cells
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device("cuda")
+    e = ENTRIES[name]
+    for cell in gemv_cells(tuple((s, "gpu test") for s in GPU_SHAPES)):
+        if not cell.rows[0] <= rows <= cell.rows[1]:
+            continue
+        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
+        out = e.raw_call(*case.args).clone()
+        e.compare(out, e.reference(*case.args), case)
+        case.args[-3].fill_(float("nan"))
+        assert torch.equal(e.raw_call(*case.args), out)
+        assert int(case.args[-2].count.abs().sum()) == 0
