@@ -16,17 +16,8 @@ import torch
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_MXFP8
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
-from m3serve.kernels.catalog import (
-    Case,
-    Cell,
-    Entry,
-    assert_band,
-    check_tensor,
-    device_rng,
-    gemm_band,
-    poisoned,
-    true_fp32,
-)
+from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
+                                     true_fp32)
 from m3serve.quant.mxfp8 import dequantize_mxfp8
 
 ENABLED = True  # the one switch: False sends every linear.mxfp8 call down the stock path

@@ -16,17 +16,8 @@ import torch
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_NVFP4
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
-from m3serve.kernels.catalog import (
-    Case,
-    Cell,
-    Entry,
-    assert_band,
-    check_tensor,
-    device_rng,
-    gemm_band,
-    poisoned,
-    true_fp32,
-)
+from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
+                                     true_fp32)
 from m3serve.quant.nvfp4 import dequantize_nvfp4
 
 ENABLED = True  # the one switch: False sends every linear.nvfp4 call down the stock path

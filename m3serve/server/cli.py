@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 (default 1024)")
     p.add_argument("--max-choices", type=int, default=64, help="prompts x n allowed in one request")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks (worker processes are started here)")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="Eagle3 draft length with the drafter in <model>/eagle3 (0: off)")
     p.add_argument("--log-level", default="info")
 
 
@@ -49,7 +53,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"m3serve serve: MODEL {args.model_pos!r} and --model {args.model!r} disagree", file=sys.stderr)
         return 2
     model = args.model or args.model_pos or default_model()
-    llm = LLM(model, device=args.device, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
+    extra = {}
+    if args.tp != 1:
+        extra["tensor_parallel_size"] = args.tp
+    if args.speculative_tokens:
+        drafter = os.path.join(model, "eagle3")
+        if not os.path.exists(os.path.join(drafter, "config.json")):
+            print(f"m3serve serve: --speculative-tokens needs a drafter at {drafter}", file=sys.stderr)
+            return 2
+        extra["speculative_config"] = {"method": "eagle3", "model": drafter,
+                                       "num_speculative_tokens": args.speculative_tokens}
+    llm = LLM(model, **extra, device=args.device, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
               kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
