@@ -86,6 +86,33 @@ def linear_cells(weight_bytes: float, shapes=M3_LINEAR_SHAPES, why_prefix: str =
     return tuple(cells)
 
 
+def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[int, int], ...],
+                        shapes=M3_LINEAR_SHAPES) -> tuple[Cell, ...]:
+    """GEMV cells (m3serve.kernels._gemv) for the decode row ranges `gemv_rows`, tensor-core cells for the
+    rest of 1-48. `gemv`: BN, BK, num_warps, programs, PREFETCH, num_stages — the family chosen from the
+    H200 measurement in bench/results/gemv_variants-gpu-2026-11-30.json."""
+    from m3serve.kernels._gemv import GemvConfig, gemv_split
+    cells = []
+    for (n, k), why in shapes:
+        bn, bk = gemv["BN"], gemv["BK"]
+        fits = n % bn == 0 and k % bk == 0 and k // bk >= 2
+        covered = gemv_rows if fits else ()
+        for lo, hi in covered:
+            cfg = GemvConfig(BM=1 if hi <= 1 else 2 if hi <= 2 else 4, BN=bn, BK=bk,
+                             SPLIT=gemv_split(n, k, bn, bk, gemv["programs"]), num_warps=gemv["num_warps"],
+                             num_stages=gemv["num_stages"], PREFETCH=gemv["PREFETCH"])
+            cells.append(Cell(rows=(lo, hi), shape=(n, k), why=f"decode GEMV: {why}; rows {lo}-{hi}",
+                              config={"gemm": cfg}))
+        top = max((hi for _, hi in covered), default=0)
+        for lo, hi in ROW_RANGES:
+            lo = max(lo, top + 1)
+            if lo > hi:
+                continue
+            cfg = choose_config(hi, n, k, weight_bytes, bn=32 if n < 2048 else 64)
+            cells.append(Cell(rows=(lo, hi), shape=(n, k), why=f"{why}; rows {lo}-{hi}", config={"gemm": cfg}))
+    return tuple(cells)
+
+
 def interp_cells(shapes: tuple[tuple[int, int], ...]) -> tuple[Cell, ...]:
     """Tiny cells for the interpreter: split-K on and off, both padded widths that matter."""
     out = []

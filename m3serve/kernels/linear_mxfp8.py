@@ -99,7 +99,10 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
                 bytes_moved=n * k + n * k // 32 + rows * k * 2 + rows * n * 2)
 
 
-CELLS = L.linear_cells(WEIGHT_BYTES)
+# Rows 1-2: the GEMV measured 1.42x / 1.19x faster than the tensor-core cell (family g32x256w4s3); at 3-4
+# rows the tensor-core cell wins (H200, bench/results/gemv_variants-gpu-2026-11-30.json).
+CELLS = L.decode_linear_cells(WEIGHT_BYTES, {"BN": 32, "BK": 256, "num_warps": 4, "programs": 528,
+                                             "PREFETCH": False, "num_stages": 3}, ((1, 1), (2, 2)))
 INTERP_CELLS = L.interp_cells(((128, 256),))
 
 
