@@ -42,6 +42,26 @@ def _expand_torch(mirror: Tensor, rows: Tensor, index_scale: int, kv_offset: int
     v.masked_fill_(sel < 0, 0)
 
 
+def _prepare_torch(mirror: Tensor, stage: Tensor, s: int, t: int, b: int, page_size: int, index_scale: int,
+                   kv_offset: int, offsets: tuple[int, int, int, int], slot_out: Tensor, sub_out: Tensor,
+                   map_out: Tensor) -> None:
+    """The same semantics as the Triton prepare kernel, in torch ops (CPU)."""
+    off_change, off_data, off_tok, off_pos = offsets
+    rows = stage[:s].long()
+    change = stage[off_change:off_data].long()
+    n = int((change >= 0).sum())
+    data = stage[off_data:off_data + n * b].view(n, b)
+    changed = change >= 0
+    if n:
+        mirror[rows[changed]] = data[change[changed]]
+    _expand_torch(mirror, rows, index_scale, kv_offset, slot_out, sub_out)
+    if t:
+        tok = stage[off_tok:off_tok + t].long()
+        pos = stage[off_pos:off_pos + t].long()
+        page = mirror[rows[tok], pos // page_size].long()
+        map_out.copy_(torch.where(page >= 0, page * page_size + pos % page_size, torch.full_like(pos, -1)))
+
+
 def _triton_usable(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
@@ -51,7 +71,7 @@ def _triton_usable(device: torch.device) -> bool:
 class DeviceBlockTables:
     def __init__(self, manager: BlockManager, device: torch.device | str, index_scale: int, kv_offset: int = 1,
                  ring_size: int = 3, *, event_factory: Callable[[], Event] | None = None,
-                 use_triton: bool | None = None) -> None:
+                 use_triton: bool | None = None, max_tokens: int | None = None) -> None:
         if not isinstance(manager, BlockManager):
             raise TypeError(f"manager: expected BlockManager, found {type(manager).__name__}")
         for name, val, lo in (("index_scale", index_scale, 1), ("kv_offset", kv_offset, 0)):
@@ -68,8 +88,10 @@ class DeviceBlockTables:
         self.max_blocks = b
         self.mirror = torch.full((s, b), -1, dtype=torch.int32, device=self.device)
         self._uploaded = np.full(s, -1, dtype=np.int64)  # row_version at the last upload of each row
-        # Staging layout: [S batch rows | n changed row ids | n changed rows x B].
-        stage_numel = s * (b + 2)
+        # build() staging: [S batch rows | n changed row ids | n changed rows x B].
+        # prepare() staging: [S batch rows | S change index | n changed rows x B | T token seq | T positions].
+        self.max_tokens = max_tokens if max_tokens is not None else 8 * s
+        stage_numel = s * (b + 2) + 2 * self.max_tokens
         # On CPU copies are synchronous: one buffer and a no-op event, unless a test injects events.
         if event_factory is None and not on_cuda:
             ring_size, event_factory = 1, NullEvent
@@ -80,6 +102,7 @@ class DeviceBlockTables:
         self.slot_table = torch.zeros(s, b, dtype=torch.int32, device=self.device)
         self.subpage_table = torch.zeros(s, 2, b, dtype=torch.int32, device=self.device)
         self.use_triton = _triton_usable(self.device) if use_triton is None else use_triton
+        self.slot_mapping_out = torch.empty(self.max_tokens, dtype=torch.int64, device=self.device)
         self._batch_rows: Tensor = self._dev_stage[:0]
         self.last_num_uploaded_rows = 0  # rows staged by the last build (for tests / benchmarks)
 
@@ -116,6 +139,61 @@ class DeviceBlockTables:
         else:
             _expand_torch(self.mirror, self._batch_rows, self.index_scale, self.kv_offset, slot_out, sub_out)
         return slot_out, sub_out
+
+    def prepare(self, seq_ids: list[int], token_seq_idx: np.ndarray, positions: np.ndarray
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """One step's tables and slot mapping from ONE staged upload and ONE device op.
+
+        token_seq_idx / positions: host int arrays [T] (batch position and absolute position of each token
+        of the step). Returns views of persistent buffers: slot table [S, B], sub-page table [S, 2, B] and
+        the flat slot of every token [T] (int64, -1 where the page is unallocated)."""
+        mgr = self.manager
+        rows = mgr.rows_of(seq_ids)
+        s, b, t = rows.shape[0], self.max_blocks, len(positions)
+        if s > mgr.max_seqs:
+            raise ValueError(f"seq_ids: expected at most max_seqs = {mgr.max_seqs} sequences, found {s}")
+        if t > self.max_tokens or len(token_seq_idx) != t:
+            raise ValueError(f"positions: {t} tokens ({len(token_seq_idx)} sequence indices); the step holds at "
+                             f"most max_tokens = {self.max_tokens} with one index per token")
+        pos = np.asarray(positions)
+        if t and (pos.min() < 0 or pos.max() >= b * mgr.page_size):
+            raise ValueError(f"positions: expected values in [0, {b * mgr.page_size}), found "
+                             f"[{pos.min()}, {pos.max()}]")
+        tsi = np.asarray(token_seq_idx)
+        if t and (tsi.min() < 0 or tsi.max() >= s):
+            raise ValueError(f"token_seq_idx: expected batch positions in [0, {s}), found [{tsi.min()}, {tsi.max()}]")
+        stale = self._uploaded[rows] != mgr.row_version[rows]
+        changed_pos = np.nonzero(stale)[0]
+        n = changed_pos.shape[0]
+        i = self.ring.acquire()
+        buf = self.ring.arrays[i]
+        off_change, off_data = s, 2 * s
+        off_tok = off_data + n * b
+        off_pos = off_tok + t
+        buf[:s] = rows
+        change = buf[off_change:off_data]
+        change[:] = -1
+        change[changed_pos] = np.arange(n)
+        np.take(mgr.host_table, rows[changed_pos], axis=0, out=buf[off_data:off_tok].reshape(n, b))
+        buf[off_tok:off_pos] = tsi
+        buf[off_pos:off_pos + t] = pos
+        total = off_pos + t
+        self._dev_stage[:total].copy_(self.ring.buffers[i][:total], non_blocking=True)
+        self.ring.release(i)
+        self._uploaded[rows[changed_pos]] = mgr.row_version[rows[changed_pos]]
+        self.last_num_uploaded_rows = n
+        stage = self._dev_stage
+        self._batch_rows = stage[:s]
+        slot_out, sub_out, map_out = self.slot_table[:s], self.subpage_table[:s], self.slot_mapping_out[:t]
+        offsets = (off_change, off_data, off_tok, off_pos)
+        if self.use_triton:
+            from m3serve.kv._expand_triton import prepare_triton
+            prepare_triton(self.mirror, stage, s, t, mgr.page_size, self.index_scale, self.kv_offset, offsets,
+                           slot_out, sub_out, map_out)
+        else:
+            _prepare_torch(self.mirror, stage, s, t, b, mgr.page_size, self.index_scale, self.kv_offset, offsets,
+                           slot_out, sub_out, map_out)
+        return slot_out, sub_out, map_out
 
     def slot_mapping(self, token_seq_idx: Tensor, positions: Tensor) -> Tensor:
         """Flat token slots (slot*page_size + offset; -1 where the page is unallocated) of tokens at

@@ -8,6 +8,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -241,3 +242,81 @@ def test_gpu_back_to_back_builds_do_not_corrupt_in_flight_copies():
     torch.cuda.synchronize()
     for got, ref in zip(snapshots, refs):
         assert torch.equal(got.cpu(), ref)
+
+
+def _reference_slot_mapping(m: BlockManager, seq_ids, tok, pos) -> torch.Tensor:
+    out = []
+    for i, p in zip(tok, pos):
+        page = int(m.host_table[m.row_of(seq_ids[i]), p // P])
+        out.append(page * P + p % P if page >= 0 else -1)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _random_tokens(rng: random.Random, m: BlockManager, seq_ids):
+    tok, pos = [], []
+    for i, sid in enumerate(seq_ids):
+        for _ in range(rng.randint(0, 3)):
+            tok.append(i)
+            pos.append(rng.randrange(m.max_blocks_per_seq * P))   # includes unallocated pages (-> -1)
+    return np.array(tok, dtype=np.int64), np.array(pos, dtype=np.int64)
+
+
+def _check_prepare(tables, m, seq_ids, rng):
+    tables.slot_table.fill_(-7)
+    tables.subpage_table.fill_(-7)
+    tables.slot_mapping_out.fill_(-7)
+    tok, pos = _random_tokens(rng, m, seq_ids)
+    slot, sub, smap = tables.prepare(seq_ids, tok, pos)
+    ref_slot, ref_sub = build_block_tables_reference(m.host_table, [m.row_of(s) for s in seq_ids],
+                                                     tables.index_scale, tables.kv_offset)
+    assert torch.equal(slot.cpu(), ref_slot) and torch.equal(sub.cpu(), ref_sub)
+    assert torch.equal(smap.cpu(), _reference_slot_mapping(m, seq_ids, tok.tolist(), pos.tolist()))
+
+
+@pytest.mark.parametrize("triton_interp", [False, True])
+def test_prepare_tables_and_slot_mapping_match_reference(triton_interp, monkeypatch):
+    """prepare(): one upload + one op gives the tables and every token's slot, over random steps where
+    rows change, sequences come and go, and build() calls interleave (both keep the mirror in sync)."""
+    if triton_interp:   # the Triton kernel itself, interpreted on CPU tensors, with small tiles
+        import m3serve.kv._expand_triton as real
+        orig = real.prepare_triton
+        monkeypatch.setattr(real, "prepare_triton", lambda *a, **k: orig(*a, **{**k, "block": 4, "tblock": 4}))
+    rng = random.Random(5 + triton_interp)
+    m = random_manager(rng)
+    tables = DeviceBlockTables(m, "cpu", 7, 1, use_triton=triton_interp)
+    next_id = [300]
+    for step in range(25 if triton_interp else 60):
+        mutate(rng, m, next_id)
+        live = m.live_seq_ids()
+        rng.shuffle(live)
+        if step % 5 == 4:
+            check_build(tables, m, live)
+        else:
+            _check_prepare(tables, m, live, rng)
+        if step % 7 == 0:   # an unchanged step: nothing is restaged
+            _check_prepare(tables, m, live, rng)
+            assert tables.last_num_uploaded_rows == 0
+
+
+def test_prepare_rejects_bad_tokens():
+    m = random_manager(random.Random(1))
+    tables = DeviceBlockTables(m, "cpu", 3, max_tokens=4)
+    live = m.live_seq_ids()
+    with pytest.raises(ValueError, match="max_tokens = 4"):
+        tables.prepare(live, np.zeros(5, dtype=np.int64), np.zeros(5, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"positions: expected values in \[0, 36\)"):
+        tables.prepare(live, np.zeros(1, dtype=np.int64), np.array([36]))
+    with pytest.raises(ValueError, match="token_seq_idx: expected batch positions"):
+        tables.prepare(live, np.array([len(live)]), np.array([0]))
+
+
+@pytest.mark.gpu
+def test_prepare_on_gpu_matches_reference():
+    rng = random.Random(29)
+    m = random_manager(rng, num_slots=4096, max_seqs=64, max_blocks=300)
+    tables = DeviceBlockTables(m, "cuda", 180, max_tokens=512)
+    assert tables.use_triton
+    next_id = [2000]
+    for _ in range(40):
+        mutate(rng, m, next_id)
+        _check_prepare(tables, m, m.live_seq_ids(), rng)
