@@ -76,15 +76,16 @@ def _prepare_kernel(mirror_ptr, stage_ptr, slot_ptr, sub_ptr, slotmap_ptr, num_s
     else:
         t = (pid - num_seqs) * TBLOCK + tl.arange(0, TBLOCK)
         tm = t < num_tokens
-        i = tl.load(stage_ptr + off_tok + t, mask=tm, other=0).to(tl.int64)
-        pos = tl.load(stage_ptr + off_pos + t, mask=tm, other=0).to(tl.int64)
-        row = tl.load(stage_ptr + i, mask=tm, other=0).to(tl.int64)
-        ci = tl.load(stage_ptr + off_change + i, mask=tm, other=-1).to(tl.int64)
-        blk = pos // page_size
-        staged = tl.load(stage_ptr + off_data + tl.maximum(ci, 0) * num_blocks + blk, mask=tm & (ci >= 0), other=-1)
-        old = tl.load(mirror_ptr + row * num_blocks + blk, mask=tm & (ci < 0), other=-1)
-        page = tl.where(ci >= 0, staged, old).to(tl.int64)
-        tl.store(slotmap_ptr + t, tl.where(page >= 0, page * page_size + pos % page_size, -1), mask=tm)
+        t_seq = tl.load(stage_ptr + off_tok + t, mask=tm, other=0).to(tl.int64)
+        t_pos = tl.load(stage_ptr + off_pos + t, mask=tm, other=0).to(tl.int64)
+        t_row = tl.load(stage_ptr + t_seq, mask=tm, other=0).to(tl.int64)
+        t_ci = tl.load(stage_ptr + off_change + t_seq, mask=tm, other=-1).to(tl.int64)
+        t_blk = t_pos // page_size
+        t_staged = tl.load(stage_ptr + off_data + tl.maximum(t_ci, 0) * num_blocks + t_blk, mask=tm & (t_ci >= 0),
+                           other=-1)
+        t_old = tl.load(mirror_ptr + t_row * num_blocks + t_blk, mask=tm & (t_ci < 0), other=-1)
+        t_page = tl.where(t_ci >= 0, t_staged, t_old).to(tl.int64)
+        tl.store(slotmap_ptr + t, tl.where(t_page >= 0, t_page * page_size + t_pos % page_size, -1), mask=tm)
 
 
 def prepare_triton(mirror: Tensor, stage: Tensor, num_seqs: int, num_tokens: int, page_size: int,
