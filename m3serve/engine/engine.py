@@ -19,6 +19,7 @@ from m3serve.engine.sampler import sample, top_logprobs
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
 from m3serve.kv.block_manager import BlockManager
+from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
@@ -45,8 +46,7 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         cfg = model.cfg
         dev = model.device
-        spec = KVCacheSpec.from_model_config(cfg, tp_size=model.tp.size, kv_cache_dtype=config.kv_cache_dtype,
-                                             index_k_dtype=config.index_k_dtype, model_dtype=model.dtype)
+        spec = self._kv_spec(model, config)
         if config.kv_cache_bytes is not None or dev.type != "cuda":
             budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else 256 << 20
             self.kv = PagedKVCache.from_budget(spec, device=dev, budget_bytes=budget)
@@ -62,12 +62,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_queue=config.max_queue)
         self.capacity_tokens = capacity
+        # Slot tables for the stock path (index_scale 1: slot ids); kernels that need sub-page tables build their
+        # own views with the cache's geometry.
+        self.tables = DeviceBlockTables(self.blocks, dev, index_scale=1, kv_offset=1,
+                                        max_tokens=config.max_num_batched_tokens)
         self._ids = itertools.count()
         self.requests: dict[int, Request] = {}
         self.eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         log.info("KV cache: %s", self.kv.describe())
+
+    def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
+        """The cache roles this engine needs (the speculative engine adds the shared draft layer)."""
+        return KVCacheSpec.from_model_config(model.cfg, tp_size=model.tp.size, kv_cache_dtype=config.kv_cache_dtype,
+                                             index_k_dtype=config.index_k_dtype, model_dtype=model.dtype, **extra)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:
@@ -146,26 +155,27 @@ class LLMEngine:
         return tokens.tolist(), (tuple(x.tolist() for x in lp) if lp is not None else None)
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        """Pack the step. Block tables and the token slot mapping come from ONE staged upload and ONE device
+        op for the whole batch (DeviceBlockTables.prepare); only changed block-table rows are re-staged."""
         page = self.kv.page_size
-        ids, pos, spans, slot_map, rows = [], [], [], [], []
-        start = 0
-        for c in chunks:
-            r, n = c.request, c.num_tokens
-            p = np.arange(r.num_computed, r.num_computed + n)
-            slots = np.asarray(self.blocks.slot_ids(r.request_id), dtype=np.int64)
-            ids.extend(r.all_token_ids[r.num_computed:r.num_computed + n])
-            pos.append(p)
-            slot_map.append(slots[p // page] * page + p % page)
-            spans.append(SeqSpan(start, n, r.num_computed + n, torch.from_numpy(slots).to(self.model.device)))
-            if c.reaches_end:
-                rows.append(start + n - 1)
-            start += n
         dev = self.model.device
+        reqs = [c.request for c in chunks]
+        n = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        done = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=len(chunks))
+        starts = np.concatenate(([0], np.cumsum(n)[:-1]))
+        seq_of_token = np.repeat(np.arange(len(chunks)), n)
+        positions = np.repeat(done - starts, n) + np.arange(int(n.sum()))
+        slot_table, _, slot_mapping = self.tables.prepare([r.request_id for r in reqs], seq_of_token, positions)
+        lengths = done + n
+        spans = [SeqSpan(int(starts[i]), int(n[i]), int(lengths[i]), slot_table[i, :-(-int(lengths[i]) // page)].long())
+                 for i in range(len(chunks))]
+        ids = [t for r, d, k in zip(reqs, done.tolist(), n.tolist()) for t in r.all_token_ids[d:d + k]]
+        rows = [int(starts[i] + n[i] - 1) for i, c in enumerate(chunks) if c.reaches_end]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(np.concatenate(pos)).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
             seqs=spans,
-            slot_mapping=torch.from_numpy(np.concatenate(slot_map)).to(dev),
+            slot_mapping=slot_mapping,
             kv=self.kv,
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
         )

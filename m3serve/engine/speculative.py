@@ -64,10 +64,6 @@ import torch
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.request import Request
 from m3serve.engine.sampler import processed_probs, top_logprobs
-from m3serve.engine.scheduler import Scheduler
-from m3serve.kv.block_manager import BlockManager
-from m3serve.kv.cache import PagedKVCache
-from m3serve.kv.layout import SlotLayout
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.eagle3 import Eagle3Drafter, load_drafter, random_drafter
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
@@ -267,7 +263,7 @@ class SpeculativeEngine(LLMEngine):
             else:
                 drafter = load_drafter(self.spec.model, model.cfg, dtype=model.dtype, device=model.device)
         self.drafter = drafter.to(device=model.device, dtype=model.dtype).attach_target(model).eval()
-        self._init_with_draft_layer(model, config, tokenizer)
+        super().__init__(model, config, tokenizer)
         self.view = self.kv.draft_view(self.blocks)
         self.rng = DeviceRNG(config.seed, model.device)
         self.capture = tuple(sorted(set(drafter.cfg.capture_layers)))
@@ -276,34 +272,10 @@ class SpeculativeEngine(LLMEngine):
         self._totals = _SpecState(accepted_per_pos=[0] * k, proposed_per_pos=[0] * k)
         self._forced_step: dict[int, int] = {}
 
-    def _init_with_draft_layer(self, model: M3ForCausalLM, config: EngineConfig, tokenizer) -> None:
-        """The base engine with a KV cache that also holds the shared draft layer. The base constructor runs
-        with a one-page budget (so nothing big is allocated twice), then the cache, block manager and scheduler
-        are rebuilt from the caller's budget with num_draft_layers=1."""
-        kw = dict(tp_size=model.tp.size, kv_cache_dtype=config.kv_cache_dtype, index_k_dtype=config.index_k_dtype,
-                  model_dtype=model.dtype)
-        plain = SlotLayout(KVCacheSpec.from_model_config(model.cfg, **kw))
-        super().__init__(model, dataclasses.replace(config, kv_cache_bytes=plain.slot_bytes + plain.scale_slot_bytes),
-                         tokenizer)
-        self.config = config
-        spec = KVCacheSpec.from_model_config(model.cfg, num_draft_layers=1,
-                                             draft_num_kv_heads=self.drafter.cfg.num_key_value_heads, **kw)
-        del self.kv, self.blocks, self.scheduler
-        dev = model.device
-        if config.kv_cache_bytes is not None or dev.type != "cuda":
-            budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else 256 << 20
-            self.kv = PagedKVCache.from_budget(spec, device=dev, budget_bytes=budget)
-        else:
-            self.kv = PagedKVCache.from_budget(spec, device=dev, gpu_memory_utilization=config.gpu_memory_utilization)
-        page = self.kv.page_size
-        self.max_blocks_per_seq = -(-self.max_model_len // page)
-        self.blocks = BlockManager(self.kv.num_slots, page, max_seqs=config.max_num_seqs,
-                                   max_blocks_per_seq=self.max_blocks_per_seq,
-                                   enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens, max_queue=config.max_queue)
-        self.capacity_tokens = self.kv.num_slots * page
-        log.info("KV cache (with the Eagle3 draft layer): %s", self.kv.describe())
+    def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
+        """The base cache plus the shared Eagle3 draft layer (K/V sub-pages in every slot)."""
+        return super()._kv_spec(model, config, num_draft_layers=1,
+                                draft_num_kv_heads=self.drafter.cfg.num_key_value_heads, **extra)
 
     # ------------------------------------------------------------------ bookkeeping
     def _st(self, req: Request) -> _SpecState:
