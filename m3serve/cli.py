@@ -130,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec(parent) and importlib.util.find_spec(module):  # subcommands living elsewhere
             importlib.import_module(module).register(sub)
 
+    import logging
+    log = logging.getLogger("m3serve")   # start-up reports (KV cache pages, tokens, bytes per token per role)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[m3serve] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         argv = ["generate"]

@@ -286,6 +286,11 @@ class EngineLoop:
 
     def _publish(self, alive: int) -> None:
         s = dict(self.engine.stats())
+        spec = s.pop("spec_decode", None)
+        if spec:   # speculative engine: flat numbers for /metrics (m3serve_spec_*)
+            s.update({f"spec_{k}": v for k, v in spec.items()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            s["acceptance_length"] = spec.get("acceptance_length", 0.0)
         s.update(alive=alive, steps=self.steps, active_requests=len(self._by_req),
                  kv_pages_cached=self.engine.blocks.num_cached_pages())
         self.snapshot = s
