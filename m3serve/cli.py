@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="storage format of random weights (the published split)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"])
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--route", choices=["off", "auto", "require"], default=None,
+                   help="Triton catalog routing (default: auto on CUDA, off on CPU)")
 
 
 def build_llm(args, **extra):
@@ -32,7 +34,7 @@ def build_llm(args, **extra):
                                                 "num_speculative_tokens": args.speculative_tokens})
     return LLM(model, device=args.device, dtype=args.dtype, seed=args.seed,
                random_weights=True if args.random_weights else None, quantization=args.quantization,
-               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, **extra)
+               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, route=args.route, **extra)
 
 
 def cmd_generate(args) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -36,7 +37,10 @@ class LLM:
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype="auto", seed: int = 0,
                  random_weights: bool | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, cpu_threads: int | None = None,
-                 speculative_config: dict | None = None, **engine_kwargs):
+                 speculative_config: dict | None = None, route: str | None = None, **engine_kwargs):
+        """route: "off" (stock path), "auto" (certified Triton entries where a module's rows and shape lie in a
+        cell, stock elsewhere) or "require" (raise outside the cells). Default: auto on CUDA, off on CPU. The
+        mode is process-wide (the last LLM built sets it); tensor-parallel workers run the stock path."""
         model = model or default_model()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and (cpu_threads is not None or "OMP_NUM_THREADS" not in os.environ):
@@ -56,6 +60,10 @@ class LLM:
         torch.manual_seed(seed)
         self.model = load_model(model, device=self.device, dtype=self.dtype, random_weights=random_weights,
                                 quantization=quantization, seed=seed)
+        self.route = route or ("auto" if self.device.type == "cuda" else "off")
+        if self.route != "off" or "m3serve.targets.routing" in sys.modules:
+            from m3serve.targets import routing
+            routing.set_mode(self.route)
         self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
         if speculative_config is None:
             self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)
