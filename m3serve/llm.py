@@ -64,6 +64,7 @@ class LLM:
         if self.route != "off" or "m3serve.targets.routing" in sys.modules:
             from m3serve.targets import routing
             routing.set_mode(self.route)
+            routing.warmup(self.model)
         self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
         if speculative_config is None:
             self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)

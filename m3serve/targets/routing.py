@@ -113,3 +113,39 @@ def _moe(m, x: torch.Tensor):
                    m.w2.q_packed, m.w2.q_scale, m.w2.q_global_scale.reshape(e),
                    *sh_args, m.scaling, out, _workspaces[key], cfg)
     return out
+
+
+def warmup(model, max_rows: int = 48) -> int:
+    """Compile, before serving, every certified cell the model's routed modules can reach (each distinct
+    weight shape x each row range of its table), by running the module once at the cell's top row count on
+    zero activations. Triton compiles on first use; doing it here keeps JIT time out of the first requests
+    and out of any later CUDA-graph capture. Returns the number of module calls made."""
+    from m3serve.model.layers import Linear
+    from m3serve.model.moe import MoE
+    from m3serve.targets.dispatch import TABLES
+    if _mode == "off" or model.device.type != "cuda":
+        return 0
+    calls, seen = 0, set()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, Linear) and mod.num_experts is None and mod.fmt in ("nvfp4", "mxfp8", "fp8"):
+                kind, shape, run = f"linear.{mod.fmt}", (mod.out_features, mod.in_features), mod
+                width = mod.in_features
+            elif isinstance(mod, MoE) and mod.w13.fmt == "nvfp4":
+                sh = mod.shared
+                shape = (mod.w13.num_experts, mod.w13.in_features, mod.w2.in_features,
+                         int(sh is not None and sh.gate_up_proj.fmt == "dense"))
+                kind, run, width = "moe.nvfp4", mod, mod.w13.in_features
+            else:
+                continue
+            for (lo, hi), _ in TABLES[kind]:
+                for rows in range(lo, min(hi, max_rows) + 1):
+                    entry = lookup(kind, rows, shape, "auto")
+                    cell = entry.cell_for(rows, shape) if entry is not None else None
+                    if cell is None or (kind, shape, cell.rows) in seen:
+                        continue
+                    seen.add((kind, shape, cell.rows))
+                    run(torch.zeros(cell.rows[1], width, dtype=torch.bfloat16, device=model.device))
+                    calls += 1
+    torch.cuda.synchronize(model.device)
+    return calls
