@@ -116,10 +116,11 @@ def _moe(m, x: torch.Tensor):
 
 
 def warmup(model, max_rows: int = 48) -> int:
-    """Compile, before serving, every certified cell the model's routed modules can reach (each distinct
-    weight shape x each row range of its table), by running the module once at the cell's top row count on
-    zero activations. Triton compiles on first use; doing it here keeps JIT time out of the first requests
-    and out of any later CUDA-graph capture. Returns the number of module calls made."""
+    """Compile, before serving, every kernel variant the model's routed modules can reach: for each distinct
+    weight shape, run the module once at EVERY row count 1..max_rows on zero activations. Every row count,
+    not one per cell, because Triton also specializes on integer arguments (== 1, divisible by 16), so a
+    cell compiles up to three variants. Triton compiles on first use; doing it here keeps JIT time out of
+    the first requests and out of any later CUDA-graph capture. Returns the number of module calls made."""
     from m3serve.model.layers import Linear
     from m3serve.model.moe import MoE
     from m3serve.targets.dispatch import TABLES
@@ -142,10 +143,10 @@ def warmup(model, max_rows: int = 48) -> int:
                 for rows in range(lo, min(hi, max_rows) + 1):
                     entry = lookup(kind, rows, shape, "auto")
                     cell = entry.cell_for(rows, shape) if entry is not None else None
-                    if cell is None or (kind, shape, cell.rows) in seen:
+                    if cell is None or (kind, shape, rows) in seen:
                         continue
-                    seen.add((kind, shape, cell.rows))
-                    run(torch.zeros(cell.rows[1], width, dtype=torch.bfloat16, device=model.device))
+                    seen.add((kind, shape, rows))
+                    run(torch.zeros(rows, width, dtype=torch.bfloat16, device=model.device))
                     calls += 1
     torch.cuda.synchronize(model.device)
     return calls
