@@ -82,17 +82,17 @@ def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict
             "usage": use, "system_fingerprint": None}
 
 
-def completion_chunk(rid: str, created: int, model: str, choices: list[dict], use: dict | None = None) -> dict:
-    body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+def _chunk(kind: str, rid: str, created: int, model: str, choices: list[dict], use: dict | None) -> dict:
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
             "system_fingerprint": None}
     if use is not None:
         body["usage"] = use
     return body
+
+
+def completion_chunk(rid: str, created: int, model: str, choices: list[dict], use: dict | None = None) -> dict:
+    return _chunk("text_completion", rid, created, model, choices, use)
 
 
 def chat_chunk(rid: str, created: int, model: str, choices: list[dict], use: dict | None = None) -> dict:
-    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
-            "system_fingerprint": None}
-    if use is not None:
-        body["usage"] = use
-    return body
+    return _chunk("chat.completion.chunk", rid, created, model, choices, use)
