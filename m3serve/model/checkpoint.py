@@ -58,7 +58,7 @@ def quantize_tensors(name: str, w: torch.Tensor, fmt: str, dtype: torch.dtype) -
 
 
 # ----------------------------------------------------------------------------- names
-def _names(cfg: M3Config, layout: str) -> dict:
+def _names(layout: str) -> dict:
     if layout not in ("original", "transformers"):
         raise ValueError(f"layout {layout!r}: expected 'original' or 'transformers'")
     root = "language_model.model." if layout == "original" else "model."
@@ -72,7 +72,7 @@ def export_tensors(model, layout: str = "original", quantization: str | None = N
     if model.tp.size != 1:
         raise ValueError("export_tensors needs a tensor-parallel size 1 model")
     cfg = model.cfg
-    n = _names(cfg, layout)
+    n = _names(layout)
     root = n["root"]
     orig = layout == "original"
     yield f"{root}embed_tokens.weight", model.embed.weight.detach().to(dtype)

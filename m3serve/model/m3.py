@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from m3serve.config import M3Config
 from m3serve.model import msa

@@ -18,8 +18,15 @@ from m3serve.model import layers, moe
 from m3serve.targets.dispatch import MODES, lookup
 
 _mode = "off"
-_workspaces: dict[tuple, object] = {}
-_row_scales: dict[int, torch.Tensor] = {}
+
+
+def _workspace(module, key, make):
+    """Per call site and cell, kept on the module itself (so it is freed with it and never shared by two
+    modules, as the entries require)."""
+    store = module.__dict__.setdefault("_routed_workspaces", {})
+    if key not in store:
+        store[key] = make()
+    return store[key]
 
 
 def mode() -> str:
@@ -36,14 +43,15 @@ def set_mode(new: str) -> None:
     moe.set_moe_dispatch(_moe if on else None)
 
 
-def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
-    """A [P] per-part scale as the entries take it: 0-dim when P == 1, else one value per output row."""
+def _per_row(lin, t: torch.Tensor, n: int) -> torch.Tensor:
+    """A [P] per-part scale as the entries take it: 0-dim when P == 1, else one value per output row (kept on
+    the module, so it lives and dies with the weight it belongs to)."""
     if t.numel() == 1:
         return t.reshape(())
-    key = t.data_ptr()
-    if key not in _row_scales:
-        _row_scales[key] = t.float().repeat_interleave(n // t.numel()).contiguous()
-    return _row_scales[key]
+    cached = getattr(lin, "_routed_row_scale", None)
+    if cached is None or cached.shape[0] != n:
+        cached = lin._routed_row_scale = t.float().repeat_interleave(n // t.numel()).contiguous()
+    return cached
 
 
 def _linear(lin, x: torch.Tensor):
@@ -63,18 +71,16 @@ def _linear(lin, x: torch.Tensor):
         return None
     cell = entry.cell_for(rows, (n, k))
     cfg = cell.config["gemm"]
-    key = (id(lin), cell.rows)
-    if key not in _workspaces:
-        from m3serve.kernels._linear import make_workspace
-        _workspaces[key] = make_workspace(cfg, n, x.device)
+    from m3serve.kernels._linear import make_workspace
+    ws = _workspace(lin, cell.rows, lambda: make_workspace(cfg, n, x.device))
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
     x2 = x2.contiguous()
     if lin.fmt == "nvfp4":
-        entry.raw_call(x2, lin.q_packed, lin.q_scale, _per_row(lin.q_global_scale, n), out, _workspaces[key], cfg)
+        entry.raw_call(x2, lin.q_packed, lin.q_scale, _per_row(lin, lin.q_global_scale, n), out, ws, cfg)
     elif lin.fmt == "mxfp8":
-        entry.raw_call(x2, lin.q_q, lin.q_scale, out, _workspaces[key], cfg)
+        entry.raw_call(x2, lin.q_q, lin.q_scale, out, ws, cfg)
     else:
-        entry.raw_call(x2, lin.q_q, _per_row(lin.q_scale, n), out, _workspaces[key], cfg)
+        entry.raw_call(x2, lin.q_q, _per_row(lin, lin.q_scale, n), out, ws, cfg)
     return out.view(*x.shape[:-1], n)
 
 
@@ -97,10 +103,8 @@ def _moe(m, x: torch.Tensor):
         return None
     cell = entry.cell_for(rows, shape)
     cfg = cell.config["moe"]
-    key = (id(m), rows)
-    if key not in _workspaces:
-        from m3serve.kernels.moe_nvfp4 import make_moe_workspace
-        _workspaces[key] = make_moe_workspace(cfg, rows, e, h, i, x.device)
+    from m3serve.kernels.moe_nvfp4 import make_moe_workspace
+    ws = _workspace(m, rows, lambda: make_moe_workspace(cfg, rows, e, h, i, x.device))
     if shared_bf16:
         sh_args = (sh.gate_up_proj.weight, None, None, sh.down_proj.weight, None, None)
     else:
@@ -111,7 +115,7 @@ def _moe(m, x: torch.Tensor):
     entry.raw_call(x.contiguous(), m.router, m.e_score_correction_bias,
                    m.w13.q_packed, m.w13.q_scale, m.w13.q_global_scale.reshape(e, 2),
                    m.w2.q_packed, m.w2.q_scale, m.w2.q_global_scale.reshape(e),
-                   *sh_args, m.scaling, out, _workspaces[key], cfg)
+                   *sh_args, m.scaling, out, ws, cfg)
     return out
 
 

@@ -11,7 +11,6 @@ sparse selection is active (more visible blocks than top-k).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch

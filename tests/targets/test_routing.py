@@ -101,3 +101,19 @@ def test_routed_matches_stock_on_gpu(rows, seed, real_model):
           f"{int(flipped.sum())}, argmax agreement {agree:.3f}")
     assert (row_diff[same] <= 4 * ulp).all()
     assert bool((near_tie | ~flipped).all()), "a routing flip without a near tie: the kernel routed wrongly"
+
+
+def test_per_module_caches_belong_to_their_module():
+    """Workspaces and per-row scales live on the module: two modules never share one, and a module's cache
+    is reused across calls (the entries forbid sharing a workspace between call sites)."""
+    from m3serve.model.layers import Linear
+    a, b = Linear(16, 8, name="a"), Linear(16, 8, name="b")
+    made = []
+    ws_a = routing._workspace(a, (1, 4), lambda: made.append("a") or object())
+    assert routing._workspace(a, (1, 4), lambda: made.append("again") or object()) is ws_a
+    assert routing._workspace(b, (1, 4), lambda: made.append("b") or object()) is not ws_a
+    assert made == ["a", "b"]
+    parts = torch.tensor([2.0, 4.0])
+    rows = routing._per_row(a, parts, 8)
+    assert rows.tolist() == [2.0] * 4 + [4.0] * 4 and routing._per_row(a, parts, 8) is rows
+    assert routing._per_row(b, torch.tensor([3.0]), 8).shape == ()
