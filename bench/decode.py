@@ -1,18 +1,23 @@
-"""Decode-step benchmark of the engine at real MiniMax-M3 dimensions with deterministic random weights.
+"""Decode-step benchmark: the stock path, the eager routed path and the decode target (CUDA graphs), side by side
+in one process on the same model, cache and requests.
 
-Runs the same engine side by side in one process: the stock path (dispatch off) and, when the kernel catalog
-is available, the dispatch-table path (auto). For each batch size it prefills `batch` requests of `context`
-tokens, then times whole engine decode steps (schedule + forward + sample, CUDA-synchronised, median of
-`--steps`). The roofline is the bytes a decode step must read (weights touched + KV) over the copy bandwidth
-measured in the same run.
+    route  off     stock PyTorch (the numerics reference)
+           auto    routed catalog entries + the paged-attention kernels, eager (enforce_eager)
+           target  the same, pure decode steps replayed as CUDA graphs
 
-    python bench/decode.py --preset minimax-m3:8 --quantization nvfp4 --batch 1,4,16 --context 2048
+For each (model, route, batch) it prefills `batch` requests of `context` tokens, then times whole engine decode
+steps (schedule + pack + forward + sample + stop checks; CUDA-synchronised, median of `--steps`), and profiles a
+few steps for the GPU-busy time (sum of kernel durations) and the launches per step (runtime API launch calls:
+kernels, graph launches, copies). The roofline is the bytes a step must read (weights touched + KV) over the
+copy bandwidth measured in the same run.
+
+    python bench/decode.py --models m3-tiny-verse,minimax-m3:5 --batch 1,8 --context 512
+writes bench/results/decode-target-h200.json (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -29,8 +34,6 @@ from m3serve.benchmeta import run_metadata  # noqa: E402
 
 def copy_bandwidth(device, nbytes=2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted), median of 10."""
-    if device.type != "cuda":
-        return float("nan")
     a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     times = []
@@ -64,11 +67,39 @@ def step_bytes(llm, batch: int, context: int) -> int:
     return total
 
 
+def set_route(llm, route: str, graphs) -> None:
+    from m3serve.targets import routing
+    routing.install(llm.model, "off" if route == "off" else "auto")
+    llm.engine.target_attention = route != "off"
+    llm.engine.graphs = graphs if route == "target" else None
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuGraphLaunch", "cudaMemcpyAsync",
+                "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemsetAsync")
+
+
+def profile_steps(eng, steps: int) -> tuple[float, float]:
+    """(GPU-busy seconds per step, launch calls per step) over `steps` engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    busy_us, launches = 0.0, 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            busy_us += ev.device_time
+        elif ev.name in LAUNCH_CALLS:
+            launches += 1
+    return busy_us / 1e6 / steps, launches / steps
+
+
 def time_decode(llm, batch: int, context: int, steps: int, seed: int) -> dict:
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     vocab = llm.model.cfg.vocab_size
-    params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     reqs = [eng.add_request(torch.randint(3, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
     while any(r.num_computed < len(r.prompt_token_ids) for r in reqs):   # prefill (chunked)
         eng.step()
@@ -79,59 +110,67 @@ def time_decode(llm, batch: int, context: int, steps: int, seed: int) -> dict:
         eng.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+    busy, launches = profile_steps(eng, 3)
+    tokens = [list(r.output_token_ids) for r in reqs]
     for r in reqs:
         eng.abort(r.request_id)
-    return {"median_s": statistics.median(times[1:]), "min_s": min(times[1:]), "steps": len(times) - 1}
+    med = statistics.median(times[1:])
+    return {"median_s": med, "min_s": min(times[1:]), "steps": len(times) - 1, "tokens_per_s": batch / med,
+            "gpu_busy_s": busy, "launches_per_step": launches, "_tokens": tokens}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="minimax-m3:8")
-    ap.add_argument("--quantization", default="nvfp4", choices=["none", "mxfp8", "nvfp4"])
-    ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--batch", default="1,4,16")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--routes", default="off,auto", help="dispatch modes to compare (off = stock)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--models", default="m3-tiny-verse,minimax-m3:5",
+                    help="comma list: m3-tiny-verse (the embedded model) or presets (random weights)")
+    ap.add_argument("--quantization", default="nvfp4", choices=["none", "mxfp8", "nvfp4"],
+                    help="for presets (the embedded model is BF16)")
+    ap.add_argument("--kv-cache-dtype", default="nvfp4", help="for presets (the embedded model keeps BF16 KV)")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--routes", default="off,auto,target")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode-target-h200.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
-    quant = None if args.quantization == "none" else args.quantization
     batches = [int(b) for b in args.batch.split(",")]
-    t0 = time.perf_counter()
-    llm = LLM(args.preset, device="cuda", dtype="bfloat16", random_weights=True, quantization=quant,
-              kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(8192, args.context), gpu_memory_utilization=0.85,
-              max_model_len=args.context + 64)
-    load_s = time.perf_counter() - t0
+    routes = args.routes.split(",")
     bw = copy_bandwidth(dev)
-    results = []
-    for route in args.routes.split(","):
-        try:
-            from m3serve.targets import routing
-            routing.set_mode(route)
-        except ImportError:
-            if route != "off":
-                print(f"route {route}: m3serve.targets.routing not available, skipped", file=sys.stderr)
-                continue
-        for b in batches:
-            r = time_decode(llm, b, args.context, args.steps, seed=b)
-            nbytes = step_bytes(llm, b, args.context)
-            r.update(route=route, batch=b, context=args.context, bytes_per_step=nbytes,
-                     roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
-                     tokens_per_s=b / r["median_s"])
-            print(json.dumps(r), flush=True)
-            results.append(r)
-    out = {
-        "bench": "decode", **run_metadata(), "preset": args.preset, "quantization": quant,
-        "kv_cache": llm.engine.kv.describe(), "load_s": load_s, "copy_bandwidth_Bps": bw, "results": results,
-    }
-    path = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                    f"decode-{args.preset.replace(':', '_')}-{datetime.date.today()}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    results, loads = [], {}
+    for name in args.models.split(","):
+        embedded = name == "m3-tiny-verse"
+        quant = None if (embedded or args.quantization == "none") else args.quantization
+        t0 = time.perf_counter()
+        llm = LLM(None if embedded else name, device="cuda", dtype="bfloat16", random_weights=not embedded,
+                  quantization=quant, kv_cache_dtype="auto" if embedded else args.kv_cache_dtype,
+                  max_num_seqs=max(batches),
+                  max_num_batched_tokens=max(2048, args.context), gpu_memory_utilization=0.85,
+                  max_model_len=args.context + args.steps + 64, route="auto")
+        loads[name] = time.perf_counter() - t0
+        graphs = llm.engine.graphs
+        base_tokens = {}
+        for route in routes:
+            set_route(llm, route, graphs)
+            for b in batches:
+                r = time_decode(llm, b, args.context, args.steps, seed=b)
+                toks = r.pop("_tokens")
+                if route == "off":
+                    base_tokens[b] = toks
+                same = [x == y for ref, got in zip(base_tokens.get(b, []), toks) for x, y in zip(ref, got)]
+                nbytes = step_bytes(llm, b, args.context)
+                r.update(model=name, route=route, batch=b, context=args.context, bytes_per_step=nbytes,
+                         roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
+                         greedy_agreement_vs_off=(sum(same) / len(same)) if same else None)
+                print(json.dumps(r), flush=True)
+                results.append(r)
+        del llm, graphs
+        torch.cuda.empty_cache()
+    out = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
+           "kv_cache_dtype": args.kv_cache_dtype, "load_s": loads, "results": results}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"wrote {path}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

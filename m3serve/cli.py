@@ -1,4 +1,4 @@
-"""`m3serve` command line: generate, quantize, serve, bench, eval."""
+"""`m3serve` command line: generate, quantize, calibrate-kv, serve, bench, eval."""
 
 from __future__ import annotations
 
@@ -101,6 +101,20 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_calibrate_kv(args) -> int:
+    from m3serve.kv.calibrate import calibrate_model_dir
+    path, calib = calibrate_model_dir(args.model_dir, args.out, num_items=args.items, seed=args.seed,
+                                      factor=args.fp8_factor)
+    for layer, (k, v) in sorted(calib.layers.items()):
+        print(f"layer {layer}: K amax {k.amax:.4g} (max|k| {k.observed_amax:.4g}, rel MSE {k.mse / k.mean_square:.4g})  "
+              f"V amax {v.amax:.4g} (max|v| {v.observed_amax:.4g}, rel MSE {v.mse / v.mean_square:.4g})")
+    if calib.sensitivity is not None:
+        print(calib.sensitivity.reason())
+        print(f"FP8 layers of the hybrid cache: {list(calib.fp8_layers)}")
+    print(f"wrote {path} ({calib.calibration['texts']} texts, {calib.calibration['tokens']} tokens)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="m3serve", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -124,6 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("output")
     q.add_argument("--format", choices=["nvfp4", "mxfp8"], required=True)
     q.set_defaults(fn=cmd_quantize)
+
+    c = sub.add_parser("calibrate-kv", help="per-layer NVFP4 KV-cache K/V amax (MSE-optimal) and the sparse layers "
+                                            "to keep in FP8 -> kv_scales.json")
+    c.add_argument("model_dir")
+    c.add_argument("--out", default=None, help="output file (default: MODEL_DIR/kv_scales.json, which LLM loads)")
+    c.add_argument("--items", type=int, default=256, help="calibration chats (synthetic problems)")
+    c.add_argument("--seed", type=int, default=1, help="seed of the calibration problems (the eval uses 0)")
+    c.add_argument("--fp8-factor", type=float, default=2.0,
+                   help="a sparse layer goes FP8 when NVFP4 on it alone costs more than this many times the whole "
+                        "FP8 cache's KL (m3serve.kv.calibrate.measure_layer_sensitivity)")
+    c.set_defaults(fn=cmd_calibrate_kv)
 
     import importlib
     import importlib.util

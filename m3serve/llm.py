@@ -1,14 +1,15 @@
-"""Offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`, `LLM.chat(messages, ...)`,
+`LLM.get_tokenizer()`."""
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 
 import torch
 
 from m3serve.engine.engine import EngineConfig, LLMEngine
-from m3serve.engine.outputs import CompletionOutput, RequestOutput
+from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.model.loader import load_model
 from m3serve.tokenizer import load_tokenizer
@@ -37,10 +38,19 @@ class LLM:
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype="auto", seed: int = 0,
                  random_weights: bool | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, cpu_threads: int | None = None,
-                 speculative_config: dict | None = None, route: str | None = None, **engine_kwargs):
+                 speculative_config: dict | None = None, route: str | None = None, enforce_eager: bool = False,
+                 kv_scales: str | None = "auto", kv_fp8_layers: tuple[int, ...] | str = "auto", **engine_kwargs):
         """route: "off" (stock path), "auto" (certified Triton entries where a module's rows and shape lie in a
         cell, stock elsewhere) or "require" (raise outside the cells). Default: auto on CUDA, off on CPU. The
-        mode is process-wide (the last LLM built sets it); tensor-parallel workers run the stock path."""
+        mode belongs to this LLM's model (two LLMs in one process route independently); tensor-parallel
+        workers run the stock path. With routing on, a bf16 model on one GPU also runs the decode target:
+        attention through the paged-cache kernels and pure decode steps as CUDA graphs (`enforce_eager=True`,
+        vLLM's name, keeps the kernels and skips the graphs).
+        kv_scales: NVFP4 KV-cache K/V amax per layer (m3serve.kv.calibrate): "auto" = <model>/kv_scales.json,
+        else the checkpoint's k_scale/v_scale, else the uncalibrated default; a kv_scales.json path; or None.
+        kv_fp8_layers: sparse layers the hybrid cache (kv_cache_dtype="nvfp4") stores in FP8 instead of NVFP4:
+        "auto" = the `fp8_layers` of the kv_scales.json that kv_scales selects (none without one, and none for
+        other KV dtypes), or an explicit tuple of sparse layer ids."""
         model = model or default_model()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and (cpu_threads is not None or "OMP_NUM_THREADS" not in os.environ):
@@ -51,9 +61,16 @@ class LLM:
         if random_weights is None:
             random_weights = not os.path.isdir(model)
         self.tp_context = None
+        self.kv_fp8_layers_source = None       # the kv_scales.json that named the FP8 layers (kv_fp8_layers="auto")
         if tensor_parallel_size != 1:
             if speculative_config is not None:
                 raise NotImplementedError("speculative_config with tensor_parallel_size > 1: not available yet")
+            if kv_scales not in (None, "auto"):
+                raise NotImplementedError("kv_scales with tensor_parallel_size > 1: the ranks' caches keep the "
+                                          "default NVFP4 amax (not available yet)")
+            if not isinstance(kv_fp8_layers, str) and kv_fp8_layers:
+                raise NotImplementedError("kv_fp8_layers with tensor_parallel_size > 1: the ranks' caches keep "
+                                          "every sparse layer in NVFP4 (not available yet)")
             torch.manual_seed(seed)
             self._start_tp(model, tensor_parallel_size, seed, random_weights, quantization, engine_kwargs)
             return
@@ -61,17 +78,56 @@ class LLM:
         self.model = load_model(model, device=self.device, dtype=self.dtype, random_weights=random_weights,
                                 quantization=quantization, seed=seed)
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
-        if self.route != "off" or "m3serve.targets.routing" in sys.modules:
+        if self.route != "off":
             from m3serve.targets import routing
-            routing.set_mode(self.route)
+            routing.install(self.model, self.route)
             routing.warmup(self.model)
         self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
+        engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
+            model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))
         if speculative_config is None:
             self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)
+            self._apply_kv_scales(model, kv_scales)
+            self._enable_target(enforce_eager)
         else:  # vLLM's shape: {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K, ...}
             from m3serve.engine.speculative import SpeculativeEngine
             self.engine = SpeculativeEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer,
                                             speculative_config=speculative_config)
+            self._apply_kv_scales(model, kv_scales)
+
+    def _resolve_kv_fp8_layers(self, model: str, kv_scales: str | None, kv_fp8_layers, kv_cache_dtype: str
+                               ) -> tuple[int, ...]:
+        """The explicit tuple, or for "auto" the calibrated list (hybrid cache only); the spec validates it."""
+        if not isinstance(kv_fp8_layers, str):
+            return kv_fp8_layers
+        if kv_fp8_layers != "auto":
+            raise ValueError(f"kv_fp8_layers: expected 'auto' or a tuple of sparse layer ids, found {kv_fp8_layers!r}")
+        if kv_cache_dtype != "nvfp4":
+            return ()
+        from m3serve.kv.calibrate import resolve_kv_fp8_layers
+        source, layers = resolve_kv_fp8_layers(model, self.model.cfg.layer_types, kv_scales)
+        if layers:
+            self.kv_fp8_layers_source = source
+            logging.getLogger("m3serve").info("KV cache: sparse layers %s stored as FP8 (from %s)", list(layers),
+                                              source)
+        return layers
+
+    def _apply_kv_scales(self, model: str, kv_scales: str | None) -> None:
+        """Calibrated NVFP4 global scales into the cache's NVFP4 layers (no-op for other KV dtypes)."""
+        from m3serve.kv.calibrate import apply_model_kv_scales
+        self.kv_scales_source = apply_model_kv_scales(self.engine.kv, model, self.model.cfg.num_hidden_layers,
+                                                      kv_scales)
+
+    def _enable_target(self, enforce_eager: bool) -> None:
+        """Decode target on when routing is on and the model can run it; `require` raises when it cannot."""
+        if self.route == "off":
+            return
+        if self.dtype != torch.bfloat16 or self.device.type != "cuda":
+            if self.route == "require":
+                raise ValueError(f"route='require': the decode target needs dtype bfloat16 on CUDA, found "
+                                 f"{self.dtype} on {self.device}")
+            return
+        self.engine.enable_target(graphs=not enforce_eager)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict) -> None:
         """tensor_parallel_size = N > 1 (m3serve.distributed): this process is rank 0 and starts ranks 1..N-1
@@ -142,28 +198,76 @@ class LLM:
             for r in reqs:
                 self.engine.abort(r.request_id)
             raise
+        # n / best_of: the engine runs one request per candidate; a prompt is done when all of them are.
+        members = [r.group.members if r.group is not None else [r] for r in reqs]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(reqs), desc="generate", unit="req", dynamic_ncols=True)
         done = 0
-        while any(not r.is_finished for r in reqs):
+        while done < len(reqs):
             self.engine.step()
-            now = sum(r.is_finished for r in reqs)
+            now = sum(all(m.is_finished for m in ms) for ms in members)
+            if now < len(reqs) and not self.engine.has_work():
+                raise RuntimeError("the engine has no work left but requests are unfinished")
             if bar is not None and now > done:
                 bar.update(now - done)
             done = now
         if bar is not None:
             bar.close()
         outs = [self._output(r) for r in reqs]
-        for r in reqs:
-            self.engine.release(r)
+        for ms in members:
+            for m in ms:
+                self.engine.release(m)
         return outs
 
     def _output(self, r) -> RequestOutput:
-        comp = CompletionOutput(0, self.engine.detokenize(r), list(r.output_token_ids),
-                                r.output_logprobs if r.params.logprobs is not None else None,
-                                r.finish_reason, r.stop_reason)
-        out = RequestOutput(str(r.request_id), r.prompt, r.prompt_token_ids, [comp])
+        out = request_output(r, self.tokenizer)
         out.spec_metrics = getattr(r, "spec_metrics", None)  # acceptance per request (SpeculativeEngine)
         return out
+
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (None for a model without one, such as the `tiny` preset)."""
+        return self.tokenizer
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts) or a list of
+        them; each is rendered with the tokenizer's chat template (or `chat_template`) and generated from.
+        Returns one RequestOutput per conversation (a list even for one)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError(f"messages: expected a conversation (list of message dicts) or a list of them, found "
+                            f"{type(messages).__name__ if messages else messages!r}")
+        single = all(isinstance(m, dict) for m in messages)
+        conversations = [list(messages)] if single else list(messages)
+        prompts = [self._chat_prompt(c, i, chat_template, add_generation_prompt, continue_final_message, tools,
+                                     chat_template_kwargs) for i, c in enumerate(conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompt(self, conversation, index: int, chat_template, add_generation_prompt: bool,
+                     continue_final_message: bool, tools, chat_template_kwargs) -> dict:
+        """One conversation -> {"prompt_token_ids", "prompt"}: the rendered template text, encoded without adding
+        special tokens (the template writes any bos)."""
+        where = "messages" if index == 0 else f"messages[{index}]"
+        if not isinstance(conversation, (list, tuple)) or not conversation or \
+                not all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                        for m in conversation):
+            raise TypeError(f"{where}: expected a non-empty list of {{'role': str, 'content': ...}} dicts, found "
+                            f"{conversation!r:.200}")
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("chat: this model has no tokenizer; use generate() with prompt token ids")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("chat: the tokenizer has no chat_template; pass chat_template=...")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be True")
+        # The server's encoder: special-token text inside message content stays ordinary text (no forged turns).
+        from m3serve.server.chat_tokens import chat_encoder
+        kwargs = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message)
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        ids, text = chat_encoder(tok).encode(list(conversation), tools, **kwargs)
+        return {"prompt_token_ids": list(ids), "prompt": text}

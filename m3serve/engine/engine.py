@@ -14,7 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3serve.engine.request import Request, Status
+from m3serve.engine import groups, prompt_logprobs, stopping
+from m3serve.engine.detokenize import output_text
+from m3serve.engine.penalties import PenaltyState
+from m3serve.engine.request import Request, RequestGroup, Status
 from m3serve.engine.sampler import sample, top_logprobs
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
@@ -33,6 +36,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_dtype: str = "auto"              # auto | bf16 | fp8 | nvfp4 (hybrid: NVFP4 sparse, FP8 dense)
+    # Hybrid cache: sparse layers kept in FP8 (KVCacheSpec.fp8_layers). "auto" = what LLM resolves from the model's
+    # kv_scales.json; an engine built without LLM has no model directory to read, so "auto" is none there.
+    kv_fp8_layers: tuple[int, ...] | str = "auto"
     index_k_dtype: str = "auto"
     kv_cache_bytes: int | None = None         # CPU (or explicit) budget
     gpu_memory_utilization: float = 0.9
@@ -66,27 +72,52 @@ class LLMEngine:
         # own views with the cache's geometry.
         self.tables = DeviceBlockTables(self.blocks, dev, index_scale=1, kv_offset=1,
                                         max_tokens=config.max_num_batched_tokens)
+        self.target_attention = False   # attention through the paged-cache kernels (enable_target)
+        self.graphs = None               # m3serve.runtime.decode_graphs.DecodeGraphs (enable_target)
         self._ids = itertools.count()
         self.requests: dict[int, Request] = {}
         self.eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
+        # Penalties / logit_bias / min_tokens state: one device row per running request that uses them.
+        self.penalties = PenaltyState(config.max_num_seqs, cfg.vocab_size, dev, self.eos)
+        self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
+        self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
         log.info("KV cache: %s", self.kv.describe())
 
     def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
         """The cache roles this engine needs (the speculative engine adds the shared draft layer)."""
+        fp8_layers = config.kv_fp8_layers
+        if isinstance(fp8_layers, str):
+            if fp8_layers != "auto":
+                raise ValueError(f"EngineConfig.kv_fp8_layers: expected 'auto' or a tuple of sparse layer ids, "
+                                 f"found {fp8_layers!r}")
+            fp8_layers = ()
         return KVCacheSpec.from_model_config(model.cfg, tp_size=model.tp.size, kv_cache_dtype=config.kv_cache_dtype,
-                                             index_k_dtype=config.index_k_dtype, model_dtype=model.dtype, **extra)
+                                             index_k_dtype=config.index_k_dtype, model_dtype=model.dtype,
+                                             fp8_layers=fp8_layers, **extra)
+
+    def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None) -> None:
+        """The decode target: attention through the paged-cache kernels for every step, and pure decode steps
+        replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1."""
+        if self.model.device.type != "cuda" or self.model.dtype != torch.bfloat16 or self.model.tp.size != 1:
+            raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {self.model.dtype} on "
+                             f"{self.model.device} at TP {self.model.tp.size}")
+        self.target_attention = True
+        if graphs:
+            from m3serve.runtime.decode_graphs import DecodeGraphs, buckets_up_to
+            self.graphs = DecodeGraphs(self.model, self.kv, self.tables,
+                                       buckets or buckets_up_to(self.config.max_num_seqs))
+            self.graphs.capture()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError naming the problem; nothing else is disturbed."""
+        """Validate and queue a request; returns it. With n / best_of > 1 it is the leader of a RequestGroup
+        (req.group.members: one request per candidate, see m3serve.engine.groups). Raises ValueError naming the
+        problem (OverflowError when the queue is full); nothing else is disturbed."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params: expected SamplingParams, found {type(params).__name__}")
         params.validate()
-        if params.n != 1:
-            raise ValueError(f"SamplingParams.n = {params.n}: submit n copies of the request instead (n > 1 is "
-                             "served by the HTTP layer)")
         if not prompt_token_ids:
             raise ValueError("prompt: empty (at least one token is needed)")
         vocab = self.model.cfg.vocab_size
@@ -99,19 +130,64 @@ class LLMEngine:
                              "and at least one token must be generated")
         if n + 1 > self.capacity_tokens:
             raise ValueError(f"prompt has {n} tokens; the KV cache holds {self.capacity_tokens} tokens in all")
-        req = Request(next(self._ids), list(prompt_token_ids), params, prompt=prompt)
-        if any(not p.greedy for p in [params]):
-            req.generator = torch.Generator(device=self.model.device)
-            req.generator.manual_seed(params.seed if params.seed is not None
-                                      else (self.config.seed * 1_000_003 + req.request_id) % (2 ** 63))
-        self.scheduler.add(req)
-        self.requests[req.request_id] = req
-        return req
+        self._check_sampling_support(params)
+        candidates = groups.candidate_params(params)
+        limit = self.scheduler.max_queue
+        if limit is not None and len(candidates) > 1 and len(self.scheduler.waiting) + len(candidates) > limit:
+            raise OverflowError(f"the waiting queue is full ({limit} requests; this one has {len(candidates)} "
+                                "candidates)")
+        reqs = [Request(next(self._ids), list(prompt_token_ids), p, prompt=prompt) for p in candidates]
+        for req in reqs:
+            if not req.params.greedy:
+                req.generator = torch.Generator(device=self.model.device)
+                req.generator.manual_seed(req.params.seed if req.params.seed is not None
+                                          else (self.config.seed * 1_000_003 + req.request_id) % (2 ** 63))
+            prompt_logprobs.start(req)
+        leader = reqs[0]
+        self.scheduler.add(leader)
+        if len(reqs) > 1:
+            group = RequestGroup(params, reqs)
+            for req in reqs:
+                req.group = group
+            if self.blocks.enable_prefix_caching:
+                self._deferred[leader.request_id] = group
+            else:                                   # nothing to share: all candidates prefill at once
+                self.scheduler.waiting.extend(reqs[1:])
+        for req in reqs:
+            self.requests[req.request_id] = req
+        if leader.prompt_logprobs is not None:
+            self._prompt_lp_pending[leader.request_id] = leader
+        return leader
+
+    def _check_sampling_support(self, params: SamplingParams) -> None:
+        """What depends on the model or on this engine's sampling step (ValueError naming the field)."""
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        own = all(getattr(type(self), m) is getattr(LLMEngine, m) for m in ("step", "_forward_sample", "_sample_rows"))
+        if own:
+            return
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None)):
+            value = getattr(params, name)
+            if value != neutral and not (name == "logit_bias" and not value):
+                raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {type(self).__name__} "
+                                 "(penalties, logit_bias, min_tokens and prompt_logprobs are applied by "
+                                 "LLMEngine's own sampling step)")
 
     def abort(self, request_id: int) -> None:
+        """Abort a request; a group leader's id aborts all its candidates."""
         req = self.requests.pop(request_id, None)
-        if req is not None and not req.is_finished:
-            self.scheduler.finish(req, "abort")
+        if req is None:
+            return
+        self._deferred.pop(request_id, None)
+        members = req.group.members if req.group is not None and req is req.group.leader else [req]
+        for m in members:
+            self.requests.pop(m.request_id, None)
+            if not m.is_finished:
+                self.scheduler.finish(m, "abort")
+            self.penalties.release(m)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -119,13 +195,31 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
         """Run one model step; returns the requests that got a new token or finished in it."""
-        chunks = self.scheduler.schedule()
+        if self._deferred:
+            self._release_orphaned_candidates()
+        if self._prompt_lp_pending:
+            with prompt_logprobs.full_prefill_admission(self._prompt_lp_pending, self.blocks):
+                chunks = self.scheduler.schedule()
+        else:
+            chunks = self.scheduler.schedule()
         if not chunks:
             return self._unschedulable()
-        batch = self._build_batch(chunks)
         sampled = [c for c in chunks if c.reaches_end]
         reqs = [c.request for c in sampled]
-        tokens, lp = self._forward_sample(batch, reqs)
+        if self.graphs is not None and len(sampled) == len(chunks) and all(c.num_tokens == 1 for c in chunks) \
+                and self.graphs.bucket_for(len(chunks)) is not None:
+            tokens, lp = self._graph_decode(reqs)
+        else:
+            batch = self._build_batch(chunks)
+            plan = None
+            if self._prompt_lp_pending:
+                starts = np.cumsum([0] + [c.num_tokens for c in chunks[:-1]]).tolist()
+                plan = prompt_logprobs.plan(chunks, starts, batch.input_ids.device)
+            if plan is None:
+                tokens, lp = self._forward_sample(batch, reqs)
+            else:                  # the prompt rows' logits come from the same head call, after the sampled rows
+                batch.logits_rows = torch.cat((batch.logits_rows, plan.rows))
+                tokens, lp = self._forward_sample(batch, reqs, plan)
         for c in chunks:
             c.request.num_computed += c.num_tokens
         if not sampled:
@@ -141,15 +235,37 @@ class LLMEngine:
                 self.blocks.commit_full_pages(req.request_id, req.all_token_ids[:req.num_computed])
         return reqs
 
-    def _forward_sample(self, batch: ForwardBatch, reqs: list[Request]) -> tuple[list[int], tuple | None]:
+    def _forward_sample(self, batch: ForwardBatch, reqs: list[Request],
+                        prompt_plan: prompt_logprobs.PromptLogprobPlan | None = None) -> tuple[list[int], tuple | None]:
         """Model forward, then one token per sampled row (batch.logits_rows order, one per request in `reqs`)
-        and, when asked, (chosen logprobs, top ids, top logprobs) as lists. The tensor-parallel driver
-        (m3serve.distributed.driver) overrides this to broadcast the step and sample vocab-parallel."""
+        and, when asked, (chosen logprobs, top ids, top logprobs) as lists. prompt_plan: prompt-logprob rows that
+        follow the sampled ones in batch.logits_rows. The tensor-parallel driver (m3serve.distributed.driver)
+        overrides this to broadcast the step and sample vocab-parallel (without prompt plans or penalties)."""
         with torch.inference_mode():
             logits = self.model(batch)
+            if prompt_plan is not None:
+                prompt_plan.record(logits[len(reqs):])
+                logits = logits[:len(reqs)]
         if not reqs:
             return [], None
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return self._sample_rows(logits, reqs)
+
+    def _graph_decode(self, reqs: list[Request]) -> tuple[list[int], tuple | None]:
+        """A pure decode step as one graph replay; greedy rows without logprobs read back only token ids."""
+        last = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
+        launched = self.graphs.run([r.request_id for r in reqs], last, [r.num_computed for r in reqs])
+        if all(r.params.greedy and r.params.logprobs is None and not r.logits_processing for r in reqs):
+            return self.graphs.fetch_tokens(launched), None
+        return self._sample_rows(self.graphs.logits(launched), reqs)
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], tuple | None]:
+        """logits [R, V] -> one token per row; penalties, logit_bias and min_tokens change the scores the token
+        is chosen from (on the device, only when a request in the batch asks for them), logprobs stay raw."""
+        rows = self.penalties.rows_for(reqs)
+        scores = logits if rows is None else self.penalties.apply(logits, rows)
+        tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
+        if rows is not None:
+            self.penalties.record(rows, tokens)
         want = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
         lp = top_logprobs(logits, tokens, want) if want is not None else None
         return tokens.tolist(), (tuple(x.tolist() for x in lp) if lp is not None else None)
@@ -165,11 +281,24 @@ class LLMEngine:
         starts = np.concatenate(([0], np.cumsum(n)[:-1]))
         seq_of_token = np.repeat(np.arange(len(chunks)), n)
         positions = np.repeat(done - starts, n) + np.arange(int(n.sum()))
-        slot_table, _, slot_mapping = self.tables.prepare([r.request_id for r in reqs], seq_of_token, positions)
         lengths = done + n
-        spans = [SeqSpan(int(starts[i]), int(n[i]), int(lengths[i]), slot_table[i, :-(-int(lengths[i]) // page)].long())
-                 for i in range(len(chunks))]
-        ids = [t for r, d, k in zip(reqs, done.tolist(), n.tolist()) for t in r.all_token_ids[d:d + k]]
+        extra = None
+        if self.target_attention:  # the kernels' metadata rides in the same upload: [query_start | seq_lens]
+            extra = np.concatenate(([0], np.cumsum(n), lengths)).astype(np.int32)
+        slot_table, _, slot_mapping = self.tables.prepare([r.request_id for r in reqs], seq_of_token, positions,
+                                                          extra=extra)
+        step = None
+        if self.target_attention:
+            from m3serve.kernels.paged_attention import choose_num_splits
+            from m3serve.targets.attention import PagedStep
+            s = len(chunks)
+            meta = self.tables.last_extra
+            step = PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:], query_start=meta[:s + 1],
+                             max_query_len=int(n.max()), num_splits=choose_num_splits(s, self.tables.max_blocks))
+        spans = [] if step is not None else [
+            SeqSpan(int(starts[i]), int(n[i]), int(lengths[i]), slot_table[i, :-(-int(lengths[i]) // page)].long())
+            for i in range(len(chunks))]
+        ids = [t for r, d, k in zip(reqs, done.tolist(), n.tolist()) for t in _token_slice(r, d, k)]
         rows = [int(starts[i] + n[i] - 1) for i, c in enumerate(chunks) if c.reaches_end]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -178,25 +307,32 @@ class LLMEngine:
             slot_mapping=slot_mapping,
             kv=self.kv,
             logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            step=step,
         )
 
     def _check_stop(self, req: Request, tok: int) -> None:
-        p = req.params
-        if not p.ignore_eos and tok in self.eos:
-            return self.scheduler.finish(req, "stop", tok)
-        if tok in p.stop_token_ids:
-            return self.scheduler.finish(req, "stop", tok)
-        if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            for s in p.stop:
-                at = text.find(s)
-                if at >= 0:
-                    req.text = text[:at]
-                    return self.scheduler.finish(req, "stop", s)
-        if p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
-            return self.scheduler.finish(req, "length")
-        if req.num_tokens >= self.max_model_len:
-            return self.scheduler.finish(req, "length")
+        """After each appended token (both engines): queue a group's other candidates once the leader's prompt
+        is in the cache, then finish the request if `tok` ends it (m3serve.engine.stopping)."""
+        group = self._deferred.pop(req.request_id, None)
+        if group is not None:
+            self._release_candidates(group)
+        hit = stopping.stop_hit(req, tok, self.eos, self.tokenizer, self.max_model_len)
+        if hit is not None:
+            self.scheduler.finish(req, *hit)
+            self.penalties.release(req)
+
+    def _release_candidates(self, group: RequestGroup) -> None:
+        """Queue the candidates after the leader, first in line: its full prompt pages are committed to the
+        prefix cache now, so each of them computes only the prompt's last partial page."""
+        leader = group.leader
+        if leader.allocated:
+            self.blocks.commit_full_pages(leader.request_id, leader.all_token_ids[:leader.num_computed])
+        self.scheduler.waiting.extendleft(reversed([m for m in group.members[1:] if not m.is_finished]))
+
+    def _release_orphaned_candidates(self) -> None:
+        """A leader that ended without a token (e.g. unschedulable) must not strand its candidates."""
+        for lid in [lid for lid, g in self._deferred.items() if g.leader.is_finished]:
+            self._release_candidates(self._deferred.pop(lid))
 
     def _unschedulable(self) -> list[Request]:
         """Nothing could be scheduled: the head request does not fit even in an otherwise empty cache."""
@@ -207,11 +343,7 @@ class LLMEngine:
         return [req]
 
     def detokenize(self, req: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        if req.finish_reason == "stop" and isinstance(req.stop_reason, str):
-            return req.text
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        return output_text(self.tokenizer, req)
 
     def release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
@@ -220,6 +352,16 @@ class LLMEngine:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.kv.num_slots,
                 "preemptions": self.scheduler.num_preemptions}
+
+
+def _token_slice(req: Request, start: int, count: int) -> list[int]:
+    """req.all_token_ids[start:start + count] without concatenating the whole context (O(count))."""
+    p = req.prompt_token_ids
+    if start + count <= len(p):
+        return p[start:start + count]
+    if start >= len(p):
+        return req.output_token_ids[start - len(p):start - len(p) + count]
+    return p[start:] + req.output_token_ids[:start + count - len(p)]
 
 
 __all__ = ["LLMEngine", "EngineConfig", "Status"]

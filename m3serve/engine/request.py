@@ -1,5 +1,8 @@
 """A request's life: WAITING -> RUNNING (prefill in chunks, then decode) -> FINISHED; preemption sends it back
-to WAITING with its KV dropped (recomputed from prompt + generated tokens)."""
+to WAITING with its KV dropped (recomputed from prompt + generated tokens).
+
+SamplingParams(n > 1 or best_of > 1) makes a RequestGroup: one Request per candidate sequence, member 0 leads.
+The other members wait until the leader's prompt KV is in the prefix cache, then reuse its full pages."""
 
 from __future__ import annotations
 
@@ -34,6 +37,14 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     generator: object | None = None   # the request's own torch.Generator (seeded sampling)
+    group: RequestGroup | None = field(default=None, repr=False, compare=False)   # n / best_of candidates
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # [len(prompt)], None where not computed yet
+    prompt_logprobs_left: int = 0        # entries of prompt_logprobs still to compute
+    stop_scan_chars: int | None = None   # output text characters already searched for stop strings
+    logits_processing: bool = field(init=False, default=False)   # penalties / bias / min_tokens (cached)
+
+    def __post_init__(self) -> None:
+        self.logits_processing = self.params.needs_logits_processing
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -48,6 +59,27 @@ class Request:
         return self.status is Status.FINISHED
 
     @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs were asked for and some are still missing (the first prompt token has none)."""
+        return self.prompt_logprobs_left > 0
+
+    @property
     def in_prefill(self) -> bool:
         """More than one token still lacks KV: the next chunk is (part of) a prefill."""
         return self.num_tokens - self.num_computed > 1
+
+
+@dataclass
+class RequestGroup:
+    """The best_of (else n) candidate sequences of one user request; `params` are the user's (n, best_of,
+    logprobs visibility), the members run with per-candidate copies (n = 1, seed + index)."""
+    params: SamplingParams
+    members: list[Request]
+
+    @property
+    def leader(self) -> Request:
+        return self.members[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(m.is_finished for m in self.members)

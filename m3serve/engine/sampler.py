@@ -3,6 +3,10 @@
 Random draws use the Gumbel/exponential trick, token = argmax(p / E) with E ~ Exp(1): it needs no host sync
 and no cumulative sum. Each request owns a torch.Generator, so its draws do not depend on what else is in
 the batch. Logprobs are those of the model's raw distribution (before temperature / top-k / top-p).
+Penalties, logit_bias and min_tokens change the logits these functions receive (m3serve.engine.penalties, applied
+by LLMEngine._sample_rows only for batches that hold such a request); an all-greedy batch is one argmax.
+
+Shape legend: R sampled rows, V vocab, k top alternatives.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Shape legend (S = batch size, B = max_blocks_per_seq):
     host_table    int32 [max_seqs, B]     BlockManager.host_table (-1 = unallocated); source of truth
-    mirror        int32 [max_seqs, B]     device copy of host rows, refreshed only for changed rows
+    mirror        int32 [max_seqs + 1, B] device copy of host rows, refreshed only for changed rows; the last
+                                          row is the padding row of graph buckets (always -1)
     slot_table    int32 [S, B]            slot ids of each batch row, -1 -> 0
     subpage_table int32 [S, 2, B]         [:, 0] K = slot*index_scale, [:, 1] V = K + kv_offset;
                                           unallocated -> 0 (a safe page: kernels never read past kv_len)
@@ -48,7 +49,7 @@ def _prepare_torch(mirror: Tensor, stage: Tensor, s: int, t: int, b: int, page_s
     """The same semantics as the Triton prepare kernel, in torch ops (CPU)."""
     off_change, off_data, off_tok, off_pos = offsets
     rows = stage[:s].long()
-    change = stage[off_change:off_data].long()
+    change = stage[off_change:off_change + s].long()
     n = int((change >= 0).sum())
     data = stage[off_data:off_data + n * b].view(n, b)
     changed = change >= 0
@@ -86,12 +87,17 @@ class DeviceBlockTables:
         on_cuda = self.device.type == "cuda"
         s, b = manager.max_seqs, manager.max_blocks_per_seq
         self.max_blocks = b
-        self.mirror = torch.full((s, b), -1, dtype=torch.int32, device=self.device)
+        # One extra row past the manager's rows, never written: the padding row of graph buckets (all -1, so a
+        # padded sequence gets slot 0 everywhere and its tokens get slot -1: nothing is read or written for it).
+        self.pad_row = s
+        self.mirror = torch.full((s + 1, b), -1, dtype=torch.int32, device=self.device)
         self._uploaded = np.full(s, -1, dtype=np.int64)  # row_version at the last upload of each row
         # build() staging: [S batch rows | n changed row ids | n changed rows x B].
         # prepare() staging: [S batch rows | S change index | n changed rows x B | T token seq | T positions].
         self.max_tokens = max_tokens if max_tokens is not None else 8 * s
-        stage_numel = s * (b + 2) + 2 * self.max_tokens
+        # prepare() also carries the caller's int32 payload (`extra`): at most 2 * max_tokens + 2 * s + 1 values.
+        self.max_extra = 2 * self.max_tokens + 2 * s + 1
+        stage_numel = s * (b + 2) + 2 * self.max_tokens + self.max_extra
         # On CPU copies are synchronous: one buffer and a no-op event, unless a test injects events.
         if event_factory is None and not on_cuda:
             ring_size, event_factory = 1, NullEvent
@@ -140,21 +146,33 @@ class DeviceBlockTables:
             _expand_torch(self.mirror, self._batch_rows, self.index_scale, self.kv_offset, slot_out, sub_out)
         return slot_out, sub_out
 
-    def prepare(self, seq_ids: list[int], token_seq_idx: np.ndarray, positions: np.ndarray
-                ) -> tuple[Tensor, Tensor, Tensor]:
+    def prepare(self, seq_ids: list[int], token_seq_idx: np.ndarray, positions: np.ndarray,
+                extra: np.ndarray | None = None, pad_to: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """One step's tables and slot mapping from ONE staged upload and ONE device op.
 
         token_seq_idx / positions: host int arrays [T] (batch position and absolute position of each token
         of the step). Returns views of persistent buffers: slot table [S, B], sub-page table [S, 2, B] and
-        the flat slot of every token [T] (int64, -1 where the page is unallocated)."""
+        the flat slot of every token [T] (int64, -1 where the page is unallocated).
+
+        extra: an int32 payload (token ids, sequence lengths, ...) that rides in the same upload; its device
+        copy is `last_extra` afterwards. pad_to: pad the batch to this many sequences (a CUDA-graph bucket):
+        padded sequences use the never-written padding row (slot 0 everywhere), so a padded token's slot is
+        -1. Stage layout, fixed-size parts first so a bucket's views sit at the same addresses every step:
+            [rows S | change S | token seq T | positions T | extra E | changed rows n x B]"""
         mgr = self.manager
         rows = mgr.rows_of(seq_ids)
-        s, b, t = rows.shape[0], self.max_blocks, len(positions)
-        if s > mgr.max_seqs:
-            raise ValueError(f"seq_ids: expected at most max_seqs = {mgr.max_seqs} sequences, found {s}")
+        s_real = rows.shape[0]
+        s = s_real if pad_to is None else pad_to
+        b, t = self.max_blocks, len(positions)
+        if s > mgr.max_seqs or s < s_real:
+            raise ValueError(f"seq_ids: {s_real} sequences padded to {s}; expected at most max_seqs = "
+                             f"{mgr.max_seqs} and pad_to >= the sequence count")
         if t > self.max_tokens or len(token_seq_idx) != t:
             raise ValueError(f"positions: {t} tokens ({len(token_seq_idx)} sequence indices); the step holds at "
                              f"most max_tokens = {self.max_tokens} with one index per token")
+        e = 0 if extra is None else len(extra)
+        if e > self.max_extra:
+            raise ValueError(f"extra: {e} values; the staging buffer holds at most {self.max_extra}")
         pos = np.asarray(positions)
         if t and (pos.min() < 0 or pos.max() >= b * mgr.page_size):
             raise ValueError(f"positions: expected values in [0, {b * mgr.page_size}), found "
@@ -167,23 +185,29 @@ class DeviceBlockTables:
         n = changed_pos.shape[0]
         i = self.ring.acquire()
         buf = self.ring.arrays[i]
-        off_change, off_data = s, 2 * s
-        off_tok = off_data + n * b
+        off_change = s
+        off_tok = 2 * s
         off_pos = off_tok + t
-        buf[:s] = rows
-        change = buf[off_change:off_data]
+        off_extra = off_pos + t
+        off_data = off_extra + e
+        buf[:s_real] = rows
+        buf[s_real:s] = self.pad_row
+        change = buf[off_change:off_tok]
         change[:] = -1
         change[changed_pos] = np.arange(n)
-        np.take(mgr.host_table, rows[changed_pos], axis=0, out=buf[off_data:off_tok].reshape(n, b))
         buf[off_tok:off_pos] = tsi
-        buf[off_pos:off_pos + t] = pos
-        total = off_pos + t
+        buf[off_pos:off_extra] = pos
+        if e:
+            buf[off_extra:off_data] = extra
+        total = off_data + n * b
+        np.take(mgr.host_table, rows[changed_pos], axis=0, out=buf[off_data:total].reshape(n, b))
         self._dev_stage[:total].copy_(self.ring.buffers[i][:total], non_blocking=True)
         self.ring.release(i)
         self._uploaded[rows[changed_pos]] = mgr.row_version[rows[changed_pos]]
         self.last_num_uploaded_rows = n
         stage = self._dev_stage
         self._batch_rows = stage[:s]
+        self.last_extra = stage[off_extra:off_data]
         slot_out, sub_out, map_out = self.slot_table[:s], self.subpage_table[:s], self.slot_mapping_out[:t]
         offsets = (off_change, off_data, off_tok, off_pos)
         if self.use_triton:

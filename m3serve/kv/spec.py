@@ -14,6 +14,10 @@ kv_cache_dtype -> per-layer format:
     auto   every K/V = model dtype          bf16   every K/V = bf16
     fp8    every K/V = fp8                  nvfp4  sparse K/V = nvfp4, dense and draft K/V = fp8
            (the "hybrid" cache: only MSA has an NVFP4 consumer, mechanisms.md §1.1)
+
+fp8_layers (hybrid cache only): sparse layers kept in FP8 instead of NVFP4, the few whose keys NVFP4 hurts
+measurably (chosen by m3serve.kv.calibrate, listed in kv_scales.json). They keep their index-K and MSA selection;
+only their K/V storage format (and so their sub-page size, and no scale pages) changes.
 """
 
 from __future__ import annotations
@@ -63,9 +67,15 @@ class KVCacheSpec:
     num_draft_layers: int = 0
     # Added: the draft head may differ from the target in KV heads (MHA vs GQA Eagle3 heads).
     draft_num_kv_heads: int | None = None
+    # Hybrid ("nvfp4") cache: sparse layers stored as FP8 instead of NVFP4 (kept sorted).
+    fp8_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sparse_layers", tuple(int(i) for i in self.sparse_layers))
+        if not isinstance(self.fp8_layers, (tuple, list)) or any(
+                not isinstance(i, int) or isinstance(i, bool) for i in self.fp8_layers):
+            raise TypeError(f"KVCacheSpec.fp8_layers: expected a tuple of int layer ids, found {self.fp8_layers!r}")
+        object.__setattr__(self, "fp8_layers", tuple(sorted(self.fp8_layers)))
         for name in ("page_size", "num_layers", "num_kv_heads", "head_dim"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
@@ -97,13 +107,29 @@ class KVCacheSpec:
         if self.draft_num_kv_heads is not None and self.draft_num_kv_heads <= 0:
             raise ValueError("KVCacheSpec.draft_num_kv_heads: expected None or a positive int, "
                              f"found {self.draft_num_kv_heads!r}")
-        if self.kv_cache_dtype == "nvfp4" and self.sparse_layers:
+        self._check_fp8_layers()
+        if any(self.kv_format(i) == "nvfp4" for i in self.sparse_layers):
             if self.head_dim % NVFP4_BLOCK:
                 raise ValueError(f"KVCacheSpec.head_dim: NVFP4 needs a multiple of {NVFP4_BLOCK}, "
                                  f"found {self.head_dim}")
             if self.page_size % 4:
                 # V scale bytes are stored in 4-token quads (mechanisms.md §1.1).
                 raise ValueError(f"KVCacheSpec.page_size: NVFP4 needs a multiple of 4, found {self.page_size}")
+
+    def _check_fp8_layers(self) -> None:
+        if not self.fp8_layers:
+            return
+        if self.kv_cache_dtype != "nvfp4":
+            raise ValueError(f"KVCacheSpec.fp8_layers: per-layer FP8 overrides exist only in the hybrid cache "
+                             f"(kv_cache_dtype 'nvfp4'), found kv_cache_dtype {self.kv_cache_dtype!r} with "
+                             f"fp8_layers {self.fp8_layers}")
+        if len(set(self.fp8_layers)) != len(self.fp8_layers):
+            raise ValueError(f"KVCacheSpec.fp8_layers: expected distinct layer ids, found {self.fp8_layers}")
+        not_sparse = [i for i in self.fp8_layers if i not in self.sparse_layers]
+        if not_sparse:
+            # Dense and draft layers are FP8 in the hybrid cache already; naming one is a wrong layer id.
+            raise ValueError(f"KVCacheSpec.fp8_layers: expected sparse (MSA) layers from {self.sparse_layers}, "
+                             f"found {not_sparse} among {self.fp8_layers}")
 
     # --- layers and formats ------------------------------------------------------------------
     @property
@@ -139,7 +165,7 @@ class KVCacheSpec:
         if self.kv_cache_dtype == "auto":
             return _MODEL_DTYPES[self.model_dtype]
         if self.kv_cache_dtype == "nvfp4":
-            return "nvfp4" if self.is_sparse(layer) else "fp8"
+            return "nvfp4" if self.is_sparse(layer) and layer not in self.fp8_layers else "fp8"
         return self.kv_cache_dtype
 
     def index_k_format(self) -> str:
@@ -170,13 +196,17 @@ class KVCacheSpec:
         return out
 
     def split_summary(self) -> str:
-        """E.g. "57 sparse = NVFP4/P128, 3 dense = FP8/P128, 1 draft = FP8/P128, index-K = BF16"."""
+        """E.g. "56 sparse = NVFP4/P128, 1 sparse = FP8/P128, 3 dense = FP8/P128, 1 draft = FP8/P128,
+        index-K = BF16": one entry per (kind, format), the most common format of a kind first."""
         parts = []
         groups = (("sparse", self.sparse_layers), ("dense", self.dense_layers),
                   ("draft", (self.draft_layer,) if self.num_draft_layers else ()))
         for name, layers in groups:
-            if layers:
-                parts.append(f"{len(layers)} {name} = {self.kv_format(layers[0]).upper()}/P{self.page_size}")
+            by_fmt: dict[str, list[int]] = {}
+            for layer in layers:
+                by_fmt.setdefault(self.kv_format(layer), []).append(layer)
+            for fmt, members in sorted(by_fmt.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
+                parts.append(f"{len(members)} {name} = {fmt.upper()}/P{self.page_size}")
         if self.sparse_layers:
             parts.append(f"index-K = {self.index_k_format().upper()}")
         return ", ".join(parts)
@@ -191,12 +221,13 @@ class KVCacheSpec:
         model_dtype: torch.dtype = torch.bfloat16,
         num_draft_layers: int = 0,
         draft_num_kv_heads: int | None = None,
+        fp8_layers: tuple[int, ...] = (),
     ) -> KVCacheSpec:
         """Spec for one TP rank of a model config (duck-typed m3serve.config.M3Config).
 
         KV heads are split across ranks and replicated when ranks outnumber heads; index-K is
         replicated on every rank. `draft_num_kv_heads` is the drafter's global KV head count
-        (default: the target's), split the same way.
+        (default: the target's), split the same way. `fp8_layers`: see the module doc.
         """
         if not isinstance(tp_size, int) or tp_size <= 0:
             raise ValueError(f"tp_size: expected a positive int, found {tp_size!r}")
@@ -222,4 +253,5 @@ class KVCacheSpec:
             model_dtype=model_dtype,
             num_draft_layers=num_draft_layers,
             draft_num_kv_heads=draft_heads,
+            fp8_layers=fp8_layers,
         )

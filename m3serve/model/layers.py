@@ -15,15 +15,6 @@ import torch.nn.functional as F
 from m3serve.model.parallel import SINGLE, TPGroup
 from m3serve.model.qweight import QWeight
 
-# A dispatch hook set by m3serve.targets: (linear, x) -> y or None. None means "stock path".
-_LINEAR_DISPATCH = None
-
-
-def set_linear_dispatch(fn) -> None:
-    global _LINEAR_DISPATCH
-    _LINEAR_DISPATCH = fn
-
-
 class RMSNorm(nn.Module):
     """Gemma RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32, cast back to x's dtype."""
 
@@ -77,6 +68,8 @@ class Linear(nn.Module):
         self.name = name
         self.fmt = "unset"
         self._qkeys: tuple[str, ...] = ()
+        # Set per model by m3serve.targets.routing.install: (linear, x) -> y, or None for the stock path.
+        self.dispatch = None
 
     def set_weight(self, qw: QWeight, requires_grad: bool = False) -> None:
         lead = () if self.num_experts is None else (self.num_experts,)
@@ -110,8 +103,8 @@ class Linear(nn.Module):
         return self.qweight.dequantize(dtype, expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _LINEAR_DISPATCH is not None:
-            y = _LINEAR_DISPATCH(self, x)
+        if self.dispatch is not None:
+            y = self.dispatch(self, x)
             if y is not None:
                 return y
         return self._stock(x)

@@ -9,7 +9,9 @@ Shape legend
 
 Attention reads K/V (and index-K on MSA layers) from the paged KV cache after writing this step's tokens, so
 a quantized cache is seen exactly as decode sees it. Without a cache (training, `forward_train`), each batch
-row is a whole sequence attending to itself.
+row is a whole sequence attending to itself. On the decode target a step carries device metadata
+(`batch.step`) and attention runs as the paged-cache kernels of m3serve.targets.attention instead of the
+per-sequence loop below (same maths, other summation order).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor | None = None      # rows to compute logits for (default: every row)
     capture_layers: tuple[int, ...] = ()         # residual streams to return (Eagle3: the stream entering layer i)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    step: object | None = None                   # m3serve.targets.attention.PagedStep: the target's kernels
 
 
 class Attention(nn.Module):
@@ -100,6 +103,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial o_proj output [T, H]."""
         q, k, v, iq, ik = self.project(x, cos, sin)
+        if batch.step is not None:
+            from m3serve.targets.attention import attention_forward
+            out = attention_forward(self, q, k, v, iq, ik, batch.slot_mapping, batch.kv, batch.step)
+            return self.o_proj(out.view(x.shape[0], -1))
         out = torch.empty(x.shape[0], self.hq, self.cfg.head_dim, dtype=torch.float32, device=x.device)
         kv = batch.kv
         if kv is not None:

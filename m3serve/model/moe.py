@@ -14,15 +14,6 @@ from m3serve.config import M3Config
 from m3serve.model.layers import Linear, swiglu_oai
 from m3serve.model.parallel import SINGLE, TPGroup
 
-# A dispatch hook set by m3serve.targets.routing: (moe, x) -> partial output or None ("stock path").
-_MOE_DISPATCH = None
-
-
-def set_moe_dispatch(fn) -> None:
-    global _MOE_DISPATCH
-    _MOE_DISPATCH = fn
-
-
 class DenseMLP(nn.Module):
     """SwiGLU-OAI MLP; gate and up are one column-parallel linear (gate rows first), down is row-parallel.
     Returns this rank's partial sum: the caller all-reduces once per block."""
@@ -61,11 +52,13 @@ class MoE(nn.Module):
         self.w2 = Linear(local, h, num_experts=e, parallel="row", name=f"{name}.experts.w2")
         self.shared = (DenseMLP(cfg, cfg.shared_intermediate_size, tp, f"{name}.shared_experts")
                        if cfg.shared_intermediate_size else None)
+        # Set per model by m3serve.targets.routing.install: (moe, x) -> partial output, or None for stock.
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial [T, H] (the caller all-reduces)."""
-        if _MOE_DISPATCH is not None:
-            y = _MOE_DISPATCH(self, x)
+        if self.dispatch is not None:
+            y = self.dispatch(self, x)
             if y is not None:
                 return y
         ids, weights = route(x, self.router, self.e_score_correction_bias, self.top_k)

@@ -134,7 +134,7 @@ class SafetensorsSource(TensorSource):
 @dataclass(frozen=True)
 class Slot:
     """Where one checkpoint tensor goes. `module` is relative to model.layers[layer] (or the model root)."""
-    kind: str             # "param" | "linear" | "expert" | "stacked_experts"
+    kind: str             # "param" | "linear" | "expert" | "stacked_experts" | "kv_scale" (not loaded)
     module: str
     layer: int | None = None
     part: int = 0         # part of a fused linear (gate=0 | up=1)
@@ -145,6 +145,9 @@ class Slot:
 
 _S = r"(?P<suffix>" + "|".join(SUFFIXES) + r")"
 _LAYER_TABLE: list[tuple[re.Pattern, callable]] = [(re.compile(p + "$"), f) for p, f in [
+    # KV-cache scales on the attention module (compressed-tensors, vLLM; legacy kv_scale = both); ModelOpt's
+    # self_attn.{k,v}_proj.{k,v}_scale match the linear rows below. Read by read_kv_cache_scales.
+    (r"self_attn\.(?:attn\.)?(?P<p>k|v|kv)_scale", lambda m: ("kv_scale", f"attn.{m['p']}_scale", {})),
     (r"input_layernorm\.weight", lambda m: ("param", "input_norm.weight", {})),
     (r"post_attention_layernorm\.weight", lambda m: ("param", "post_norm.weight", {})),
     (r"self_attn\.(?P<p>[qkvo])_proj\." + _S, lambda m: ("linear", f"attn.{m['p']}_proj", {})),
@@ -205,6 +208,32 @@ def classify(name: str) -> Slot | None:
                 suffix = mm.groupdict().get("suffix") or "weight"
                 return Slot(kind, module, layer, suffix=suffix, **extra)
     raise CheckpointError(f"unknown checkpoint tensor {name!r}: not in m3serve's M3 name table")
+
+
+def read_kv_cache_scales(src: TensorSource) -> dict[int, dict[str, float]]:
+    """Per-layer KV-cache quantization scales a checkpoint carries, {layer: {"k": s, "v": s}}, as stored
+    (their meaning, amax / 448 for FP8 or amax / (448*6) for NVFP4, is the exporter's: m3serve.kv.calibrate).
+    A per-head scale is reduced to its max (the cache has one bound per layer and tensor)."""
+    out: dict[int, dict[str, float]] = defaultdict(dict)
+    for name in src.names():
+        slot = classify(name)
+        if slot is None or slot.layer is None:
+            continue
+        if slot.kind == "kv_scale":
+            roles = {"attn.k_scale": "k", "attn.v_scale": "v", "attn.kv_scale": "kv"}[slot.module]
+        elif slot.kind == "linear" and slot.suffix in ("k_scale", "v_scale") \
+                and slot.module == f"attn.{slot.suffix[0]}_proj":
+            roles = slot.suffix[0]
+        else:
+            continue
+        t = src.get(name).float()
+        if t.numel() == 0 or not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            raise CheckpointError(f"{name}: expected finite positive KV-cache scales, found {t.flatten()[:8].tolist()}")
+        for role in roles:
+            if role in out[slot.layer]:
+                raise CheckpointError(f"{name}: a second {role}_scale for layer {slot.layer}")
+            out[slot.layer][role] = float(t.max())
+    return dict(out)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -308,6 +337,8 @@ def load_checkpoint(model, src: TensorSource, *, keep_quantized: bool, dtype: to
             continue
         if slot.layer is not None and slot.layer >= cfg.num_hidden_layers:
             continue  # a pruned model (minimax-m3:L) reads the first L layers of a full checkpoint
+        if slot.kind == "kv_scale":
+            continue  # the KV cache's, not a parameter: read_kv_cache_scales
         if slot.kind == "param":
             params[slot] = name
         elif slot.kind == "stacked_experts":

@@ -1,33 +1,54 @@
-"""The aiohttp application: routes, auth, error shaping, and ways to run it (foreground or in a thread).
+"""The aiohttp application: routes, auth, limits, error shaping, shutdown, and ways to run it (foreground or in
+a thread).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
-Every error leaves as OpenAI-shaped JSON; an exception that is not an APIError is a server bug and the only
-path to a 500. The app is run with handler_cancellation=True so that a client disconnect cancels its handler,
-which aborts the request (see generate.py).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
+GET /metrics. Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
+an exception that is not an APIError is a server bug and the only path to a 500. The app is run with
+handler_cancellation=True so that a client disconnect cancels its handler, which aborts the request (see
+generate.py).
+
+Work is refused on size first (limits.py): a declared body too large gets 413 before it is read (an
+`Expect: 100-continue` one before `100 Continue`), prompts and conversations too long get 400 before they are
+tokenized. Parsing, templating and tokenizing run on a small thread pool, never on the event loop, so a large
+request cannot stall the other streams or /health.
+
+Shutdown (graceful_stop): the app stops admitting (503), the engine loop ends every request in flight with a
+503 (a stream: an error event, then [DONE]), and once those handlers returned, or the grace period passed, the
+listener closes and the engine thread stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
 import os
-import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 
-from m3serve.server.engine_loop import EngineLoop
-from m3serve.server.errors import APIError
+from m3serve.server.engine_loop import SHUTTING_DOWN, EngineLoop
+from m3serve.server.errors import APIError, one_line, short_repr
 from m3serve.server.generate import respond
+from m3serve.server.http_errors import JSONErrorAppRunner
+from m3serve.server.limits import (RequestLimits, body_too_large, check_chat_size, check_completion_size,
+                                   check_content_length)
 from m3serve.server.metrics import ServerMetrics
 from m3serve.server.protocol import ModelInfo, parse_chat, parse_completion
+from m3serve.server.shutdown import ShutdownSignals
 from m3serve.server.sse import dumps
 
 log = logging.getLogger("m3serve.server")
+
+
+DEFAULT_GRACE_S = 5.0          # shutdown: how long requests in flight get to end before their connections close
+PREP_THREADS = 2               # threads that parse, template and tokenize requests (the tokenizer drops the GIL)
+LINGER_S = 1.0                 # after a refused, unread body: how long to drain it so the client reads the answer
 
 
 @dataclass
@@ -37,13 +58,28 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None
     created: int
+    limits: RequestLimits
+    prep: concurrent.futures.ThreadPoolExecutor
+    draining: bool = False                    # shutdown began: /v1 answers 503, /health 503
+    inflight: int = 0                         # /v1 requests inside the middleware (event-loop side)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)    # set while inflight == 0
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    async def prepare(self, fn, *args):
+        """fn(*args) on the prep pool: parsing, templating and tokenizing never run on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
 
 
 STATE = web.AppKey("m3serve_state", ServerState)
 
 
 def _error_response(e: APIError) -> web.Response:
-    return web.Response(status=e.status, text=dumps(e.body()), content_type="application/json", headers=e.headers)
+    resp = web.Response(status=e.status, text=dumps(e.body()), content_type="application/json", headers=e.headers)
+    if e.headers.get("Connection", "").lower() == "close":
+        resp.force_close()
+    return resp
 
 
 def _reject_constant(name: str):
@@ -69,8 +105,15 @@ def _check_strings(obj: object) -> None:
 
 
 async def read_json(request: web.Request) -> object:
-    raw = await request.read()
-    if not raw.strip():
+    """The body as JSON. The size was checked against Content-Length by the middleware; a chunked or compressed
+    body is checked by aiohttp as it arrives (client_max_size)."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise body_too_large(request.app[STATE].limits) from None
+    except web.RequestPayloadError as e:    # bad chunking, a body that is not the gzip it claims, cut short
+        raise APIError(400, f"the request body could not be read: {one_line(str(e))}") from None
+    if not raw or raw.isspace():         # (not raw.strip(): no copy of a large body)
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
         text = raw.decode("utf-8")
@@ -90,8 +133,15 @@ async def read_json(request: web.Request) -> object:
 @web.middleware
 async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     state = request.app[STATE]
+    api = request.path.startswith("/v1")
+    if api:
+        state.inflight += 1
+        state.idle.clear()
     try:
-        if state.api_key is not None and request.path.startswith("/v1"):
+        if api and state.draining:
+            raise _shutting_down()
+        check_content_length(request.content_length, state.limits)
+        if state.api_key is not None and api:
             _authorize(request, state.api_key)
         resp = await handler(request)
     except APIError as e:
@@ -106,8 +156,39 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception as e:              # a server bug: log it, answer 500 in the same shape
         log.exception("unhandled error on %s %s", request.method, request.path)
         resp = _error_response(APIError(500, f"internal server error: {type(e).__name__}"))
+    finally:
+        if api:
+            state.inflight -= 1
+            if state.inflight == 0:
+                state.idle.set()
     state.metrics.http.inc(1, str(resp.status))
     return resp
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, f"{SHUTTING_DOWN}; no new requests are admitted", code="server_shutting_down",
+                    headers={"Connection": "close"})
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: answer the body's fate before the client sends it (413, 503, 417 or 100)."""
+    state = request.app[STATE]
+    if request.version != HttpVersion11:
+        return None
+    expect = request.headers.get("Expect", "")
+    try:
+        if expect.lower() != "100-continue":
+            raise APIError(417, f"unsupported Expect header {short_repr(expect)}; only 100-continue is",
+                           headers={"Connection": "close"})
+        if state.draining:
+            raise _shutting_down()
+        check_content_length(request.content_length, state.limits)
+    except APIError as e:
+        state.metrics.http.inc(1, str(e.status))       # answered here, before the middleware
+        return _error_response(e)
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0      # the interim response is not the start of the real one
+    return None
 
 
 def _authorize(request: web.Request, key: str) -> None:
@@ -121,23 +202,40 @@ def _authorize(request: web.Request, key: str) -> None:
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return await respond(request, state.loop, state.info, parse_completion(await read_json(request), state.info))
+    body = await read_json(request)
+    check_completion_size(body, state.limits)
+    return await respond(request, state.loop, state.info, await state.prepare(parse_completion, body, state.info))
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return await respond(request, state.loop, state.info, parse_chat(await read_json(request), state.info))
+    body = await read_json(request)
+    check_chat_size(body, state.limits)
+    return await respond(request, state.loop, state.info, await state.prepare(parse_chat, body, state.info))
+
+
+def _card(s: ServerState) -> dict:
+    return {"id": s.info.name, "object": "model", "created": s.created, "owned_by": "m3serve",
+            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size}
 
 
 async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_card(request.app[STATE])]}, dumps=dumps)
+
+
+async def _model(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    card = {"id": s.info.name, "object": "model", "created": s.created, "owned_by": "m3serve",
-            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size}
-    return web.json_response({"object": "list", "data": [card]}, dumps=dumps)
+    wanted = request.match_info["model_id"]
+    if wanted != s.info.name:
+        raise APIError(404, f"The model {short_repr(wanted)} does not exist; this server serves {s.info.name!r}",
+                       param="model", code="model_not_found")
+    return web.json_response(_card(s), dumps=dumps)
 
 
 async def _health(request: web.Request) -> web.Response:
     s = request.app[STATE]
+    if s.draining:
+        raise APIError(503, SHUTTING_DOWN, code="server_shutting_down")
     if not s.loop.alive:
         raise APIError(503, "the engine loop is not running", code="engine_unavailable")
     return web.json_response({"status": "ok"})
@@ -150,30 +248,59 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def build_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = 32 << 20, max_choices: int = 64) -> web.Application:
-    """The app for an `LLM` (m3serve.llm.LLM). The engine loop thread starts and stops with the app."""
+              max_body_bytes: int | None = None, max_prompt_chars: int | None = None, max_messages: int | None = None,
+              max_choices: int = 64, prep_threads: int = PREP_THREADS) -> web.Application:
+    """The app for an `LLM` (m3serve.llm.LLM). The engine loop thread starts and stops with the app. Limits left
+    None take RequestLimits.for_model's defaults (32 MiB bodies, max_model_len x 32 prompt characters, 2048
+    messages)."""
     import time
     metrics = ServerMetrics()
     engine = llm.engine
     info = ModelInfo(name=served_model_name or "m3serve",
                      vocab_size=llm.model.cfg.vocab_size, max_model_len=engine.max_model_len,
                      capacity_tokens=engine.capacity_tokens, tokenizer=llm.tokenizer, max_choices=max_choices)
-    state = ServerState(EngineLoop(engine, metrics), info, metrics, api_key or None, int(time.time()))
-    app = web.Application(middlewares=[_middleware], client_max_size=max_body_bytes)
+    limits = RequestLimits.for_model(engine.max_model_len, max_body_bytes=max_body_bytes,
+                                     max_prompt_chars=max_prompt_chars, max_messages=max_messages)
+    prep = concurrent.futures.ThreadPoolExecutor(max_workers=prep_threads, thread_name_prefix="m3serve-prep")
+    state = ServerState(EngineLoop(engine, metrics), info, metrics, api_key or None, int(time.time()), limits, prep)
+    app = web.Application(middlewares=[_middleware], client_max_size=limits.max_body_bytes)
     app[STATE] = state
 
     async def engine_ctx(app: web.Application):
         state.loop.start()
         yield
+        state.prep.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, state.loop.stop)
 
     app.cleanup_ctx.append(engine_ctx)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions, expect_handler=_expect)
+    app.router.add_post("/v1/chat/completions", _chat, expect_handler=_expect)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+async def drain(app: web.Application, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Shutdown, first half: stop admitting, end every request in flight (the engine loop sends each a 503), and
+    wait up to grace_s for their handlers to return."""
+    state = app[STATE]
+    state.draining = True
+    state.loop.drain()
+    if state.inflight:
+        try:
+            await asyncio.wait_for(state.idle.wait(), grace_s)
+        except asyncio.TimeoutError:
+            log.warning("shutdown: %d requests still open after %.1f s; closing their connections", state.inflight,
+                        grace_s)
+
+
+async def graceful_stop(runner: web.AppRunner, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """drain(), then close the listener and the connections (a handler still running is cancelled after
+    grace_s) and stop the engine loop (app cleanup)."""
+    await drain(runner.app, grace_s)
+    await runner.cleanup()
 
 
 def model_name(path: str | None) -> str:
@@ -182,8 +309,10 @@ def model_name(path: str | None) -> str:
     return os.path.basename(os.path.normpath(path)) or "m3serve"
 
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def start_site(app: web.Application, host: str, port: int,
+                     grace_s: float = DEFAULT_GRACE_S) -> tuple[web.AppRunner, str]:
+    runner = JSONErrorAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
+                                lingering_time=LINGER_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -196,23 +325,19 @@ def _host_for_url(host: str) -> str:
 
 
 def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
-          on_ready: Callable[[str], None] | None = None) -> None:
-    """Run until SIGINT/SIGTERM (blocking). on_ready(url) is called once the socket listens."""
+          on_ready: Callable[[str], None] | None = None, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Run until SIGINT/SIGTERM (blocking), then stop gracefully (graceful_stop); a second signal exits at once
+    (shutdown.py). on_ready(url) is called once the socket listens."""
     async def main() -> None:
-        runner, url = await start_site(app, host, port)
+        runner, url = await start_site(app, host, port, grace_s)
+        stop = asyncio.Event()
+        ShutdownSignals(stop.set).install(asyncio.get_running_loop())
         if on_ready is not None:
             on_ready(url)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):
-                pass
         try:
             await stop.wait()
         finally:
-            await runner.cleanup()
+            await graceful_stop(runner, grace_s)
 
     factory = None
     try:
@@ -231,8 +356,9 @@ class BackgroundServer:
             OpenAI(base_url=srv.url + "/v1", api_key="x")...
     """
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
-        self.app, self.host, self.port = app, host, port
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                 grace_s: float = DEFAULT_GRACE_S):
+        self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -261,7 +387,7 @@ class BackgroundServer:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             try:
-                runner, self.url = await start_site(self.app, self.host, self.port)
+                runner, self.url = await start_site(self.app, self.host, self.port, self.grace_s)
             except BaseException as e:
                 self._error = e
                 self._ready.set()
@@ -271,10 +397,11 @@ class BackgroundServer:
             try:
                 await self._stop.wait()
             finally:
-                await runner.cleanup()
+                await graceful_stop(runner, self.grace_s)
         asyncio.run(main())
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Graceful: requests in flight end with a 503 (streams: an error event, then [DONE])."""
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)

@@ -37,6 +37,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 (default 1024)")
     p.add_argument("--max-choices", type=int, default=64, help="prompts x n allowed in one request")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body (after decompression); larger ones get 413 before they are read "
+                        "(default 32 MiB)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of one completion prompt or of a whole chat conversation, checked before "
+                        "tokenizing (default: max_model_len x 32, a generous characters-per-token bound)")
+    p.add_argument("--max-messages", type=int, default=None, help="messages in one chat request (default 2048)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds requests in flight get to end after SIGTERM/SIGINT (a second signal exits at once)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks (worker processes are started here)")
     p.add_argument("--speculative-tokens", type=int, default=0,
@@ -51,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model_pos and args.model and args.model_pos != args.model:
         print(f"m3serve serve: MODEL {args.model_pos!r} and --model {args.model!r} disagree", file=sys.stderr)
+        return 2
+    if not args.shutdown_grace >= 0:
+        print(f"m3serve serve: --shutdown-grace: expected seconds >= 0, found {args.shutdown_grace}", file=sys.stderr)
         return 2
     model = args.model or args.model_pos or default_model()
     extra = {}
@@ -69,12 +81,18 @@ def run(args: argparse.Namespace) -> int:
               kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_prefix_caching, max_queue=args.max_queue)
     name = args.served_model_name or model_name(model)
-    app = build_app(llm, served_model_name=name, api_key=args.api_key, max_choices=args.max_choices)
+    try:
+        app = build_app(llm, served_model_name=name, api_key=args.api_key, max_choices=args.max_choices,
+                        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                        max_messages=args.max_messages)
+    except ValueError as e:      # a limit flag out of range
+        print(f"m3serve serve: {e}", file=sys.stderr)
+        return 2
 
     def ready(url: str) -> None:
         print(f"m3serve: serving {name!r} at {url}  (OpenAI base_url {url}/v1)", flush=True)
 
-    serve(app, args.host, args.port, on_ready=ready)
+    serve(app, args.host, args.port, on_ready=ready, grace_s=args.shutdown_grace)
     return 0
 
 

@@ -6,6 +6,9 @@ loop.call_soon_threadsafe (one callback per engine step for all requests of that
 steps the thread drains every pending command, so an abort frees the request's KV pages before the next step;
 when the engine is idle the thread blocks on the command queue instead of spinning. Nothing HTTP-side (parsing,
 tokenizing, JSON, socket writes) runs on this thread, so it never delays a decode step.
+
+Shutdown: drain() makes the loop refuse new jobs (ShuttingDown) and, between two steps, end every job in flight
+with a 503 Delta and free its pages; stop() then ends the thread.
 """
 
 from __future__ import annotations
@@ -39,10 +42,19 @@ class Delta:
     stop_reason: str | int | None = None
     final_text: str | None = None              # the engine's text when a stop string cut it
     error: str | None = None                   # the server failed this request (a 5xx, not a client mistake)
+    error_status: int = 500                    # 500: the engine failed; 503: the server is shutting down
+    error_code: str = "engine_error"
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class EngineDead(RuntimeError):
     """The engine loop thread is not running."""
+
+
+class ShuttingDown(EngineDead):
+    """The engine loop is draining for a shutdown: it admits nothing new."""
 
 
 class Job:
@@ -78,6 +90,9 @@ class EngineLoop:
         self._by_req: dict[int, tuple[Job, int]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False
+        # A job with more choices than the waiting queue holds can never be admitted (a 400, not a 429).
+        self.max_queue: int | None = getattr(getattr(engine, "config", None), "max_queue", None)
         self.steps = 0
         self.snapshot: dict[str, Any] = {"alive": 0}
 
@@ -98,6 +113,16 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self, message: str = SHUTTING_DOWN) -> None:
+        """Shutdown, step 1 (thread-safe, returns at once): refuse new jobs with ShuttingDown, and end every
+        job in flight with a 503 Delta (error=message) before the next engine step, freeing its pages."""
+        self._draining = True
+        self._cmds.put(("drain", message))
 
     def abort(self, job: Job) -> None:
         """Cancel the job's unfinished choices (thread-safe, returns at once; a no-op for a finished job)."""
@@ -122,6 +147,8 @@ class EngineLoop:
     async def submit(self, choices: list[Choice], arrival: float) -> Job:
         """Queue all choices at once (all or none). Raises what engine.add_request raised: ValueError (bad
         request), OverflowError (queue full); EngineDead when the loop is not running."""
+        if self._draining:
+            raise ShuttingDown(SHUTTING_DOWN)
         if not self.alive:
             raise EngineDead("the engine loop is not running")
         job = Job(choices, arrival, asyncio.get_running_loop())
@@ -148,7 +175,7 @@ class EngineLoop:
             raise
         finally:
             self._stopping = True
-            self._fail_all("the server is shutting down", finish_reason="abort")
+            self._fail_all(SHUTTING_DOWN, status=503, code="server_shutting_down")
             self._publish(alive=0)
             self._reject_pending()
 
@@ -179,12 +206,18 @@ class EngineLoop:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:
                     fut.set_exception(e)
+        elif kind == "drain":
+            self._draining = True
+            self._fail_all(cmd[1], status=503, code="server_shutting_down")
         elif kind == "stop":
             self._stopping = True
 
     def _submit(self, job: Job) -> None:
         if not job.submitted.set_running_or_notify_cancel():
             return                                          # cancelled while queued: never admitted
+        if self._draining:
+            job.submitted.set_exception(ShuttingDown(SHUTTING_DOWN))
+            return
         reqs: list[Request] = []
         try:
             for ids, text, params in job.choices:
@@ -261,14 +294,16 @@ class EngineLoop:
                 for job, _ in batch:
                     self._abort(job)
 
-    def _fail_all(self, message: str, finish_reason: str = "abort") -> None:
+    def _fail_all(self, message: str, finish_reason: str = "abort", status: int = 500,
+                  code: str = "engine_error") -> None:
         items = []
         for rid, (job, i) in list(self._by_req.items()):
             try:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of request %d failed", rid)
-            items.append((job, Delta(i, [], None, finish_reason=finish_reason, error=message)))
+            items.append((job, Delta(i, [], None, finish_reason=finish_reason, error=message, error_status=status,
+                                     error_code=code)))
             self.metrics.finished.inc(1, "abort")
         self._by_req.clear()
         self._deliver(items)
@@ -282,7 +317,7 @@ class EngineLoop:
                 return
             fut = cmd[1].submitted if cmd[0] == "submit" else cmd[2] if cmd[0] == "call" else None
             if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDead("the server is shutting down"))
+                fut.set_exception(ShuttingDown(SHUTTING_DOWN))
 
     def _publish(self, alive: int) -> None:
         s = dict(self.engine.stats())

@@ -33,5 +33,12 @@ def short_repr(value: object, limit: int = 80) -> str:
     return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
+def one_line(text: str, limit: int = 200) -> str:
+    """Whitespace runs (newlines included) collapsed to one space, cut to `limit` characters: a message or log
+    line from a hostile input stays one short line."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
+
+
 def bad_field(name: str, value: object, expected: str) -> APIError:
     return APIError(400, f"'{name}': expected {expected}, found {short_repr(value)}", param=name)

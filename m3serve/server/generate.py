@@ -15,7 +15,7 @@ from aiohttp import web
 
 from m3serve.server import responses as R
 from m3serve.server.detok import TextStream, full_text
-from m3serve.server.engine_loop import Delta, EngineDead, EngineLoop, Job
+from m3serve.server.engine_loop import Delta, EngineDead, EngineLoop, Job, ShuttingDown
 from m3serve.server.errors import APIError
 from m3serve.server.protocol import GenRequest, ModelInfo
 from m3serve.server.sse import DONE, dumps, event
@@ -39,13 +39,21 @@ def _param_of(message: str) -> str | None:
 
 
 async def submit(loop: EngineLoop, req: GenRequest) -> Job:
+    choices = req.choices()
+    if loop.max_queue is not None and len(choices) > loop.max_queue:
+        param = "n" if req.n > 1 else "prompt"
+        raise APIError(400, f"'{param}': this request has {len(choices)} choices ({len(req.prompts)} prompts x n = "
+                            f"{req.n}), more than the waiting queue holds (--max-queue {loop.max_queue}), so it could "
+                            "never be admitted", param=param, code="too_many_choices")
     try:
-        return await loop.submit(req.choices(), time.monotonic())
+        return await loop.submit(choices, time.monotonic())
     except OverflowError as e:
         raise APIError(429, f"The server is overloaded: {e}. Retry later.", code="queue_full",
                        headers={"Retry-After": "1"}) from None
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
+    except ShuttingDown as e:
+        raise APIError(503, f"{e}; no new requests are admitted", code="server_shutting_down") from None
     except EngineDead as e:
         raise APIError(503, f"The engine is not running: {e}", code="engine_unavailable") from None
 
@@ -76,7 +84,7 @@ async def _whole(info: ModelInfo, req: GenRequest, job: Job) -> web.Response:
     while job.remaining > 0:
         for d in await job.next():
             if d.error:
-                raise APIError(500, d.error, code="engine_error")
+                raise APIError(d.error_status, d.error, code=d.error_code)
             c = choices[d.index]
             c.ids += d.token_ids
             if d.logprobs:
@@ -171,8 +179,8 @@ async def _stream(request: web.Request, info: ModelInfo, req: GenRequest, job: J
         while job.remaining > 0:
             data = b""
             for d in await job.next():
-                if d.error:
-                    err = APIError(500, d.error, code="engine_error")
+                if d.error:                 # an engine fault (500) or the shutdown (503): an error event, then [DONE]
+                    err = APIError(d.error_status, d.error, code=d.error_code)
                     await resp.write(event(err.body()) + DONE)
                     return resp
                 data += w.delta(d)

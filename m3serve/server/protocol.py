@@ -1,9 +1,10 @@
 """Request validation: a parsed JSON body -> GenRequest, or an APIError (4xx) that names the field.
 
 Follows OpenAI's /v1/completions and /v1/chat/completions fields; null means "unset" for every optional field.
-Extensions (vLLM's names): top_k, ignore_eos, stop_token_ids, return_token_ids. Features the engine does not
-have (penalties, logit_bias, suffix, best_of > n, forced tool calls, structured output) are refused with 400
-rather than silently ignored.
+Penalties follow OpenAI's ranges (presence_penalty, frequency_penalty in [-2, 2]; logit_bias {"token id": bias in
+[-100, 100]}). Extensions (vLLM's names): top_k, ignore_eos, stop_token_ids, return_token_ids, repetition_penalty
+(> 0), min_tokens (<= max_tokens). Features the engine does not have (suffix, best_of > n, forced tool calls,
+structured output) are refused with 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import re
 from dataclasses import dataclass, field
 
 from m3serve.engine.sampling_params import SamplingParams
+from m3serve.server.chat_tokens import ChatTemplateError, chat_encoder
 from m3serve.server.errors import APIError, bad_field, short_repr
 
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -192,11 +195,37 @@ def _max_tokens(explicit: int | None, name: str, ids: list[int], info: ModelInfo
     return explicit
 
 
+def _repetition_penalty(body: dict) -> float:
+    v = body.get("repetition_penalty")
+    if v is None:
+        return 1.0
+    if not _is_num(v) or not 0 < v <= 1e6:
+        raise bad_field("repetition_penalty", v, "a number > 0 (1 disables it)")
+    return float(v)
+
+
+def _logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
+    """OpenAI's map {"token id": bias}; JSON keys are strings of decimal digits."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_field("logit_bias", v, f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} {{token id: bias}} entries")
+    out = {}
+    for key, bias in v.items():
+        tok = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 else None
+        if tok is None or tok >= vocab:
+            raise APIError(400, f"'logit_bias': expected token id keys in [0, {vocab}), found {short_repr(key)}",
+                           param="logit_bias")
+        if not _is_num(bias) or not -100 <= bias <= 100:
+            raise APIError(400, f"'logit_bias': expected biases in [-100, 100], found {short_repr(bias)} for token "
+                                f"{tok}", param="logit_bias")
+        out[tok] = float(bias)
+    return out
+
+
 def _common(body: dict, info: ModelInfo) -> dict:
     """Sampling fields shared by both endpoints -> SamplingParams keyword arguments (no max_tokens/logprobs)."""
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                          ("min_tokens", 0), ("logit_bias", {})):
-        _unsupported(body, name, neutral)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_field("user", user, "a string")
@@ -206,7 +235,12 @@ def _common(body: dict, info: ModelInfo) -> dict:
                 seed=_int(body, "seed", 0, 2 ** 63 - 1, None),
                 stop=_stop(body),
                 stop_token_ids=_stop_token_ids(body, info.vocab_size),
-                ignore_eos=_bool(body, "ignore_eos", False))
+                ignore_eos=_bool(body, "ignore_eos", False),
+                presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
+                frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
+                repetition_penalty=_repetition_penalty(body),
+                min_tokens=_int(body, "min_tokens", 0, info.max_model_len, 0),
+                logit_bias=_logit_bias(body, info.vocab_size))
 
 
 def _n(body: dict, info: ModelInfo, num_prompts: int) -> int:
@@ -223,6 +257,8 @@ def _n(body: dict, info: ModelInfo, num_prompts: int) -> int:
 
 def _params(**kw) -> SamplingParams:
     """The fields were checked above; should SamplingParams still refuse one, it is a 400 naming it too."""
+    if kw.get("max_tokens") is not None and kw.get("min_tokens", 0) > kw["max_tokens"]:
+        raise bad_field("min_tokens", kw["min_tokens"], f"an integer in [0, max_tokens = {kw['max_tokens']}]")
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
@@ -342,14 +378,12 @@ def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo) -> t
     tok = info.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    # Special-token text inside the messages is encoded as ordinary text: a user cannot forge a turn.
     try:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # the template's own raise_exception() or a jinja error on odd input
+        return chat_encoder(tok).encode(messages, tools)
+    except ChatTemplateError as e:
         raise APIError(400, f"'messages': the chat template rejected them: {short_repr(str(e), 200)}",
                        param="messages") from None
-    if not isinstance(text, str):
-        raise APIError(400, "'messages': the chat template did not produce text", param="messages")
-    return list(tok.encode(text, add_special_tokens=False)), text
 
 
 def parse_chat(body: object, info: ModelInfo) -> GenRequest:

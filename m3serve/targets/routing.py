@@ -1,10 +1,11 @@
-"""Explicit routing of the stock model's modules to certified Triton entries (the Hopper decode target).
+"""Explicit routing of one model's modules to certified Triton entries (the Hopper decode target).
 
-    set_mode("off")      the stock path, byte for byte (no hook installed)
-    set_mode("auto")     modules whose (rows, shape) lie in a certified cell run the entry; others stock
-    set_mode("require")  as auto, but a module outside every certified cell raises, naming the shape and cell
+    install(model, "off")      the stock path, byte for byte (no hook on any module)
+    install(model, "auto")     modules whose (rows, shape) lie in a certified cell run the entry; others stock
+    install(model, "require")  as auto, but a module outside every certified cell raises, naming the shape and cell
 
-The mode is the caller's setting (LLM(route=...), bench flags); nothing here reads the environment.
+The mode belongs to the model it is installed on (a hook per module, bound to its mode): two models in one
+process route independently. Nothing here reads the environment.
 Routed today: quantized linears (linear.nvfp4 / linear.mxfp8 / linear.fp8, 1-48 rows) and the NVFP4 MoE
 layer (moe.nvfp4: router + routed experts + shared expert in three launches). Workspaces and output
 buffers are made once per call site and row cell, before any graph capture could need them.
@@ -14,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.model import layers, moe
-from m3serve.targets.dispatch import MODES, lookup
+import functools
 
-_mode = "off"
+from m3serve.targets.dispatch import MODES, lookup
 
 
 def _workspace(module, key, make):
@@ -29,18 +29,23 @@ def _workspace(module, key, make):
     return store[key]
 
 
-def mode() -> str:
-    return _mode
+def install(model, mode: str) -> None:
+    """Route `model`'s quantized linears and MoE layers in `mode` (replacing any earlier mode)."""
+    from m3serve.model.layers import Linear
+    from m3serve.model.moe import MoE
+    if mode not in MODES:
+        raise ValueError(f"route mode: expected one of {MODES}, found {mode!r}")
+    on = mode != "off"
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.dispatch = functools.partial(_linear, mode=mode) if on else None
+        elif isinstance(mod, MoE):
+            mod.dispatch = functools.partial(_moe, mode=mode) if on else None
+    model.route_mode = mode
 
 
-def set_mode(new: str) -> None:
-    global _mode
-    if new not in MODES:
-        raise ValueError(f"route mode: expected one of {MODES}, found {new!r}")
-    _mode = new
-    on = new != "off"
-    layers.set_linear_dispatch(_linear if on else None)
-    moe.set_moe_dispatch(_moe if on else None)
+def mode_of(model) -> str:
+    return getattr(model, "route_mode", "off")
 
 
 def _per_row(lin, t: torch.Tensor, n: int) -> torch.Tensor:
@@ -54,19 +59,19 @@ def _per_row(lin, t: torch.Tensor, n: int) -> torch.Tensor:
     return cached
 
 
-def _linear(lin, x: torch.Tensor):
+def _linear(lin, x: torch.Tensor, mode: str):
     if x.device.type != "cuda" or lin.num_experts is not None or lin.fmt not in ("nvfp4", "mxfp8", "fp8"):
-        if _mode == "require" and x.device.type == "cuda" and lin.fmt in ("nvfp4", "mxfp8", "fp8"):
+        if mode == "require" and x.device.type == "cuda" and lin.fmt in ("nvfp4", "mxfp8", "fp8"):
             raise ValueError(f"{lin.name}: require mode, but stacked expert linears route through moe.nvfp4")
         return None
     n, k = lin.out_features, lin.in_features
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
     if x2.dtype != torch.bfloat16:
-        if _mode == "require":
+        if mode == "require":
             raise ValueError(f"{lin.name}: require mode needs bf16 activations, found {x2.dtype}")
         return None
-    entry = lookup(f"linear.{lin.fmt}", rows, (n, k), _mode)
+    entry = lookup(f"linear.{lin.fmt}", rows, (n, k), mode)
     if entry is None:
         return None
     cell = entry.cell_for(rows, (n, k))
@@ -84,21 +89,57 @@ def _linear(lin, x: torch.Tensor):
     return out.view(*x.shape[:-1], n)
 
 
-def _moe(m, x: torch.Tensor):
-    if x.device.type != "cuda" or m.w13.fmt != "nvfp4" or m.w2.fmt != "nvfp4":
+# A dense-weight MoE with at most this many experts runs every expert on every token (masked): no host sync,
+# so it can be captured in a CUDA graph; beyond it the wasted FLOPs outweigh that (the stock loop runs).
+ALL_EXPERTS_MAX = 16
+
+
+def moe_all_experts(m, x: torch.Tensor) -> torch.Tensor:
+    """The stock MoE without `torch.unique(...).tolist()`: every expert's GEMMs on all T tokens (two batched
+    matmuls), each token's output the same fp32 sum of its selected experts in ascending expert order (other
+    experts contribute an exact 0). Differs from stock only in the GEMMs' blocking. x [T, H] -> [T, H]."""
+    from m3serve.model.layers import swiglu_oai
+    from m3serve.model.moe import route
+    ids, weights = route(x, m.router, m.e_score_correction_bias, m.top_k)          # [T, A]
+    e = m.w13.num_experts
+    w13, w2 = m.w13.dense_weight(x.dtype), m.w2.dense_weight(x.dtype)               # [E, 2I, H], [E, H, I]
+    xe = x.unsqueeze(0).expand(e, *x.shape)                                          # [E, T, H]
+    a = swiglu_oai(torch.bmm(xe, w13.transpose(1, 2)), m.alpha, m.limit).to(x.dtype)  # [E, T, I]
+    y = torch.bmm(a, w2.transpose(1, 2))                                             # [E, T, H]
+    hit = ids.t().unsqueeze(0) == torch.arange(e, device=x.device).view(e, 1, 1)     # [E, A, T]
+    coef = (hit * weights.t().unsqueeze(0)).sum(1)                                   # [E, T] fp32, one term
+    contrib = torch.where((coef != 0).unsqueeze(-1), y.float() * coef.unsqueeze(-1), 0.0)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for i in range(e):                                                               # ascending, as stock
+        out = out + contrib[i]
+    out = out * m.scaling
+    if m.shared is not None:
+        out = out + m.shared(x).float()
+    return out.to(x.dtype)
+
+
+def _moe(m, x: torch.Tensor, mode: str):
+    if x.device.type != "cuda":
+        return None
+    if m.w13.fmt == "dense" and m.w2.fmt == "dense" and m.w13.num_experts <= ALL_EXPERTS_MAX:
+        return moe_all_experts(m, x)
+    if m.w13.fmt != "nvfp4" or m.w2.fmt != "nvfp4":
+        if mode == "require":
+            raise ValueError(f"moe: require mode routes NVFP4 experts or dense ones with at most "
+                             f"{ALL_EXPERTS_MAX} experts; found {m.w13.fmt} with {m.w13.num_experts} experts")
         return None
     sh = m.shared
     shared_bf16 = int(sh is not None and sh.gate_up_proj.fmt == "dense")
     e, h, i = m.w13.num_experts, m.w13.in_features, m.w2.in_features
     if (sh is None or (not shared_bf16 and sh.gate_up_proj.fmt != "nvfp4") or x.dtype != torch.bfloat16
             or sh.down_proj.in_features != i or m.top_k != 4):
-        if _mode == "require":
+        if mode == "require":
             raise ValueError("moe: require mode needs bf16 activations, top-4 routing and an NVFP4 or BF16 shared "
                              "expert as wide as the routed ones")
         return None
     shape = (e, h, i, shared_bf16)
     rows = x.shape[0]
-    entry = lookup("moe.nvfp4", rows, shape, _mode)
+    entry = lookup("moe.nvfp4", rows, shape, mode)
     if entry is None:
         return None
     cell = entry.cell_for(rows, shape)
@@ -128,7 +169,7 @@ def warmup(model, max_rows: int = 48) -> int:
     from m3serve.model.layers import Linear
     from m3serve.model.moe import MoE
     from m3serve.targets.dispatch import TABLES
-    if _mode == "off" or model.device.type != "cuda":
+    if mode_of(model) == "off" or model.device.type != "cuda":
         return 0
     calls, seen = 0, set()
     with torch.no_grad():

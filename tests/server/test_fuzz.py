@@ -34,9 +34,9 @@ BAD = {
     "stream_options": [{"include_usage": "yes"}, [], 5],
     "ignore_eos": [1, "false", []],
     "return_token_ids": [0, "x"],
-    "presence_penalty": [0.5, "1", -3],
-    "frequency_penalty": [1, [], "x"],
-    "logit_bias": [{"1": 10}, [1], "x"],
+    "presence_penalty": [2.5, "1", -3],
+    "frequency_penalty": [2.01, [], "x"],
+    "logit_bias": [{"1": 101}, [1], "x"],
     "best_of": [3, "2", 0],
     "user": [1, [], {}],
 }

@@ -32,8 +32,8 @@ BAD_COMPLETION = [
     ("stop", ""), ("stop", [""]), ("stop", [1]), ("stop", ["a"] * 17), ("stop", {"a": 1}),
     ("stop_token_ids", [512]), ("stop_token_ids", [-1]), ("stop_token_ids", "1"),
     ("stream", "yes"), ("stream", 1), ("echo", 1), ("ignore_eos", "no"), ("return_token_ids", 0),
-    ("presence_penalty", 0.5), ("frequency_penalty", "x"), ("logit_bias", {"1": 5}), ("logit_bias", [1]),
-    ("suffix", "tail"), ("best_of", 3), ("user", 5), ("model", 3), ("min_tokens", 2),
+    ("presence_penalty", 2.5), ("frequency_penalty", "x"), ("logit_bias", {"1": 101}), ("logit_bias", [1]),
+    ("suffix", "tail"), ("best_of", 3), ("user", 5), ("model", 3), ("min_tokens", 5),
     ("prompt", []), ("prompt", [[]]), ("prompt", [1, "a"]), ("prompt", [512]), ("prompt", [-1]), ("prompt", 5),
     ("prompt", None), ("prompt", {"text": "a"}), ("prompt", [["a"]]), ("prompt", ["a"] * 9),
 ]

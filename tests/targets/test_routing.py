@@ -6,23 +6,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3serve.model import layers, moe
+from m3serve.model.layers import Linear
+from m3serve.model.moe import MoE
 from m3serve.targets import routing
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    routing.set_mode("off")
+def _hooks(model):
+    return [m.dispatch for m in model.modules() if isinstance(m, (Linear, MoE))]
 
 
-def test_modes_install_and_remove_hooks():
-    routing.set_mode("auto")
-    assert layers._LINEAR_DISPATCH is not None and moe._MOE_DISPATCH is not None
-    routing.set_mode("off")
-    assert layers._LINEAR_DISPATCH is None and moe._MOE_DISPATCH is None
+def test_modes_install_and_remove_hooks_per_model():
+    from m3serve.model.loader import load_model
+    a = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, quantization="nvfp4", seed=0)
+    b = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, quantization="nvfp4", seed=0)
+    routing.install(a, "auto")
+    assert all(h is not None for h in _hooks(a)) and routing.mode_of(a) == "auto"
+    assert all(h is None for h in _hooks(b)) and routing.mode_of(b) == "off", "another model was touched"
+    routing.install(b, "require")
+    assert {h.keywords["mode"] for h in _hooks(a)} == {"auto"}
+    assert {h.keywords["mode"] for h in _hooks(b)} == {"require"}
+    routing.install(a, "off")
+    assert all(h is None for h in _hooks(a)) and routing.mode_of(a) == "off"
     with pytest.raises(ValueError, match="route mode"):
-        routing.set_mode("on")
+        routing.install(a, "on")
 
 
 def test_cpu_model_is_unaffected_by_auto():
@@ -31,7 +37,7 @@ def test_cpu_model_is_unaffected_by_auto():
     p = [{"prompt_token_ids": [1, 7, 9, 30, 31]}]
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     off = llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids
-    routing.set_mode("auto")
+    routing.install(llm.model, "auto")
     assert llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids == off
 
 
@@ -70,12 +76,12 @@ def test_routed_matches_stock_on_gpu(rows, seed, real_model):
                                  [SeqSpan(i, 1, 1) for i in range(rows)])
     x_ref, x_got = [], []
     with torch.no_grad():
-        routing.set_mode("off")
+        routing.install(model, "off")
         hooks = _record_moe_inputs(model, x_ref)
         ref = model(batch())
         for h in hooks:
             h.remove()
-        routing.set_mode("require")
+        routing.install(model, "require")
         hooks = _record_moe_inputs(model, x_got)
         got = model(batch())
         for h in hooks:

@@ -1,0 +1,224 @@
+"""Split-KV paged attention over the hybrid KV cache: the split kernel and the ordered combine.
+
+Shape legend:
+    q            [T, Hq, D]      bf16 query rows of the step (unit column stride)
+    k/v pages    [slots, Hk, P, Dc] typed page views (slot and head strides passed; a page's
+                                 [P, Dc] is contiguous); Dc = D, or D/2 bytes for packed NVFP4
+    k/v scales   [slots, Hk, P*D/16] E4M3 bytes (NVFP4 only; see _kv_tiles for the byte order)
+    gs           [2]             fp32 NVFP4 ENCODE scales of K and V
+    slot_table   [S, B] int32    page slot of each of a sequence's key blocks
+    seq_lens     [S] int32       L, keys after this step;  query_start [S+1] int32
+    sel          [T, Hk, TOPK]   int32 selected block ids, ascending, -1 padded (TOPK > 0 only)
+    out          [T, Hq, D]      bf16
+    acc          [NS, T, Hq, D]  fp32 unnormalised partial outputs of each split (NS > 1)
+    ml           [NS, T, Hq, 2]  fp32 running max (log2 units) and sum of each split
+
+Program (row t, KV head kh, split) of paged_attn_split serves the query rows t .. t+QB-1 of one
+sequence (QB > 1 only for dense multi-token steps: the block's rows share each key tile; a
+program whose row is not the first of its block does nothing) times the G = Hq/Hk heads of the
+group: BM = QB*G MMA rows, padded to >= 16. It walks its share of the sequence's key tiles
+(dense: tiles of the causal range split into NS contiguous runs; sparse: the tiles of the
+selected blocks, in list order) through slot_table, with an online softmax in base 2 (scores are
+scaled by sm_scale*log2(e)). A split with no work stores m = -inf, l = 0, acc = 0, so the
+combine needs no other signal; a row with no key at all (padding: seq_len 0, or a row past the
+last sequence's queries) gets zeros. With NS = 1 the split kernel normalises and stores `out`
+itself; otherwise paged_attn_combine sums the splits in the fixed order 0..NS-1 (no atomics).
+
+p.v: p is split into p_hi = bf16(p) and p_lo = bf16(p - p_hi) (both exact MMA operands), and
+two dots accumulate in fp32: p_hi + p_lo is within 2**-18 |p| of p. NVFP4 tiles come as two
+column halves in the order of _kv_tiles.nvfp4_columns, so q is loaded in that order, q.k is the
+sum of two half dots, and each half of the output is stored to its own columns.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from m3serve.kernels._decode import to_bf16
+from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@kernel
+def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
+                     out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
+                     stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
+                     FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                     BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
+                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr):
+    t = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    TPP: tl.constexpr = P // BN  # key tiles per page
+    DH: tl.constexpr = D // 2
+
+    # The sequence owning row t: the largest s < S with query_start[s] <= t (query_start[0] = 0).
+    s = t * 0
+    width = t * 0 + S
+    while width > 1:
+        half = width // 2
+        s = tl.where(tl.load(qs_ptr + s + half) <= t, s + half, s)
+        width -= half
+    q0 = tl.load(qs_ptr + s)
+    q1 = tl.load(qs_ptr + s + 1)
+    orphan = t >= q1  # past the last sequence's queries: a padding row of its own
+    i = tl.where(orphan, 0, t - q0)
+    n = tl.where(orphan, 1, q1 - q0)
+    L = tl.where(orphan, 0, tl.load(len_ptr + s))
+    leader = orphan | (i % QB == 0)
+
+    r = tl.arange(0, BM)
+    tok_in_block = r // G
+    qi = i + tok_in_block
+    row_ok = leader & (tok_in_block < QB) & (qi < n)
+    trow = t + tok_in_block
+    head = kh * G + r % G
+    pos = L - n + qi  # absolute position of each row's query token
+    last = L - n + tl.minimum(i + QB, n) - 1  # the block's last query position
+
+    if TOPK == 0:
+        ntiles = tl.cdiv(last + 1, BN)
+    else:
+        ntiles = TOPK * TPP + t * 0
+    ntiles = tl.where(leader & (L > 0), tl.maximum(ntiles, 0), 0)
+    per = tl.cdiv(ntiles, NUM_SPLITS)
+    lo = split * per
+    hi = tl.minimum(lo + per, ntiles)
+
+    q_row = q_ptr + trow * stride_qt + head * stride_qh
+    if FMT == 0:
+        col_e = nvfp4_columns(DH)  # the decoded tiles' column order, q and out follow it
+        q_e = tl.load(q_row[:, None] + col_e[None, :], mask=row_ok[:, None], other=0.0)
+        q_o = tl.load(q_row[:, None] + col_e[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        if not CUDA:
+            q_e = q_e.to(tl.float32)
+            q_o = q_o.to(tl.float32)
+        acc_e = tl.zeros([BM, DH], tl.float32)
+        acc_o = tl.zeros([BM, DH], tl.float32)
+        gs_k = tl.load(gs_ptr)
+        gs_v = tl.load(gs_ptr + 1)
+    else:
+        d = tl.arange(0, D)
+        q = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        if not CUDA:
+            q = q.to(tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+    m_i = tl.full([BM], NEG_INF, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+
+    for it in range(lo, hi):
+        if TOPK == 0:
+            blk = it // TPP
+        else:
+            blk = tl.load(sel_ptr + t * stride_selt + kh * stride_selh + it // TPP)
+        blk_ok = (blk >= 0) & (blk < B)
+        slot = tl.load(slot_ptr + s * B + blk, mask=blk_ok, other=0).to(tl.int64)
+        tok = (it % TPP) * BN + tl.arange(0, BN)
+        key = blk * P + tok
+        # Tokens past the block's last query are never seen: read them as 0 (their stale bytes
+        # may hold anything, NaN included, and 0 * NaN would reach the output through p.v).
+        tok_ok = blk_ok & (key <= last)
+        visible = tok_ok[None, :] & (key[None, :] <= pos[:, None])
+        kpage = k_ptr + slot * stride_ks + kh * stride_kh
+        vpage = v_ptr + slot * stride_vs + kh * stride_vh
+        if FMT == 0:
+            k_e, k_o = load_nvfp4_tile(kpage, ks_ptr + slot * stride_kss + kh * stride_ksh, gs_k, tok, tok_ok,
+                                       False, D, BN, CUDA)
+            if CUDA:
+                sc = tl.dot(q_e, tl.trans(k_e))
+                sc = tl.dot(q_o, tl.trans(k_o), sc)
+            else:
+                sc = tl.dot(q_e, tl.trans(k_e), input_precision="ieee")
+                sc = tl.dot(q_o, tl.trans(k_o), sc, input_precision="ieee")
+        else:
+            k = load_dense_tile(kpage, tok, tok_ok, FMT, D, CUDA)
+            if CUDA:
+                sc = tl.dot(q, tl.trans(k))
+            else:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        sc = tl.where(visible, sc * qk_scale, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row that has seen no key yet
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if CUDA:
+            p_hi = p.to(tl.bfloat16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+        if FMT == 0:
+            v_e, v_o = load_nvfp4_tile(vpage, vs_ptr + slot * stride_vss + kh * stride_vsh, gs_v, tok, tok_ok,
+                                       True, D, BN, CUDA)
+            acc_e = acc_e * alpha[:, None]
+            acc_o = acc_o * alpha[:, None]
+            if CUDA:
+                acc_e = tl.dot(p_lo, v_e, tl.dot(p_hi, v_e, acc_e))
+                acc_o = tl.dot(p_lo, v_o, tl.dot(p_hi, v_o, acc_o))
+            else:
+                acc_e = tl.dot(p, v_e, acc_e, input_precision="ieee")
+                acc_o = tl.dot(p, v_o, acc_o, input_precision="ieee")
+        else:
+            v = load_dense_tile(vpage, tok, tok_ok, FMT, D, CUDA)
+            acc = acc * alpha[:, None]
+            if CUDA:
+                acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
+            else:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+
+    if FMT == 0:
+        _store_out(acc_e, m_i, l_i, col_e, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
+                   stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+        _store_out(acc_o, m_i, l_i, col_e + 1, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
+                   stride_oh, HQ, D, NUM_SPLITS, False, CUDA)
+    else:
+        _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
+                   stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+
+
+@helper
+def _store_out(acc, m_i, l_i, cols, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot, stride_oh,
+               HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, WITH_ML: tl.constexpr,
+               CUDA: tl.constexpr):
+    """Columns `cols` of the rows' results: normalised bf16 into out (one split), else the
+    unnormalised partial (and, once per row, m and l) into the workspace."""
+    if NUM_SPLITS == 1:
+        o = tl.math.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None])  # no key: acc = 0 -> 0
+        o_ptr = out_ptr + trow * stride_ot + head * stride_oh
+        tl.store(o_ptr[:, None] + cols[None, :], to_bf16(o, CUDA), mask=row_ok[:, None])
+    else:
+        w = (split * T + trow) * HQ + head
+        tl.store(acc_ptr + w[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
+        if WITH_ML:
+            tl.store(ml_ptr + 2 * w, m_i, mask=row_ok)
+            tl.store(ml_ptr + 2 * w + 1, l_i, mask=row_ok)
+
+
+@kernel
+def paged_attn_combine(acc_ptr, ml_ptr, out_ptr, T, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, CUDA: tl.constexpr):
+    """One (row, head): out = sum_s 2**(m_s - M) acc_s / sum_s 2**(m_s - M) l_s, splits in order
+    (SP = NUM_SPLITS padded to a power of two, SC splits per chunk)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SP)
+    ok = sp < NUM_SPLITS
+    w = (sp * T + t) * HQ + h
+    m = tl.load(ml_ptr + 2 * w, mask=ok, other=NEG_INF)
+    l = tl.load(ml_ptr + 2 * w + 1, mask=ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(m_max == NEG_INF, 0.0, m_max)
+    total = tl.sum(tl.math.exp2(m - m_use) * l, 0)
+    d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    for c0 in tl.static_range(0, NUM_SPLITS, SC):
+        spc = c0 + tl.arange(0, SC)
+        okc = spc < NUM_SPLITS
+        wc = (spc * T + t) * HQ + h
+        wt = tl.math.exp2(tl.load(ml_ptr + 2 * wc, mask=okc, other=NEG_INF) - m_use)
+        part = tl.load(acc_ptr + wc[:, None] * D + d[None, :], mask=okc[:, None], other=0.0)
+        acc += tl.sum(wt[:, None] * part, 0)
+    o = tl.math.div_rn(acc, tl.where(total > 0, total, 1.0))
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, to_bf16(o, CUDA))

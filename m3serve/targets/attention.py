@@ -1,0 +1,86 @@
+"""Attention on the decode target: the paged-cache kernels, all sequences of a step per launch.
+
+The stock `Attention.forward` loops over sequences and reads each one's context back out of the cache. On the
+target a step carries a `PagedStep` (device metadata built by the engine in its one staged upload), and every
+attention layer is four launches at most, none of which syncs the host (so the step can be captured in a CUDA
+graph):
+
+    kv.write             K, V (+ index-K) of every token of the step, quantized on write
+    msa.scores           sparse layers: the lightning indexer's max-pooled block scores     [T, Hk, B]
+    msa.select           sparse layers: top-k blocks per (token, KV group), the stock rules [T, Hk, topk]
+    attn.paged           decode / verify / sparse rows (split-KV, ordered combine)
+      or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence
+
+Shape legend
+  T  query tokens of the step (packed)   S  sequences   B  max pages per sequence
+  Hq / Hk query / KV heads on this rank  D  head dim     Di index head dim
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+# attn.paged reads each query row's pages itself: right for decode / verify (1-48 rows per sequence), wasteful
+# for long prompts, which the tiled attn.prefill handles on dense layers.
+DECODE_MAX_QUERY = 48
+
+
+@dataclass
+class PagedStep:
+    """Device metadata of one step (views of the engine's staged upload; stable addresses inside a graph)."""
+    slot_table: Tensor      # [S, B] int32 slot ids (unallocated -> 0)
+    seq_lens: Tensor        # [S] int32 keys after this step; 0 = padding sequence
+    query_start: Tensor     # [S + 1] int32 cumulative query tokens
+    max_query_len: int      # host int fixed per call site (grid sizes only)
+    num_splits: int         # split-KV factor of attn.paged (host int fixed per call site)
+    workspaces: dict = field(default_factory=dict)  # per (kind, shape): preallocated kernel scratch
+
+    def scratch(self, key, make):
+        """A buffer made once per step object (and so once per captured graph), reused by every layer."""
+        buf = self.workspaces.get(key)
+        if buf is None:
+            buf = self.workspaces[key] = make()
+        return buf
+
+
+def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,
+                      slot_mapping: Tensor, kv, step: PagedStep) -> Tensor:
+    """q [T, Hq, D], k/v [T, Hk, D], iq [T, Hk, Di] / ik [T, Di] (sparse layers) -> [T, Hq, D] bf16."""
+    from m3serve.kernels.kv_write import write_layer
+    from m3serve.kernels.paged_attention import make_workspace, paged_attention
+
+    layer, cfg = attn.layer, attn.cfg
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    write_layer(kv, layer, slot_mapping, k, v, ik)
+    fmt = kv.spec.kv_format(layer)
+    kp, vp = kv.pages(layer, "k"), kv.pages(layer, "v")
+    out = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
+    if not attn.sparse and step.max_query_len > DECODE_MAX_QUERY:
+        from m3serve.kernels.prefill_attention import prefill_attention
+        prefill_attention(q, kp, vp, step.slot_table, step.seq_lens, step.query_start, out,
+                          sm_scale=attn.scale, max_query_len=step.max_query_len)
+        return out
+    sel = None
+    if attn.sparse:
+        from m3serve.kernels.msa_index import msa_block_scores, msa_select
+        b = step.slot_table.shape[1]
+        topk = cfg.index_topk_blocks
+        scores = step.scratch(("msa.scores", t, hk, b),
+                              lambda: torch.empty(t, hk, b, dtype=torch.float32, device=q.device))
+        sel = step.scratch(("msa.select", t, hk, topk),
+                           lambda: torch.empty(t, hk, topk, dtype=torch.int32, device=q.device))
+        msa_block_scores(iq, kv.pages(layer, "index_k"), step.slot_table, step.seq_lens, step.query_start, scores,
+                         max_query_len=step.max_query_len, topk=topk)
+        msa_select(scores, step.seq_lens, step.query_start, sel, max_query_len=step.max_query_len, topk=topk,
+                   block_size=cfg.index_block_size, local_blocks=cfg.index_local_blocks,
+                   init_blocks=cfg.index_init_blocks)
+    scales = (kv.pages(layer, "k_scale"), kv.pages(layer, "v_scale")) if fmt == "nvfp4" else (None, None)
+    ws = step.scratch(("attn.paged", t, hq, d), lambda: make_workspace(t, hq, d, step.num_splits, q.device))
+    paged_attention(q, kp, vp, *scales, kv.kv_global_scale[layer], step.slot_table, step.seq_lens,
+                    step.query_start, sel, out, ws, fmt=fmt, sm_scale=attn.scale,
+                    max_query_len=step.max_query_len, num_splits=step.num_splits)
+    return out

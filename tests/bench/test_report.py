@@ -1,0 +1,404 @@
+"""bench/report.py turns bench/results/*.json into the README's measured block.
+
+Each formatter is fed a synthetic results file (written to a tmp folder, rows deliberately out of order) and the
+rendered markdown is checked cell by cell against figures worked out by hand from the synthetic values; the
+number formatter is checked on random values against its contract (digits, error bound). The CLI's --write /
+--check round trip, the marker errors, unrecognised / broken files and bad fields are exercised, and the real
+README block must match the real results folder (a hand-edited figure fails here). Pure Python, about 1 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_report"] = mod      # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+PROVENANCE = {"commit": "0123456789abcdef0123456789abcdef01234567", "gpu": "NVIDIA H200",
+              "date": "2026-12-01T10:20:30+00:00"}
+
+
+def write(folder: Path, name: str, data) -> None:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def table_rows(markdown: str, first_header: str) -> list[list[str]]:
+    """The body rows of the first table whose first header cell is `first_header`."""
+    lines = markdown.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split(" | ")])
+    return rows
+
+
+def headers_of(markdown: str, first_header: str) -> list[str]:
+    line = next(line for line in markdown.split("\n") if line.startswith(f"| {first_header} |"))
+    return [c.strip() for c in line.strip("|").split(" | ")]
+
+
+# ------------------------------------------------------------------------------------------------- numbers
+
+def test_sig_keeps_the_requested_digits_on_random_values(report):
+    """Contract: `digits` significant digits for |x| < 10**digits (whole integer part above), round half up
+    on the decimal text, error at most half a unit in the last kept place."""
+    rng = random.Random(1234)
+    for _ in range(2000):
+        x = rng.choice([-1, 1]) * 10 ** rng.uniform(-5, 6)
+        digits = rng.choice([1, 2, 3, 4])
+        text = report.sig(x, digits)
+        assert "e" not in text.lower(), text
+        mag = math.floor(math.log10(abs(x)))
+        last_place = 10.0 ** min(mag - digits + 1, 0)   # units once the integer part has `digits` digits
+        assert abs(float(text) - x) <= 0.5 * last_place * (1 + 1e-9) + 1e-12, (x, digits, text)
+        significant = text.lstrip("-").replace(".", "").lstrip("0")
+        if abs(x) < 10 ** (digits - 1):   # below that the integer part alone has more digits
+            assert len(significant) == digits, (x, digits, text)
+
+
+@pytest.mark.parametrize("x,digits,want", [(0.0773719, 3, "0.0774"), (77.37, 3, "77.4"), (189.27, 3, "189"),
+                                           (2.25, 2, "2.3"), (9.996, 3, "10.0"), (0.99995, 2, "1.0"),
+                                           (14335.6, 3, "14336"), (0, 3, "0"), (-0.00123456, 2, "-0.0012")])
+def test_sig_known_values(report, x, digits, want):
+    assert report.sig(x, digits) == want
+
+
+@pytest.mark.parametrize("frac,want", [(0.3583, "36 %"), (0.745, "75 %"), (0.0064, "0.6 %"), (0.005, "0.5 %"),
+                                       (0.00996, "1 %"), (0.0, "0 %"), (1.0, "100 %")])
+def test_percent(report, frac, want):
+    assert report.pct(frac) == want
+
+
+# ------------------------------------------------------------------------------------------------- formatters
+
+def decode_target_file():
+    """The decode-target schema: three routes, two batches, rows shuffled."""
+    def row(route, batch, median_s, busy_s, launches, agree):
+        return {"model": "minimax-m3:5", "route": route, "batch": batch, "context": 512, "median_s": median_s,
+                "tokens_per_s": batch / median_s, "gpu_busy_s": busy_s, "launches_per_step": launches,
+                "fraction_of_roofline": 0.0123 * (1 if route == "off" else 3),
+                "greedy_agreement_vs_off": agree}
+    rows = [row("target", 8, 0.0125, 0.0112, 3.25, 0.9375), row("off", 1, 0.0774, 0.05, 4100.0, None),
+            row("auto", 1, 0.0359, 0.021, 950.0, 1.0), row("target", 1, 0.0155, 0.0141, 2.0, 1.0),
+            row("off", 8, 0.1893, 0.12, 4120.0, None), row("auto", 8, 0.0693, 0.04, 960.0, 0.96875)]
+    return {"bench": "decode", **PROVENANCE, "command": "python bench/decode.py --models minimax-m3:5",
+            "copy_bandwidth_Bps": 4.19e12, "quantization": "nvfp4", "kv_cache_dtype": "nvfp4",
+            "results": rows}
+
+
+def test_decode_target_schema(report, tmp_path):
+    write(tmp_path, "decode-target-h200.json", decode_target_file())
+    out = report.render_report(tmp_path)
+    assert headers_of(out, "model") == ["model", "batch", "context", "route", "ms/step", "tok/s", "GPU busy ms",
+                                        "launches/step", "% of roofline", "speedup vs off",
+                                        "greedy agreement vs off"]
+    rows = table_rows(out, "model")
+    assert [(r[1], r[3]) for r in rows] == [("1", "off"), ("1", "auto"), ("1", "target"),
+                                            ("8", "off"), ("8", "auto"), ("8", "target")]
+    # batch 1, target: 15.5 ms, 1/0.0155 = 64.5 tok/s, busy 14.1 ms, 2 launches, 3.69 % -> 4 %, 77.4/15.5 = 5.0x
+    assert rows[2] == ["minimax-m3:5", "1", "512", "target", "15.5", "64.5", "14.1", "2", "4 %", "5.0×", "100 %"]
+    assert rows[0][-2:] == ["—", "—"]                               # off is the baseline
+    assert rows[5][7:] == ["3.25", "4 %", "15×", "94 %"]             # 3.69 %; 189.3/12.5 = 15.1; 0.9375
+    assert rows[3][8] == "1 %"                                          # off: 1.23 %
+    assert "**minimax-m3:5: routes off, auto, target (NVFP4 weights, nvfp4 KV for presets)**" in out
+    assert ("source `decode-target-h200.json` · NVIDIA H200 · commit 0123456789ab · 2026-12-01 10:20 UTC · "
+            "copy bandwidth 4.19 TB/s · `python bench/decode.py --models minimax-m3:5`") in out
+
+
+def test_decode_old_schema_takes_the_model_from_the_preset(report, tmp_path):
+    rows = [{"route": r, "batch": 4, "context": 1024, "median_s": s, "tokens_per_s": 4 / s,
+             "fraction_of_roofline": 0.0085} for r, s in (("auto", 0.0693), ("off", 0.1893))]
+    write(tmp_path, "decode-h200-old.json", {"bench": "decode", "preset": "minimax-m3:8", "results": rows,
+                                             "commit": "abc1234", "date": "2026-11-30T07:39:38.493628"})
+    out = report.render_report(tmp_path)
+    assert headers_of(out, "model") == ["model", "batch", "context", "route", "ms/step", "tok/s", "% of roofline",
+                                        "speedup vs off"]
+    assert table_rows(out, "model") == [["minimax-m3:8", "4", "1024", "off", "189", "21.1", "0.9 %", "—"],
+                                        ["minimax-m3:8", "4", "1024", "auto", "69.3", "57.7", "0.9 %", "2.7×"]]
+    assert "GPU not recorded · commit abc1234 · 2026-11-30 07:39 · command not recorded" in out
+
+
+def test_attention_schema(report, tmp_path):
+    data = {**PROVENANCE, "command": "python bench/attention.py", "copy_bandwidth_Bps": 4.2e12,
+            "results": [{"entry": "attn.paged", "batch": 8, "context": 4096, "query_tokens": 1, "us": 41.26,
+                         "bytes": 1, "frac_copy": 0.614, "tflops": 12.345},
+                        {"entry": "attn.paged", "batch": 1, "context": 4096, "query_tokens": 1, "us": 9.871,
+                         "bytes": 1, "frac_copy": 0.2049},
+                        {"entry": "attn.prefill", "batch": 1, "context": 2048, "query_tokens": 2048, "us": 812.4,
+                         "bytes": 1, "frac_copy": 0.0304, "tflops": 301.7}],
+            "decode_step": [{"model": "m3-tiny-verse", "context": 512, "batch": 8, "median_s": 0.004567},
+                            {"model": "m3-tiny-verse", "context": 512, "batch": 1, "median_s": 0.003011}]}
+    write(tmp_path, "attention-h200.json", data)
+    out = report.render_report(tmp_path)
+    assert headers_of(out, "entry") == ["entry", "batch", "context", "query tokens", "µs", "% of copy BW", "TFLOP/s"]
+    assert table_rows(out, "entry") == [["attn.paged", "1", "4096", "1", "9.87", "20 %", "—"],
+                                        ["attn.paged", "8", "4096", "1", "41.3", "61 %", "12.3"],
+                                        ["attn.prefill", "1", "2048", "2048", "812", "3 %", "302"]]
+    assert table_rows(out, "model") == [["m3-tiny-verse", "512", "1", "3.01"], ["m3-tiny-verse", "512", "8", "4.57"]]
+
+
+def kernels_file():
+    def row(entry, shape, rows, us, frac, stock):
+        return {"entry": entry, "shape": shape, "rows": rows, "us": us, "frac_copy": frac, "speedup_vs_stock": stock,
+                "bytes": 1, "why": "q|k|v"}
+    return {"gpu": "NVIDIA H200", "git_commit": "5d6df23", "command": "bench/kernels.py --quick",
+            "date": "2026-11-30T08:36:42.003622+00:00", "copy_bandwidth_Bps": 4182214723090.4,
+            "results": [row("linear.mxfp8", [24576, 6144], 1, 49.42, 0.7541, 34.3),
+                        row("linear.mxfp8", [8192, 6144], 1, 22.51, 0.5531, 29.8),
+                        row("linear.mxfp8", [512, 6144], 1, 8.531, 0.0911, 28.7),
+                        row("moe.nvfp4", [128, 6144, 3072, 0], 4, 790.5, 0.1437, 37.36)],
+            "goals": [{"goal": ">= 70%", "entry": "linear.mxfp8", "rows": 1, "met": m, "value": 0, "target": 0.7}
+                      for m in (True, False, False)]}
+
+
+def test_kernels(report, tmp_path):
+    write(tmp_path, "kernels-h200-x.json", kernels_file())
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "entry") == [
+        ["linear.mxfp8", "1", "3", "8.53–49.4", "9–75 %", "24576×6144 (75 %)", "29–34×", "1/3"],
+        ["moe.nvfp4", "4", "1", "791", "14 %", "128×6144×3072×0 (14 %)", "37×", "—"]]
+    assert "Kernels vs copy bandwidth (4.18 TB/s measured)" in out
+    assert "commit 5d6df23 · 2026-11-30 08:36 UTC · `bench/kernels.py --quick`" in out
+
+
+def test_gemv_variants(report, tmp_path):
+    results = [{"entry": "linear.nvfp4", "shape": [8, 8], "rows": 1, "variant": v, "ok": True, "det": d,
+                "us": 1.0, "frac_copy": 0.1} for v, d in (("cell", True), ("g16x512w4/s1", True),
+                                                          ("g32x256w4/s2", False))]
+    summary = [{"entry": "linear.nvfp4", "rows": 1, "variant": "cell", "n_shapes": 7, "geomean_frac_copy": 0.1089},
+               {"entry": "linear.nvfp4", "rows": 1, "variant": "g16x512w4", "n_shapes": 7,
+                "geomean_frac_copy": 0.2469},
+               {"entry": "linear.nvfp4", "rows": 1, "variant": "g32x256w4", "n_shapes": 7,
+                "geomean_frac_copy": 0.2253},
+               {"entry": "linear.nvfp4", "shape": [8, 8], "rows": 1, "best": "g16x512w4/s1"}]
+    write(tmp_path, "gemv_variants-h200.json", {"gpu": "NVIDIA H200", "command": "bench/gemv_variants.py",
+                                                "results": results, "summary": summary, "skipped": []})
+    out = report.render_report(tmp_path)
+    # 0.2469 / 0.1089 = 2.27 -> 2.3x; one run of three was not deterministic
+    assert table_rows(out, "entry") == [["linear.nvfp4", "1", "7", "11 %", "g16x512w4", "25 %", "2.3×", "2/3"]]
+
+
+def test_host_overhead(report, tmp_path):
+    def row(batch, context, per_request, step, two_call=None):
+        r = {"batch": batch, "context": context, "per_request_us": per_request, "step_us_median": step}
+        return r | ({"two_call_us_median": two_call} if two_call is not None else {})
+    rows = [row(64, 131072, 3.352, 214.51, 409.99), row(1, 1024, 216.801, 216.8, 423.95),
+            row(64, 1024, 3.613, 231.21, 428.34), row(1, 131072, 112.17, 112.17, 233.35)]
+    write(tmp_path, "host_overhead-h200.json", {
+        "benchmark": "host_overhead", "device": "cuda", "machine": {"gpu": "NVIDIA H200", "cpu_count": 16},
+        "git": {"commit": "none (no commit yet)", "kv_files_dirty": True}, "command": "python3 bench/host_overhead.py",
+        "date": "2026-11-30T08:40:16+00:00", "results": rows,
+        "summary": {"batch64_per_request_us_max": 3.613, "batch64_goal_5us_met": True, "batch64_context_ratio": 0.93}})
+    out = report.render_report(tmp_path)
+    assert headers_of(out, "batch") == ["batch", "µs/request @ 1k", "µs/request @ 128k", "step µs @ 128k",
+                                        "two calls µs/request @ 128k"]
+    # two calls per request at batch 64: 409.99 / 64 = 6.406
+    assert table_rows(out, "batch") == [["1", "217", "112", "112", "233"], ["64", "3.61", "3.35", "215", "6.41"]]
+    assert ("summary (from the file): batch64_context_ratio: 0.93; batch64_goal_5us_met: yes; "
+            "batch64_per_request_us_max: 3.613") in out
+    assert "NVIDIA H200 · commit none (no commit yet) + uncommitted kv/ changes" in out
+
+
+def test_tp(report, tmp_path):
+    data = {"bench": "tp", "date": "2026-11-30T08:22:56+00:00", "commit": "HEAD", "dirty": True,
+            "command": "python bench/tp.py --preset minimax-m3:12", "gpu": "NVIDIA H200",
+            "model": {"preset": "minimax-m3:12", "quantization": "nvfp4"},
+            "workload": {"prompt_tokens": 2176, "batch": 1},
+            "tp1": {"decode_ms": {"median": 129.133}, "peak_allocated_gb": 49.466},
+            "tp2": {"decode_ms": {"median": 88.8596}, "peak_allocated_gb": 29.917},
+            "decode_speedup_tp2_over_tp1": 1.4532, "accuracy": {"pass": True},
+            "allreduce_12kb": {"bytes": 12288, "world_size": 2,
+                               "symm_mem_one_shot": {"synced_us_median": 19.259, "back_to_back_us": 8.279,
+                                                     "cuda_graph_us": 6.3632},
+                               "nccl": {"synced_us_median": 29.919, "cuda_graph_us": 18.7994}}}
+    write(tmp_path, "tp-h200x2.json", data)
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "preset") == [["minimax-m3:12", "nvfp4", "2176", "1", "129", "88.9", "1.5×", "49.5",
+                                          "29.9", "pass", "`tp-h200x2.json`"]]
+    assert table_rows(out, "all-reduce") == [["nccl", "12 KiB", "29.9", "—", "18.8", "`tp-h200x2.json`"],
+                                             ["symm_mem_one_shot", "12 KiB", "19.3", "8.28", "6.36",
+                                              "`tp-h200x2.json`"]]
+    assert "2× NVIDIA H200 · commit HEAD + uncommitted changes" in out
+
+
+def test_spec_decode(report, tmp_path):
+    def row(batch, temp, plain, spec, al, same=None):
+        r = {"batch": batch, "temperature": temp, "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
+             "spec_stats": {"acceptance_length": al}}
+        return r | ({"greedy_identical": same} if same is not None else {})
+    write(tmp_path, "spec-decode-h200.json", {
+        "bench": "spec_decode", **PROVENANCE, "command": "python3 bench/spec_decode.py", "model": "m3-tiny-verse",
+        "k": 3, "max_tokens": 96,
+        "results": [row(8, 0.8, 130.27, 222.70, 3.7854), row(1, 0.0, 39.357, 113.40, 3.4286, True),
+                    row(8, 0.0, 142.94, 321.70, 3.4141, False)]})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "batch") == [["1", "0", "39.4", "113", "2.9×", "3.43", "yes"],
+                                        ["8", "0", "143", "322", "2.3×", "3.41", "no"],
+                                        ["8", "0.8", "130", "223", "1.7×", "3.79", "—"]]
+    assert "Eagle3 speculative decoding: m3-tiny-verse, K = 3, 96 new tokens per request" in out
+
+
+def test_serve(report, tmp_path):
+    def level(c, out_tps, ttft, itl):
+        return {"concurrency": c, "requests": 4 * c, "completed": 4 * c, "failed": 0, "output_tokens_per_s": out_tps,
+                "total_tokens_per_s_per_gpu": 3 * out_tps, "ttft_ms": {"p50": ttft, "p90": 1.5 * ttft},
+                "itl_ms": {"p50": itl, "p90": 2 * itl}, "interactivity_x90": 1000 / (2 * itl)}
+    write(tmp_path, "serve-tiny-cpu.json", {
+        "meta": {"model": "tiny", "workload": "fixed", "input_len": 32, "output_len": 16,
+                 "created": "2026-11-30T08:25:59+0000"},
+        "results": [level(16, 425.27, 76.25, 17.5), level(1, 132.82, 14.40, 3.5)]})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "concurrency") == [["1", "4/4", "0", "133", "398", "14.4 / 21.6", "3.50 / 7.00", "143"],
+                                              ["16", "64/64", "0", "425", "1276", "76.3 / 114", "17.5 / 35.0",
+                                               "28.6"]]
+    assert "Serving benchmark: model tiny, workload fixed, 32 input / 16 output tokens" in out
+    assert "2026-11-30 08:25 UTC · command not recorded" in out
+
+
+def test_eval_kv(report, tmp_path):
+    def comparison(other, em_other, b, c, p):
+        return {"n": 500, "order": ["engine:kv=bf16", f"engine:kv={other}"], "items": [],
+                "configs": {"engine:kv=bf16": {"exact_match_strict": 0.814, "correct_strict": 407},
+                            f"engine:kv={other}": {"exact_match_strict": em_other,
+                                                   "correct_strict": round(500 * em_other)}},
+                "paired": {"strict": {"b": b, "c": c, "p_value": p}}}
+    write(tmp_path, "eval-kv-bf16-vs-nvfp4-cpu.json", comparison("nvfp4", 0.74, 56, 19, 2.242964e-05))
+    write(tmp_path, "eval-kv-bf16-vs-fp8-cpu.json", comparison("fp8", 0.802, 13, 7, 0.263176))
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "A") == [
+        ["engine:kv=bf16", "81.4 % (407)", "engine:kv=fp8", "80.2 % (401)", "500", "13 / 7", "0.26",
+         "not significant", "`eval-kv-bf16-vs-fp8-cpu.json`"],
+        ["engine:kv=bf16", "81.4 % (407)", "engine:kv=nvfp4", "74.0 % (370)", "500", "56 / 19", "2.2e-05",
+         "significant", "`eval-kv-bf16-vs-nvfp4-cpu.json`"]]
+
+
+def test_generic_files_list_their_top_level_scalars(report, tmp_path):
+    write(tmp_path, "server-hardening-cpu.json", {"zeta": 0.123456, "alpha": True, "nested": {"x": 1},
+                                                  "rows": [1, 2], "name": "limits", "none": None,
+                                                  "command": "pytest tests/server"})
+    write(tmp_path, "spec-target-h200.json", {"bench": "spec_decode", "speedup": 2.5, "gpu": "NVIDIA H200"})
+    out = report.render_report(tmp_path)
+    blocks = out.split("**server-hardening-cpu.json")[1].split("**spec-target-h200.json")
+    assert table_rows(blocks[0], "field") == [["`alpha`", "yes"], ["`command`", "pytest tests/server"],
+                                              ["`name`", "limits"], ["`none`", "None"], ["`zeta`", "0.1235"]]
+    # a "bench" key naming a known kind does not send this file to that kind's formatter
+    assert table_rows(blocks[1], "field") == [["`bench`", "spec_decode"], ["`gpu`", "NVIDIA H200"],
+                                              ["`speedup`", "2.5"]]
+    assert "unrendered" not in out
+
+
+def test_unrecognised_and_broken_files_are_listed_and_logs_ignored(report, tmp_path):
+    write(tmp_path, "mystery-h200.json", {"whatever": 1})
+    write(tmp_path, "broken.json", "{not json")
+    write(tmp_path, "a-list.json", [1, 2])
+    write(tmp_path, "logs/spec-decode-old.json", {"bench": "spec_decode"})   # would raise if it were read
+    write(tmp_path, "kernels-h200-x.json", kernels_file())
+    out = report.render_report(tmp_path)
+    assert out.endswith("unrendered results: `a-list.json` (unrecognised), `broken.json` (not valid JSON: "
+                        "JSONDecodeError), `mystery-h200.json` (unrecognised)")
+    assert "Kernels vs copy bandwidth" in out
+
+
+def test_output_is_deterministic(report, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    files = [("kernels-h200-x.json", kernels_file()), ("decode-target-h200.json", decode_target_file())]
+    for name, data in files:
+        write(first, name, data)
+    for name, data in reversed(files):
+        data = dict(data, results=list(reversed(data["results"])))
+        write(second, name, data)
+    assert report.render_report(first) == report.render_report(second)
+    text = report.render_report(first)
+    assert text.index("### Decode step") < text.index("### Kernels")
+
+
+@pytest.mark.parametrize("mutate,error,words", [
+    (lambda d: d["results"][1].pop("median_s"), ValueError, ["decode-target-h200.json.results[1].median_s",
+                                                            "missing"]),
+    (lambda d: d["results"][0].update(batch="8"), TypeError, ["results[0].batch", "expected int", "str"]),
+    (lambda d: d["results"][2].update(median_s=float("nan")), ValueError, ["results[2].median_s", "finite"]),
+    (lambda d: [r.pop("model") for r in d["results"]], ValueError, ["results[0].model", "preset"]),
+    (lambda d: d["results"].clear(), ValueError, ["decode-target-h200.json.results", "at least one row"]),
+])
+def test_bad_fields_raise_naming_file_and_field(report, tmp_path, mutate, error, words):
+    data = decode_target_file()
+    mutate(data)
+    write(tmp_path, "decode-target-h200.json", data)
+    with pytest.raises(error) as info:
+        report.render_report(tmp_path)
+    for w in words:
+        assert w in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ the README
+
+README = "# title\n\nintro 1.23 ms\n\n<!-- report:begin -->\nold figure 9.99 ms\n<!-- report:end -->\n\ntail\n"
+
+
+def test_write_then_check_round_trip(report, tmp_path, capsys):
+    results = tmp_path / "results"
+    write(results, "spec-decode-h200.json", {"bench": "spec_decode", "model": "m", "k": 2, "results": [
+        {"batch": 1, "temperature": 0.0, "plain_tok_s": 10.0, "spec_tok_s": 25.0, "speedup": 2.5,
+         "spec_stats": {"acceptance_length": 2.5}}]})
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    assert report.main(["--results", str(results), "--check", str(readme)]) == 1
+    assert "old figure 9.99 ms" in capsys.readouterr().err
+    assert report.main(["--results", str(results), "--write", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n\nintro 1.23 ms\n\n<!-- report:begin -->\n<!-- generated by")
+    assert text.endswith("<!-- report:end -->\n\ntail\n") and "old figure" not in text
+    assert "| 1 | 0 | 10.0 | 25.0 | 2.5× | 2.50 | — |" in text
+    assert report.main(["--results", str(results), "--check", str(readme)]) == 0
+    assert report.main(["--results", str(results), "--write", str(readme)]) == 0     # idempotent
+    assert readme.read_text() == text
+    readme.write_text(text.replace("| 25.0 |", "| 26.0 |"))                           # a hand-edited figure
+    assert report.main(["--results", str(results), "--check", str(readme)]) == 1
+    assert "-| 1 | 0 | 10.0 | 26.0 |" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,words", [
+    ("no markers\n", ["exactly one line '<!-- report:begin -->'", "found 0"]),
+    ("<!-- report:begin -->\nx\n", ["exactly one line '<!-- report:end -->'", "found 0"]),
+    ("<!-- report:end -->\n<!-- report:begin -->\n", ["comes before"]),
+    ("<!-- report:begin -->\n<!-- report:begin -->\n<!-- report:end -->\n", ["found 2"]),
+])
+def test_marker_errors(report, tmp_path, capsys, text, words):
+    with pytest.raises(ValueError) as info:
+        report.replace_block(text, "block", "README.md")
+    for w in words:
+        assert w in str(info.value)
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    write(tmp_path / "results", "x.json", {"a": 1})
+    assert report.main(["--results", str(tmp_path / "results"), "--write", str(readme)]) == 2
+    assert words[0] in capsys.readouterr().err
+    assert readme.read_text() == text
+
+
+def test_real_readme_matches_the_real_results(report):
+    """The README's block is what bench/results gives: run `python bench/report.py --write README.md` after
+    adding or changing a results file, never edit the figures by hand."""
+    block = report.render_report(report.RESULTS_DIR)
+    assert "unrendered results" not in block, block.rsplit("\n", 1)[-1]
+    assert report.block_diff((ROOT / "README.md").read_text(), block, "README.md") == ""

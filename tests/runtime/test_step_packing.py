@@ -1,0 +1,70 @@
+"""The decode target's step packing on CPU: buckets, the padded staged upload, and where a bucket's inputs sit.
+(Graph capture and replay themselves run on the GPU: tests/runtime/test_decode_graphs_gpu.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from m3serve.kv.block_manager import BlockManager
+from m3serve.kv.block_table import DeviceBlockTables
+from m3serve.runtime.decode_graphs import bucket_for, buckets_up_to, pack_decode, stage_offsets
+
+
+def test_buckets():
+    assert buckets_up_to(64) == (1, 2, 4, 8, 16, 24, 32, 48)
+    assert buckets_up_to(20) == (1, 2, 4, 8, 16, 24)
+    assert buckets_up_to(1) == (1,)
+    assert bucket_for(3, (1, 2, 4, 8)) == 4 and bucket_for(8, (1, 2, 4, 8)) == 8
+    assert bucket_for(9, (1, 2, 4, 8)) is None
+
+
+def _manager_with(seqs: dict[int, int], page=4, max_seqs=8, max_blocks=6):
+    mgr = BlockManager(32, page, max_seqs=max_seqs, max_blocks_per_seq=max_blocks, enable_prefix_caching=False)
+    for sid, ntok in seqs.items():
+        mgr.allocate(sid, list(range(1, ntok + 1)))
+    return mgr
+
+
+def test_padded_prepare_puts_bucket_inputs_at_fixed_offsets():
+    """pad_to=bucket: real rows first, then the padding row (slot 0 everywhere, token slot -1); token ids and
+    sequence lengths ride in the same upload at the offsets the captured graph reads."""
+    rng = np.random.default_rng(0)
+    for trial in range(4):
+        lens = {10 + i: int(rng.integers(1, 20)) for i in range(int(rng.integers(1, 4)))}
+        mgr = _manager_with({sid: n + 1 for sid, n in lens.items()})
+        tables = DeviceBlockTables(mgr, "cpu", index_scale=1, max_tokens=16)
+        bucket = 4
+        ids = [int(t) for t in rng.integers(0, 1000, len(lens))]
+        tsi, pos, extra = pack_decode(bucket, ids, list(lens.values()))
+        slot_table, _, slot_mapping = tables.prepare(list(lens), tsi, pos, extra=extra, pad_to=bucket)
+        off = stage_offsets(bucket)
+        stage = tables._dev_stage
+        n = len(lens)
+        assert stage[off["token_ids"]][:n].tolist() == ids and stage[off["token_ids"]][n:].tolist() == [0] * (bucket - n)
+        assert stage[off["positions"]][:n].tolist() == list(lens.values())
+        assert stage[off["seq_lens"]].tolist() == [p + 1 for p in lens.values()] + [0] * (bucket - n)
+        for i, (sid, p) in enumerate(lens.items()):
+            row = mgr.host_table[mgr.rows_of([sid])[0]]
+            assert slot_table[i, :len(row)].tolist() == np.maximum(row, 0).tolist()
+            assert int(slot_mapping[i]) == int(row[p // 4]) * 4 + p % 4
+        assert slot_table[n:].eq(0).all() and slot_mapping[n:].eq(-1).all(), "padding must touch no page"
+        assert torch.equal(tables.mirror[tables.pad_row], torch.full_like(tables.mirror[0], -1))
+
+
+def test_prepare_rejects_a_pad_smaller_than_the_batch():
+    mgr = _manager_with({1: 3, 2: 3})
+    tables = DeviceBlockTables(mgr, "cpu", index_scale=1, max_tokens=16)
+    with pytest.raises(ValueError, match="padded to 1"):
+        tables.prepare([1, 2], np.array([0, 1]), np.array([2, 2]), pad_to=1)
+
+
+def test_unchanged_rows_are_not_uploaded_again_with_padding():
+    mgr = _manager_with({1: 3})
+    tables = DeviceBlockTables(mgr, "cpu", index_scale=1, max_tokens=16)
+    tsi, pos, extra = pack_decode(2, [5], [2])
+    tables.prepare([1], tsi, pos, extra=extra, pad_to=2)
+    assert tables.last_num_uploaded_rows == 1
+    tables.prepare([1], tsi, pos, extra=extra, pad_to=2)
+    assert tables.last_num_uploaded_rows == 0
