@@ -1,0 +1,53 @@
+"""Where a decode step's GPU time goes: torch-profiler kernel table of the decode target (CUDA graphs) at one
+batch size on the embedded model or a preset.
+
+    python bench/profile_step.py --model m3-tiny-verse --batch 1 --context 256 --out FILE.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from m3serve import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="m3-tiny-verse")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    embedded = args.model == "m3-tiny-verse"
+    llm = LLM(None if embedded else args.model, device="cuda", dtype="bfloat16", random_weights=not embedded,
+              quantization=None if embedded else "nvfp4", kv_cache_dtype="auto" if embedded else "nvfp4",
+              max_num_seqs=args.batch, max_model_len=args.context + 64 + args.steps, gpu_memory_utilization=0.85)
+    eng = llm.engine
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True)
+    for _ in range(args.batch):
+        eng.add_request(torch.randint(3, llm.model.cfg.vocab_size, (args.context,), generator=g).tolist(), sp)
+    for _ in range(8):
+        eng.step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            eng.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"model {args.model} batch {args.batch} context {args.context} steps {args.steps}\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
