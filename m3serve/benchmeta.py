@@ -12,8 +12,10 @@ import torch
 
 
 def git_commit() -> str:
-    """HEAD of the checkout, or $M3SERVE_COMMIT where the tree travelled without its history (the device
-    machine receives a working-tree copy)."""
+    """$M3SERVE_COMMIT when set (the device machine receives a working-tree copy, whose .git, if any, may be
+    stale), else HEAD of the checkout (+ "-dirty")."""
+    if os.environ.get("M3SERVE_COMMIT"):
+        return os.environ["M3SERVE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +25,7 @@ def git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except OSError:
         pass
-    return os.environ.get("M3SERVE_COMMIT", "unknown")
+    return "unknown"
 
 
 def run_metadata() -> dict:

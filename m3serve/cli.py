@@ -1,4 +1,4 @@
-"""`m3serve` command line: generate, quantize, calibrate-kv, serve, bench, eval."""
+"""`m3serve` command line: generate, quantize, calibrate-kv, serve, bench, eval, explain."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import importlib
     import importlib.util
-    for module in ("m3serve.server.cli", "m3serve.bench.cli", "m3serve.eval.cli"):
+    for module in ("m3serve.server.cli", "m3serve.bench.cli", "m3serve.eval.cli", "m3serve.targets.explain_cli"):
         parent = module.rsplit(".", 1)[0]
         if importlib.util.find_spec(parent) and importlib.util.find_spec(module):  # subcommands living elsewhere
             importlib.import_module(module).register(sub)

@@ -127,7 +127,7 @@ class LLM:
                 raise ValueError(f"route='require': the decode target needs dtype bfloat16 on CUDA, found "
                                  f"{self.dtype} on {self.device}")
             return
-        self.engine.enable_target(graphs=not enforce_eager)
+        self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict) -> None:
         """tensor_parallel_size = N > 1 (m3serve.distributed): this process is rank 0 and starts ranks 1..N-1

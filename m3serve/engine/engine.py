@@ -97,18 +97,56 @@ class LLMEngine:
                                              index_k_dtype=config.index_k_dtype, model_dtype=model.dtype,
                                              fp8_layers=fp8_layers, **extra)
 
-    def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None) -> None:
+    def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto") -> bool:
         """The decode target: attention through the paged-cache kernels for every step, and pure decode steps
-        replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1."""
+        replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1 and every attention
+        layer's decode kernels in certified cells; otherwise `auto` keeps the stock path (returns False, logs
+        why) and `require` raises naming each uncertified placement."""
+        from m3serve.runtime.decode_graphs import buckets_up_to
+        from m3serve.targets.explain import uncertified_attention
         if self.model.device.type != "cuda" or self.model.dtype != torch.bfloat16 or self.model.tp.size != 1:
             raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {self.model.dtype} on "
                              f"{self.model.device} at TP {self.model.tp.size}")
+        if self.requests:
+            raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
+        buckets = buckets or buckets_up_to(self.config.max_num_seqs)
+        self._widen_tables(self._certified_table_width())
+        missing = uncertified_attention(self.model, self.kv, self.tables.max_blocks, buckets)
+        if missing:
+            why = "; ".join(p.line() for p in missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")
+            if mode == "require":
+                raise ValueError(f"route='require': attention outside the certified cells: {why}")
+            log.warning("decode target off (attention outside the certified cells): %s", why)
+            return False
         self.target_attention = True
         if graphs:
-            from m3serve.runtime.decode_graphs import DecodeGraphs, buckets_up_to
-            self.graphs = DecodeGraphs(self.model, self.kv, self.tables,
-                                       buckets or buckets_up_to(self.config.max_num_seqs))
+            from m3serve.runtime.decode_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets)
             self.graphs.capture()
+        return True
+
+    def _certified_table_width(self) -> int:
+        """msa.select compiles per block-table width (padded to a power of two) and is certified at the model's
+        full context; use the smallest certified width that holds max_model_len (or keep ours)."""
+        from m3serve.kernels.catalog import all_entries
+        cfg, need = self.model.cfg, self.tables.max_blocks
+        if not any(t == "sparse" for t in cfg.layer_types):
+            return need
+        hk, p = self.kv.spec.num_kv_heads, self.kv.page_size
+        widths = sorted(c.shape[3] for c in all_entries()["msa.select"].cells
+                        if c.shape[:3] == (hk, p, cfg.index_topk_blocks) and c.shape[3] >= need)
+        return widths[0] if widths else need
+
+    def _widen_tables(self, width: int) -> None:
+        if width == self.tables.max_blocks:
+            return
+        cfg = self.config
+        self.blocks = BlockManager(self.kv.num_slots, self.kv.page_size, max_seqs=cfg.max_num_seqs,
+                                   max_blocks_per_seq=width, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue)
+        self.tables = DeviceBlockTables(self.blocks, self.model.device, index_scale=1, kv_offset=1,
+                                        max_tokens=cfg.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:

@@ -374,9 +374,9 @@ def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: S
     of whether the model was right; the increase of the text's own loss and the share of changed greedy tokens
     are reported beside it. Completion positions only, because the eval scores greedy answers: prompt positions
     (predicting the question text) dilute the signal (on the embedded model all-position KL separates layer 2
-    from the rest by 2.3x, completion-only by 4x). One layer at a time isolates each layer's share (the brief of
-    this mechanism is a per-layer override); the plain and the overridden hybrid cache's totals are measured as
-    well, for the record.
+    from the rest by 2.3x, completion-only by 4x). One layer at a time isolates each layer's share, which is what a
+    per-layer override acts on; the plain and the overridden hybrid cache's totals are measured as well, for the
+    record.
 
     The threshold. The unit is the KL of the whole FP8 cache, measured in the same run: FP8 is the format an
     overridden layer falls back to, and the FP8 cache is statistically indistinguishable from BF16 on the eval
@@ -709,6 +709,9 @@ def calibrate_model_dir(model_dir: str, out: str | None = None, num_items: int =
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         raise ValueError(f"model_dir: {model_dir} has no tokenizer; calibration text cannot be encoded")
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Thousands of tiny-batch forwards: on small shared CPUs OpenMP's thread hand-off dominates (as in LLM).
+        torch.set_num_threads(1)
     model = load_model(model_dir, device="cpu", dtype=torch.float32)
     chats = calibration_chats(num_items, seed, heldout_questions(model_dir))
     description = {

@@ -34,6 +34,12 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "norm.add_rms": (((1, 48), "norm.add_rms"),),
     "head.bf16": (((1, 48), "head.bf16"),),
     "head.head12": (((1, 48), "head.head12"),),
+    # attention on the paged cache: rows = tokens of the step (kv.write) or query tokens per sequence
+    "kv.write": (((1, 8192), "kv.write"),),
+    "msa.scores": (((1, 8192), "msa.scores"),),
+    "msa.select": (((1, 8192), "msa.select"),),
+    "attn.paged": (((1, 48), "attn.paged"),),
+    "attn.prefill": (((1, 16384), "attn.prefill"),),
 }
 
 

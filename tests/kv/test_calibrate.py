@@ -25,7 +25,8 @@ from m3serve.kv import PagedKVCache
 from m3serve.kv.cache import DEFAULT_NVFP4_KV_AMAX
 from m3serve.kv.calibrate import (
     KV_SCALES_FILE, REL_TOL, amax_grid, apply_kv_amax, calibrate_kv, calibration_texts, checkpoint_kv_amax,
-    choose_nvfp4_amax, collect_kv, heldout_questions, load_kv_scales, nvfp4_roundtrip_mse, save_kv_scales)
+    choose_nvfp4_amax, collect_kv, heldout_questions, load_kv_scales, nvfp4_roundtrip_mse, read_kv_scales,
+    save_kv_scales)
 from m3serve.model.loader import load_model
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.model.qweight import CheckpointError
@@ -178,13 +179,16 @@ class ByteTokenizer:
 
 def test_calibrate_kv_end_to_end_and_file_round_trip(tiny_model, tmp_path):
     calib = calibrate_kv(tiny_model, ByteTokenizer(), ["To be, or not to be:", "that is the question."],
-                         layers=[1, 3], description={"text_set": "two lines"})
+                         layers=[1, 3], description={"text_set": "two lines"}, sensitivity=False)
     assert sorted(calib.layers) == [1, 3] and calib.calibration["tokens"] == 41
     path = str(tmp_path / KV_SCALES_FILE)
     save_kv_scales(path, calib)
     doc = json.load(open(path))
     assert doc["calibration"]["text_set"] == "two lines" and doc["default_amax"] == DEFAULT_NVFP4_KV_AMAX
     assert load_kv_scales(path, 4) == calib.amax_table()
+    assert "fp8_layers" not in doc and read_kv_scales(path, 4).fp8_layers == ()       # not measured
+    with pytest.raises(ValueError, match=r"layers: the FP8-override search needs every sparse layer \[1, 2, 3\]"):
+        calibrate_kv(tiny_model, ByteTokenizer(), ["To be, or not to be:"], layers=[1, 3])
     for i, (k, v) in calib.layers.items():
         assert doc["layers"][str(i)]["k"]["rel_mse"] == k.mse / k.mean_square
         assert doc["layers"][str(i)]["v"]["observed_amax"] == v.observed_amax

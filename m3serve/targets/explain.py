@@ -1,0 +1,116 @@
+"""What runs where on the decode target: per module and batch bucket, the catalog entry and certified cell, or
+why the module runs stock. `m3serve explain` prints it; `LLMEngine.enable_target` uses the attention part to
+decide (auto) or insist (require) that every attention layer of a decode step lies in certified cells.
+
+Rows, per entry kind: linears, MoE, norms and heads see the step's tokens (= the bucket in a decode step);
+kv.write sees the step's tokens; msa.scores / msa.select / attn.paged see the query tokens per sequence (1 in a
+decode step, K+1 in a speculative verify).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from m3serve.targets.dispatch import lookup
+
+
+@dataclass(frozen=True)
+class Placement:
+    module: str       # e.g. "layers.3.self_attn [msa.scores]"
+    bucket: int       # decode batch bucket
+    entry: str | None  # catalog entry that runs, None = stock
+    detail: str       # the certified cell's reason, or why it falls back
+
+    def line(self) -> str:
+        where = self.entry or "stock"
+        return f"{self.module:<48} bucket {self.bucket:>3}  {where:<14} {self.detail}"
+
+
+def _place(module: str, bucket: int, kind: str, rows: int, shape: tuple) -> Placement:
+    try:
+        entry = lookup(kind, rows, shape, "require")
+    except ValueError as e:
+        return Placement(module, bucket, None, str(e))
+    if entry is None:
+        return Placement(module, bucket, None, f"{kind}: switched off (the entry module's ENABLED is False)")
+    return Placement(module, bucket, entry.name, entry.cell_for(rows, shape).why)
+
+
+def attention_placements(model, kv, table_width: int, bucket: int, query_len: int = 1) -> list[Placement]:
+    """kv.write / msa.scores / msa.select / attn.paged of every attention layer for a decode step of `bucket`
+    sequences with `query_len` query tokens each, over block tables `table_width` pages wide."""
+    from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
+    from m3serve.kernels.msa_index import IFMT_CODE
+    from m3serve.kernels.paged_attention import FMT_CODES
+    import triton
+
+    spec, cfg = kv.spec, model.cfg
+    out = []
+    for layer in model.layers:
+        a = layer.attn
+        i = a.layer
+        name = f"layers.{i}.self_attn"
+        fmt = spec.kv_format(i)
+        hk, d, p = spec.kv_heads(i), spec.head_dim, spec.page_size
+        ifmt = spec.index_k_format() if a.sparse else None
+        di = spec.index_head_dim if a.sparse else 0
+        kv_shape = (hk, d, p, di, FMT_CODE[fmt], FMT_CODE[ifmt] if ifmt else NO_INDEX)
+        out.append(_place(f"{name} [kv.write]", bucket, "kv.write", bucket * query_len, kv_shape))
+        topk = cfg.index_topk_blocks if a.sparse else 0
+        if a.sparse:
+            if ifmt not in IFMT_CODE:
+                out.append(Placement(f"{name} [msa.scores]", bucket, None,
+                                     f"msa.scores: index-K stored as {ifmt}; the kernel reads bf16 or fp8"))
+            else:
+                out.append(_place(f"{name} [msa.scores]", bucket, "msa.scores", query_len,
+                                  (hk, di, p, IFMT_CODE[ifmt], topk)))
+            out.append(_place(f"{name} [msa.select]", bucket, "msa.select", query_len,
+                              (hk, p, topk, triton.next_power_of_2(table_width))))
+        if fmt not in FMT_CODES:
+            out.append(Placement(f"{name} [attn.paged]", bucket, None,
+                                 f"attn.paged: KV stored as {fmt}; the kernel reads {sorted(FMT_CODES)}"))
+        else:
+            out.append(_place(f"{name} [attn.paged]", bucket, "attn.paged", query_len,
+                              (FMT_CODES[fmt], a.hq, hk, d, p, topk)))
+    return out
+
+
+def module_placements(model, bucket: int) -> list[Placement]:
+    """Quantized linears and MoE layers at `bucket` rows (what routing.install's hooks will choose)."""
+    from m3serve.model.layers import Linear
+    from m3serve.model.moe import MoE
+    from m3serve.targets.routing import ALL_EXPERTS_MAX
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, MoE):
+            if mod.w13.fmt == "nvfp4" and mod.w2.fmt == "nvfp4":
+                sh = mod.shared
+                shape = (mod.w13.num_experts, mod.w13.in_features, mod.w2.in_features,
+                         int(sh is not None and sh.gate_up_proj.fmt == "dense"))
+                out.append(_place(name, bucket, "moe.nvfp4", bucket, shape))
+            elif mod.w13.fmt == "dense" and mod.w13.num_experts <= ALL_EXPERTS_MAX:
+                out.append(Placement(name, bucket, "torch:all-experts",
+                                     f"dense experts ({mod.w13.num_experts} <= {ALL_EXPERTS_MAX}): every expert on "
+                                     "every token, masked (no host sync, capturable)"))
+            else:
+                out.append(Placement(name, bucket, None, f"{mod.w13.fmt} experts with {mod.w13.num_experts} "
+                                     "experts: the stock loop (syncs the host: not capturable)"))
+        elif isinstance(mod, Linear) and mod.num_experts is None:
+            if mod.fmt in ("nvfp4", "mxfp8", "fp8"):
+                out.append(_place(name, bucket, f"linear.{mod.fmt}", bucket, (mod.out_features, mod.in_features)))
+            else:
+                out.append(Placement(name, bucket, "torch:F.linear",
+                                     f"{mod.fmt} weights: cuBLAS (no catalog entry for unquantized linears)"))
+    return out
+
+
+def explain(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Placement]:
+    out = []
+    for b in buckets:
+        out += module_placements(model, b) + attention_placements(model, kv, table_width, b)
+    return out
+
+
+def uncertified_attention(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Placement]:
+    """The attention placements of a decode step that would not run a certified cell (empty = all certified)."""
+    return [p for b in buckets for p in attention_placements(model, kv, table_width, b) if p.entry is None]
