@@ -74,6 +74,8 @@ class LLMEngine:
                                         max_tokens=config.max_num_batched_tokens)
         self.target_attention = False   # attention through the paged-cache kernels (enable_target)
         self.graphs = None               # m3serve.runtime.decode_graphs.DecodeGraphs (enable_target)
+        self.overlap = True              # with graphs: launch step n+1 before reading step n's tokens
+        self._inflight = None            # (launched graph step, its requests) not yet read back
         self._ids = itertools.count()
         self.requests: dict[int, Request] = {}
         self.eos = set(cfg.eos_token_ids)
@@ -228,7 +230,7 @@ class LLMEngine:
             self.penalties.release(m)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
@@ -241,11 +243,22 @@ class LLMEngine:
         else:
             chunks = self.scheduler.schedule()
         if not chunks:
-            return self._unschedulable()
+            return self._resolve_inflight() + self._unschedulable()
+        graph_step = self.graphs is not None and all(c.num_tokens == 1 and c.reaches_end for c in chunks) \
+            and self.graphs.bucket_for(len(chunks)) is not None
+        if graph_step and self.overlap and all(self._overlappable(c.request) for c in chunks):
+            return self._launch_overlapped([c.request for c in chunks])
+        done = []
+        if self._inflight is not None:
+            # This step needs every token id on the host: read the step in flight first. A request it finished
+            # (EOS, max_tokens) drops out of this step; its pages were freed in stream order, after its last write.
+            done = self._resolve_inflight()
+            chunks = [c for c in chunks if not c.request.is_finished]
+            if not chunks:
+                return done
         sampled = [c for c in chunks if c.reaches_end]
         reqs = [c.request for c in sampled]
-        if self.graphs is not None and len(sampled) == len(chunks) and all(c.num_tokens == 1 for c in chunks) \
-                and self.graphs.bucket_for(len(chunks)) is not None:
+        if graph_step:
             tokens, lp = self._graph_decode(reqs)
         else:
             batch = self._build_batch(chunks)
@@ -261,7 +274,52 @@ class LLMEngine:
         for c in chunks:
             c.request.num_computed += c.num_tokens
         if not sampled:
+            return done
+        self._accept(reqs, tokens, lp)
+        return done + reqs
+
+    # ------------------------------------------------------------------ the overlap loop
+    @staticmethod
+    def _overlappable(req: Request) -> bool:
+        """Its next token can stay on the device until the step after next: greedy argmax inside the graph, no
+        logprobs or logits processing that need the host between steps."""
+        return req.params.greedy and req.params.logprobs is None and not req.logits_processing
+
+    def _launch_overlapped(self, reqs: list[Request]) -> list[Request]:
+        """Step n+1 is queued before step n's tokens are read: a request whose last token is still pending takes
+        it from the device (-1 in the staged ids). Then step n is read back and accepted, while the GPU runs n+1.
+        Returns the requests of step n that got their token (as a synchronous step would have)."""
+        last = [-1 if r.pending else (r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1])
+                for r in reqs]
+        launched = self.graphs.run([r.request_id for r in reqs], last, [r.num_computed for r in reqs])
+        for r in reqs:
+            r.num_computed += 1
+            r.pending += 1
+        prev, self._inflight = self._inflight, (launched, reqs)
+        return self._resolve(prev)
+
+    def _resolve_inflight(self) -> list[Request]:
+        prev, self._inflight = self._inflight, None
+        return self._resolve(prev)
+
+    def _resolve(self, inflight) -> list[Request]:
+        if inflight is None:
             return []
+        launched, reqs = inflight
+        tokens = self.graphs.fetch_tokens(launched)
+        live, toks = [], []
+        for r, t in zip(reqs, tokens):
+            r.pending -= 1
+            if r.is_finished:          # stopped (or aborted) after this step was queued: its token is discarded
+                r.pending = 0
+                continue
+            live.append(r)
+            toks.append(t)
+        self._accept(live, toks, None)
+        return live
+
+    def _accept(self, reqs: list[Request], tokens: list[int], lp) -> None:
+        """Append each request's new token (and logprobs), check its stop conditions, cache its full pages."""
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_token_ids.append(tok)
             if req.params.logprobs is not None:
@@ -269,9 +327,8 @@ class LLMEngine:
                 top[tok] = lp[0][i]
                 req.output_logprobs.append(top)
             self._check_stop(req, tok)
-            if not req.is_finished:
+            if not req.is_finished and req.allocated:   # (a request preempted while its step was in flight is not)
                 self.blocks.commit_full_pages(req.request_id, req.all_token_ids[:req.num_computed])
-        return reqs
 
     def _forward_sample(self, batch: ForwardBatch, reqs: list[Request],
                         prompt_plan: prompt_logprobs.PromptLogprobPlan | None = None) -> tuple[list[int], tuple | None]:

@@ -42,6 +42,9 @@ class Request:
     prompt_logprobs_left: int = 0        # entries of prompt_logprobs still to compute
     stop_scan_chars: int | None = None   # output text characters already searched for stop strings
     logits_processing: bool = field(init=False, default=False)   # penalties / bias / min_tokens (cached)
+    # Tokens sampled by graph steps still in flight (the overlap loop): their ids are on the device only.
+    # They count for scheduling (num_tokens) but are not in output_token_ids yet.
+    pending: int = 0
 
     def __post_init__(self) -> None:
         self.logits_processing = self.params.needs_logits_processing
@@ -52,6 +55,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the sequence as the scheduler sees it: prompt + generated, including pending ones."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """prompt + generated tokens whose ids the host has."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

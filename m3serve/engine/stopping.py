@@ -28,7 +28,7 @@ def stop_hit(req: Request, tok: int, eos_ids, tokenizer, max_model_len: int) -> 
             return "stop", hit
     if p.max_tokens is not None and n_out >= p.max_tokens:
         return "length", None
-    if req.num_tokens >= max_model_len:
+    if req.num_known_tokens >= max_model_len:
         return "length", None
     return None
 

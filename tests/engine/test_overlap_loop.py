@@ -1,0 +1,152 @@
+"""The overlap loop's bookkeeping on CPU: a stand-in for the CUDA-graph runner that keeps each row's last token
+"on the device" (the runner's contract: a staged id of -1 means "the token this request sampled in the previous
+graph step") and computes the step with the stock model. The engine launches step n+1 before reading step n, so
+tokens arrive one step late; every output must equal the synchronous engine's, through EOS, max_tokens,
+preemption, aborts and new arrivals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from m3serve.engine.engine import EngineConfig, LLMEngine
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.model.loader import load_model
+from m3serve.model.m3 import ForwardBatch, SeqSpan
+
+
+@dataclass
+class _Launched:
+    tokens: list[int]
+    n: int
+
+
+class FakeGraphs:
+    """DecodeGraphs' interface (bucket_for / run / fetch_tokens / logits) over the stock model, eager, on CPU."""
+
+    def __init__(self, engine: LLMEngine, buckets=(1, 2, 4, 8)):
+        self.engine, self.buckets = engine, buckets
+        self.device_tokens: dict[int, int] = {}     # request id -> token sampled in the last graph step
+        self.runs = 0
+        self.pending_reads = 0                       # launched steps whose tokens were not fetched yet
+
+    def bucket_for(self, n):
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, seq_ids, token_ids, positions):
+        eng = self.engine
+        ids = [t if t >= 0 else self.device_tokens[s] for s, t in zip(seq_ids, token_ids)]
+        pos = np.asarray(positions, dtype=np.int64)
+        slot_table, _, slot_mapping = eng.tables.prepare(seq_ids, np.arange(len(seq_ids)), pos)
+        page = eng.kv.page_size
+        spans = [SeqSpan(i, 1, int(p) + 1, slot_table[i, :-(-(int(p) + 1) // page)].long())
+                 for i, p in enumerate(positions)]
+        batch = ForwardBatch(torch.tensor(ids), torch.from_numpy(pos), spans, slot_mapping=slot_mapping, kv=eng.kv)
+        with torch.inference_mode():
+            tokens = eng.model(batch).argmax(-1).tolist()
+        for s, t in zip(seq_ids, tokens):
+            self.device_tokens[s] = t
+        self.runs += 1
+        self.pending_reads += 1
+        return _Launched(tokens, len(seq_ids))
+
+    def fetch_tokens(self, launched):
+        self.pending_reads -= 1
+        return launched.tokens[:launched.n]
+
+    def logits(self, launched):
+        raise AssertionError("greedy steps never read logits")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, seed=5)
+
+
+def _engine(model, graphs: bool, **kw):
+    cfg = dict(kv_cache_bytes=1 << 20, max_num_seqs=8, max_num_batched_tokens=64)
+    cfg.update(kw)
+    eng = LLMEngine(model, EngineConfig(**cfg))
+    if graphs:
+        eng.graphs = FakeGraphs(eng)
+    return eng
+
+
+def _drive(eng, prompts, params, abort_at=None, late=None):
+    """Run to completion; returns {index: (tokens, finish_reason)}. abort_at: (step, index) aborts one request;
+    late: (step, prompt, params) adds one request mid-run."""
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    step = 0
+    while eng.has_work():
+        if abort_at and step == abort_at[0]:
+            eng.abort(reqs[abort_at[1]].request_id)
+        if late and step == late[0]:
+            reqs.append(eng.add_request(late[1], late[2]))
+        eng.step()
+        step += 1
+        assert step < 2000
+    return {i: (list(r.output_token_ids), r.finish_reason) for i, r in enumerate(reqs)}
+
+
+def _assert_no_leak(eng):
+    """Every page is obtainable again (free or an unreferenced prefix-cache page) and no sequence is live."""
+    assert eng.blocks.live_seq_ids() == []
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots
+
+
+def _prompts(rng, n, lo=3, hi=40, vocab=200):
+    return [[int(t) for t in rng.integers(1, vocab, int(rng.integers(lo, hi)))] for _ in range(n)]
+
+
+def test_overlapped_equals_synchronous(model):
+    rng = np.random.default_rng(0)
+    prompts = _prompts(rng, 5)
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True) for m in (1, 7, 12, 3, 20)]
+    ref = _drive(_engine(model, False), prompts, params)
+    eng = _engine(model, True)
+    got = _drive(eng, prompts, params)
+    assert got == ref
+    assert eng.graphs.runs > 10 and eng.graphs.pending_reads == 0 and eng._inflight is None
+    assert all(r.pending == 0 for r in eng.requests.values())
+    _assert_no_leak(eng)
+
+
+def test_overlap_with_eos_stop_ids_abort_and_a_late_arrival(model):
+    rng = np.random.default_rng(1)
+    prompts = _prompts(rng, 4)
+    sync = _drive(_engine(model, False), prompts, [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 4)
+    # a stop id that request 1 really produces mid-stream, so it finishes while its next step is in flight
+    stop_tok = sync[1][0][9]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok])] * 4
+    late = (6, _prompts(rng, 1)[0], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    ref = _drive(_engine(model, False), prompts, params, abort_at=(5, 2), late=late)
+    eng = _engine(model, True)
+    got = _drive(eng, prompts, params, abort_at=(5, 2), late=late)
+    assert got[1][1] == "stop" and got[1][0][-1] == stop_tok
+    for i in (0, 1, 3, 4):
+        assert got[i] == ref[i], i
+    assert got[2][1] == "abort"
+    # the aborted request's tokens may include the one step in flight when it was aborted
+    assert got[2][0][:len(ref[2][0])] == ref[2][0] or ref[2][0][:len(got[2][0])] == got[2][0]
+    _assert_no_leak(eng)
+
+
+def test_overlap_under_page_pressure_preempts_and_recovers(model):
+    """A cache of few pages forces preemption while steps are in flight; outputs still match."""
+    rng = np.random.default_rng(2)
+    prompts = _prompts(rng, 6, lo=20, hi=60)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 6
+    small = dict(kv_cache_bytes=None)
+    ref_eng = _engine(model, False, **small)
+    pages = ref_eng.kv.num_slots
+    budget = dict(kv_cache_bytes=int(ref_eng.kv.data.numel() * 14 / pages))   # ~14 pages
+    ref_eng = _engine(model, False, **budget)
+    ref = _drive(ref_eng, prompts, params)
+    eng = _engine(model, True, **budget)
+    got = _drive(eng, prompts, params)
+    assert got == ref
+    assert eng.scheduler.num_preemptions > 0, "the test needs preemption to happen"
+    _assert_no_leak(eng)
