@@ -15,6 +15,7 @@ import json
 import torch
 import triton
 
+from m3serve.benchmeta import run_metadata
 from m3serve.kernels import kv_write as kw
 from m3serve.kernels import msa_index as mi
 
@@ -118,7 +119,7 @@ def main() -> None:
     res["kv_write"] = kw_out
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({**run_metadata(), **res}, f, indent=1)
 
 
 if __name__ == "__main__":

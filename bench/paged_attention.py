@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import FLUSH_BYTES, copy_bandwidth, graphed, time_call  # noqa: E402
+from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.kernels import _paged_attn_call as call  # noqa: E402
 from m3serve.kernels._paged_attn_case import CaseShape, build_case  # noqa: E402
 from m3serve.kernels.paged_attention import FMT_CODES, paged_attention  # noqa: E402
@@ -98,7 +99,7 @@ def main() -> int:
             del pc, case, g
             torch.cuda.empty_cache()
     if a.out:
-        Path(a.out).write_text(json.dumps(dict(copy_bw=copy_bw, results=results), indent=1))
+        Path(a.out).write_text(json.dumps(dict(**run_metadata(), copy_bw=copy_bw, results=results), indent=1))
     return 0
 
 

@@ -26,14 +26,10 @@ class TPDriverEngine(LLMEngine):
         super().__init__(model, config, tokenizer)
 
     def _forward_sample(self, batch, reqs):
-        ctx = self.ctx
-        ctx.check()
         mode, k = protocol.choose_mode([r.params.greedy for r in reqs], [r.params.logprobs for r in reqs])
         header, payload = protocol.pack_step(batch, mode, k, self._step_no)
-        ctx.in_step = True
-        try:
-            dist.broadcast(header, 0, group=ctx.control)
-            dist.broadcast(payload, 0, group=ctx.control)
+
+        def run():
             res = protocol.run_step(self.model, batch, mode, k)
             if mode == protocol.NONE:
                 tokens, lp = [], None
@@ -45,21 +41,36 @@ class TPDriverEngine(LLMEngine):
                 tokens, lp = res.tokens.tolist(), res.logprobs
             if lp is not None:
                 lp = tuple(x.tolist() for x in lp)
-            if ctx.failure is not None:       # an aborted NCCL step returns garbage instead of raising
-                raise WorkerDiedError(ctx.failure)
-        except BaseException as e:        # incl. KeyboardInterrupt: a half-run step leaves the group unusable
-            # The followers are now out of step with us (or gone): take the whole group down.
-            # gloo / NCCL report a dead peer as RuntimeError a moment before its process is reaped
-            dead = ctx.failed_rank(wait_s=5.0 if isinstance(e, RuntimeError) else 0.0)
-            ctx.fail(dead or f"tensor-parallel step {self._step_no} failed on rank 0: {type(e).__name__}: {e}")
-            ctx.in_step = False
-            ctx.shutdown(graceful=False)
-            if dead:
-                raise WorkerDiedError(dead) from e
-            raise
+            return tokens, lp
+
+        return broadcast_and_run(self, header, payload, run)
+
+
+def broadcast_and_run(engine, header, payload, run):
+    """Rank 0: broadcast one step (header, payload) to the followers, then run it here (`run()`, whose
+    collectives the followers match) and return its result. engine: a driver engine (`ctx`, `_step_no`).
+    Any failure takes the whole group down: the followers are out of step with us (or gone)."""
+    ctx = engine.ctx
+    ctx.check()
+    ctx.in_step = True
+    try:
+        dist.broadcast(header, 0, group=ctx.control)
+        dist.broadcast(payload, 0, group=ctx.control)
+        out = run()
+        if ctx.failure is not None:       # an aborted NCCL step returns garbage instead of raising
+            raise WorkerDiedError(ctx.failure)
+    except BaseException as e:        # incl. KeyboardInterrupt: a half-run step leaves the group unusable
+        # gloo / NCCL report a dead peer as RuntimeError a moment before its process is reaped
+        dead = ctx.failed_rank(wait_s=5.0 if isinstance(e, RuntimeError) else 0.0)
+        ctx.fail(dead or f"tensor-parallel step {engine._step_no} failed on rank 0: {type(e).__name__}: {e}")
         ctx.in_step = False
-        self._step_no += 1
-        return tokens, lp
+        ctx.shutdown(graceful=False)
+        if dead:
+            raise WorkerDiedError(dead) from e
+        raise
+    ctx.in_step = False
+    engine._step_no += 1
+    return out
 
 
 def start_tp(spec: TPLaunchSpec, engine_kwargs: dict, tokenizer) -> tuple[TPContext, object, TPDriverEngine]:
@@ -79,14 +90,24 @@ def start_tp(spec: TPLaunchSpec, engine_kwargs: dict, tokenizer) -> tuple[TPCont
         model = load_model(spec.model, device=ctx.device, dtype=spec.torch_dtype, tp=ctx.tp,
                            random_weights=spec.random_weights, quantization=spec.quantization, seed=spec.seed,
                            keep_quantized=spec.keep_quantized)
-        kv_spec = rank_kv_spec(model, spec.kv_cache_dtype, spec.index_k_dtype)
+        drafter = None
+        if spec.speculative_config is not None:        # replicated drafter: the followers build the same one
+            from m3serve.engine.speculative import SpecConfig, build_drafter
+            drafter = build_drafter(SpecConfig.from_dict(spec.speculative_config), model)
+        kv_spec = rank_kv_spec(model, spec.kv_cache_dtype, spec.index_k_dtype,
+                               None if drafter is None else drafter.cfg.num_key_value_heads)
         own = local_kv_slots(kv_spec, ctx.device, spec.kv_cache_bytes, spec.gpu_memory_utilization)
         others = ctx.wait_followers("slots", spec.load_timeout_s)
         slots = min([own] + [int(v) for v in others.values()])
         ctx.store.set("go", str(slots))
         config = EngineConfig(seed=spec.seed, kv_cache_dtype=spec.kv_cache_dtype, index_k_dtype=spec.index_k_dtype,
                               kv_cache_bytes=slots * slot_bytes(kv_spec), **engine_kwargs)
-        engine = TPDriverEngine(model, config, tokenizer, ctx)
+        if drafter is None:
+            engine = TPDriverEngine(model, config, tokenizer, ctx)
+        else:
+            from m3serve.distributed.spec_driver import TPSpecDriverEngine
+            engine = TPSpecDriverEngine(model, config, tokenizer, ctx, speculative_config=spec.speculative_config,
+                                        drafter=drafter)
         if engine.kv.num_slots != slots:
             raise RuntimeError(f"rank 0 built {engine.kv.num_slots} KV slots, the group agreed on {slots}")
         return ctx, model, engine

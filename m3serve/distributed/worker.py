@@ -39,8 +39,12 @@ def _fault(rank: int, where: str) -> None:
         raise RuntimeError(f"injected fault ({FAULT_ENV}={rank}:{where})")
 
 
-def follow(ctx: TPContext, model, kv: PagedKVCache) -> int:
-    """Run broadcast steps until rank 0 sends STOP; returns the number of steps run."""
+def follow(ctx: TPContext, model, kv: PagedKVCache, runner=None) -> int:
+    """Run broadcast steps until rank 0 sends STOP; returns the number of steps run. runner: the
+    speculative passes' SpecRunner (m3serve.engine.spec_runner) when rank 0 speculates."""
+    from m3serve.distributed.spec_protocol import SPEC_OPS, run_spec_op
+    from m3serve.engine.spec_runner import DraftLayerIO
+    draft_io = DraftLayerIO(kv) if runner is not None else None
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     step = 0
     while True:
@@ -48,14 +52,17 @@ def follow(ctx: TPContext, model, kv: PagedKVCache) -> int:
         op = int(header[0])
         if op == OP_STOP:
             return step
-        if op != OP_STEP or int(header[7]) != step:
+        spec_op = op in SPEC_OPS and runner is not None
+        if (op != OP_STEP and not spec_op) or int(header[7]) != step:
             raise RuntimeError(f"rank {ctx.rank}: step protocol out of sync: expected step {step}, received "
                                f"op {op} step {int(header[7])}")
         payload = torch.empty(payload_len(header), dtype=torch.int64)
         dist.broadcast(payload, 0, group=ctx.control)
-        batch = unpack_step(header, payload, ctx.device, kv)
         _fault(ctx.rank, f"step{step}")
-        run_step(model, batch, int(header[5]), int(header[6]))
+        if spec_op:
+            run_spec_op(runner, header, payload, ctx.device, kv, draft_io)
+        else:
+            run_step(model, unpack_step(header, payload, ctx.device, kv), int(header[5]), int(header[6]))
         step += 1
 
 
@@ -68,11 +75,18 @@ def serve_follower(ctx: TPContext, spec: TPLaunchSpec) -> int:
         model = load_model(spec.model, device=ctx.device, dtype=spec.torch_dtype, tp=ctx.tp,
                            random_weights=spec.random_weights, quantization=spec.quantization, seed=spec.seed,
                            keep_quantized=spec.keep_quantized)
-        kv_spec = rank_kv_spec(model, spec.kv_cache_dtype, spec.index_k_dtype)
+        runner = None
+        if spec.speculative_config is not None:        # the drafter is replicated: the same one as rank 0's
+            from m3serve.engine.spec_runner import SpecRunner
+            from m3serve.engine.speculative import SpecConfig, build_drafter
+            drafter = build_drafter(SpecConfig.from_dict(spec.speculative_config), model).attach_target(model).eval()
+            runner = SpecRunner(model, drafter)
+        kv_spec = rank_kv_spec(model, spec.kv_cache_dtype, spec.index_k_dtype,
+                               None if runner is None else runner.drafter.cfg.num_key_value_heads)
         ctx.store.set(f"slots/{ctx.rank}",
                       str(local_kv_slots(kv_spec, ctx.device, spec.kv_cache_bytes, spec.gpu_memory_utilization)))
         kv = PagedKVCache(kv_spec, int(ctx.wait_driver("go")), ctx.device)
-        return follow(ctx, model, kv)
+        return follow(ctx, model, kv, runner)
     except BaseException:
         try:
             ctx.store.set(f"error/{ctx.rank}", f"rank {ctx.rank} on {ctx.device}:\n{traceback.format_exc()}")

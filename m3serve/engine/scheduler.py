@@ -32,6 +32,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Admissions' prompt(+output) tokens looked up in the prefix cache, and those found (vLLM's
+        # prefix_cache_queries / prefix_cache_hits, in tokens).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, req: Request) -> None:
         if self.max_queue is not None and len(self.waiting) >= self.max_queue:
@@ -76,6 +80,8 @@ class Scheduler:
             except OutOfPagesError:
                 break
             req.allocated = True
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += req.num_computed
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)

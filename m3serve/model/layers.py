@@ -22,17 +22,29 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim, device=device))
+        # Set per model by m3serve.targets.routing.install: (norm, x) -> y, or None for the stock path.
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dispatch is not None:
+            y = self.dispatch(self, x)
+            if y is not None:
+                return y
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
+def rope_inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
+    """fp32 [rotary_dim / 2]: 1 / theta^(2i / rotary_dim) (rope_cos_sin's frequencies; the decode target's
+    attn.qk_prep takes them as computed here, since one fp32 ulp of a frequency moves the angle at position
+    2**20 by up to 2**-4 rad)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin [*, rotary_dim] for NeoX (rotate-half) RoPE over the first rotary_dim channels."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32)
-                                / rotary_dim))
+    inv_freq = rope_inv_freq(rotary_dim, theta, positions.device)
     freqs = positions.float().unsqueeze(-1) * inv_freq                               # [*, rd/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()

@@ -9,6 +9,10 @@ tokenizing, JSON, socket writes) runs on this thread, so it never delays a decod
 
 Shutdown: drain() makes the loop refuse new jobs (ShuttingDown) and, between two steps, end every job in flight
 with a 503 Delta and free its pages; stop() then ends the thread.
+
+n / best_of: each prompt of a job is ONE engine request; the engine runs its candidates as a RequestGroup sharing
+the prompt's KV pages (m3serve.engine.groups). With best_of == n candidate i is choice prompt * n + i and streams
+as it goes; with best_of > n the n best (cumulative logprob) are delivered once every candidate finished.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from m3serve.engine.engine import LLMEngine
+from m3serve.engine.groups import returned_members
 from m3serve.engine.request import Request
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.server.metrics import ServerMetrics
 
 log = logging.getLogger("m3serve.server")
 
-Choice = tuple[list[int], "str | None", SamplingParams]
+Submission = tuple[list[int], "str | None", SamplingParams]     # one prompt: ids, text, params (with n / best_of)
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Delta:
     finish_reason: str | None = None           # stop | length | abort; None while running
     stop_reason: str | int | None = None
     final_text: str | None = None              # the engine's text when a stop string cut it
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # on the prompt's rank-0 finishing Delta
     error: str | None = None                   # the server failed this request (a 5xx, not a client mistake)
     error_status: int = 500                    # 500: the engine failed; 503: the server is shutting down
     error_code: str = "engine_error"
@@ -58,19 +64,17 @@ class ShuttingDown(EngineDead):
 
 
 class Job:
-    """One HTTP request: its choices (each one engine request) and the queue its Deltas arrive in."""
+    """One HTTP request: one engine request (group) per prompt, and the queue its Deltas arrive in."""
 
-    def __init__(self, choices: list[Choice], arrival: float, loop: asyncio.AbstractEventLoop):
-        self.choices = choices
+    def __init__(self, prompts: list[Submission], arrival: float, loop: asyncio.AbstractEventLoop):
+        self.prompts = prompts
         self.arrival = arrival
         self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.submitted: concurrent.futures.Future = concurrent.futures.Future()
-        self.remaining = len(choices)          # event-loop side: choices not yet seen finished
-        # engine-thread side
-        self.reqs: list[Request] = []
-        self.sent: list[int] = []
-        self.last_time: list[float | None] = []
+        self.num_choices = sum(p.n for _, _, p in prompts)
+        self.remaining = self.num_choices      # event-loop side: choices not yet seen finished
+        self.tracks: list[_Track] = []         # engine-thread side, one per prompt
 
     async def next(self) -> list[Delta]:
         """Wait for at least one Delta, then take every Delta already queued (batches a slow reader's backlog)."""
@@ -81,17 +85,42 @@ class Job:
         return out
 
 
+@dataclass(eq=False)
+class _Track:
+    """Engine-thread view of one prompt of a job: its engine request group and what was sent of each member."""
+    job: Job
+    base: int                       # choice index of the prompt's first returned output
+    params: SamplingParams          # the user's (n, best_of, logprobs visibility)
+    members: list[Request]          # member 0 leads; a single request when n = best_of = 1
+    sent: list[int]                 # tokens delivered (or, ranked, observed) per member
+    last_time: list[float | None]
+    finished: int = 0
+
+    @property
+    def leader(self) -> Request:
+        return self.members[0]
+
+    @property
+    def ranked(self) -> bool:
+        """best_of > n: which members become choices is known only when all of them finished."""
+        return self.params.best_of is not None and self.params.best_of > self.params.n
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.members)
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.25):
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         self.idle_poll_s = idle_poll_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._by_req: dict[int, tuple[Job, int]] = {}
+        self._by_req: dict[int, tuple[_Track, int]] = {}     # live member request id -> (its track, member index)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
-        # A job with more choices than the waiting queue holds can never be admitted (a 400, not a 429).
+        # A job with more candidates than the waiting queue holds can never be admitted (a 400, not a 429).
         self.max_queue: int | None = getattr(getattr(engine, "config", None), "max_queue", None)
         self.steps = 0
         self.snapshot: dict[str, Any] = {"alive": 0}
@@ -144,14 +173,14 @@ class EngineLoop:
         return fut
 
     # ------------------------------------------------------------------ event-loop side
-    async def submit(self, choices: list[Choice], arrival: float) -> Job:
-        """Queue all choices at once (all or none). Raises what engine.add_request raised: ValueError (bad
-        request), OverflowError (queue full); EngineDead when the loop is not running."""
+    async def submit(self, prompts: list[Submission], arrival: float) -> Job:
+        """Queue every prompt's request group at once (all or none). Raises what engine.add_request raised:
+        ValueError (bad request), OverflowError (queue full); EngineDead when the loop is not running."""
         if self._draining:
             raise ShuttingDown(SHUTTING_DOWN)
         if not self.alive:
             raise EngineDead("the engine loop is not running")
-        job = Job(choices, arrival, asyncio.get_running_loop())
+        job = Job(prompts, arrival, asyncio.get_running_loop())
         self._cmds.put(("submit", job))
         try:
             await asyncio.wrap_future(job.submitted)
@@ -218,27 +247,34 @@ class EngineLoop:
         if self._draining:
             job.submitted.set_exception(ShuttingDown(SHUTTING_DOWN))
             return
-        reqs: list[Request] = []
+        leaders: list[Request] = []
         try:
-            for ids, text, params in job.choices:
-                reqs.append(self.engine.add_request(ids, params, text))
+            for ids, text, params in job.prompts:
+                leaders.append(self.engine.add_request(ids, params, text))
         except BaseException as e:
-            for r in reqs:
-                self.engine.abort(r.request_id)
+            for r in leaders:
+                self.engine.abort(r.request_id)             # a leader's id aborts its whole group
             job.submitted.set_exception(e)
             return
-        n = len(reqs)
-        job.reqs, job.sent, job.last_time = reqs, [0] * n, [None] * n
-        for i, r in enumerate(reqs):
-            self._by_req[r.request_id] = (job, i)
-        self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
+        base = 0
+        for (_, _, params), leader in zip(job.prompts, leaders):
+            members = list(leader.group.members) if leader.group is not None else [leader]
+            track = _Track(job, base, params, members, [0] * len(members), [None] * len(members))
+            job.tracks.append(track)
+            for m, r in enumerate(members):
+                self._by_req[r.request_id] = (track, m)
+            base += params.n
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in leaders))
         job.submitted.set_result(None)
 
     def _abort(self, job: Job) -> None:
-        for r in job.reqs:
-            if self._by_req.pop(r.request_id, None) is not None:
-                self.engine.abort(r.request_id)             # frees its pages now
-                self.metrics.finished.inc(1, "abort")
+        for track in job.tracks:
+            live = [r for r in track.members if self._by_req.pop(r.request_id, None) is not None]
+            if live:
+                # The leader stays registered in the engine until its whole group is done, so its id reaches
+                # every unfinished candidate (and frees their pages now).
+                self.engine.abort(track.leader.request_id)
+                self.metrics.finished.inc(len(live), "abort")
 
     def _step(self) -> None:
         try:
@@ -254,34 +290,42 @@ class EngineLoop:
             entry = self._by_req.get(r.request_id)
             if entry is None:
                 continue
-            job, i = entry
-            new = r.output_token_ids[job.sent[i]:]
-            lps = r.output_logprobs[job.sent[i]:] if r.params.logprobs is not None else None
-            job.sent[i] += len(new)
+            track, m = entry
+            start = track.sent[m]
+            new = r.output_token_ids[start:]
+            track.sent[m] += len(new)
             if new:
-                self._observe(job, i, len(new), now)
-            d = Delta(i, new, lps)
+                self._observe(track, m, len(new), now)
+            delta = None
+            if not track.ranked:
+                delta = Delta(track.base + m, new,
+                              r.output_logprobs[start:] if track.params.logprobs is not None else None)
             if r.is_finished:
-                d.finish_reason, d.stop_reason = r.finish_reason, r.stop_reason
-                if r.finish_reason == "stop" and isinstance(r.stop_reason, str):
-                    d.final_text = r.text
                 del self._by_req[r.request_id]
-                self.engine.release(r)
+                track.finished += 1
                 self.metrics.finished.inc(1, r.finish_reason)
-                self.metrics.e2e.observe(now - job.arrival)
-            out.append((job, d))
+                self.metrics.e2e.observe(now - track.job.arrival)
+                if delta is not None:
+                    _finish(delta, r, track.leader if m == 0 else None)
+                elif track.done:
+                    out += [(track.job, ranked) for ranked in _ranked_deltas(track)]
+                if track.done:
+                    for member in track.members:
+                        self.engine.release(member)
+            if delta is not None:
+                out.append((track.job, delta))
         self._deliver(out)
 
-    def _observe(self, job: Job, i: int, n: int, now: float) -> None:
-        m = self.metrics
-        m.generation_tokens.inc(n)
-        last = job.last_time[i]
+    def _observe(self, track: _Track, m: int, n: int, now: float) -> None:
+        met = self.metrics
+        met.generation_tokens.inc(n)
+        last = track.last_time[m]
         if last is None:
-            m.ttft.observe(now - job.arrival)
+            met.ttft.observe(now - track.job.arrival)
             n -= 1                   # tokens that came with the first one have no gap of their own
         elif n:
-            m.itl.observe((now - last) / n, n)    # k tokens in one step (speculation): k gaps of dt/k
-        job.last_time[i] = now
+            met.itl.observe((now - last) / n, n)    # k tokens in one step (speculation): k gaps of dt/k
+        track.last_time[m] = now
 
     def _deliver(self, items: list[tuple[Job, Delta]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Delta]]] = {}
@@ -297,14 +341,18 @@ class EngineLoop:
     def _fail_all(self, message: str, finish_reason: str = "abort", status: int = 500,
                   code: str = "engine_error") -> None:
         items = []
-        for rid, (job, i) in list(self._by_req.items()):
+        tracks = list({id(t): t for t, _ in self._by_req.values()}.values())
+        for track in tracks:
             try:
-                self.engine.abort(rid)
+                self.engine.abort(track.leader.request_id)
             except Exception:
-                log.exception("abort of request %d failed", rid)
-            items.append((job, Delta(i, [], None, finish_reason=finish_reason, error=message, error_status=status,
-                                     error_code=code)))
-            self.metrics.finished.inc(1, "abort")
+                log.exception("abort of request %d failed", track.leader.request_id)
+            live = sum(self._by_req.pop(r.request_id, None) is not None for r in track.members)
+            # Every choice of the prompt still open gets the error (the handler answers at the first one).
+            items += [(track.job, Delta(track.base + i, [], None, finish_reason=finish_reason, error=message,
+                                        error_status=status, error_code=code))
+                      for i in range(min(live, track.params.n))]
+            self.metrics.finished.inc(live, "abort")
         self._by_req.clear()
         self._deliver(items)
 
@@ -326,9 +374,32 @@ class EngineLoop:
             s.update({f"spec_{k}": v for k, v in spec.items()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)})
             s["acceptance_length"] = spec.get("acceptance_length", 0.0)
+        sched = self.engine.scheduler
         s.update(alive=alive, steps=self.steps, active_requests=len(self._by_req),
-                 kv_pages_cached=self.engine.blocks.num_cached_pages())
+                 kv_pages_cached=self.engine.blocks.num_cached_pages(),
+                 prefix_cache_queries=getattr(sched, "prefix_cache_queries", 0),
+                 prefix_cache_hits=getattr(sched, "prefix_cache_hits", 0))
         self.snapshot = s
+
+
+def _finish(d: Delta, r: Request, leader: Request | None) -> None:
+    """Fill a finishing Delta from its finished request; `leader`: the prompt's leader when d is rank 0."""
+    d.finish_reason, d.stop_reason = r.finish_reason, r.stop_reason
+    if r.finish_reason == "stop" and isinstance(r.stop_reason, str):
+        d.final_text = r.text
+    if leader is not None and leader.prompt_logprobs is not None:
+        d.prompt_logprobs = list(leader.prompt_logprobs)
+
+
+def _ranked_deltas(track: _Track) -> list[Delta]:
+    """best_of > n, every candidate finished: the n best as whole Deltas, best first."""
+    out = []
+    for rank, r in enumerate(returned_members(track.leader.group)):
+        lps = list(r.output_logprobs) if track.params.logprobs is not None else None
+        d = Delta(track.base + rank, list(r.output_token_ids), lps)
+        _finish(d, r, track.leader if rank == 0 else None)
+        out.append(d)
+    return out
 
 
 def _put_all(batch: list[tuple[Job, Delta]]) -> None:

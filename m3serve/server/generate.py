@@ -1,4 +1,6 @@
-"""/v1/completions and /v1/chat/completions: submit the choices, then answer in one body or as SSE.
+"""/v1/completions and /v1/chat/completions: submit one engine request group per prompt, then answer in one body
+or as SSE. Choice i belongs to prompt i // n; its text follows the offline API's rules (detok.py), its
+prompt_logprobs are vLLM's (per completion choice, at the top of a chat completion; whole responses only).
 
 Any way the handler ends (finished, client gone, cancelled by aiohttp on disconnect, error) passes through
 `finally: abort(job)`, which cancels unfinished choices and frees their KV pages before the next engine step.
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from m3serve.server import responses as R
-from m3serve.server.detok import TextStream, full_text
+from m3serve.server.detok import TextStream, choice_text
 from m3serve.server.engine_loop import Delta, EngineDead, EngineLoop, Job, ShuttingDown
 from m3serve.server.errors import APIError
 from m3serve.server.protocol import GenRequest, ModelInfo
@@ -28,6 +30,7 @@ class _Choice:
     ids: list[int] = field(default_factory=list)
     lps: list[dict[int, float]] = field(default_factory=list)
     finish: str | None = None
+    stop_reason: str | int | None = None
     final_text: str | None = None
 
 
@@ -39,14 +42,15 @@ def _param_of(message: str) -> str | None:
 
 
 async def submit(loop: EngineLoop, req: GenRequest) -> Job:
-    choices = req.choices()
-    if loop.max_queue is not None and len(choices) > loop.max_queue:
-        param = "n" if req.n > 1 else "prompt"
-        raise APIError(400, f"'{param}': this request has {len(choices)} choices ({len(req.prompts)} prompts x n = "
-                            f"{req.n}), more than the waiting queue holds (--max-queue {loop.max_queue}), so it could "
-                            "never be admitted", param=param, code="too_many_choices")
+    count = req.num_candidates
+    if loop.max_queue is not None and count > loop.max_queue:
+        best_of = req.params[0].best_of
+        param = "best_of" if best_of is not None and best_of > req.n else "n" if req.n > 1 else "prompt"
+        raise APIError(400, f"'{param}': this request has {count} sequences ({len(req.prompts)} prompts x "
+                            f"{best_of or req.n} candidates), more than the waiting queue holds (--max-queue "
+                            f"{loop.max_queue}), so it could never be admitted", param=param, code="too_many_choices")
     try:
-        return await loop.submit(choices, time.monotonic())
+        return await loop.submit(req.submissions(), time.monotonic())
     except OverflowError as e:
         raise APIError(429, f"The server is overloaded: {e}. Retry later.", code="queue_full",
                        headers={"Retry-After": "1"}) from None
@@ -80,7 +84,8 @@ async def respond(request: web.Request, loop: EngineLoop, info: ModelInfo, req: 
 
 # ---------------------------------------------------------------------------------------- one body
 async def _whole(info: ModelInfo, req: GenRequest, job: Job) -> web.Response:
-    choices = [_Choice() for _ in job.choices]
+    choices = [_Choice() for _ in range(job.num_choices)]
+    prompt_lps: list[list | None] = [None] * len(req.prompts)
     while job.remaining > 0:
         for d in await job.next():
             if d.error:
@@ -90,27 +95,36 @@ async def _whole(info: ModelInfo, req: GenRequest, job: Job) -> web.Response:
             if d.logprobs:
                 c.lps += d.logprobs
             if d.finish_reason is not None:
-                c.finish, c.final_text = d.finish_reason, d.final_text
+                c.finish, c.stop_reason, c.final_text = d.finish_reason, d.stop_reason, d.final_text
+            if d.prompt_logprobs is not None:
+                prompt_lps[d.index // req.n] = d.prompt_logprobs
     rid, created, tok = R.new_id("cmpl" if req.kind == "completion" else "chatcmpl"), R.now(), info.tokenizer
+    shown = [None if lps is None else R.prompt_logprobs(tok, lps, req.prompt_logprobs) for lps in prompt_lps]
     out = []
     for i, c in enumerate(choices):
-        text = c.final_text if c.final_text is not None else full_text(tok, c.ids)
-        prefix = _prompt_text(info, req, i // req.n) if req.echo else ""
+        p = i // req.n
+        text = choice_text(tok, c.ids, req.params[p], c.finish, c.stop_reason, c.final_text)
+        prefix = _prompt_text(info, req, p) if req.echo else ""
         if req.kind == "completion":
             lp = R.completion_logprobs(tok, c.ids, c.lps, req.logprobs, len(prefix)) \
                 if req.logprobs is not None else None
-            d = {"index": i, "text": prefix + text, "logprobs": lp, "finish_reason": R.finish_reason(c.finish)}
+            d = {"index": i, "text": prefix + text, "logprobs": lp, "finish_reason": R.finish_reason(c.finish),
+                 "stop_reason": c.stop_reason, "prompt_logprobs": shown[p]}
         else:
             lp = R.chat_logprobs(tok, c.ids, c.lps, req.logprobs) if req.logprobs is not None else None
             d = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                 "finish_reason": R.finish_reason(c.finish)}
+                 "finish_reason": R.finish_reason(c.finish), "stop_reason": c.stop_reason}
         if req.return_token_ids:
             d["token_ids"] = c.ids
-            d["prompt_token_ids"] = req.prompts[i // req.n]
+            d["prompt_token_ids"] = req.prompts[p]
         out.append(d)
     use = R.usage(_prompt_tokens(req), sum(len(c.ids) for c in choices))
-    make = R.completion_body if req.kind == "completion" else R.chat_body
-    return web.Response(text=dumps(make(rid, created, info.name, out, use)), content_type="application/json")
+    if req.kind == "completion":
+        body = R.completion_body(rid, created, info.name, out, use)
+    else:
+        body = R.chat_body(rid, created, info.name, out, use)
+        body["prompt_logprobs"] = shown[0]            # vLLM: one prompt, so at the top of a chat completion
+    return web.Response(text=dumps(body), content_type="application/json")
 
 
 # ---------------------------------------------------------------------------------------- SSE
@@ -120,7 +134,7 @@ class _ChunkWriter:
         self.rid = R.new_id("cmpl" if req.kind == "completion" else "chatcmpl")
         self.created = R.now()
         self.make = R.completion_chunk if req.kind == "completion" else R.chat_chunk
-        self.texts = [TextStream(info.tokenizer, req.stop) for _ in range(len(req.prompts) * req.n)]
+        self.texts = [TextStream(info.tokenizer, req.stop, req.params[i // req.n]) for i in range(req.num_choices)]
         self.offsets = [0] * len(self.texts)     # characters sent per choice (text_offset of logprobs)
         self.completion_tokens = 0
 
@@ -133,16 +147,18 @@ class _ChunkWriter:
         for i in range(len(self.texts)):
             if self.req.kind == "chat":
                 out += self.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None})
+                                   "finish_reason": None, "stop_reason": None})
             elif self.req.echo:
                 text = _prompt_text(self.info, self.req, i // self.req.n)
                 self.offsets[i] = len(text)
-                out += self.chunk({"index": i, "text": text, "logprobs": None, "finish_reason": None})
+                out += self.chunk({"index": i, "text": text, "logprobs": None, "finish_reason": None,
+                                   "stop_reason": None})
         return out
 
     def delta(self, d: Delta) -> bytes:
         ts = self.texts[d.index]
-        text = ts.push(d.token_ids) if d.finish_reason is None else ts.finish(d.final_text, d.token_ids)
+        text = ts.push(d.token_ids) if d.finish_reason is None else \
+            ts.finish(d.final_text, d.token_ids, d.finish_reason, d.stop_reason)
         if not text and not d.token_ids and d.finish_reason is None:
             return b""
         self.completion_tokens += len(d.token_ids)
@@ -151,12 +167,12 @@ class _ChunkWriter:
         if req.kind == "completion":
             lp = R.completion_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs, self.offsets[d.index]) \
                 if req.logprobs is not None else None
-            c = {"index": d.index, "text": text, "logprobs": lp, "finish_reason": fin}
+            c = {"index": d.index, "text": text, "logprobs": lp, "finish_reason": fin, "stop_reason": d.stop_reason}
         else:
             lp = R.chat_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs) \
                 if req.logprobs is not None else None
             c = {"index": d.index, "delta": {"content": text} if text or fin is None else {}, "logprobs": lp,
-                 "finish_reason": fin}
+                 "finish_reason": fin, "stop_reason": d.stop_reason}
         if req.return_token_ids:
             c["token_ids"] = d.token_ids
         self.offsets[d.index] += len(text)

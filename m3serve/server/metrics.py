@@ -112,7 +112,8 @@ class ServerMetrics:
                              "Time from request arrival to its last token.", E2E_BUCKETS)
         self.prompt_tokens = Counter("m3serve_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = Counter("m3serve_generation_tokens_total", "Generated tokens.")
-        self.finished = Counter("m3serve_requests_finished_total", "Finished requests (one per choice).",
+        self.finished = Counter("m3serve_requests_finished_total",
+                                "Finished sequences (one per choice; with best_of, one per candidate).",
                                 "finish_reason")
         self.http = Counter("m3serve_http_responses_total", "HTTP responses by status code.", "status")
 
@@ -134,6 +135,12 @@ class ServerMetrics:
         lines += counter_value("m3serve_preemptions_total", "Requests preempted (KV dropped, recomputed later).",
                                snap.get("preemptions", 0))
         lines += counter_value("m3serve_engine_steps_total", "Engine steps run.", snap.get("steps", 0))
+        lines += counter_value("m3serve_prefix_cache_queries_total",
+                               "Tokens of admitted requests looked up in the prefix cache.",
+                               snap.get("prefix_cache_queries", 0))
+        lines += counter_value("m3serve_prefix_cache_hits_total",
+                               "Tokens of admitted requests found in the prefix cache (KV pages shared, not computed).",
+                               snap.get("prefix_cache_hits", 0))
         if "acceptance_length" in snap:
             lines += gauge("m3serve_spec_acceptance_length",
                            "Mean tokens emitted per speculative verify step.", snap["acceptance_length"])

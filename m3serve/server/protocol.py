@@ -2,20 +2,29 @@
 
 Follows OpenAI's /v1/completions and /v1/chat/completions fields; null means "unset" for every optional field.
 Penalties follow OpenAI's ranges (presence_penalty, frequency_penalty in [-2, 2]; logit_bias {"token id": bias in
-[-100, 100]}). Extensions (vLLM's names): top_k, ignore_eos, stop_token_ids, return_token_ids, repetition_penalty
-(> 0), min_tokens (<= max_tokens). Features the engine does not have (suffix, best_of > n, forced tool calls,
-structured output) are refused with 400 rather than silently ignored.
+[-100, 100]}). Extensions (vLLM's names and meanings): top_k, ignore_eos, stop_token_ids, return_token_ids,
+repetition_penalty (> 0), min_tokens (<= max_tokens), skip_special_tokens, spaces_between_special_tokens,
+include_stop_str_in_output, prompt_logprobs (not with stream, as vLLM), best_of (>= n; not with stream when > n,
+as OpenAI). n and best_of become one engine request group per prompt (SamplingParams.n / best_of).
+
+Fields nobody defines are accepted and ignored with one warning naming them: vLLM's rule (its request models allow
+extra fields and log "fields were present in the request but ignored"; OpenAI itself answers 400). Fields that
+OpenAI or vLLM define but this engine cannot honour (suffix, beam search, min_p, structured output, forced tool
+calls, ...) are refused with a 400 naming them unless they hold their neutral value, rather than silently ignored.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.server.chat_tokens import ChatTemplateError, chat_encoder
-from m3serve.server.errors import APIError, bad_field, short_repr
+from m3serve.server.errors import APIError, bad_field, one_line, short_repr
+
+log = logging.getLogger("m3serve.server")
 
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 256
@@ -32,7 +41,7 @@ class ModelInfo:
     max_model_len: int
     capacity_tokens: int             # tokens the whole KV cache holds
     tokenizer: object | None = None
-    max_choices: int = 64            # prompts x n in one request
+    max_choices: int = 64            # prompts x candidates (best_of, else n) in one request
 
 
 @dataclass
@@ -40,26 +49,29 @@ class GenRequest:
     kind: str                               # "completion" | "chat"
     prompts: list[list[int]]                # token ids, one list per prompt
     prompt_texts: list[str | None]
-    params: list[SamplingParams]            # one per prompt, n = 1 (copies are made by choices())
-    n: int = 1
+    params: list[SamplingParams]            # one per prompt, carrying n and best_of (one engine request group)
+    n: int = 1                              # choices returned per prompt
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None             # top-k alternatives per token; None: no logprobs
+    prompt_logprobs: int | None = None      # top-k alternatives per prompt token; None: none
     return_token_ids: bool = False
     stop: list[str] = field(default_factory=list)
 
-    def choices(self) -> list[tuple[list[int], str | None, SamplingParams]]:
-        """One entry per choice, index = prompt * n + copy. A seeded request gives copy j the seed + j, so
-        the n choices differ yet the whole response is reproducible."""
-        out = []
-        for ids, text, p in zip(self.prompts, self.prompt_texts, self.params):
-            for j in range(self.n):
-                q = p
-                if j and p.seed is not None:
-                    q = SamplingParams(**{**p.__dict__, "seed": (p.seed + j) % 2 ** 63})
-                out.append((ids, text, q))
-        return out
+    @property
+    def num_choices(self) -> int:
+        """Choices in the response: choice index = prompt * n + rank within the prompt."""
+        return len(self.prompts) * self.n
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences the engine generates (best_of, else n, per prompt)."""
+        return sum(p.num_candidates for p in self.params)
+
+    def submissions(self) -> list[tuple[list[int], str | None, SamplingParams]]:
+        """One engine request per prompt; the engine runs its n / best_of candidates as a group (seed + i)."""
+        return list(zip(self.prompts, self.prompt_texts, self.params))
 
 
 # ---------------------------------------------------------------------------------------- field readers
@@ -119,6 +131,51 @@ def _unsupported(body: dict, name: str, neutral) -> None:
     if not ok:
         raise APIError(400, f"'{name}' = {short_repr(v)} is not supported by this server (only "
                             f"{short_repr(neutral)} or null)", param=name)
+
+
+def _neutral_only(body: dict, name: str, neutrals: tuple) -> None:
+    """A field OpenAI or vLLM defines that this engine cannot honour: null or one of its neutral values only."""
+    v = body.get(name)
+    if v is None or any(type(v) is type(x) and v == x for x in neutrals):
+        return
+    allowed = ", ".join([short_repr(x) for x in neutrals] + ["null"])
+    raise APIError(400, f"'{name}' = {short_repr(v)} is not supported by this server (only {allowed})", param=name)
+
+
+# What each endpoint reads (OpenAI's names and vLLM's extensions).
+_SAMPLING_FIELDS = frozenset({
+    "model", "n", "best_of", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "user", "stream",
+    "stream_options", "max_tokens", "logprobs", "prompt_logprobs", "return_token_ids", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output"})
+# Defined by OpenAI or vLLM, not available here (they change the output, so ignoring them would mislead):
+# {name: neutral values}; null is always accepted.
+_UNAVAILABLE = {
+    "min_p": (0, 0.0), "use_beam_search": (False,), "allowed_token_ids": (), "bad_words": ([],),
+    "truncate_prompt_tokens": (), "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "logits_processors": ()}
+_COMPLETION_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (True,), "response_format": ({"type": "text"},)}
+_CHAT_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (False,), "echo": (False,),
+                     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+                     "chat_template_kwargs": ({},), "documents": (), "functions": (), "function_call": ()}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix"} | set(_COMPLETION_UNAVAILABLE)
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                                  "response_format"} | set(_CHAT_UNAVAILABLE)
+MAX_NAMED_IGNORED = 8
+
+
+def _screen_fields(body: dict, known: frozenset, unavailable: dict, endpoint: str) -> None:
+    """Refuse unavailable features (400 naming the field); log once the fields nobody defines (vLLM's rule)."""
+    for name, neutrals in unavailable.items():
+        _neutral_only(body, name, neutrals)
+    ignored = sorted(k for k in body if k not in known)
+    if ignored:
+        more = len(ignored) - MAX_NAMED_IGNORED
+        names = ", ".join(short_repr(k, 40) for k in ignored[:MAX_NAMED_IGNORED]) + \
+            (f" and {more} more" if more > 0 else "")
+        log.warning("%s: the following fields were present in the request but ignored: %s", endpoint,
+                    one_line(names, 500))
 
 
 def _check_model(body: dict, info: ModelInfo) -> None:
@@ -225,7 +282,8 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
 
 
 def _common(body: dict, info: ModelInfo) -> dict:
-    """Sampling fields shared by both endpoints -> SamplingParams keyword arguments (no max_tokens/logprobs)."""
+    """Sampling and text fields shared by both endpoints -> SamplingParams keyword arguments (no max_tokens,
+    logprobs, n / best_of)."""
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_field("user", user, "a string")
@@ -240,19 +298,34 @@ def _common(body: dict, info: ModelInfo) -> dict:
                 frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
                 repetition_penalty=_repetition_penalty(body),
                 min_tokens=_int(body, "min_tokens", 0, info.max_model_len, 0),
-                logit_bias=_logit_bias(body, info.vocab_size))
+                logit_bias=_logit_bias(body, info.vocab_size),
+                skip_special_tokens=_bool(body, "skip_special_tokens", True),
+                spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens", True),
+                include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
 
 
-def _n(body: dict, info: ModelInfo, num_prompts: int) -> int:
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    k = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS, None)
+    if k is not None and stream:     # vLLM's rule: prompt logprobs only come in a whole response
+        raise APIError(400, "'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
+    return k
+
+
+def _n(body: dict, info: ModelInfo, num_prompts: int, stream: bool) -> tuple[int, int | None]:
+    """(n, best_of): n choices per prompt out of best_of (>= n) candidates the engine generates."""
     n = _int(body, "n", 1, info.max_choices, 1)
-    best_of = body.get("best_of")
-    if best_of is not None and (not _is_int(best_of) or best_of != n):
-        raise APIError(400, f"'best_of' = {short_repr(best_of)}: only best_of == n ({n}) is supported",
-                       param="best_of")
-    if n * num_prompts > info.max_choices:
-        raise APIError(400, f"'n': {num_prompts} prompts x n = {n} gives {n * num_prompts} choices; at most "
-                            f"{info.max_choices} per request", param="n")
-    return n
+    best_of = _int(body, "best_of", 1, info.max_choices, None)
+    if best_of is not None and best_of < n:
+        raise APIError(400, f"'best_of' = {best_of}: expected an integer >= n ({n})", param="best_of")
+    if best_of is not None and best_of > n and stream:    # OpenAI: best_of results cannot be streamed
+        raise APIError(400, f"'best_of' = {best_of} > n = {n} cannot be streamed (the best n are known only at "
+                            "the end)", param="best_of")
+    per_prompt = best_of or n
+    if per_prompt * num_prompts > info.max_choices:
+        name = "best_of" if best_of is not None and best_of > n else "n"
+        raise APIError(400, f"'{name}': {num_prompts} prompts x {name} = {per_prompt} gives {per_prompt * num_prompts} "
+                            f"sequences; at most {info.max_choices} per request", param=name)
+    return n, best_of
 
 
 def _params(**kw) -> SamplingParams:
@@ -310,6 +383,7 @@ def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], li
 def parse_completion(body: object, info: ModelInfo) -> GenRequest:
     body = _object(body)
     _check_model(body, info)
+    _screen_fields(body, COMPLETION_FIELDS, _COMPLETION_UNAVAILABLE, "/v1/completions")
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
     prompts, texts = _completion_prompts(body["prompt"], info)
@@ -318,15 +392,18 @@ def parse_completion(body: object, info: ModelInfo) -> GenRequest:
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS, None)
     echo = _bool(body, "echo", False)
     if echo and logprobs is not None:
-        raise APIError(400, "'echo' together with 'logprobs' is not supported (no prompt logprobs)", param="echo")
+        raise APIError(400, "'echo' together with 'logprobs' is not supported (ask for 'prompt_logprobs' instead)",
+                       param="echo")
     max_tokens = _int(body, "max_tokens", 1, info.max_model_len, None)
-    n = _n(body, info, len(prompts))
     stream, include_usage = _stream(body)
-    params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, **common)
+    n, best_of = _n(body, info, len(prompts), stream)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, n=n,
+                      best_of=best_of, prompt_logprobs=prompt_logprobs, **common)
               for ids in prompts]
     return GenRequest("completion", prompts, texts, params, n=n, stream=stream, include_usage=include_usage,
-                      echo=echo, logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids", False),
-                      stop=common["stop"])
+                      echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])
 
 
 # ---------------------------------------------------------------------------------------- /v1/chat/completions
@@ -389,6 +466,7 @@ def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo) -> t
 def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     body = _object(body)
     _check_model(body, info)
+    _screen_fields(body, CHAT_FIELDS, _CHAT_UNAVAILABLE, "/v1/chat/completions")
     if "messages" not in body:
         raise APIError(400, "'messages' is required", param="messages")
     messages = _messages(body["messages"])
@@ -413,9 +491,11 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     max_tokens = _int(body, name, 1, info.max_model_len, None)
     ids, text = _chat_prompt(messages, tools or None, info)
     _check_prompt_len(ids, info, "messages")
-    n = _n(body, info, 1)
     stream, include_usage = _stream(body)
-    params = [_params(max_tokens=_max_tokens(max_tokens, name, ids, info, None), logprobs=logprobs, **common)]
+    n, best_of = _n(body, info, 1, stream)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    params = [_params(max_tokens=_max_tokens(max_tokens, name, ids, info, None), logprobs=logprobs, n=n,
+                      best_of=best_of, prompt_logprobs=prompt_logprobs, **common)]
     return GenRequest("chat", [ids], [text], params, n=n, stream=stream, include_usage=include_usage,
-                      logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids", False),
-                      stop=common["stop"])
+                      logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])

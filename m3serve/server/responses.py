@@ -60,6 +60,21 @@ def chat_logprobs(tokenizer, ids: list[int], lps: list[dict[int, float]], k: int
     return {"content": content}
 
 
+def prompt_logprobs(tokenizer, entries: list[dict[int, float] | None], k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null (the first has none) or {"<token id>": {"logprob", "rank",
+    "decoded_token"}} holding the top-k (ranks 1..k, best first) and the prompt token itself, whose rank is null
+    when it lies outside the top-k (not computed); the values the offline RequestOutput.prompt_logprobs holds."""
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(tid): {"logprob": finite(v), "rank": i + 1 if i < k else None,
+                               "decoded_token": tokenizer.decode([tid]) if tokenizer is not None else None}
+                    for i, (tid, v) in enumerate(entry.items())})
+    return out
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -49,11 +49,14 @@ def test_server_metrics_render_is_valid_and_complete():
     m.generation_tokens.inc(4)
     m.finished.inc(1, "length")
     snap = {"alive": 1, "waiting": 3, "running": 2, "kv_pages_total": 10, "kv_pages_free": 6, "preemptions": 5,
-            "steps": 9, "kv_pages_cached": 1, "acceptance_length": 2.5, "spec_draft_tokens": 30}
+            "steps": 9, "kv_pages_cached": 1, "acceptance_length": 2.5, "spec_draft_tokens": 30,
+            "prefix_cache_queries": 400, "prefix_cache_hits": 288}
     types, s = parse(m.render(snap))
     assert value(s, "m3serve_num_requests_waiting") == 3 and value(s, "m3serve_kv_pages_used") == 4
     assert value(s, "m3serve_preemptions_total") == 5 and value(s, "m3serve_spec_acceptance_length") == 2.5
     assert value(s, "m3serve_spec_draft_tokens") == 30
+    assert value(s, "m3serve_prefix_cache_queries_total") == 400 and value(s, "m3serve_prefix_cache_hits_total") == 288
+    assert types["m3serve_prefix_cache_hits_total"] == "counter"
     assert value(s, "m3serve_inter_token_latency_seconds_count") == 3
     assert value(s, "m3serve_time_to_first_token_seconds_count") == 1
     assert value(s, "m3serve_prompt_tokens_total") == 11 and value(s, "m3serve_generation_tokens_total") == 4

@@ -33,7 +33,11 @@ BAD_COMPLETION = [
     ("stop_token_ids", [512]), ("stop_token_ids", [-1]), ("stop_token_ids", "1"),
     ("stream", "yes"), ("stream", 1), ("echo", 1), ("ignore_eos", "no"), ("return_token_ids", 0),
     ("presence_penalty", 2.5), ("frequency_penalty", "x"), ("logit_bias", {"1": 101}), ("logit_bias", [1]),
-    ("suffix", "tail"), ("best_of", 3), ("user", 5), ("model", 3), ("min_tokens", 5),
+    ("suffix", "tail"), ("best_of", 0), ("best_of", 9), ("best_of", "2"), ("user", 5), ("model", 3),
+    ("min_tokens", 5), ("skip_special_tokens", 0), ("spaces_between_special_tokens", "no"),
+    ("include_stop_str_in_output", 1), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True),
+    ("min_p", 0.1), ("use_beam_search", True), ("allowed_token_ids", [1]), ("guided_json", {}),
+    ("add_special_tokens", False), ("response_format", {"type": "json_object"}),
     ("prompt", []), ("prompt", [[]]), ("prompt", [1, "a"]), ("prompt", [512]), ("prompt", [-1]), ("prompt", 5),
     ("prompt", None), ("prompt", {"text": "a"}), ("prompt", [["a"]]), ("prompt", ["a"] * 9),
 ]
@@ -89,9 +93,11 @@ def test_prompt_forms_and_choice_expansion(info):
     tok = info.tokenizer
     r = parse_completion({**BASE, "prompt": ["ab cd", "zz"], "n": 2, "seed": 5, "temperature": 0.7}, info)
     assert r.prompts == [tok.encode("ab cd"), tok.encode("zz")] and r.prompt_texts == ["ab cd", "zz"]
-    ch = r.choices()
-    assert len(ch) == 4 and [c[2].seed for c in ch] == [5, 6, 5, 6]
-    assert ch[2][0] == tok.encode("zz") and all(c[2].n == 1 and c[2].temperature == 0.7 for c in ch)
+    sub = r.submissions()           # one engine request group per prompt; the engine gives candidate i seed + i
+    assert len(sub) == 2 and r.num_choices == r.num_candidates == 4 and sub[1][0] == tok.encode("zz")
+    assert all(p.n == 2 and p.best_of is None and p.seed == 5 and p.temperature == 0.7 for _, _, p in sub)
+    r = parse_completion({**BASE, "prompt": ["ab", "zz"], "n": 2, "best_of": 3, "temperature": 0.7}, info)
+    assert (r.num_choices, r.num_candidates, r.params[0].best_of) == (4, 6, 3)
     r = parse_completion({**BASE, "prompt": [[5, 6], [7]], "stop": "x", "stream": True,
                           "stream_options": {"include_usage": True}}, info)
     assert r.prompts == [[5, 6], [7]] and r.prompt_texts == [None, None] and r.stop == ["x"]

@@ -63,13 +63,13 @@ class CheatEngine(SpeculativeEngine):
         self.accept_hist: list[int] = []
         self._j = 0
 
-    def _draft(self, items, fused):
+    def _draft(self, items):
         self._j = 0
-        super()._draft(items, fused)
+        super()._draft(items)
 
-    def _propose(self, normed, reqs, greedy, keys):
+    def _propose(self, head, reqs, greedy, keys):
         self._j += 1
-        tok, q = super()._propose(normed, reqs, greedy, keys)
+        tok, q = super()._propose(head, reqs, greedy, keys)
         forced = []
         for r in reqs:
             ref = self.reference[tuple(r.prompt_token_ids)]

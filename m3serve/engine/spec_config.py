@@ -1,0 +1,48 @@
+"""`speculative_config` (vLLM's shape): {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K,
+"forced_acceptance": AL | None, "draft_seed": int}, parsed and validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class SpecConfig:
+    method: str = "eagle3"
+    model: str | None = None              # drafter directory; None: random weights shaped for the target
+    num_speculative_tokens: int = 3
+    forced_acceptance: float | None = None  # mean acceptance length (tokens per verify step) to force
+    draft_seed: int = 0                   # random drafter weights
+
+    @classmethod
+    def from_dict(cls, d: dict | SpecConfig) -> SpecConfig:
+        if isinstance(d, SpecConfig):
+            cfg = d
+        else:
+            if not isinstance(d, dict):
+                raise TypeError(f"speculative_config: expected a dict, found {type(d).__name__}")
+            unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; expected some of "
+                                 f"{[f.name for f in dataclasses.fields(cls)]}")
+            cfg = cls(**d)
+        if cfg.method != "eagle3":
+            raise ValueError(f"speculative_config.method: expected 'eagle3', found {cfg.method!r}")
+        k = cfg.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens: expected an int in [1, 16], found {k!r}")
+        fa = cfg.forced_acceptance
+        if fa is not None and (not isinstance(fa, (int, float)) or not 1.0 <= fa <= k + 1):
+            raise ValueError(f"speculative_config.forced_acceptance: expected a mean acceptance length in "
+                             f"[1, {k + 1}] (num_speculative_tokens + 1), found {fa!r}")
+        if cfg.model is not None and not isinstance(cfg.model, str):
+            raise TypeError(f"speculative_config.model: expected a directory path or None, found "
+                            f"{type(cfg.model).__name__}")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+__all__ = ["SpecConfig"]
