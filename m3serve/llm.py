@@ -63,8 +63,6 @@ class LLM:
         self.tp_context = None
         self.kv_fp8_layers_source = None       # the kv_scales.json that named the FP8 layers (kv_fp8_layers="auto")
         if tensor_parallel_size != 1:
-            if speculative_config is not None:
-                raise NotImplementedError("speculative_config with tensor_parallel_size > 1: not available yet")
             if kv_scales not in (None, "auto"):
                 raise NotImplementedError("kv_scales with tensor_parallel_size > 1: the ranks' caches keep the "
                                           "default NVFP4 amax (not available yet)")
@@ -72,7 +70,8 @@ class LLM:
                 raise NotImplementedError("kv_fp8_layers with tensor_parallel_size > 1: the ranks' caches keep "
                                           "every sparse layer in NVFP4 (not available yet)")
             torch.manual_seed(seed)
-            self._start_tp(model, tensor_parallel_size, seed, random_weights, quantization, engine_kwargs)
+            self._start_tp(model, tensor_parallel_size, seed, random_weights, quantization, engine_kwargs,
+                           speculative_config)
             return
         torch.manual_seed(seed)
         self.model = load_model(model, device=self.device, dtype=self.dtype, random_weights=random_weights,
@@ -129,11 +128,13 @@ class LLM:
             return
         self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
 
-    def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict) -> None:
+    def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
+                  speculative_config: dict | None = None) -> None:
         """tensor_parallel_size = N > 1 (m3serve.distributed): this process is rank 0 and starts ranks 1..N-1
         itself (one GPU each on CUDA, gloo on CPU). Under torchrun every process calls LLM(...): rank 0
         returns, the other ranks serve it and exit when it shuts down. `shutdown()` (or `with LLM(...)`)
-        stops the workers early; they also stop when this object is collected or at exit."""
+        stops the workers early; they also stop when this object is collected or at exit. With a
+        speculative_config every rank runs the same (replicated) drafter (m3serve.distributed.spec_driver)."""
         import weakref
 
         from m3serve.distributed.driver import start_tp
@@ -142,6 +143,12 @@ class LLM:
         from m3serve.model.parallel import check_tp_shapes
 
         check_tp_shapes(resolve_config(model), size)       # a bad size fails here, before any process starts
+        spec_dict = None
+        if speculative_config is not None:                  # a bad config fails here too; a dir is made absolute
+            from m3serve.engine.spec_config import SpecConfig
+            spec_dict = SpecConfig.from_dict(speculative_config).to_dict()
+            if spec_dict["model"] is not None:
+                spec_dict["model"] = os.path.abspath(spec_dict["model"])
         kw = dict(engine_kwargs)
         tp_kw = {k: kw.pop(k) for k in ("kv_cache_dtype", "index_k_dtype", "kv_cache_bytes",
                                         "gpu_memory_utilization", "keep_quantized") if k in kw}
@@ -151,7 +158,7 @@ class LLM:
                 tp_kw[name] = kw.pop(k)
         spec = TPLaunchSpec(model=os.path.abspath(model) if os.path.isdir(model) else model, world_size=size,
                             device=str(self.device), dtype=self.dtype, seed=seed, random_weights=random_weights,
-                            quantization=quantization, **tp_kw)
+                            quantization=quantization, speculative_config=spec_dict, **tp_kw)
         self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
         self.tp_context, self.model, self.engine = start_tp(spec, kw, self.tokenizer)
         self.device = self.model.device

@@ -45,6 +45,12 @@ def pack_draft(batch: ForwardBatch, src: torch.Tensor, gather: torch.Tensor | No
 def run_spec_op(runner: SpecRunner, header: torch.Tensor, payload: torch.Tensor, device: torch.device, kv,
                 draft_io: DraftLayerIO) -> HeadOut:
     """Follower: the pass rank 0 broadcast (header, payload), on this rank's cache."""
+    with torch.inference_mode():
+        return _run(runner, header, payload, device, kv, draft_io)
+
+
+def _run(runner: SpecRunner, header: torch.Tensor, payload: torch.Tensor, device: torch.device, kv,
+         draft_io: DraftLayerIO) -> HeadOut:
     op, mode, g = int(header[0]), int(header[5]), int(header[6])
     if op == OP_SPEC_TARGET:
         return runner.target(protocol.unpack_step(header, payload, device, kv), mode)
