@@ -327,7 +327,10 @@ class LLMEngine:
                 top[tok] = lp[0][i]
                 req.output_logprobs.append(top)
             self._check_stop(req, tok)
-            if not req.is_finished and req.allocated:   # (a request preempted while its step was in flight is not)
+            # (a request preempted while its step was in flight is not allocated; the token list is built only on
+            # the steps where a page became full: O(context) per request per step otherwise)
+            if not req.is_finished and req.allocated and \
+                    self.blocks.has_uncommitted_full_pages(req.request_id, req.num_computed):
                 self.blocks.commit_full_pages(req.request_id, req.all_token_ids[:req.num_computed])
 
     def _forward_sample(self, batch: ForwardBatch, reqs: list[Request],

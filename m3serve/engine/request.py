@@ -19,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)   # a request is its own identity: `req in running` must not compare prompts field by field
 class Request:
     request_id: int
     prompt_token_ids: list[int]

@@ -55,8 +55,10 @@ from m3serve.kernels._decode import (
     e8m0_to_f32,
     to_bf16,
 )
+from m3serve.kernels._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118, use_ptx
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._linear import GemmWorkspace, check_gemm_args
+from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 from m3serve.kernels._wstream import apply_alpha
 from m3serve.kernels.catalog import Cell
 
@@ -137,11 +139,16 @@ def load_raw(w_ptr, s_ptr, rn2, k0, stride_w, stride_s, FMT: tl.constexpr, BK: t
 
 @helper
 def decode_tile(wr, sr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr,
-                CUDA: tl.constexpr):
+                CUDA: tl.constexpr, PTX: tl.constexpr):
     """-> (w [BN, G, GS] fp32, s [BN, G] fp32). NVFP4: w * s = e2m1 * scale * 2**-8 (the
-    NVFP4_UNIT of _decode, undone by ALPHA=2); MXFP8: w * s = e4m3 * 2**(b-127)."""
+    NVFP4_UNIT of _decode, undone by ALPHA=2); MXFP8: w * s = e4m3 * 2**(b-127).
+    NVFP4 with PTX: w is already scaled (inline-PTX decoder, exact bf16, then fp32) and s is
+    unused (row_part's PRESCALED)."""
     G: tl.constexpr = BK // GS
-    if FMT == 0:
+    if FMT == 0 and PTX:
+        w = nvfp4_words_scaled(wr, scale_bf16_2_118(sr, CUDA), True).to(tl.float32).reshape(BN, G, GS)
+        s = tl.full([BN, G], 1.0, tl.float32)
+    elif FMT == 0:
         w = e2m1_words_f32(wr).reshape(BN, G, GS)
         s = e4m3_to_f32(sr, CUDA) * 64.0  # e2m1 * 2**-14 * scale * 2**6 = weight * 2**-8
     else:
@@ -151,8 +158,10 @@ def decode_tile(wr, sr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G
 
 
 @helper
-def row_part(w, s, x_ptr, m, M, stride_xm, k0, BK: tl.constexpr, GS: tl.constexpr, MASKED: tl.constexpr):
-    """sum over each group of (w * x[m]) times the group scale: [BN, G] fp32 (0 when m >= M)."""
+def row_part(w, s, x_ptr, m, M, stride_xm, k0, BK: tl.constexpr, GS: tl.constexpr, MASKED: tl.constexpr,
+             PRESCALED: tl.constexpr):
+    """sum over each group of (w * x[m]) times the group scale (unless PRESCALED: w carries it):
+    [BN, G] fp32 (0 when m >= M)."""
     G: tl.constexpr = BK // GS
     kk = k0 + tl.arange(0, BK)
     if MASKED:
@@ -160,7 +169,10 @@ def row_part(w, s, x_ptr, m, M, stride_xm, k0, BK: tl.constexpr, GS: tl.constexp
     else:
         xv = tl.load(x_ptr + m * stride_xm + kk)
     xv = xv.to(tl.float32).reshape(G, GS)
-    return tl.sum(w * xv[None, :, :], axis=2) * s
+    if PRESCALED:
+        return tl.sum(w * xv[None, :, :], axis=2)
+    else:
+        return tl.sum(w * xv[None, :, :], axis=2) * s
 
 
 @helper
@@ -171,17 +183,14 @@ def store_row(v, y_ptr, alpha_ptr, rn, m, M, stride_ym, alpha_stride, ALPHA: tl.
 
 @helper
 def put_part(v, part_ptr, rn, m, M, pid_k, N, BM: tl.constexpr):
-    tl.store(part_ptr + pid_k * (BM * N) + m * N + rn, v, mask=(rn * 0 + m) < M, cache_modifier=".cg")
+    put_partial(part_ptr, pid_k, BM * N, m * N + rn, v, (rn * 0 + m) < M)
 
 
 @helper
 def reduce_row(part_ptr, y_ptr, alpha_ptr, rn, m, M, N, stride_ym, alpha_stride, ALPHA: tl.constexpr,
                SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CUDA: tl.constexpr):
     """The last-arriving program: partials of row m summed in the fixed order 0..SPLIT-1."""
-    mask = (rn * 0 + m) < M
-    total = tl.zeros([BN], tl.float32)
-    for sp in range(SPLIT):
-        total += tl.load(part_ptr + sp * (BM * N) + m * N + rn, mask=mask, other=0.0, cache_modifier=".cg")
+    total = ordered_sum(part_ptr, BM * N, m * N + rn, (rn * 0 + m) < M, SPLIT)
     store_row(total, y_ptr, alpha_ptr, rn, m, M, stride_ym, alpha_stride, ALPHA, CUDA)
 
 
@@ -189,10 +198,11 @@ def reduce_row(part_ptr, y_ptr, alpha_ptr, rn, m, M, N, stride_ym, alpha_stride,
 def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym,
                 stride_w, stride_s, alpha_stride, FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr,
                 SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                PREFETCH: tl.constexpr, CUDA: tl.constexpr):
+                PREFETCH: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BK // GS
+    PRE: tl.constexpr = FMT == 0 and PTX  # NVFP4 weights come out of the PTX decoder already scaled
     rn = pid_n * BN + tl.arange(0, BN)
     rn2 = rn[:, None]
     k_len = K // SPLIT
@@ -217,13 +227,13 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
             wn, sn = load_raw(w_ptr, s_ptr, rn2, kn, stride_w, stride_s, FMT, BK, GS)
         else:
             wr, sr = load_raw(w_ptr, s_ptr, rn2, k0, stride_w, stride_s, FMT, BK, GS)
-        w, s = decode_tile(wr, sr, FMT, BN, BK, GS, CUDA)
-        acc0 += row_part(w, s, x_ptr, 0, M, stride_xm, k0, BK, GS, False)
+        w, s = decode_tile(wr, sr, FMT, BN, BK, GS, CUDA, PTX)
+        acc0 += row_part(w, s, x_ptr, 0, M, stride_xm, k0, BK, GS, False, PRE)
         if BM > 1:
-            acc1 += row_part(w, s, x_ptr, 1, M, stride_xm, k0, BK, GS, True)
+            acc1 += row_part(w, s, x_ptr, 1, M, stride_xm, k0, BK, GS, True, PRE)
         if BM > 2:
-            acc2 += row_part(w, s, x_ptr, 2, M, stride_xm, k0, BK, GS, True)
-            acc3 += row_part(w, s, x_ptr, 3, M, stride_xm, k0, BK, GS, True)
+            acc2 += row_part(w, s, x_ptr, 2, M, stride_xm, k0, BK, GS, True, PRE)
+            acc3 += row_part(w, s, x_ptr, 3, M, stride_xm, k0, BK, GS, True, PRE)
         if PREFETCH:
             wr, sr = wn, sn
     if SPLIT == 1:
@@ -240,9 +250,7 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
         if BM > 2:
             put_part(tl.sum(acc2, axis=1), part_ptr, rn, 2, M, pid_k, N, BM)
             put_part(tl.sum(acc3, axis=1), part_ptr, rn, 3, M, pid_k, N, BM)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:
+        if take_ticket(count_ptr + pid_n, SPLIT):
             reduce_row(part_ptr, y_ptr, alpha_ptr, rn, 0, M, N, stride_ym, alpha_stride, ALPHA, SPLIT, BM, BN, CUDA)
             if BM > 1:
                 reduce_row(part_ptr, y_ptr, alpha_ptr, rn, 1, M, N, stride_ym, alpha_stride, ALPHA, SPLIT, BM, BN,
@@ -252,7 +260,7 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
                            CUDA)
                 reduce_row(part_ptr, y_ptr, alpha_ptr, rn, 3, M, N, stride_ym, alpha_stride, ALPHA, SPLIT, BM, BN,
                            CUDA)
-            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            release_ticket(count_ptr + pid_n)
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
@@ -266,7 +274,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.
     gemv_stream[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0), out.stride(0), w.stride(0), s.stride(0),
         alpha_stride, FMT=fmt, ALPHA=alpha_mode, GS=gs, SPLIT=cfg.SPLIT, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-        PREFETCH=cfg.PREFETCH, CUDA=is_compiled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=cfg.PREFETCH, CUDA=is_compiled(x), PTX=use_ptx(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

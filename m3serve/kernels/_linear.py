@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from m3serve.kernels._e2m1_ptx import use_ptx
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels._wstream import wstream_gemm
 from m3serve.kernels.catalog import Cell, check_tensor, device_rng
@@ -167,7 +168,7 @@ def launch_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.
     wstream_gemm[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0), out.stride(0), alpha_stride,
         FMT=fmt, ALPHA=alpha_mode, GS=gs, SPLIT=cfg.SPLIT, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-        CUDA=is_compiled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CUDA=is_compiled(x), PTX=use_ptx(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

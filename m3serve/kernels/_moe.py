@@ -30,10 +30,8 @@ import triton.language as tl
 
 from m3serve.kernels._decode import NVFP4_UNIT, to_bf16
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 from m3serve.kernels._wstream import dot_tile
-
-SWIGLU_ALPHA = tl.constexpr(1.702)
-SWIGLU_LIMIT = tl.constexpr(7.0)
 
 
 @kernel
@@ -54,18 +52,12 @@ def moe_router(x_ptr, wr_ptr, bias_ptr, rpart_ptr, count_ptr, ids_ptr, tw_ptr, s
         xv = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         wv = tl.load(wr_ptr + re[None, :] * H + kk[:, None]).to(tl.float32)
         acc = tl.dot(xv, wv, acc, input_precision="ieee")
-    tl.store(rpart_ptr + pid_k * (BT * E) + rt[:, None] * E + re[None, :], acc, mask=tmask[:, None],
-             cache_modifier=".cg")
-    tl.debug_barrier()
-    n_prog = tl.num_programs(0) * tl.num_programs(1)
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == n_prog - 1:
+    put_partial(rpart_ptr, pid_k, BT * E, rt[:, None] * E + re[None, :], acc, tmask[:, None])
+    if take_ticket(count_ptr, tl.num_programs(0) * tl.num_programs(1)):
         ec = tl.arange(0, EP)
         emask = ec < E
-        logits = tl.zeros([BT, EP], tl.float32)
-        for s in range(RSPLIT):
-            logits += tl.load(rpart_ptr + s * (BT * E) + rt[:, None] * E + ec[None, :],
-                              mask=tmask[:, None] & emask[None, :], other=0.0, cache_modifier=".cg")
+        logits = ordered_sum(rpart_ptr, BT * E, rt[:, None] * E + ec[None, :], tmask[:, None] & emask[None, :],
+                             RSPLIT)
         sig = tl.sigmoid(logits)
         bias = tl.load(bias_ptr + ec, mask=emask, other=0.0)
         score = tl.where(emask[None, :], sig + bias[None, :], float("-inf"))
@@ -92,21 +84,22 @@ def moe_router(x_ptr, wr_ptr, bias_ptr, rpart_ptr, count_ptr, ids_ptr, tw_ptr, s
         tl.store(slot_e_ptr + sc, slot_e)
         sw = tl.sum(tl.where(ids3[None, :, :] == slot_e[:, None, None], wts[None, :, :], 0.0), axis=2)  # [SP, BT]
         tl.store(slot_w_ptr + sc[:, None] * T + rt[None, :], sw, mask=(sc[:, None] < S) & tmask[None, :])
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        release_ticket(count_ptr)
 
 
 @helper
-def swiglu_oai(g, u):
-    """gate.clamp(max=7) * sigmoid(1.702 * gate) * (up.clamp(-7, 7) + 1), fp32."""
-    g = tl.minimum(g, SWIGLU_LIMIT)
-    u = tl.minimum(tl.maximum(u, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-    return g * tl.sigmoid(SWIGLU_ALPHA * g) * (u + 1.0)
+def swiglu_oai(g, u, alpha, limit):
+    """gate.clamp(max=limit) * sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1), fp32; alpha and
+    limit are the model config's swiglu_alpha / swiglu_limit (runtime fp32 arguments)."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + 1.0)
 
 
 @kernel
 def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr,
-                T, H, I, stride_x, S, SHARED_FMT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, CUDA: tl.constexpr):
+                T, H, I, stride_x, S, swiglu_alpha, swiglu_limit, SHARED_FMT: tl.constexpr, BT: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
     """grid (S + 1, I / BN): program (s, j) -> act[s, :, j*BN:(j+1)*BN] for all T tokens."""
     s = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -117,21 +110,21 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
         if e >= 0:
             wp = w13_ptr + e.to(tl.int64) * (2 * I * (H // 8))
             sp = s13_ptr + e.to(tl.int64) * (2 * I * (H // 16))
-            g = dot_tile(zero, x_ptr, wp, sp, rn, rt, T, H, 0, H, stride_x, 0, 16, BT, BN, BK, CUDA)
-            u = dot_tile(zero, x_ptr, wp, sp, rn + I, rt, T, H, 0, H, stride_x, 0, 16, BT, BN, BK, CUDA)
+            g = dot_tile(zero, x_ptr, wp, sp, rn, rt, T, H, 0, H, stride_x, 0, 16, BT, BN, BK, CUDA, PTX)
+            u = dot_tile(zero, x_ptr, wp, sp, rn + I, rt, T, H, 0, H, stride_x, 0, 16, BT, BN, BK, CUDA, PTX)
             g = g * NVFP4_UNIT / tl.load(g13_ptr + 2 * e)
             u = u * NVFP4_UNIT / tl.load(g13_ptr + 2 * e + 1)
-            a = tl.trans(swiglu_oai(g, u))
+            a = tl.trans(swiglu_oai(g, u, swiglu_alpha, swiglu_limit))
             tl.store(act_ptr + s.to(tl.int64) * T * I + rt[:, None] * I + rn[None, :], to_bf16(a, CUDA),
                      mask=rt[:, None] < T)
     else:
-        g = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK, CUDA)
+        g = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK, CUDA, PTX)
         u = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn + I, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK,
-                     CUDA)
+                     CUDA, PTX)
         if SHARED_FMT == 0:
             g = g * NVFP4_UNIT / tl.load(sg13_ptr)
             u = u * NVFP4_UNIT / tl.load(sg13_ptr + 1)
-        a = tl.trans(swiglu_oai(g, u))
+        a = tl.trans(swiglu_oai(g, u, swiglu_alpha, swiglu_limit))
         tl.store(act_ptr + s.to(tl.int64) * T * I + rt[:, None] * I + rn[None, :], to_bf16(a, CUDA),
                  mask=rt[:, None] < T)
 
@@ -139,7 +132,7 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
 @kernel
 def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_ptr, slot_w_ptr, y_ptr, dpart_ptr,
              count_ptr, T, H, I, S, stride_y, SHARED_FMT: tl.constexpr, DSPLIT: tl.constexpr, BT: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr):
+             BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
     """grid (H / BN, DSPLIT): y[:, tile] = sum_slots w_slot * (act_slot @ W2_e^T) + act_S @ W2_sh^T,
     the K (= I) range split DSPLIT ways with the ticketed fixed-order reduction of _wstream."""
     pid_n = tl.program_id(0)
@@ -157,11 +150,11 @@ def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_
             wp = w2_ptr + e.to(tl.int64) * (H * (I // 8))
             sp = s2_ptr + e.to(tl.int64) * (H * (I // 16))
             ap = act_ptr + (tl.full([], 0, tl.int64) + s) * T * I  # s is a python int when interpreted
-            acc = dot_tile(zero, ap, wp, sp, rn, rt, T, I, k_lo, k_lo + k_len, I, 0, 16, BT, BN, BK, CUDA)
+            acc = dot_tile(zero, ap, wp, sp, rn, rt, T, I, k_lo, k_lo + k_len, I, 0, 16, BT, BN, BK, CUDA, PTX)
             wt = tl.load(slot_w_ptr + s * T + rt, mask=tmask, other=0.0)
             out += acc * (NVFP4_UNIT / tl.load(g2_ptr + e)) * wt[None, :]
     ap = act_ptr + (tl.full([], 0, tl.int64) + S) * T * I  # S may arrive as a constexpr int
-    acc = dot_tile(zero, ap, sw2_ptr, ss2_ptr, rn, rt, T, I, k_lo, k_lo + k_len, I, SHARED_FMT, 16, BT, BN, BK, CUDA)
+    acc = dot_tile(zero, ap, sw2_ptr, ss2_ptr, rn, rt, T, I, k_lo, k_lo + k_len, I, SHARED_FMT, 16, BT, BN, BK, CUDA, PTX)
     if SHARED_FMT == 0:
         acc = acc * (NVFP4_UNIT / tl.load(sg2_ptr))
     out += acc
@@ -171,12 +164,8 @@ def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_
         tl.store(y_ptr + rt[:, None] * stride_y + rn[None, :], to_bf16(res, CUDA), mask=ymask)
     else:
         tile = rt[:, None] * H + rn[None, :]
-        tl.store(dpart_ptr + pid_k * (BT * H) + tile, res, mask=ymask, cache_modifier=".cg")
-        tl.debug_barrier()
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == DSPLIT - 1:
-            total = tl.zeros([BT, BN], tl.float32)
-            for p in range(DSPLIT):
-                total += tl.load(dpart_ptr + p * (BT * H) + tile, mask=ymask, other=0.0, cache_modifier=".cg")
+        put_partial(dpart_ptr, pid_k, BT * H, tile, res, ymask)
+        if take_ticket(count_ptr + pid_n, DSPLIT):
+            total = ordered_sum(dpart_ptr, BT * H, tile, ymask, DSPLIT)
             tl.store(y_ptr + rt[:, None] * stride_y + rn[None, :], to_bf16(total, CUDA), mask=ymask)
-            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            release_ticket(count_ptr + pid_n)

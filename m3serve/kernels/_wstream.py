@@ -18,11 +18,10 @@ multiplied by its group scale in bf16; e2m1*scale (q*2**e) is exact in bf16, so 
 exact operands and accumulates in fp32. Every weight byte is read exactly once per launch.
 
 Split-K (SPLIT > 1) exists because N/BN tiles alone do not fill 132 SMs (N = 6144, BN = 64:
-96 programs). Each program writes its fp32 partial, then takes a ticket on its N tile's
-counter (acq_rel atomic after a CTA barrier); the program that draws the last ticket sums the
-SPLIT partials in the fixed order 0..SPLIT-1 (so results do not depend on arrival order),
-applies the epilogue, and resets the counter to 0 for the next launch (CUDA-graph replays
-included). Partials are read with .cg loads (L2, never a stale L1 line).
+96 programs): the ticketed fixed-order reduction of _splitk.py (deterministic, counters reset
+in-kernel).
+
+PTX selects the inline-PTX NVFP4 decoder (_e2m1_ptx.py; compiled only, same exact values).
 
 ALPHA selects the per-row epilogue: 0 none, 1 multiply (FP8 decode scale), 2 divide (NVFP4
 ENCODE global scale; acc * 2**8 / gs undoes the NVFP4 unit of _decode).
@@ -36,7 +35,9 @@ from __future__ import annotations
 import triton.language as tl
 
 from m3serve.kernels._decode import NVFP4_UNIT, load_w_groups, to_bf16, x_cols
+from m3serve.kernels._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 
 
 @helper
@@ -50,15 +51,33 @@ def apply_alpha(acc, alpha_ptr, rn, alpha_stride, ALPHA: tl.constexpr):
 
 
 @helper
-def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT: tl.constexpr,
-             GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr):
-    """acc [BN, BM] += W[rn, k_lo:k_hi] @ x[rm, k_lo:k_hi]^T (group-scaled, before alpha)."""
-    mmask = rm[None, :] < M
-    for k0 in range(k_lo, k_hi, BK):
+def load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                GS: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+    """Group-scaled weight tile [BN, BK] in x_cols order: bf16 compiled, fp32 interpreted.
+    PTX (compiled NVFP4 only): the inline-PTX decoder of _e2m1_ptx (same values, fewer
+    instructions); otherwise _decode's bit tricks and a separate group-scale multiply."""
+    if FMT == 0 and PTX:
+        rn2 = rn[:, None]
+        kw = k0 // 8 + tl.arange(0, BK // 8)
+        wd = tl.load(w_ptr + rn2 * (K // 8) + kw[None, :])
+        ks = k0 // 16 + tl.arange(0, BK // 16)
+        sc = scale_bf16_2_118(tl.load(s_ptr + rn2 * (K // 16) + ks[None, :]), CUDA)
+        return nvfp4_words_scaled(wd, sc, False)
+    else:
         w, s = load_w_groups(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, CUDA)
         if FMT == 0 or FMT == 1:
             w = w * s[:, :, None]
-        w = w.reshape(BN, BK)
+        return w.reshape(BN, BK)
+
+
+@helper
+def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT: tl.constexpr,
+             GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr,
+             PTX: tl.constexpr):
+    """acc [BN, BM] += W[rn, k_lo:k_hi] @ x[rm, k_lo:k_hi]^T (group-scaled, before alpha)."""
+    mmask = rm[None, :] < M
+    for k0 in range(k_lo, k_hi, BK):
+        w = load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)
         kk = x_cols(k0, BK, FMT)
         xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
         if CUDA:
@@ -71,7 +90,7 @@ def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT:
 @kernel
 def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym,
                  alpha_stride, FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -79,7 +98,7 @@ def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, 
     k_len = K // SPLIT
     acc = tl.zeros([BN, BM], tl.float32)
     acc = dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, pid_k * k_len, (pid_k + 1) * k_len, stride_xm,
-                   FMT, GS, BM, BN, BK, CUDA)
+                   FMT, GS, BM, BN, BK, CUDA, PTX)
     out = tl.trans(acc)  # [BM, BN]
     ymask = rm[:, None] < M
     if SPLIT == 1:
@@ -87,13 +106,9 @@ def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, 
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], to_bf16(out, CUDA), mask=ymask)
     else:
         tile = rm[:, None] * N + rn[None, :]
-        tl.store(part_ptr + pid_k * (BM * N) + tile, out, mask=ymask, cache_modifier=".cg")
-        tl.debug_barrier()
-        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:
-            total = tl.zeros([BM, BN], tl.float32)
-            for s in range(SPLIT):
-                total += tl.load(part_ptr + s * (BM * N) + tile, mask=ymask, other=0.0, cache_modifier=".cg")
+        put_partial(part_ptr, pid_k, BM * N, tile, out, ymask)
+        if take_ticket(count_ptr + pid_n, SPLIT):
+            total = ordered_sum(part_ptr, BM * N, tile, ymask, SPLIT)
             total = apply_alpha(total, alpha_ptr, rn, alpha_stride, ALPHA)
             tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], to_bf16(total, CUDA), mask=ymask)
-            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            release_ticket(count_ptr + pid_n)

@@ -20,12 +20,14 @@ Shape legend: x [T, H] bf16; router_w [E, H] fp32/bf16; bias [E] fp32;
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from m3serve.kernels._decode import FMT_BF16, FMT_NVFP4
+from m3serve.kernels._e2m1_ptx import use_ptx
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels._linear import fresh_x
 from m3serve.kernels._moe import moe_down, moe_gate_up, moe_router
@@ -36,7 +38,7 @@ from m3serve.quant.nvfp4 import dequantize_nvfp4
 ENABLED = True  # the one switch: False sends moe.nvfp4 calls down the stock path
 
 TOPK = 4
-SWIGLU_ALPHA = 1.702
+SWIGLU_ALPHA = 1.702  # MiniMax-M3's config values (config.swiglu_alpha / swiglu_limit), the raw call's defaults
 SWIGLU_LIMIT = 7.0
 
 
@@ -147,15 +149,27 @@ def _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, 
     return t, h, e, i, shared_fmt
 
 
+def check_swiglu(swiglu_alpha: float, swiglu_limit: float) -> None:
+    for name, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise TypeError(f"{name}: expected a finite float, found {v!r}")
+    if swiglu_limit <= 0:
+        raise ValueError(f"swiglu_limit: expected > 0, found {swiglu_limit}")
+
+
 def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
-              routed_scaling: float, out: torch.Tensor, workspace: MoEWorkspace, config: MoEConfig) -> torch.Tensor:
+              routed_scaling: float, out: torch.Tensor, workspace: MoEWorkspace, config: MoEConfig,
+              swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """Raw call: three launches on the current stream. Writes and returns `out`; the routing
-    (workspace.ids / .tw / .slot_e / .slot_w) and activations (workspace.act) stay readable."""
+    (workspace.ids / .tw / .slot_e / .slot_w) and activations (workspace.act) stay readable.
+    swiglu_alpha / swiglu_limit: the model config's SwiGLU-OAI constants (runtime kernel arguments)."""
     cfg = config
+    check_swiglu(swiglu_alpha, swiglu_limit)
     t, h, e, i, shared_fmt = _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13,
                                     sh_w2, sh_s2, sh_g2, out, workspace, cfg)
     ws = workspace
     cuda = is_compiled(x)
+    ptx = use_ptx(x)
     s = n_slots(t, e)
     sp = ws.slot_e.numel()
     moe_router[(e // cfg.RBE, cfg.RSPLIT)](
@@ -169,22 +183,23 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
         sw13, ss13, sg13, sw2, ss2, sg2 = sh_w13, g13, g13, sh_w2, g2, g2  # scale pointers unused
     moe_gate_up[(s + 1, i // cfg.BN)](
         x, w13.view(torch.int32), s13.view(torch.uint8), g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i,
-        x.stride(0), s, SHARED_FMT=shared_fmt, BT=cfg.BT, BN=cfg.BN, BK=cfg.BK, CUDA=cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x.stride(0), s, float(swiglu_alpha), float(swiglu_limit), SHARED_FMT=shared_fmt, BT=cfg.BT, BN=cfg.BN,
+        BK=cfg.BK, CUDA=cuda, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     moe_down[(h // cfg.BN, cfg.DSPLIT)](
         ws.act, w2.view(torch.int32), s2.view(torch.uint8), g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart,
         ws.dcount, t, h, i, s, out.stride(0), SHARED_FMT=shared_fmt, DSPLIT=cfg.DSPLIT, BT=cfg.BT, BN=cfg.BN,
-        BK=cfg.BK, CUDA=cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BK=cfg.BK, CUDA=cuda, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 # --- reference ------------------------------------------------------------------------------
 
 
-def swiglu_oai_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    g = g.clamp(max=SWIGLU_LIMIT)
-    u = u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-    return g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1.0)
+def swiglu_oai_ref(g: torch.Tensor, u: torch.Tensor, alpha: float = SWIGLU_ALPHA,
+                   limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    g = g.clamp(max=limit)
+    u = u.clamp(-limit, limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1.0)
 
 
 def expert_w13(w13, s13, g13, e: int) -> torch.Tensor:
@@ -220,34 +235,36 @@ def route_reference(x, router_w, router_bias, routed_scaling, ids_override=None)
     return logits, ids, w / w.sum(dim=-1, keepdim=True) * routed_scaling
 
 
-def expert_act(x, w13, s13, g13, e: int) -> torch.Tensor:
+def expert_act(x, w13, s13, g13, e: int, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """fp32 SwiGLU-OAI activations [T, I] of expert e for all tokens (before the bf16 cast)."""
     w = expert_w13(w13, s13, g13, e)
     i = w.shape[0] // 2
     with true_fp32():
         hh = x.float() @ w.T
-    return swiglu_oai_ref(hh[:, :i], hh[:, i:])
+    return swiglu_oai_ref(hh[:, :i], hh[:, i:], alpha, limit)
 
 
 def moe_reference(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
-                  routed_scaling, out=None, workspace=None, config=None, ids_override=None) -> MoEReference:
+                  routed_scaling, out=None, workspace=None, config=None, swiglu_alpha: float = SWIGLU_ALPHA,
+                  swiglu_limit: float = SWIGLU_LIMIT, ids_override=None) -> MoEReference:
     logits, ids, w = route_reference(x, router_w, router_bias, routed_scaling, ids_override)
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
-        a = expert_act(x, w13, s13, g13, e).to(torch.bfloat16).float()
+        a = expert_act(x, w13, s13, g13, e, swiglu_alpha, swiglu_limit).to(torch.bfloat16).float()
         with true_fp32():
             ye = a @ expert_w2(w2, s2, g2, e).T
         coef = (w * (ids == e)).sum(dim=1, keepdim=True)  # 0 for tokens not routed to e
         y += coef * ye
     sh13 = (sh_w13, sh_s13, sh_g13) if sh_s13 is not None else (sh_w13, None, None)
-    a_sh = expert_act(x, *sh13, 0).to(torch.bfloat16).float()
+    a_sh = expert_act(x, *sh13, 0, swiglu_alpha, swiglu_limit).to(torch.bfloat16).float()
     with true_fp32():
         y += a_sh @ expert_w2(sh_w2, sh_s2, sh_g2, 0).T
     return MoEReference(y=y, logits=logits, ids=ids, w=w)
 
 
 def moe_stock(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
-              routed_scaling, out=None, workspace=None, config=None) -> torch.Tensor:
+              routed_scaling, out=None, workspace=None, config=None, swiglu_alpha: float = SWIGLU_ALPHA,
+              swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """Without the engine: torch routing, then per touched expert dequantize + bf16 GEMMs."""
     _, ids, w = route_reference(x, router_w, router_bias, routed_scaling)
     y = torch.zeros_like(x, dtype=torch.float32)
@@ -256,13 +273,13 @@ def moe_stock(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
         w1 = expert_w13(w13, s13, g13, e).to(torch.bfloat16)
         hh = (x[rows] @ w1.T).float()
         i = hh.shape[1] // 2
-        a = swiglu_oai_ref(hh[:, :i], hh[:, i:]).to(torch.bfloat16)
+        a = swiglu_oai_ref(hh[:, :i], hh[:, i:], swiglu_alpha, swiglu_limit).to(torch.bfloat16)
         ye = (a @ expert_w2(w2, s2, g2, e).to(torch.bfloat16).T).float()
         y[rows] += (w[rows] * (ids[rows] == e)).sum(dim=1, keepdim=True) * ye
     sh13 = (sh_w13, sh_s13, sh_g13) if sh_s13 is not None else (sh_w13, None, None)
     hh = (x @ expert_w13(*sh13, 0).to(torch.bfloat16).T).float()
     i = hh.shape[1] // 2
-    a = swiglu_oai_ref(hh[:, :i], hh[:, i:]).to(torch.bfloat16)
+    a = swiglu_oai_ref(hh[:, :i], hh[:, i:], swiglu_alpha, swiglu_limit).to(torch.bfloat16)
     y += (a @ expert_w2(sh_w2, sh_s2, sh_g2, 0).to(torch.bfloat16).T).float()
     return y.to(torch.bfloat16)
 
@@ -280,12 +297,15 @@ def compare(out: torch.Tensor, ref: MoEReference, case: Case) -> None:
        <= 8u relative + the propagated sigmoid band (renormalisation of 4 terms).
     2. activations (workspace.act, bf16) of every touched expert vs the fp32 reference:
        one bf16 ulp (2**-7 |a|) + the gate/up accumulation bound (2*H*u*sum|x*w13|)
-       propagated through SwiGLU-OAI's derivative bounds: |da/dg| <= 1.2 (|u|+1),
+       propagated through SwiGLU-OAI's derivative bounds: |da/dg| <= 1.2 (|u|+1) (for any
+       alpha: d/dg g*sigmoid(alpha*g) = sig(z) + z*sig(z)*(1-sig(z)), z = alpha*g, is at most 1.1),
        |da/du| <= |g|.
     3. output vs the kernel's own activations and routing weights pushed through the
        reference down projection: gemm_band with K = I + slots + 1 terms per output."""
     x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2, scaling, _, ws, _ = \
         case.args
+    alpha = case.kwargs.get("swiglu_alpha", SWIGLU_ALPHA)
+    limit = case.kwargs.get("swiglu_limit", SWIGLU_LIMIT)
     t, h = x.shape
     e_n = router_w.shape[0]
     with true_fp32():
@@ -301,7 +321,7 @@ def compare(out: torch.Tensor, ref: MoEReference, case: Case) -> None:
         if bool((picked < kth - slack).any()) or bool((ids < 0).any()) or bool((ids >= e_n).any()):
             raise AssertionError(f"moe.nvfp4 routing: kernel ids {ids.tolist()} vs reference {ref.ids.tolist()} "
                                  f"are not within the near-tie slack {float(slack.max()):.3g}")
-        ref = moe_reference(*case.args, ids_override=ids)  # legitimate near-tie: certify the rest on it
+        ref = moe_reference(*case.args, **case.kwargs, ids_override=ids)  # legitimate near-tie: certify the rest on it
     sig_k = sig.gather(1, ids)
     w_ref = sig_k / sig_k.sum(dim=1, keepdim=True) * scaling
     # |dw_k| <= scaling * (|ds_k| + (s_k/sum) * sum|ds|) / sum <= scaling * 5 * (b/4) / sum, |ds| <= b/4
@@ -329,9 +349,9 @@ def compare(out: torch.Tensor, ref: MoEReference, case: Case) -> None:
             hh = x.float() @ wf.T
             bh = 2.0 * h * FP32_U * (x.float().abs() @ wf.abs().T)
         g, u = hh[:, :i], hh[:, i:]
-        a_ref = swiglu_oai_ref(g, u)
-        a_band = BF16_REL * a_ref.abs() + 1.2 * (u.abs().clamp(max=SWIGLU_LIMIT) + 1) * bh[:, :i] \
-            + g.abs().clamp(max=SWIGLU_LIMIT) * bh[:, i:] + 1e-30
+        a_ref = swiglu_oai_ref(g, u, alpha, limit)
+        a_band = BF16_REL * a_ref.abs() + 1.2 * (u.abs().clamp(max=limit) + 1) * bh[:, :i] \
+            + g.abs().clamp(max=limit) * bh[:, i:] + 1e-30
         a_k = ws.act[k].float()
         assert_band(f"moe.nvfp4 act (slot {k}, expert {e})", a_k, a_ref, a_band)
         coef = ws.slot_w[k, :t].float()[:, None] if e >= 0 else torch.ones(t, 1, device=x.device)

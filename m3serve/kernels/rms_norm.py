@@ -29,10 +29,10 @@ ENABLED = True  # the one switch: False sends norm.rms calls down the stock path
 def rms_inverse(xf, n, eps):
     """1 / sqrt(mean(xf**2) + eps) over a masked (zero-padded) fp32 row of n elements.
 
-    IEEE sqrt and division (not rsqrt.approx): the only differences from torch are the summation
-    order of the mean and torch's own rsqrt rounding."""
-    mean = tl.sum(xf * xf, axis=0) / n
-    return 1.0 / tl.sqrt_rn(mean + eps)
+    IEEE sqrt and divisions (a plain `/` compiles to the approximate div.full.f32): the only differences
+    from torch are the summation order of the mean and torch's own rsqrt rounding."""
+    mean = tl.div_rn(tl.sum(xf * xf, axis=0), n * 1.0)
+    return tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
 
 
 @kernel

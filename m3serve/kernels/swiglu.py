@@ -39,8 +39,8 @@ def _swiglu_kernel(gu_ptr, out_ptr, I, alpha, limit, BLOCK: tl.constexpr, CUDA: 
     # torch.clamp keeps NaN; fmin/fmax would replace it
     g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
     u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-    # IEEE division: tl.sigmoid would use the approximate one
-    sig = 1.0 / (1.0 + tl.exp(-(alpha * g)))
+    # IEEE division: tl.sigmoid and a plain `/` compile to the approximate div.full.f32
+    sig = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), 1.0 + tl.exp(-(alpha * g)))
     y = g * sig * (u + 1.0)
     tl.store(out_ptr + row.to(tl.int64) * I + cols, to_bf16(y, CUDA), mask=mask)
 

@@ -177,6 +177,14 @@ class BlockManager:
         self._touch_row(seq.row)
         return True
 
+    def has_uncommitted_full_pages(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether commit_full_pages would register a page now (O(1): lets callers skip building the token
+        list on the many steps where no page became full)."""
+        if not self.enable_prefix_caching:
+            return False
+        seq = self._seq(seq_id)
+        return min(num_tokens // self.page_size, len(seq.slots)) > len(seq.hashes)
+
     def commit_full_pages(self, seq_id: int, token_ids: list[int]) -> None:
         """Register the chain hashes of pages that became full; token_ids = the sequence's tokens so
         far whose KV has been written. Pages already committed are skipped (O(new pages))."""

@@ -73,9 +73,17 @@ class Attention(nn.Module):
             self.index_k_proj = Linear(h, di, parallel="replicated", name=f"{p}.index_k_proj")
             self.index_q_norm = RMSNorm(di, cfg.rms_norm_eps)
             self.index_k_norm = RMSNorm(di, cfg.rms_norm_eps)
+        # Set per model by m3serve.targets.routing.install: (attn, x, positions) -> project's five outputs (the
+        # q/k norms and RoPE fused into attn.qk_prep), or None for the stock path.
+        self.prep_dispatch = None
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, detach_indexer: bool = False):
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, detach_indexer: bool = False,
+                positions: torch.Tensor | None = None):
         """x [..., T, H] -> q [.., T, Hq, D], k/v [.., T, Hk, D], index q [.., T, Hk, Di] / k [.., T, Di] (or None)."""
+        if self.prep_dispatch is not None and positions is not None:
+            routed = self.prep_dispatch(self, x, positions)
+            if routed is not None:
+                return routed
         lead, d = x.shape[:-1], self.cfg.head_dim
         q = self.q_norm(self.q_proj(x).view(*lead, self.hq, d))
         k = self.k_norm(self.k_proj(x).view(*lead, self.hk, d))
@@ -102,7 +110,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial o_proj output [T, H]."""
-        q, k, v, iq, ik = self.project(x, cos, sin)
+        q, k, v, iq, ik = self.project(x, cos, sin, positions=batch.positions)
         if batch.step is not None:
             from m3serve.targets.attention import attention_forward
             out = attention_forward(self, q, k, v, iq, ik, batch.slot_mapping, batch.kv, batch.step)

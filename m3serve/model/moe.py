@@ -24,9 +24,16 @@ class DenseMLP(nn.Module):
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * local, parallel="column", name=f"{name}.gate_up_proj")
         self.down_proj = Linear(local, cfg.hidden_size, parallel="row", name=f"{name}.down_proj")
+        # Set per model by m3serve.targets.routing.install: (mlp, gate_up) -> the activation in x's dtype
+        # (mlp.swiglu_oai), or None for the stock path.
+        self.act_dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit).to(x.dtype))
+        gate_up = self.gate_up_proj(x)
+        a = self.act_dispatch(self, gate_up) if self.act_dispatch is not None else None
+        if a is None:
+            a = swiglu_oai(gate_up, self.alpha, self.limit).to(x.dtype)
+        return self.down_proj(a)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int

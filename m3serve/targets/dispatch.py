@@ -40,6 +40,11 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "msa.select": (((1, 8192), "msa.select"),),
     "attn.paged": (((1, 48), "attn.paged"),),
     "attn.prefill": (((1, 16384), "attn.prefill"),),
+    # fused elementwise steps of the decode target (rows = tokens of the step)
+    "norm.rms": (((1, 48), "norm.rms"),),
+    "attn.qk_prep": (((1, 48), "attn.qk_prep"),),
+    "mlp.swiglu_oai": (((1, 48), "mlp.swiglu_oai"),),
+    "moe.route_small": (((1, 48), "moe.route_small"),),
 }
 
 

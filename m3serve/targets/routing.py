@@ -7,8 +7,12 @@
 The mode belongs to the model it is installed on (a hook per module, bound to its mode): two models in one
 process route independently. Nothing here reads the environment.
 Routed today: quantized linears (linear.nvfp4 / linear.mxfp8 / linear.fp8, 1-48 rows) and the NVFP4 MoE
-layer (moe.nvfp4: router + routed experts + shared expert in three launches). Workspaces and output
-buffers are made once per call site and row cell, before any graph capture could need them.
+layer (moe.nvfp4: router + routed experts + shared expert in three launches); on bf16 CUDA activations the
+decoder-level Gemma norms (norm.rms), each attention layer's q/k norms + RoPE (attn.qk_prep, one launch),
+the dense MLPs' SwiGLU-OAI (mlp.swiglu_oai) and, in the dense all-experts MoE, the router (moe.route_small)
+and the stacked experts' activation. CPU or fp32 activations always take the stock path (byte for byte).
+Workspaces and output buffers are made once per call site and row cell, before any graph capture could
+need them.
 """
 
 from __future__ import annotations
@@ -30,17 +34,29 @@ def _workspace(module, key, make):
 
 
 def install(model, mode: str) -> None:
-    """Route `model`'s quantized linears and MoE layers in `mode` (replacing any earlier mode)."""
-    from m3serve.model.layers import Linear
-    from m3serve.model.moe import MoE
+    """Route `model`'s quantized linears, MoE layers, norms, attention q/k prep and dense-MLP activations in
+    `mode` (replacing any earlier mode)."""
+    from m3serve.model.layers import Linear, RMSNorm
+    from m3serve.model.m3 import Attention
+    from m3serve.model.moe import DenseMLP, MoE
     if mode not in MODES:
         raise ValueError(f"route mode: expected one of {MODES}, found {mode!r}")
     on = mode != "off"
+    # the per-head q/k norms belong to attn.qk_prep: they run only when it falls back, on [T, heads, D]
+    attention_norms = {id(n) for a in model.modules() if isinstance(a, Attention)
+                       for n in (a.q_norm, a.k_norm, getattr(a, "index_q_norm", None), getattr(a, "index_k_norm", None))
+                       if n is not None}
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.dispatch = functools.partial(_linear, mode=mode) if on else None
         elif isinstance(mod, MoE):
             mod.dispatch = functools.partial(_moe, mode=mode) if on else None
+        elif isinstance(mod, RMSNorm):
+            mod.dispatch = functools.partial(_norm, mode=mode) if on and id(mod) not in attention_norms else None
+        elif isinstance(mod, Attention):
+            mod.prep_dispatch = functools.partial(_qk_prep, mode=mode) if on else None
+        elif isinstance(mod, DenseMLP):
+            mod.act_dispatch = functools.partial(_swiglu, mode=mode) if on else None
     model.route_mode = mode
 
 
@@ -89,29 +105,124 @@ def _linear(lin, x: torch.Tensor, mode: str):
     return out.view(*x.shape[:-1], n)
 
 
+def _bf16_cuda(where: str, t: torch.Tensor, mode: str) -> bool:
+    """Whether the fused elementwise entries may take `t`: CPU tensors never (the stock path, also under
+    require: as the linear hook); on CUDA anything but bf16 raises under require."""
+    if t.device.type != "cuda":
+        return False
+    if t.dtype != torch.bfloat16:
+        if mode == "require":
+            raise ValueError(f"{where}: require mode needs bf16 activations, found {t.dtype}")
+        return False
+    return True
+
+
+def _norm(norm, x: torch.Tensor, mode: str):
+    """Gemma RMSNorm of [..., H] rows (norm.rms)."""
+    h = x.shape[-1]
+    if not _bf16_cuda("norm", x, mode) or x.numel() == 0:
+        return None
+    rows = x.numel() // h
+    entry = lookup("norm.rms", rows, (h,), mode)
+    if entry is None:
+        return None
+    x2 = x.reshape(rows, h)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
+    entry.raw_call(x2, norm.weight, float(norm.eps), out)
+    return out.view(x.shape)
+
+
+def _qk_prep(attn, x: torch.Tensor, positions: torch.Tensor, mode: str):
+    """Attention.project with the q/k (and index q/k) norms and RoPE in one attn.qk_prep launch; the
+    projections themselves go through their own Linear hooks. x [T, H] -> (q, k, v, iq, ik)."""
+    from m3serve.model.layers import rope_inv_freq
+    where = f"layers.{attn.layer}.self_attn"
+    if not _bf16_cuda(where, x, mode) or x.dim() != 2 or x.shape[0] == 0:
+        return None
+    cfg = attn.cfg
+    t, d, rd = x.shape[0], cfg.head_dim, cfg.rotary_dim
+    di = cfg.index_head_dim if attn.sparse else 0
+    entry = lookup("attn.qk_prep", t, (attn.hq, attn.hk, d, di, rd), mode)
+    if entry is None:
+        return None
+    inv_freq = _workspace(attn, ("rope_inv_freq", x.device), lambda: rope_inv_freq(rd, cfg.rope_theta, x.device))
+    q, k = attn.q_proj(x), attn.k_proj(x)
+    v = attn.v_proj(x).view(t, attn.hk, d)
+    q_out = torch.empty(t, attn.hq, d, dtype=torch.bfloat16, device=x.device)
+    k_out = torch.empty(t, attn.hk, d, dtype=torch.bfloat16, device=x.device)
+    index = {}
+    if di:
+        index = dict(iq=attn.index_q_proj(x), ik=attn.index_k_proj(x), iq_norm_w=attn.index_q_norm.weight,
+                     ik_norm_w=attn.index_k_norm.weight,
+                     iq_out=torch.empty(t, attn.hk, di, dtype=torch.bfloat16, device=x.device),
+                     ik_out=torch.empty(t, di, dtype=torch.bfloat16, device=x.device))
+    q_out, k_out, iq_out, ik_out = entry.raw_call(q, k, positions.contiguous(), attn.q_norm.weight,
+                                                  attn.k_norm.weight, inv_freq, float(attn.q_norm.eps), q_out,
+                                                  k_out, **index)
+    return q_out, k_out, v, iq_out, ik_out
+
+
+def _swiglu(mlp, gate_up: torch.Tensor, mode: str):
+    """A dense MLP's SwiGLU-OAI activation, [..., 2I] -> bf16 [..., I] (mlp.swiglu_oai)."""
+    two_i = gate_up.shape[-1]
+    if not _bf16_cuda(f"{mlp.down_proj.name}: activation", gate_up, mode) or gate_up.numel() == 0:
+        return None
+    rows, i = gate_up.numel() // two_i, two_i // 2
+    entry = lookup("mlp.swiglu_oai", rows, (1, i), mode)
+    if entry is None:
+        return None
+    out = torch.empty(1, rows, i, dtype=torch.bfloat16, device=gate_up.device)
+    entry.raw_call(gate_up.reshape(1, rows, two_i).contiguous(), float(mlp.alpha), float(mlp.limit), out)
+    return out.view(*gate_up.shape[:-1], i)
+
+
 # A dense-weight MoE with at most this many experts runs every expert on every token (masked): no host sync,
 # so it can be captured in a CUDA graph; beyond it the wasted FLOPs outweigh that (the stock loop runs).
 ALL_EXPERTS_MAX = 16
 
 
-def moe_all_experts(m, x: torch.Tensor) -> torch.Tensor:
+def moe_all_experts(m, x: torch.Tensor, mode: str = "off") -> torch.Tensor:
     """The stock MoE without `torch.unique(...).tolist()`: every expert's GEMMs on all T tokens (two batched
-    matmuls), each token's output the same fp32 sum of its selected experts in ascending expert order (other
-    experts contribute an exact 0). Differs from stock only in the GEMMs' blocking. x [T, H] -> [T, H]."""
+    matmuls), then one reduction over the experts of the masked, weighted outputs. x [T, H] -> [T, H].
+
+    Exactness of that reduction: a token's terms are its A selected experts' products y_e * w_e (fp32, each
+    rounded once, as stock's) and exact zeros for the others. Adding an exact zero is exact, so any
+    summation order rounds only where two non-zero partial sums meet: with A <= 2 (the embedded model) that is
+    the single rounding of p1 + p2, and the one-op sum equals stock's ascending-expert loop bit for bit; with
+    A > 2 it is within (A - 1) u sum|p| of it (torch's reduction order). With mode "off" (and on CPU or fp32)
+    everything else is the stock arithmetic, so the result differs from the stock MoE only in the GEMMs'
+    blocking. In auto / require mode on bf16 CUDA activations the router is moe.route_small (its logits in
+    another fp32 summation order: a near-tie may select differently) and the experts' activation
+    mlp.swiglu_oai (one bf16 ulp), each within its entry's stated tolerance; require raises outside their
+    certified cells."""
     from m3serve.model.layers import swiglu_oai
     from m3serve.model.moe import route
-    ids, weights = route(x, m.router, m.e_score_correction_bias, m.top_k)          # [T, A]
-    e = m.w13.num_experts
+    t, e = x.shape[0], m.w13.num_experts
+    fused = mode != "off" and x.device.type == "cuda" and x.dtype == torch.bfloat16 and t > 0
+    router = lookup("moe.route_small", t, (e, x.shape[1], m.top_k), mode) if fused else None
+    if router is not None:
+        weights = torch.empty(t, m.top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(t, m.top_k, dtype=torch.int64, device=x.device)
+        router.raw_call(x.contiguous(), m.router, m.e_score_correction_bias, m.top_k, weights, ids)
+    else:
+        ids, weights = route(x, m.router, m.e_score_correction_bias, m.top_k)      # [T, A]
     w13, w2 = m.w13.dense_weight(x.dtype), m.w2.dense_weight(x.dtype)               # [E, 2I, H], [E, H, I]
     xe = x.unsqueeze(0).expand(e, *x.shape)                                          # [E, T, H]
-    a = swiglu_oai(torch.bmm(xe, w13.transpose(1, 2)), m.alpha, m.limit).to(x.dtype)  # [E, T, I]
+    gate_up = torch.bmm(xe, w13.transpose(1, 2))                                     # [E, T, 2I]
+    i = gate_up.shape[-1] // 2
+    act = lookup("mlp.swiglu_oai", t, (e, i), mode) if fused else None
+    if act is not None:
+        a = torch.empty(e, t, i, dtype=torch.bfloat16, device=x.device)
+        act.raw_call(gate_up.contiguous(), float(m.alpha), float(m.limit), a)
+    else:
+        a = swiglu_oai(gate_up, m.alpha, m.limit).to(x.dtype)                       # [E, T, I]
     y = torch.bmm(a, w2.transpose(1, 2))                                             # [E, T, H]
-    hit = ids.t().unsqueeze(0) == torch.arange(e, device=x.device).view(e, 1, 1)     # [E, A, T]
-    coef = (hit * weights.t().unsqueeze(0)).sum(1)                                   # [E, T] fp32, one term
-    contrib = torch.where((coef != 0).unsqueeze(-1), y.float() * coef.unsqueeze(-1), 0.0)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for i in range(e):                                                               # ascending, as stock
-        out = out + contrib[i]
+    coef = torch.zeros(t, e, dtype=torch.float32, device=x.device).scatter_(1, ids, weights)  # [T, E], A non-zero
+    coef = coef.t().unsqueeze(-1)                                                    # [E, T, 1]
+    # an unselected expert contributes an exact 0 even where its output overflowed (stock never computes it)
+    out = torch.where(coef != 0, y * coef, 0.0).sum(0)                               # fp32 [T, H]
     out = out * m.scaling
     if m.shared is not None:
         out = out + m.shared(x).float()
@@ -122,7 +233,7 @@ def _moe(m, x: torch.Tensor, mode: str):
     if x.device.type != "cuda":
         return None
     if m.w13.fmt == "dense" and m.w2.fmt == "dense" and m.w13.num_experts <= ALL_EXPERTS_MAX:
-        return moe_all_experts(m, x)
+        return moe_all_experts(m, x, mode)
     if m.w13.fmt != "nvfp4" or m.w2.fmt != "nvfp4":
         if mode == "require":
             raise ValueError(f"moe: require mode routes NVFP4 experts or dense ones with at most "

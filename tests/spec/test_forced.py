@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from m3serve import LLM, SamplingParams
-from m3serve.engine.speculative import forced_accepts
+from m3serve.engine.spec_verify import forced_accepts
 from tests.spec.specutil import prompts, spec_cfg
 
 

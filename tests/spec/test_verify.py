@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3serve.engine.speculative import (DeviceRNG, forced_accepts, sample_categorical, verify_greedy,
-                                        verify_sampled)
+from m3serve.engine.spec_rng import DeviceRNG, sample_categorical
+from m3serve.engine.spec_verify import forced_accepts, verify_greedy, verify_sampled
 
 K, V = 3, 8
 R = 200_000          # rows per run: >= 1e5 draws for every chi-square below (fewer for the deep positions)

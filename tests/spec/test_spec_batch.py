@@ -1,0 +1,203 @@
+"""Step preparation of the speculative engine (spec_batch.py) equals the per-request packing it replaced.
+
+Every verify pass and every draft pass of real runs (staggered arrivals, chunked prefill, prefix hits, long
+accepted runs and rejections from the cheating drafter, greedy and sampled requests, and a run under page
+pressure with preemptions and failed draft-page allocations) is checked against a plain per-request
+reference written the old way: token ids, positions, flat slots (slot * page + offset), per-sequence spans and
+their slot ids, logits rows, the rows the draft passes take their hidden states from, and the proposing rows;
+plus the draft view's sub-page table against build_block_tables_reference. The persistent output buffers of
+both device tables are poisoned (-777) before every prepare, so a stale value cannot pass. Integer outputs:
+compared exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from m3serve.engine.engine import EngineConfig
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.kv.block_table import build_block_tables_reference
+from m3serve.kv.layout import SlotLayout
+from m3serve.kv.spec import KVCacheSpec
+from m3serve.model.loader import load_model
+from tests.spec.specutil import CheatEngine, plain_outputs, prompts, run_staggered, spec_cfg
+
+POISON = -777
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", random_weights=True, dtype=torch.float32)
+
+
+def _poisoned(tables):
+    prepare = tables.prepare
+
+    def wrapped(*a, **k):
+        tables.slot_table.fill_(POISON)
+        tables.subpage_table.fill_(POISON)
+        tables.slot_mapping_out.fill_(POISON)
+        return prepare(*a, **k)
+    return wrapped
+
+
+def _flat_slots(slots: list[int], positions, page: int) -> list[int]:
+    return [slots[p // page] * page + p % page for p in positions]
+
+
+def _assert_spans(batch, expect: list[tuple[int, int, int, list[int]]], page: int) -> None:
+    assert len(batch.seqs) == len(expect)
+    for sp, (start, n, length, slots) in zip(batch.seqs, expect):
+        assert (sp.start, sp.num_query, sp.seq_len) == (start, n, length)
+        assert sp.slots.dtype == torch.int64
+        assert sp.slots.tolist() == slots[:-(-length // page)]
+
+
+class CheckedEngine(CheatEngine):
+    """Checks every packed pass against the per-request reference, then runs it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.tables.prepare = _poisoned(self.tables)
+        self.view.tables.prepare = _poisoned(self.view.tables)
+        self.checked = {"target": 0, "draft_first": 0, "draft_next": 0}
+        self._items = []
+
+    def _plan(self, chunks):
+        self._items = super()._plan(chunks)
+        return self._items
+
+    # ---------------------------------------------------------------- the verify pass
+    def _run_target(self, batch, mode):
+        page = self.kv.page_size
+        ids, pos, smap, spans, rows = [], [], [], [], []
+        for it in self._items:                       # the old per-request packing
+            n = len(it.tokens)
+            p = list(range(it.pos0, it.pos0 + n))
+            slots = self.blocks.slot_ids(it.req.request_id)
+            ids += it.tokens
+            pos += p
+            smap += _flat_slots(slots, p, page)
+            spans.append((it.row0, n, it.pos0 + n, slots))
+            if it.sample:
+                assert it.logit_row0 == len(rows)
+                first = it.row0 + n - 1 - len(it.drafts)
+                rows += range(first, it.row0 + n)
+        assert batch.input_ids.tolist() == ids
+        assert batch.positions.tolist() == pos
+        assert batch.slot_mapping.tolist() == smap
+        assert batch.logits_rows.tolist() == rows
+        _assert_spans(batch, spans, page)
+        self.checked["target"] += 1
+        return super()._run_target(batch, mode)
+
+    # ---------------------------------------------------------------- the draft passes
+    def _run_draft(self, batch, src, gather, mode):
+        page = self.kv.page_size
+        if gather is not None:
+            live = [it for it in self._items if not it.req.is_finished and it.req.allocated]
+            ids, pos, smap, spans, src_ref, start = [], [], [], [], [], 0
+            self._last_rows = {}
+            for it in live:
+                r, c = it.req, it.req.num_computed
+                n = c - it.pos0
+                p = list(range(it.pos0, c))
+                slots = self.blocks.slot_ids(r.request_id)
+                ids += r.all_token_ids[it.pos0 + 1:c + 1]
+                pos += p
+                smap += _flat_slots(slots, p, page)
+                spans.append((start, n, c, slots))
+                src_ref += range(it.row0, it.row0 + n)
+                self._last_rows[r.request_id] = start + n - 1
+                start += n
+            assert batch.input_ids.tolist() == ids
+            assert src.tolist() == src_ref
+            self._gather = gather.tolist()
+            key = "draft_first"
+        else:
+            reqs = [self.requests[sid] for sid in self._next_ids(batch)]
+            j = self._pass
+            pos = [r.num_computed + j - 2 for r in reqs]
+            smap = [_flat_slots(self.blocks.slot_ids(r.request_id), [p], page)[0] for r, p in zip(reqs, pos)]
+            spans = [(i, 1, p + 1, self.blocks.slot_ids(r.request_id)) for i, (r, p) in enumerate(zip(reqs, pos))]
+            assert src.tolist() == [self._proposers.index(r.request_id) for r in reqs]
+            key = "draft_next"
+        assert batch.positions.tolist() == pos
+        assert batch.slot_mapping.tolist() == smap
+        _assert_spans(batch, spans, page)
+        view = self.view
+        rows = self.blocks.rows_of([r.request_id for r in self._span_reqs(batch, gather)])
+        _, sub_ref = build_block_tables_reference(self.blocks.host_table, rows, view.index_scale, view.kv_offset)
+        assert torch.equal(view.tables.subpage_table[:len(rows)].cpu(), sub_ref)
+        self.checked[key] += 1
+        return super()._run_draft(batch, src, gather, mode)
+
+    def _span_reqs(self, batch, gather):
+        if gather is not None:
+            return [it.req for it in self._items if not it.req.is_finished and it.req.allocated]
+        return [self.requests[sid] for sid in self._next_ids(batch)]
+
+    def _next_ids(self, batch):
+        """Later passes hold the proposers drafting at least `_pass` tokens, in proposer order."""
+        return [sid for sid, k in zip(self._proposers, self._ks) if k >= self._pass]
+
+    def _propose(self, head, reqs, greedy, keys):
+        if self._j == 0:                                  # after the first pass: who proposes, how many
+            self._proposers = [r.request_id for r in reqs]
+            self._ks = [min(self.spec.num_speculative_tokens, self.max_model_len - 1 - r.num_computed)
+                        for r in reqs]
+            assert self._gather == [self._last_rows[sid] for sid in self._proposers]
+        self._pass = self._j + 2
+        return super()._propose(head, reqs, greedy, keys)
+
+
+def _engine(model, ps, params, ref, **cfg):
+    reference = {tuple(p): out for p, out in zip(ps, ref)}
+    return CheckedEngine(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}), speculative_config=spec_cfg(3),
+                         reference=reference, corrupt_every=4)
+
+
+def test_packing_equals_per_request_reference(model):
+    ps = prompts(8, seed=30)
+    ps[4] = list(ps[1])                                          # full-page prefix hits
+    greedy = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True)
+              for m in np.random.default_rng(0).integers(4, 30, 8)]
+    params = [g if i % 3 else SamplingParams(max_tokens=g.max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+              for i, g in enumerate(greedy)]
+    ref = plain_outputs(model, ps, greedy)
+    eng = _engine(model, ps, params, ref, max_num_batched_tokens=40)
+    reqs = run_staggered(eng, ps, params, [0, 0, 1, 3, 4, 6, 9, 12])
+    for i, r in enumerate(reqs):
+        if params[i].greedy:
+            assert list(r.output_token_ids) == ref[i]
+    assert min(eng.checked.values()) > 10, eng.checked
+    hist = set(eng.accept_hist)                                  # short and full accepted runs were packed
+    assert {0, 3} <= hist and len(hist) >= 3, hist
+
+
+def test_packing_under_page_pressure(model):
+    spec = KVCacheSpec.from_model_config(model.cfg, kv_cache_dtype="auto", model_dtype=torch.float32,
+                                         num_draft_layers=1, draft_num_kv_heads=model.cfg.num_key_value_heads)
+    lay = SlotLayout(spec)
+    ps = prompts(4, 30, 40, seed=31)
+    params = [SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)] * 4
+    ref = plain_outputs(model, ps, params)
+    eng = _engine(model, ps, params, ref, kv_cache_bytes=14 * (lay.slot_bytes + lay.scale_slot_bytes),
+                  max_num_seqs=4)
+    reqs = run_staggered(eng, ps, params, [0, 0, 0, 0])
+    assert eng.scheduler.num_preemptions > 0
+    assert [list(r.output_token_ids) for r in reqs] == ref
+    assert min(eng.checked.values()) > 5, eng.checked
+
+
+def test_verify_step_may_exceed_the_scheduler_budget(model):
+    # 6 decoding requests x (1 + K = 4) rows = 24 tokens under a 16-token budget: the tables hold them.
+    ps = prompts(6, 3, 8, seed=32)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 6
+    ref = plain_outputs(model, ps, params)
+    eng = _engine(model, ps, params, ref, max_num_batched_tokens=16)
+    assert eng.tables.max_tokens == 16 + 3 * eng.config.max_num_seqs
+    reqs = run_staggered(eng, ps, params, [0] * 6)
+    assert [list(r.output_token_ids) for r in reqs] == ref
