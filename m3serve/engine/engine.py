@@ -387,12 +387,13 @@ class LLMEngine:
                                                           extra=extra)
         step = None
         if self.target_attention:
-            from m3serve.kernels.paged_attention import choose_num_splits
-            from m3serve.targets.attention import PagedStep
+            from m3serve.targets.attention import PagedStep, split_plan
             s = len(chunks)
             meta = self.tables.last_extra
+            dense, sparse = split_plan(int(n.sum()), self.tables.max_blocks, self.kv.spec.num_kv_heads,
+                                       self.model.cfg.index_topk_blocks)
             step = PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:], query_start=meta[:s + 1],
-                             max_query_len=int(n.max()), num_splits=choose_num_splits(s, self.tables.max_blocks))
+                             max_query_len=int(n.max()), num_splits=dense, num_splits_sparse=sparse)
         spans = [] if step is not None else [
             SeqSpan(int(starts[i]), int(n[i]), int(lengths[i]), slot_table[i, :-(-int(lengths[i]) // page)].long())
             for i in range(len(chunks))]

@@ -26,7 +26,7 @@ for every finite E4M3 scale, subnormal scales included: the product has at most 
 significant bits (bf16 has 8) and |product| >= 0.5 * 2**-9 * 2**-8 = 2**-18 (or exactly 0),
 far inside bf16's normal range, so mul.rn never rounds. Its INPUT e2m1 * 2**-126 is a bf16
 subnormal when e = 0; PTX has no .ftz for bf16 arithmetic (subnormals are always kept), which
-the emulation assumes and the GPU test (test_gpu.py::test_e2m1_ptx_decoder_compiled) checks.
+the emulation assumes and the GPU test (test_e2m1_ptx_gpu.py::test_e2m1_ptx_decoder_compiled) checks.
 Not exact: E4M3 NaN codes (0x7F / 0xFF) give NaN weights (the torch reference gives NaN too);
 quant.check_finite rejects them at load.
 
@@ -57,7 +57,7 @@ def use_ptx(t) -> bool:
 
 _MASK = 0x81C081C0  # sign bits 15 / 31, e e m bits 8..6 / 24..22
 
-E2M1_BF16X2_PTX = f"""{{
+_DECODE = f"""
 .reg .b32 q2, x0, x1, x2, x3, r0, r1, r2, r3, sc;
 and.b32 x0, $8, 0x000F000F;
 mul.lo.u32 r0, x0, 0x1040;
@@ -77,14 +77,31 @@ mul.rn.bf16x2 r0, r0, sc;
 mul.rn.bf16x2 r1, r1, sc;
 mul.rn.bf16x2 r2, r2, sc;
 mul.rn.bf16x2 r3, r3, sc;
-mov.b32 {{$0, $1}}, r0;
-mov.b32 {{$2, $3}}, r1;
-mov.b32 {{$4, $5}}, r2;
-mov.b32 {{$6, $7}}, r3;
-}}"""
+"""
+
+E2M1_BF16X2_PTX = "{" + _DECODE + """mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}"""
+
+# fp32 outputs for CUDA-core use (the decode GEMV): a bf16 in the low half becomes an fp32 by a
+# left shift of 16, one in the high half by clearing the low 16 bits: 1 instruction per weight
+# instead of the unpack + cvt pair (PRMT + shift) ptxas emits for a bf16 -> fp32 conversion.
+E2M1_F32_PTX = "{" + _DECODE + """shl.b32 $0, r0, 16;
+and.b32 $1, r0, 0xFFFF0000;
+shl.b32 $2, r1, 16;
+and.b32 $3, r1, 0xFFFF0000;
+shl.b32 $4, r2, 16;
+and.b32 $5, r2, 0xFFFF0000;
+shl.b32 $6, r3, 16;
+and.b32 $7, r3, 0xFFFF0000;
+}"""
 
 _ASM = tl.constexpr(E2M1_BF16X2_PTX)  # jit code reads module globals only as constexprs
 _CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h")  # 8 bf16 out, word in, bf16 scale in
+_ASM_F32 = tl.constexpr(E2M1_F32_PTX)
+_CONSTRAINTS_F32 = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,h")  # 8 fp32 out
 
 
 @helper
@@ -99,6 +116,15 @@ def e2m1_scaled_ptx(words, scale):
 
 
 @helper
+def e2m1_scaled_ptx_f32(words, scale):
+    """As e2m1_scaled_ptx, the 8 outputs as fp32 (exact: every bf16 is an fp32)."""
+    return tl.inline_asm_elementwise(
+        _ASM_F32, _CONSTRAINTS_F32, [words, scale],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True, pack=1)
+
+
+@helper
 def scale_bf16_2_118(sr, CUDA: tl.constexpr):
     """uint8 E4M3 group scales -> bf16 e4m3 * 2**118 (exact, see above)."""
     return (e4m3_to_f32(sr, CUDA) * _SCALE_BF16).to(tl.bfloat16)
@@ -107,19 +133,20 @@ def scale_bf16_2_118(sr, CUDA: tl.constexpr):
 @helper
 def nvfp4_words_scaled(wd, sc, NATURAL: tl.constexpr):
     """int32 words [R, C] + bf16 scale * 2**118 [R, C/2] (one per 16 columns = 2 words) ->
-    bf16 weights * 2**-8 [R, 8C]: pair order (NATURAL=False, the MMA operand order of
-    _decode.x_cols) or natural column order (NATURAL=True, for CUDA-core use in fp32). The joins
+    weights * 2**-8 [R, 8C]: bf16 in pair order (NATURAL=False, the MMA operand order of
+    _decode.x_cols) or fp32 in natural column order (NATURAL=True, for CUDA-core FMAs). The joins
     only rename registers: join(a, b) adds a fastest axis of size 2."""
     R: tl.constexpr = wd.shape[0]
     C: tl.constexpr = wd.shape[1]
     sw = tl.join(sc, sc).reshape(R, C)
-    l0, h0, l1, h1, l2, h2, l3, h3 = e2m1_scaled_ptx(wd, sw)  # l_j = column j, h_j = column j+4
     if NATURAL:
+        l0, h0, l1, h1, l2, h2, l3, h3 = e2m1_scaled_ptx_f32(wd, sw)  # l_j = column j, h_j = column j+4
         # [R, C, h] then [R, C, h, b] and [R, C, h, b, a] with j = 2b + a: flat 4h + 2b + a = column
         u0 = tl.join(tl.join(l0, h0), tl.join(l2, h2))
         u1 = tl.join(tl.join(l1, h1), tl.join(l3, h3))
         return tl.join(u0, u1).reshape(R, C * 8)
     else:
+        l0, h0, l1, h1, l2, h2, l3, h3 = e2m1_scaled_ptx(wd, sw)
         # pair order 0,4,1,5,2,6,3,7: as _decode.e2m1_words (l_j, h_j adjacent = one register)
         lo = tl.join(tl.join(l0, l2), tl.join(l1, l3))
         hi = tl.join(tl.join(h0, h2), tl.join(h1, h3))
@@ -158,10 +185,12 @@ def _operand(tok: str, regs: dict, args: dict) -> np.ndarray:
 
 def emulate(words: np.ndarray, scale_bits: np.ndarray, ptx: str = E2M1_BF16X2_PTX) -> list[np.ndarray]:
     """Execute `ptx` on uint32 `words` and uint16 bf16 `scale_bits` (same shape) -> the 8 outputs
-    ($0..$7) as uint16 bf16 bit patterns. Instruction semantics (PTX ISA):
+    ($0..$7): uint16 bf16 bit patterns (E2M1_BF16X2_PTX) or uint32 fp32 ones (E2M1_F32_PTX).
+    Instruction semantics (PTX ISA):
         and.b32 d, a, b          d = a & b                     (32-bit, ptxas: LOP3.LUT)
         mul.lo.u32 d, a, b       d = (a * b) mod 2**32         (ptxas: IMAD)
         shr.u32 d, a, n          d = a >> n, zero fill         (ptxas: SHF.R.U32)
+        shl.b32 d, a, n          d = (a << n) mod 2**32        (ptxas: SHF.L / IMAD.SHL)
         mov.b32 d, {lo, hi}      d = lo | hi << 16             (pack; ptxas: PRMT or a rename)
         mov.b32 {lo, hi}, a      lo = a & 0xFFFF, hi = a >> 16 (unpack; a rename)
         mul.rn.bf16x2 d, a, b    each 16-bit half: bf16 product rounded to nearest even, subnormal
@@ -192,12 +221,16 @@ def emulate(words: np.ndarray, scale_bits: np.ndarray, ptx: str = E2M1_BF16X2_PT
             continue
         dst, a, b = (t.strip() for t in rest.split(","))
         va, vb = _operand(a, regs, args), _operand(b, regs, args)
+        out = args if dst.startswith("$") else regs
+        key = int(dst[1:]) if dst.startswith("$") else dst
         if op == "and.b32":
-            regs[dst] = (np.asarray(va, np.uint32) & np.asarray(vb, np.uint32)).astype(np.uint32)
+            out[key] = (np.asarray(va, np.uint32) & np.asarray(vb, np.uint32)).astype(np.uint32)
         elif op == "mul.lo.u32":
-            regs[dst] = ((np.asarray(va, np.uint64) * np.asarray(vb, np.uint64)) & 0xFFFFFFFF).astype(np.uint32)
+            out[key] = ((np.asarray(va, np.uint64) * np.asarray(vb, np.uint64)) & 0xFFFFFFFF).astype(np.uint32)
         elif op == "shr.u32":
-            regs[dst] = (np.asarray(va, np.uint32) >> np.uint32(vb)).astype(np.uint32)
+            out[key] = (np.asarray(va, np.uint32) >> np.uint32(vb)).astype(np.uint32)
+        elif op == "shl.b32":
+            out[key] = ((np.asarray(va, np.uint64) << np.uint64(vb)) & 0xFFFFFFFF).astype(np.uint32)
         elif op == "mul.rn.bf16x2":
             va, vb = np.asarray(va, np.uint32), np.asarray(vb, np.uint32)
             halves = []
@@ -205,7 +238,7 @@ def emulate(words: np.ndarray, scale_bits: np.ndarray, ptx: str = E2M1_BF16X2_PT
                 pa = _bf16_bits_to_f64((va >> sh) & 0xFFFF)
                 pb = _bf16_bits_to_f64((vb >> sh) & 0xFFFF)
                 halves.append(_f64_to_bf16_bits_rn(pa * pb).astype(np.uint32))
-            regs[dst] = (halves[0] | (halves[1] << 16)).astype(np.uint32)
+            out[key] = (halves[0] | (halves[1] << 16)).astype(np.uint32)
         else:
             raise ValueError(f"emulate: opcode {op!r} is not modelled")
     return [args[i] for i in range(8)]

@@ -146,7 +146,7 @@ def decode_tile(wr, sr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G
     unused (row_part's PRESCALED)."""
     G: tl.constexpr = BK // GS
     if FMT == 0 and PTX:
-        w = nvfp4_words_scaled(wr, scale_bf16_2_118(sr, CUDA), True).to(tl.float32).reshape(BN, G, GS)
+        w = nvfp4_words_scaled(wr, scale_bf16_2_118(sr, CUDA), True).reshape(BN, G, GS)
         s = tl.full([BN, G], 1.0, tl.float32)
     elif FMT == 0:
         w = e2m1_words_f32(wr).reshape(BN, G, GS)

@@ -1,19 +1,36 @@
 """Compile every certified cell's kernels for sm_90 without a GPU and report resource use.
 
-    python -m m3serve.kernels.aot_check [--entry NAME] [--sass-dir DIR]
+    python -m m3serve.kernels.aot_check [--entry NAME] [--sass-dir DIR] [--sass-stats [--e2m1 both|ptx|triton]]
 
 Each entry's raw call runs on 'meta' tensors of the real shapes inside capture_launches, so
 the exact compiled variants (constexprs, 16-byte divisibility, ==1 specialisation) are
 collected without allocating memory; each distinct variant is then built with Triton's own
 ptxas and read back with cuobjdump. A register spill (stack > 0) is reported; a build error
 fails. This is a CPU-side guard: it proves compilation and shows the code size, not speed.
+
+--sass-stats: the instruction mix of each variant's K loop, read from `cuobjdump -sass`. Method:
+every backward branch (BRA to a lower address) closes a loop spanning [target, branch]; the
+INNERMOST loops are those containing no other loop; the K loop is the innermost loop with the
+most instructions (the weight decode dominates; NOPs are not counted). One iteration of it
+handles one BN x BK weight tile (Triton does not unroll the K loop; software pipelining keeps
+one tile per iteration), i.e. BN*BK / (32*num_warps) weights per thread, so
+
+    instructions per weight = (K-loop instructions) * 32 * num_warps / (BN * BK)
+
+(thread instructions per weight element: the unit of the H200 budget of ~5.6 per NVFP4 weight at
+70 % of copy bandwidth). With --e2m1 both, every variant is compiled with the inline-PTX NVFP4
+decoder (_e2m1_ptx.PTX_E2M1 = True) and with the pure-Triton one, for a before/after table. A
+static count, not a timing: stalls, dual issue and memory are not modelled.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -60,14 +77,114 @@ def run(entries: list[Entry], arch: int = 90, sass_dir: str | None = None) -> li
     return out
 
 
+_SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)")
+
+
+@dataclass
+class LoopStats:
+    start: int
+    end: int
+    count: int
+    mix: dict[str, int]
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text without predicate-free trailing encoding) of one cuobjdump listing."""
+    out = []
+    for line in sass.splitlines():
+        m = _SASS_LINE.match(line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def opcode(text: str) -> str:
+    """Base mnemonic: '@!P0 LOP3.LUT R1, ...' -> 'LOP3'."""
+    toks = text.split()
+    op = toks[1] if toks[0].startswith("@") and len(toks) > 1 else toks[0]
+    return op.split(".")[0]
+
+
+def innermost_loops(sass: str) -> list[LoopStats]:
+    ins = sass_instructions(sass)
+    spans = []
+    for addr, text in ins:
+        m = _BRANCH.search(text)
+        if m and opcode(text) == "BRA" and int(m.group(1), 16) < addr:
+            spans.append((int(m.group(1), 16), addr))
+    inner = [(a, b) for a, b in spans if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
+    loops = []
+    for a, b in inner:
+        body = [opcode(t) for addr, t in ins if a <= addr <= b and opcode(t) != "NOP"]
+        loops.append(LoopStats(a, b, len(body), dict(collections.Counter(body).most_common())))
+    return loops
+
+
+def k_loop_stats(sass: str, kwargs: dict) -> tuple[LoopStats | None, float]:
+    """(the K loop, thread instructions per weight) of one compiled variant; see the module doc."""
+    loops = innermost_loops(sass)
+    if not loops or "BN" not in kwargs or "BK" not in kwargs:
+        return None, float("nan")
+    loop = max(loops, key=lambda lp: lp.count)
+    per_thread = kwargs["BN"] * kwargs["BK"] / (32 * kwargs.get("num_warps", 4))
+    return loop, loop.count / per_thread
+
+
+_MIX_KEYS = ("LOP3", "IMAD", "SHF", "PRMT", "HMUL2", "HADD2", "FFMA", "HGMMA", "LDG", "LDS", "STS", "BAR")
+
+
+def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> list[str]:
+    """One row per (variant, decoder mode): K-loop instructions, per weight, and the mix."""
+    from m3serve.kernels import _e2m1_ptx
+
+    saved = _e2m1_ptx.PTX_E2M1
+    rows: dict[tuple, dict[str, tuple]] = {}
+    info: dict[tuple, tuple] = {}
+    try:
+        for mode in modes:
+            _e2m1_ptx.PTX_E2M1 = mode == "ptx"
+            for key, (ename, why, kern, args, kwargs) in collect(entries).items():
+                res = aot_compile(kern, args, kwargs, arch=arch, sass=True)
+                loop, per_w = k_loop_stats(res.sass or "", kwargs)
+                base = (ename, kern.__name__, why, key[1], tuple(kv for kv in key[2] if kv[0] != "PTX"))
+                info[base] = (kwargs.get("BN"), kwargs.get("BK"), kwargs.get("num_warps", 4))
+                rows.setdefault(base, {})[mode] = (loop, per_w, res.stack + res.local)
+    finally:
+        _e2m1_ptx.PTX_E2M1 = saved
+    head = f"{'entry':13s} {'kernel':13s} {'BN':>3s} {'BK':>4s} {'w':>2s} " + " ".join(
+        f"{m + ' loop':>11s} {m + '/wt':>10s}" for m in modes) + "  K-loop mix (" + modes[-1] + ")  [cell]"
+    out = [head]
+    for base, per_mode in rows.items():
+        ename, kname, why = base[:3]
+        bn, bk, nw = info[base]
+        cols = []
+        for m in modes:
+            loop, per_w, spill = per_mode.get(m, (None, float("nan"), 0))
+            flag = "!" if spill else ""
+            cols.append(f"{(loop.count if loop else 0):11d} {per_w:9.2f}{flag or ' '}")
+        loop = per_mode.get(modes[-1], (None,))[0]
+        mix = " ".join(f"{k}:{loop.mix[k]}" for k in _MIX_KEYS if loop and k in loop.mix)
+        out.append(f"{ename:13s} {kname:13s} {bn!s:>3s} {bk!s:>4s} {nw:2d} " + " ".join(cols) + f"  {mix}  [{why}]")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--entry", action="append", help="entry name (repeatable); default: all")
     ap.add_argument("--sass-dir", default=None)
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--sass-stats", action="store_true", help="K-loop instructions per weight (see module doc)")
+    ap.add_argument("--e2m1", choices=("both", "ptx", "triton"), default="both",
+                    help="with --sass-stats: NVFP4 decoder(s) to compile")
     a = ap.parse_args(argv)
     ents = all_entries()
     chosen = [ents[n] for n in a.entry] if a.entry else list(ents.values())
+    if a.sass_stats:
+        modes = ("triton", "ptx") if a.e2m1 == "both" else (a.e2m1,)
+        for line in sass_stats(chosen, modes, a.arch):
+            print(line, flush=True)
+        return 0
     spills = 0
     for ename, why, r in run(chosen, a.arch, a.sass_dir):
         flag = "  SPILL" if r.stack > 0 or r.local > 0 else ""

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from m3serve.model.m3 import ForwardBatch
-from m3serve.targets.attention import PagedStep
+from m3serve.targets.attention import PagedStep, split_plan
 
 log = logging.getLogger("m3serve")
 
@@ -93,7 +93,7 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv, tables, buckets: tuple[int, ...], num_splits_for=None):
+    def __init__(self, model, kv, tables, buckets: tuple[int, ...]):
         if model.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA model, found {model.device}")
         self.model, self.kv, self.tables = model, kv, tables
@@ -101,10 +101,6 @@ class DecodeGraphs:
         if not self.buckets or self.buckets[-1] > tables.manager.max_seqs:
             raise ValueError(f"buckets: expected sizes in [1, max_num_seqs = {tables.manager.max_seqs}], "
                              f"found {buckets}")
-        if num_splits_for is None:
-            from m3serve.kernels.paged_attention import choose_num_splits
-            num_splits_for = lambda s: choose_num_splits(s, tables.max_blocks)  # noqa: E731
-        self.num_splits_for = num_splits_for
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Bucket] = {}
         self.replays = 0
@@ -145,10 +141,12 @@ class DecodeGraphs:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for bucket in sorted(self.buckets, reverse=True):
                 off = stage_offsets(bucket)
+                dense, sparse = split_plan(bucket, self.tables.max_blocks, self.kv.spec.num_kv_heads,
+                                           self.model.cfg.index_topk_blocks)
                 step = PagedStep(slot_table=self.tables.slot_table[:bucket],
                                  seq_lens=self.tables._dev_stage[off["seq_lens"]],
                                  query_start=torch.arange(bucket + 1, dtype=torch.int32, device=self.model.device),
-                                 max_query_len=1, num_splits=self.num_splits_for(bucket))
+                                 max_query_len=1, num_splits=dense, num_splits_sparse=sparse)
                 self._safe_inputs(bucket)
                 self._forward(bucket, step)                 # compile + allocate the step's scratch
                 torch.cuda.synchronize(self.model.device)

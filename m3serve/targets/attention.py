@@ -35,7 +35,8 @@ class PagedStep:
     seq_lens: Tensor        # [S] int32 keys after this step; 0 = padding sequence
     query_start: Tensor     # [S + 1] int32 cumulative query tokens
     max_query_len: int      # host int fixed per call site (grid sizes only)
-    num_splits: int         # split-KV factor of attn.paged (host int fixed per call site)
+    num_splits: int         # split-KV factor of attn.paged on dense layers (host int fixed per call site)
+    num_splits_sparse: int  # ... on MSA layers (each query visits at most top-k blocks)
     workspaces: dict = field(default_factory=dict)  # per (kind, shape): preallocated kernel scratch
 
     def scratch(self, key, make):
@@ -44,6 +45,17 @@ class PagedStep:
         if buf is None:
             buf = self.workspaces[key] = make()
         return buf
+
+
+def split_plan(query_rows: int, max_blocks: int, kv_heads: int, topk: int) -> tuple[int, int]:
+    """(dense, sparse) split-KV factors for a step of `query_rows` rows. Decode rows are rounded up to their
+    graph bucket first, so an eager step and the graph of the same bucket split (and so sum) identically."""
+    from m3serve.kernels.paged_attention import choose_num_splits
+    from m3serve.runtime.decode_graphs import DEFAULT_BUCKETS, bucket_for
+    rows = bucket_for(query_rows, DEFAULT_BUCKETS) or query_rows
+    dense = choose_num_splits(rows, max_blocks, kv_heads=kv_heads)
+    sparse = choose_num_splits(rows, max(topk, 1), kv_heads=kv_heads, min_blocks_per_split=1)
+    return dense, sparse
 
 
 def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,
@@ -79,8 +91,9 @@ def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, 
                    block_size=cfg.index_block_size, local_blocks=cfg.index_local_blocks,
                    init_blocks=cfg.index_init_blocks)
     scales = (kv.pages(layer, "k_scale"), kv.pages(layer, "v_scale")) if fmt == "nvfp4" else (None, None)
-    ws = step.scratch(("attn.paged", t, hq, d), lambda: make_workspace(t, hq, d, step.num_splits, q.device))
-    paged_attention(q, kp, vp, *scales, kv.kv_global_scale[layer], step.slot_table, step.seq_lens,
-                    step.query_start, sel, out, ws, fmt=fmt, sm_scale=attn.scale,
-                    max_query_len=step.max_query_len, num_splits=step.num_splits)
+    splits = step.num_splits_sparse if attn.sparse else step.num_splits
+    ws = step.scratch(("attn.paged", t, hq, d, splits), lambda: make_workspace(t, hq, d, splits, q.device))
+    paged_attention(q, kp, vp, *scales, kv.kv_global_scale[layer] if fmt == "nvfp4" else None, step.slot_table,
+                    step.seq_lens, step.query_start, sel, out, ws, fmt=fmt, sm_scale=attn.scale,
+                    max_query_len=step.max_query_len, num_splits=splits)
     return out

@@ -167,7 +167,7 @@ def _qk_prep(attn, x: torch.Tensor, positions: torch.Tensor, mode: str):
 def _swiglu(mlp, gate_up: torch.Tensor, mode: str):
     """A dense MLP's SwiGLU-OAI activation, [..., 2I] -> bf16 [..., I] (mlp.swiglu_oai)."""
     two_i = gate_up.shape[-1]
-    if not _bf16_cuda(f"{mlp.down_proj.name}: activation", gate_up, mode) or gate_up.numel() == 0:
+    if not _bf16_cuda(f"{mlp.gate_up_proj.name.rsplit('.', 1)[0]} activation", gate_up, mode) or gate_up.numel() == 0:
         return None
     rows, i = gate_up.numel() // two_i, two_i // 2
     entry = lookup("mlp.swiglu_oai", rows, (1, i), mode)
@@ -181,6 +181,16 @@ def _swiglu(mlp, gate_up: torch.Tensor, mode: str):
 # A dense-weight MoE with at most this many experts runs every expert on every token (masked): no host sync,
 # so it can be captured in a CUDA graph; beyond it the wasted FLOPs outweigh that (the stock loop runs).
 ALL_EXPERTS_MAX = 16
+
+
+def combine_selected(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [E, T, H] every expert's output, ids / weights [T, A] -> fp32 [T, H]: sum over a of
+    y[ids[t, a], t] * weights[t, a], as one reduction over E (see moe_all_experts for its exactness)."""
+    e, t = y.shape[0], y.shape[1]
+    coef = torch.zeros(t, e, dtype=torch.float32, device=y.device).scatter_(1, ids, weights)  # [T, E], A non-zero
+    coef = coef.t().unsqueeze(-1)                                                    # [E, T, 1]
+    # an unselected expert contributes an exact 0 even where its output overflowed (stock never computes it)
+    return torch.where(coef != 0, y * coef, 0.0).sum(0)
 
 
 def moe_all_experts(m, x: torch.Tensor, mode: str = "off") -> torch.Tensor:
@@ -219,11 +229,7 @@ def moe_all_experts(m, x: torch.Tensor, mode: str = "off") -> torch.Tensor:
     else:
         a = swiglu_oai(gate_up, m.alpha, m.limit).to(x.dtype)                       # [E, T, I]
     y = torch.bmm(a, w2.transpose(1, 2))                                             # [E, T, H]
-    coef = torch.zeros(t, e, dtype=torch.float32, device=x.device).scatter_(1, ids, weights)  # [T, E], A non-zero
-    coef = coef.t().unsqueeze(-1)                                                    # [E, T, 1]
-    # an unselected expert contributes an exact 0 even where its output overflowed (stock never computes it)
-    out = torch.where(coef != 0, y * coef, 0.0).sum(0)                               # fp32 [T, H]
-    out = out * m.scaling
+    out = combine_selected(y, ids, weights) * m.scaling
     if m.shared is not None:
         out = out + m.shared(x).float()
     return out.to(x.dtype)

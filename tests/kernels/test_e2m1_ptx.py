@@ -5,7 +5,7 @@ decode m3serve.quant.nvfp4.dequantize_nvfp4 (global scale 1) times 2**-8 (the NV
 
 Tolerance: none. Every finite E2M1 x E4M3 product is a bf16 value (<= 6 significant bits, within
 the normal range), so the decoder must reproduce the fp32 reference exactly; the two E4M3 NaN
-codes must give NaN on both sides. The GPU counterpart is test_gpu.py::test_e2m1_ptx_decoder_compiled."""
+codes must give NaN on both sides. The GPU counterpart is test_e2m1_ptx_gpu.py::test_e2m1_ptx_decoder_compiled."""
 
 from __future__ import annotations
 
@@ -35,15 +35,20 @@ def _all_bytes_words() -> np.ndarray:
     return (b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)).astype(np.uint32)
 
 
-def test_ptx_decoder_emulated_is_exact_for_all_bytes_and_scales() -> None:
+@pytest.mark.parametrize("variant", ["bf16x2", "f32"])
+def test_ptx_decoder_emulated_is_exact_for_all_bytes_and_scales(variant: str) -> None:
     words = _all_bytes_words().reshape(-1)  # [1024]
     scales = np.arange(256, dtype=np.uint8)
     w2 = np.repeat(words[None, :], 256, axis=0)  # [256 scales, 1024 words]
     sb = np.repeat(_scale_bits_2_118(scales)[:, None], words.size, axis=1)
-    outs = P.emulate(w2, sb)
+    outs = P.emulate(w2, sb, P.E2M1_BF16X2_PTX if variant == "bf16x2" else P.E2M1_F32_PTX)
     got = np.empty((256, words.size, 8), dtype=np.float32)
     for p, col in enumerate(P.PAIR_ORDER):
-        got[:, :, col] = (outs[p].astype(np.uint32) << 16).view(np.float32)
+        bits = outs[p].astype(np.uint32)
+        if variant == "bf16x2":
+            assert outs[p].dtype == np.uint16
+            bits = bits << 16
+        got[:, :, col] = bits.view(np.float32)
     # reference: each word is 4 packed bytes = 8 columns, one 16-column group padded by zeros
     packed = torch.from_numpy(words.view(np.uint8).reshape(-1, 4).copy())  # little-endian bytes
     packed16 = torch.zeros(words.size, 8, dtype=torch.uint8)

@@ -1,0 +1,97 @@
+"""CPU checks of the inline-PTX NVFP4 wiring (no GPU): the SASS loop counter of aot_check on a
+hand-made listing; the NVFP4 GEMM / GEMV compiled for sm_90 with and without the PTX decoder
+(no spills, the K loop really uses packed bf16 multiplies, fewer instructions per weight on the
+tensor-core path); and the MoE kernels honouring SwiGLU alpha / limit other than M3's.
+
+Tolerances: the MoE check uses the entry's own compare (bands derived in moe_nvfp4.compare);
+instruction counts are compared only as "fewer than", never against fixed numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from m3serve.kernels import _e2m1_ptx, aot_check
+from m3serve.kernels import moe_nvfp4 as MOE
+from m3serve.kernels.catalog import all_entries
+
+_FAKE_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x0 */
+        /*0010*/                   LOP3.LUT R2, R3, 0xf000f, RZ, 0xc0, !PT ;   /* 0x0 */
+        /*0020*/                   IMAD R2, R2, 0x1040, RZ ;              /* 0x0 */
+        /*0030*/               @P0 BRA 0x10 ;                             /* 0x0 */
+        /*0040*/                   HMUL2.BF16_V2 R4, R4, R5.H0_H0 ;       /* 0x0 */
+        /*0050*/                   FFMA R6, R6, R7, R8 ;                  /* 0x0 */
+        /*0060*/                   NOP ;                                  /* 0x0 */
+        /*0070*/              @!P1 BRA 0x40 ;                             /* 0x0 */
+        /*0080*/                   BRA 0x0 ;                              /* 0x0 */
+        /*0090*/                   EXIT ;                                 /* 0x0 */
+"""
+
+
+def test_innermost_loops_and_per_weight_count() -> None:
+    loops = aot_check.innermost_loops(_FAKE_SASS)
+    # 0x0..0x80 contains both other loops, so only [0x10, 0x30] and [0x40, 0x70] are innermost
+    assert [(lp.start, lp.end, lp.count) for lp in loops] == [(0x10, 0x30, 3), (0x40, 0x70, 3)]
+    assert loops[1].mix == {"HMUL2": 1, "FFMA": 1, "BRA": 1}  # the NOP is not counted
+    loop, per_w = aot_check.k_loop_stats(_FAKE_SASS, {"BN": 4, "BK": 8, "num_warps": 1})
+    assert loop is not None and per_w == pytest.approx(3 * 32 / 32)
+
+
+def _one_cell(name: str, pred) -> object:
+    e = all_entries()[name]
+    cell = next(c for c in e.cells if pred(c))
+    return dataclasses.replace(e, cells=(cell,))
+
+
+@pytest.mark.parametrize("kind", ["gemv", "wstream"])
+def test_nvfp4_k_loop_with_and_without_ptx(kind: str) -> None:
+    want = "GemvConfig" if kind == "gemv" else "GemmConfig"
+    one = _one_cell("linear.nvfp4", lambda c: type(c.config["gemm"]).__name__ == want and c.rows[0] == 1
+                    if kind == "gemv" else type(c.config["gemm"]).__name__ == want and c.rows == (5, 16))
+    lines = aot_check.sass_stats([one], ("triton", "ptx"))
+    assert _e2m1_ptx.PTX_E2M1 is True, "sass_stats must restore the module switch"
+    assert len(lines) >= 2
+    stats = {}
+    for mode in ("triton", "ptx"):
+        _e2m1_ptx.PTX_E2M1 = mode == "ptx"
+        try:
+            for _key, (_e, _why, kern, args, kwargs) in aot_check.collect([one]).items():
+                res = aot_check.aot_compile(kern, args, kwargs, sass=True)
+                assert res.stack == 0 and res.local == 0, f"{mode}: spills"
+                stats[mode] = aot_check.k_loop_stats(res.sass, kwargs)
+        finally:
+            _e2m1_ptx.PTX_E2M1 = True
+    (lt, wt), (lp, wp) = stats["triton"], stats["ptx"]
+    assert lp.mix.get("HMUL2", 0) * 2 * 32 * kwargs.get("num_warps", 4) >= kwargs["BN"] * kwargs["BK"], \
+        "the PTX path must scale every weight with a packed bf16 multiply"
+    if kind == "wstream":
+        assert wp < wt, f"tensor-core NVFP4 loop: PTX {wp:.2f} vs Triton {wt:.2f} instructions per weight"
+
+
+def _moe_case(gen: torch.Generator, **kw):
+    cell = MOE.INTERP_CELLS[0]
+    case = MOE.make_case(cell, 2, torch.device("cpu"), gen)
+    return dataclasses.replace(case, kwargs=kw)
+
+
+def test_moe_honours_swiglu_alpha_and_limit() -> None:
+    gen = torch.Generator().manual_seed(7)
+    case = _moe_case(gen, swiglu_alpha=1.25, swiglu_limit=2.5)
+    out = MOE.moe_nvfp4(*case.args, **case.kwargs)
+    ref = MOE.moe_reference(*case.args, **case.kwargs)
+    MOE.compare(out, ref, case)
+    # the same kernel output must fail against M3's constants: the clamp at 2.5 is exercised
+    with pytest.raises(AssertionError):
+        MOE.compare(out, MOE.moe_reference(*case.args), dataclasses.replace(case, kwargs={}))
+
+
+@pytest.mark.parametrize("kw,exc", [({"swiglu_alpha": float("nan")}, TypeError),
+                                    ({"swiglu_limit": "7"}, TypeError),
+                                    ({"swiglu_limit": 0.0}, ValueError)])
+def test_moe_rejects_bad_swiglu_constants(kw: dict, exc: type) -> None:
+    case = _moe_case(torch.Generator().manual_seed(1))
+    with pytest.raises(exc, match="swiglu_"):
+        MOE.moe_nvfp4(*case.args, **kw)
