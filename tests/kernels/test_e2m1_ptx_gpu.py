@@ -31,8 +31,9 @@ def _dev() -> torch.device:
 
 @kernel
 def probe_ptx(w_ptr, s_ptr, o_ptr, R: tl.constexpr, C: tl.constexpr, NATURAL: tl.constexpr):
-    """o [R, 8C] fp32 = the decoder's outputs (pair order or natural) for words [R, C], scales [R, C/2]."""
-    r = tl.arange(0, R)
+    """o [R, 8C] fp32 = the decoder's outputs (pair order or natural) for words [R, C], scales [R, C/2]
+    of the R rows of program i (grid: rows / R)."""
+    r = tl.program_id(0) * R + tl.arange(0, R)
     wd = tl.load(w_ptr + r[:, None] * C + tl.arange(0, C)[None, :])
     sc = scale_bf16_2_118(tl.load(s_ptr + r[:, None] * (C // 2) + tl.arange(0, C // 2)[None, :]), True)
     v = nvfp4_words_scaled(wd, sc, NATURAL).to(tl.float32)
@@ -43,11 +44,13 @@ def probe_ptx(w_ptr, s_ptr, o_ptr, R: tl.constexpr, C: tl.constexpr, NATURAL: tl
 def test_e2m1_ptx_decoder_compiled(natural: bool) -> None:
     dev = _dev()
     R, C = 256, 64  # 256 rows = one E4M3 scale byte each; 64 words = 256 bytes: every byte value
+    RB = 16  # rows per program
     gen = torch.Generator().manual_seed(3)
     packed = torch.stack([torch.randperm(256, generator=gen) for _ in range(R)]).to(torch.uint8)  # [R, 256]
     scale = torch.arange(256, dtype=torch.uint8)[:, None].expand(R, C // 2).contiguous()
     o = torch.full((R, 8 * C), float("nan"), device=dev)
-    probe_ptx[(1,)](packed.to(dev).view(torch.int32), scale.to(dev), o, R=R, C=C, NATURAL=natural, num_warps=4)
+    probe_ptx[(R // RB,)](packed.to(dev).view(torch.int32), scale.to(dev), o, R=RB, C=C, NATURAL=natural,
+                          num_warps=4)
     ref = dequantize_nvfp4(packed, scale.view(torch.float8_e4m3fn), 1.0) * 2.0**-8  # [R, 8C] natural
     if not natural:  # kernel position 8c + p holds column 8c + PAIR_ORDER[p]
         perm = torch.tensor([8 * c + q for c in range(C) for q in PAIR_ORDER])
