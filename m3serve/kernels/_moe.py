@@ -16,12 +16,16 @@ width, S = min(TOPK * T, E) routed slots; slot S is the shared expert):
     slot_e     [SP]            int32 touched experts, ascending, -1 padded (SP = pow2 >= S)
     slot_w     [SP, T]         fp32 routing weight of token t for slot s (0: not routed)
     act        [S + 1, T, I]   bf16 SwiGLU-OAI activations per slot (the down GEMM's input)
-    dpart      [DSPLIT, BT, H] fp32 down partials; counters as in _wstream
+    dpart      [DSPLIT, BT, H] fp32 down partials; counters as in _splitk
 
 Every touched expert's bytes are read exactly once: gate|up programs own (slot, N-tile) pairs
 and compute all T tokens with one MMA tile (tokens padded to 16 cost the tensor core nothing
 that matters at these sizes), and each down program owns an H tile and loops over the slots in
 ascending expert order, then adds the shared expert: a fixed summation order.
+
+SwiGLU-OAI's alpha and limit are runtime fp32 arguments (the model config's swiglu_alpha /
+swiglu_limit, passed by moe_nvfp4's raw call), not constants. PTX: compiled NVFP4 decode through
+the inline-PTX decoder of _e2m1_ptx.py (same exact values as the pure-Triton one).
 """
 
 from __future__ import annotations
@@ -118,7 +122,8 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
             tl.store(act_ptr + s.to(tl.int64) * T * I + rt[:, None] * I + rn[None, :], to_bf16(a, CUDA),
                      mask=rt[:, None] < T)
     else:
-        g = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK, CUDA, PTX)
+        g = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK,
+                     CUDA, PTX)
         u = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn + I, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK,
                      CUDA, PTX)
         if SHARED_FMT == 0:
@@ -134,7 +139,7 @@ def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_
              count_ptr, T, H, I, S, stride_y, SHARED_FMT: tl.constexpr, DSPLIT: tl.constexpr, BT: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
     """grid (H / BN, DSPLIT): y[:, tile] = sum_slots w_slot * (act_slot @ W2_e^T) + act_S @ W2_sh^T,
-    the K (= I) range split DSPLIT ways with the ticketed fixed-order reduction of _wstream."""
+    the K (= I) range split DSPLIT ways with the ticketed fixed-order reduction of _splitk."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -154,7 +159,8 @@ def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_
             wt = tl.load(slot_w_ptr + s * T + rt, mask=tmask, other=0.0)
             out += acc * (NVFP4_UNIT / tl.load(g2_ptr + e)) * wt[None, :]
     ap = act_ptr + (tl.full([], 0, tl.int64) + S) * T * I  # S may arrive as a constexpr int
-    acc = dot_tile(zero, ap, sw2_ptr, ss2_ptr, rn, rt, T, I, k_lo, k_lo + k_len, I, SHARED_FMT, 16, BT, BN, BK, CUDA, PTX)
+    acc = dot_tile(zero, ap, sw2_ptr, ss2_ptr, rn, rt, T, I, k_lo, k_lo + k_len, I, SHARED_FMT, 16, BT, BN, BK,
+                   CUDA, PTX)
     if SHARED_FMT == 0:
         acc = acc * (NVFP4_UNIT / tl.load(sg2_ptr))
     out += acc
