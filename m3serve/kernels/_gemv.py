@@ -20,22 +20,28 @@ used where it was loaded:
   alignment), and with PREFETCH the next tile's words are requested before the current tile is
   decoded: two tiles of loads in flight per program, without relying on the software pipeliner
   (which targets loads that feed tl.dot);
-* NVFP4 decode is the shift-and-mask pair trick of _decode.e2m1_pair (two nibbles per ~4
-  integer ops) into fp16 bits, one cvt to fp32 per element, joined in NATURAL column order
-  (unlike _decode's MMA pair order) so x is loaded with contiguous vector loads;
+* NVFP4 decode, compiled (PTX, the default): the inline-PTX decoder of _e2m1_ptx.py (13 integer
+  instructions per 8 weights), the group scale applied per weight as packed bf16 multiplies
+  (exact), and each bf16 turned into fp32 by one shift / AND inside the same asm: ~3.1
+  instructions per weight, and no per-group scale multiply afterwards (row_part PRESCALED).
+  Interpreted (or PTX off): the shift-and-mask pair trick of _decode.e2m1_pair (two nibbles per
+  ~4 integer ops) into fp16 bits, one cvt to fp32 per element, the scale once per group. Both
+  are joined in NATURAL column order (unlike _decode's MMA pair order) so x is loaded with
+  contiguous vector loads;
 * each row's products are summed over one scale group (16 / 32 columns, whole groups per
   thread for NVFP4; two threads per group for MXFP8), then multiplied by the group scale ONCE
   and added into a small [BN, G] accumulator: one mul/FMA per element and row, one FMA per group
   and row for the scale. The cross-thread reduction over G happens once, after the K loop.
 
-Instruction estimate per weight element (NVFP4, one row): ~2 (decode) + 1 (cvt) + ~1.5 (product
-and in-group sum) + x's conversion shared by the rows a thread holds; each extra row adds ~1.5.
-The H200 issue budget at 70 % of copy bandwidth is ~5.6 instructions per NVFP4 element (~11 per
-MXFP8 byte), so 1-2 rows should be memory-bound; 4 rows may not be (the bench decides).
+Instruction count per weight element: `python -m m3serve.kernels.aot_check --sass-stats` (the K
+loop read from the SASS; bench/results/logs/nvfp4-sass-count.txt). The H200 issue budget at 70 %
+of copy bandwidth is ~5.6 instructions per NVFP4 element (~11 per MXFP8 byte). At one row the
+loop is ~6 per weight with either decoder: besides the ~3 of the decode, x's bf16 -> fp32
+conversion and its broadcast through shared memory cost ~2 per weight (the next thing to cut).
 
 Exactness and the contract band: decoded weights are exact in fp32; products w * x are exact
-(<= 3 + 8 significant bits); the per-group sums, the scale multiply and the accumulation round
-in fp32 with a depth of at most GS + K/GS + SPLIT additions, far inside gemm_band's 2*K*u*sum|x*w|.
+(<= 3 + 8 significant bits; prescaled PTX weights have <= 6, still exact); the per-group sums,
+the scale multiply and the accumulation round in fp32 with a depth of at most GS + K/GS + SPLIT additions, far inside gemm_band's 2*K*u*sum|x*w|.
 The reduction order is fixed by the compiled code and the split-K partials are summed in the
 order 0..SPLIT-1 by the last-arriving program (as _wstream): results are deterministic.
 """

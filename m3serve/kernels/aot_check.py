@@ -53,16 +53,8 @@ def _variant_key(kern, args, kwargs) -> tuple:
 
 def collect(entries: list[Entry]) -> dict[tuple, tuple]:
     """Distinct (kernel, specialisation) -> (entry name, cell why, kernel, args, kwargs)."""
-    variants: dict[tuple, tuple] = {}
-    for e in entries:
-        for cell in e.cells:
-            for rows in sorted({cell.rows[0], cell.rows[1]}):
-                case = e.make_case(cell, rows, META, None)
-                with capture_launches() as rec:
-                    e.raw_call(*case.args, **case.kwargs)
-                for kern, _grid, args, kwargs in rec:
-                    variants.setdefault(_variant_key(kern, args, kwargs), (e.name, cell.why, kern, args, kwargs))
-    return variants
+    return {key: (ename, cell.why, kern, args, kwargs)
+            for key, (ename, cell, _rows, kern, args, kwargs) in _variants_with_rows(entries).items()}
 
 
 def run(entries: list[Entry], arch: int = 90, sass_dir: str | None = None) -> list[tuple[str, str, AotResult]]:
@@ -134,8 +126,23 @@ def k_loop_stats(sass: str, kwargs: dict) -> tuple[LoopStats | None, float]:
 _MIX_KEYS = ("LOP3", "IMAD", "SHF", "PRMT", "HMUL2", "HADD2", "FFMA", "HGMMA", "LDG", "LDS", "STS", "BAR")
 
 
+def _variants_with_rows(entries: list[Entry]) -> dict[tuple, tuple]:
+    """As collect, also naming the row count that produced each variant (M == 1 is specialised)."""
+    variants: dict[tuple, tuple] = {}
+    for e in entries:
+        for cell in e.cells:
+            for rows in sorted({cell.rows[0], cell.rows[1]}):
+                case = e.make_case(cell, rows, META, None)
+                with capture_launches() as rec:
+                    e.raw_call(*case.args, **case.kwargs)
+                for kern, _grid, args, kwargs in rec:
+                    variants.setdefault(_variant_key(kern, args, kwargs), (e.name, cell, rows, kern, args, kwargs))
+    return variants
+
+
 def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> list[str]:
-    """One row per (variant, decoder mode): K-loop instructions, per weight, and the mix."""
+    """One row per weight-streaming variant (kernels with BN/BK tiles): K-loop instructions and
+    thread instructions per weight under each NVFP4 decoder mode, and the K-loop mix of the last."""
     from m3serve.kernels import _e2m1_ptx
 
     saved = _e2m1_ptx.PTX_E2M1
@@ -144,28 +151,31 @@ def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> 
     try:
         for mode in modes:
             _e2m1_ptx.PTX_E2M1 = mode == "ptx"
-            for key, (ename, why, kern, args, kwargs) in collect(entries).items():
+            for key, (ename, cell, nrows, kern, args, kwargs) in _variants_with_rows(entries).items():
+                if "BN" not in kwargs or "BK" not in kwargs:
+                    continue  # no weight tile loop (e.g. the MoE router)
                 res = aot_compile(kern, args, kwargs, arch=arch, sass=True)
                 loop, per_w = k_loop_stats(res.sass or "", kwargs)
-                base = (ename, kern.__name__, why, key[1], tuple(kv for kv in key[2] if kv[0] != "PTX"))
-                info[base] = (kwargs.get("BN"), kwargs.get("BK"), kwargs.get("num_warps", 4))
+                base = (ename, kern.__name__, cell.why, key[1], tuple(kv for kv in key[2] if kv[0] != "PTX"))
+                info[base] = (kwargs["BN"], kwargs["BK"], kwargs.get("num_warps", 4), cell.shape, nrows)
                 rows.setdefault(base, {})[mode] = (loop, per_w, res.stack + res.local)
     finally:
         _e2m1_ptx.PTX_E2M1 = saved
-    head = f"{'entry':13s} {'kernel':13s} {'BN':>3s} {'BK':>4s} {'w':>2s} " + " ".join(
-        f"{m + ' loop':>11s} {m + '/wt':>10s}" for m in modes) + "  K-loop mix (" + modes[-1] + ")  [cell]"
+    head = (f"{'entry':13s} {'kernel':13s} {'shape':>22s} {'M':>3s} {'BN':>3s} {'BK':>4s} {'w':>2s} "
+            + " ".join(f"{m + ' loop':>11s} {m + '/wt':>10s}" for m in modes) + f"  K-loop mix ({modes[-1]})  [cell]")
     out = [head]
     for base, per_mode in rows.items():
         ename, kname, why = base[:3]
-        bn, bk, nw = info[base]
+        bn, bk, nw, shape, nrows = info[base]
         cols = []
         for m in modes:
             loop, per_w, spill = per_mode.get(m, (None, float("nan"), 0))
-            flag = "!" if spill else ""
-            cols.append(f"{(loop.count if loop else 0):11d} {per_w:9.2f}{flag or ' '}")
+            cols.append(f"{(loop.count if loop else 0):11d} {per_w:9.2f}{'!' if spill else ' '}")
         loop = per_mode.get(modes[-1], (None,))[0]
         mix = " ".join(f"{k}:{loop.mix[k]}" for k in _MIX_KEYS if loop and k in loop.mix)
-        out.append(f"{ename:13s} {kname:13s} {bn!s:>3s} {bk!s:>4s} {nw:2d} " + " ".join(cols) + f"  {mix}  [{why}]")
+        out.append(f"{ename:13s} {kname:13s} {str(shape):>22s} {nrows:3d} {bn:3d} {bk:4d} {nw:2d} " + " ".join(cols)
+                   + f"  {mix}  [{why}]")
+    out.append("('!' = register spills in that variant)")
     return out
 
 

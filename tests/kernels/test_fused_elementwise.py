@@ -5,7 +5,7 @@ the in-register cos/sin against fp64 truth and torch, each entry against the mod
 same inputs (mostly bit-equal, all inside the entry's band), the edge cases each kernel claims (NaN through
 the clamps, exact router ties -> lowest index, aliasing, masked tails, M3-scale positions), poisoned outputs
 caught, bad arguments named, the one-op MoE combine bit-exact for top-2, and routing.install on a CPU model
-leaving every module on the stock path. Shapes are tiny (the interpreter is slow); runtime ~20 s.
+leaving every module on the stock path. Shapes are tiny (the interpreter is slow); runtime ~3 s.
 """
 
 from __future__ import annotations
