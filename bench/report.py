@@ -623,6 +623,26 @@ def _row_keys(data: dict, *keys: str) -> bool:
             and all(k in rows[0] for k in keys))
 
 
+def render_sampler_host(files: list[ResultFile]) -> str:
+    """bench/sampler_host.py: the sampler's device ops and host time per step, by case, at each vocabulary size."""
+    blocks = []
+    for rf in files:
+        rows = rows_of(rf)
+        table = []
+        for i, r in enumerate(rows):
+            w = f"{rf.name}.results[{i}]"
+            table.append([need(r, "vocab", w, "int"), need(r, "case", w, "str"), need(r, "penalised_rows", w, "int"),
+                          need(r, "ops_per_step", w, "int"), sig(need(r, "host_us_median", w))])
+        table.sort(key=lambda row: (row[0], row[1]))
+        text = md_table(["vocab", "case", "penalised rows", "device ops / step", "host µs / step (median)"], table)
+        device = opt(rf.data, "device", rf.name, "str")
+        caption = "Sampler per-step cost, batch " + str(opt(rf.data, "batch", rf.name) or "?") + \
+            (f" ({device}; on CPU the host time includes the ops themselves)" if device == "cpu" else
+             (f" ({device})" if device else ""))
+        blocks.append(file_block(caption, text, rf))
+    return "\n\n".join(blocks)
+
+
 # Section order in the README; the generic kind comes first in recognition (below) so that a known-but-unschemaed
 # file never trips a dedicated formatter.
 KINDS = (
@@ -642,6 +662,8 @@ KINDS = (
          lambda d: _row_keys(d, "plain_tok_s", "spec_tok_s"), render_spec_decode),
     Kind("serve", "Serving", ("serve",), ("serve-*.json",),
          lambda d: "meta" in d and _row_keys(d, "concurrency", "itl_ms"), render_serve),
+    Kind("sampler_host", "Sampler cost per step", ("sampler_host",), ("sampler_host-*.json",),
+         lambda d: _row_keys(d, "ops_per_step", "case"), render_sampler_host),
     Kind("eval_kv", "Accuracy of KV-cache formats", (), ("eval-kv-*.json",),
          lambda d: {"configs", "paired", "order"} <= d.keys(), render_eval_kv),
     Kind("generic", "Other results", (), ("server-hardening*.json", "spec-target*.json"),

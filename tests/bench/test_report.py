@@ -219,6 +219,20 @@ def test_host_overhead(report, tmp_path):
     assert "NVIDIA H200 · commit none (no commit yet) + uncommitted kv/ changes" in out
 
 
+def test_sampler_host(report, tmp_path):
+    rows = [{"vocab": 512, "case": "sampled_plain", "penalised_rows": 0, "ops_per_step": 30, "host_us_median": 147.2},
+            {"vocab": 512, "case": "greedy_plain", "penalised_rows": 0, "ops_per_step": 1, "host_us_median": 7.691}]
+    write(tmp_path, "sampler_host-cpu.json", {"meta": {"command": "python3 bench/sampler_host.py", "commit": "abc",
+                                                       "date": "2026-12-01T00:00:00+00:00"},
+                                              "batch": 8, "device": "cpu", "results": rows})
+    out = report.render_report(tmp_path)
+    assert headers_of(out, "vocab") == ["vocab", "case", "penalised rows", "device ops / step",
+                                        "host µs / step (median)"]
+    assert table_rows(out, "vocab") == [["512", "greedy_plain", "0", "1", "7.69"],
+                                        ["512", "sampled_plain", "0", "30", "147"]]
+    assert "batch 8" in out and "unrendered" not in out
+
+
 def test_tp(report, tmp_path):
     data = {"bench": "tp", "date": "2026-11-30T08:22:56+00:00", "commit": "HEAD", "dirty": True,
             "command": "python bench/tp.py --preset minimax-m3:12", "gpu": "NVIDIA H200",
