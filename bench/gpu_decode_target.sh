@@ -16,8 +16,9 @@ case "$PHASE" in
   certify)
     pyt 200 tests/kernels/test_paged_attention_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_msa_index.py \
         tests/kernels/test_prefill_attention.py > "$L/pytest-attention.log" 2>&1; tail -2 "$L/pytest-attention.log"
-    pyt 120 tests/kernels/test_gpu.py -k "norm or qk_prep or swiglu or route or warmup" \
-        > "$L/pytest-fused.log" 2>&1; tail -2 "$L/pytest-fused.log"
+    pyt 150 tests/kernels/test_fused_elementwise_gpu.py tests/kernels/test_gpu.py \
+        -k "norm or qk_prep or swiglu or route or warmup or elementwise" > "$L/pytest-fused.log" 2>&1
+    tail -2 "$L/pytest-fused.log"
     pyt 120 tests/kernels/test_gpu.py -k "linear.nvfp4 or moe.nvfp4 or decoder" > "$L/pytest-nvfp4.log" 2>&1
     tail -2 "$L/pytest-nvfp4.log"
     pyt 150 tests/runtime tests/targets -s > "$L/pytest-runtime.log" 2>&1; tail -4 "$L/pytest-runtime.log"
