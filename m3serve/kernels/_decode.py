@@ -24,6 +24,10 @@ table in registers). Two precisions:
 Either way w * s = e2m1 * scale * 2**-8, so NVFP4 outputs are multiplied by NVFP4_UNIT = 2**8
 (and divided by the ENCODE global scale) once per output element.
 
+Compiled NVFP4 weight streaming uses the inline-PTX decoder of _e2m1_ptx.py instead (same bf16
+bit patterns, scale folded in with packed bf16 multiplies, ~2 instructions per weight); the
+decoders here remain the interpreter path, the PTX_E2M1 = False fallback and the KV-cache one.
+
 * E4M3 byte s|eeee|mmm -> fp16 bits s<<15 | (eeeemmm)<<7 is e4m3 * 2**-8, subnormals
   included (interpreter path). The E4M3 NaN codes decode to +-480 that way; the quantizers
   never emit NaN scales for finite weights (checkpoints are checked with quant.check_finite).

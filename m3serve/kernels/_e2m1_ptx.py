@@ -7,6 +7,7 @@ Shape legend:
     scale  [R, C]      bf16 group scale * 2**118 of each word (broadcast: 2 words per 16-col group)
     out    8 x [R, C]  bf16, in PAIR ORDER: out[2j] = column j, out[2j+1] = column j+4, i.e.
                        register j of the asm holds (column j, column j+4) as (low, high) half
+                       (E2M1_BF16X2_PTX); or the same 8 values as fp32 (E2M1_F32_PTX)
 
 Decode (per output register j = 0..3, 3 integer instructions, no look-up table):
     x_j = src_j & 0x000F000F << 4*(j%2)         nibbles j and j+4 of the word, nothing else
@@ -30,8 +31,8 @@ the emulation assumes and the GPU test (test_e2m1_ptx_gpu.py::test_e2m1_ptx_deco
 Not exact: E4M3 NaN codes (0x7F / 0xFF) give NaN weights (the torch reference gives NaN too);
 quant.check_finite rejects them at load.
 
-The PTX text below is also what `emulate` executes (a tiny interpreter of exactly these five
-opcodes on numpy uint32 arrays), so the CPU exactness test runs the very instructions that are
+The PTX text below is also what `emulate` executes (a tiny interpreter of exactly the opcodes
+used here, on numpy arrays), so the CPU exactness test runs the very instructions that are
 compiled; see tests/kernels/test_e2m1_ptx.py.
 """
 

@@ -78,9 +78,10 @@ def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT:
     mmask = rm[None, :] < M
     for k0 in range(k_lo, k_hi, BK):
         w = load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)
-        if FMT == 0 and PTX:
+        if FMT == 0:
             # contiguous (vectorisable) loads, then the pair-order permutation in registers:
-            # position 2a + b of each 8 holds column a + 4b (= x_cols)
+            # position 2a + b of each 8 holds column a + 4b (= x_cols); a gather through x_cols
+            # costs one 2-byte load per element
             kk = k0 + tl.arange(0, BK)
             xn = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
             xt = xn.reshape(BK // 8, 2, 4, BM).permute(0, 2, 1, 3).reshape(BK, BM)

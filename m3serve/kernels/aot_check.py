@@ -82,7 +82,7 @@ class LoopStats:
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, instruction text without predicate-free trailing encoding) of one cuobjdump listing."""
+    """(address, instruction text up to its ";") of each instruction in one cuobjdump -sass listing."""
     out = []
     for line in sass.splitlines():
         m = _SASS_LINE.match(line)

@@ -6,7 +6,9 @@ Semantics (the reference, all fp32 with TF32 off):
     ids    = top-4 of (sig + bias)            (the bias only selects)
     w      = sig[ids] / sum(sig[ids]) * routed_scaling
     act_e  = bf16(swiglu_oai(x @ W13_e^T))    (gate rows, then up rows; rounded to bf16 as the
-                                               input of the down GEMM, like the stock path)
+                                               input of the down GEMM, like the stock path;
+                                               alpha / limit = the raw call's swiglu_alpha /
+                                               swiglu_limit, default M3's 1.702 / 7.0)
     y      = bf16( sum_k w_k * (act_e @ W2_e^T) + act_sh @ W2_sh^T )
 
 Cell shape key: (E, H, I, shared_bf16) with shared_bf16 = 1 for a BF16 shared expert, else 0.

@@ -273,7 +273,7 @@ def _moe(m, x: torch.Tensor, mode: str):
     entry.raw_call(x.contiguous(), m.router, m.e_score_correction_bias,
                    m.w13.q_packed, m.w13.q_scale, m.w13.q_global_scale.reshape(e, 2),
                    m.w2.q_packed, m.w2.q_scale, m.w2.q_global_scale.reshape(e),
-                   *sh_args, m.scaling, out, ws, cfg)
+                   *sh_args, m.scaling, out, ws, cfg, swiglu_alpha=m.alpha, swiglu_limit=m.limit)
     return out
 
 
