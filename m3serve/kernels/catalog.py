@@ -208,3 +208,26 @@ def check_rows(name: str, x: torch.Tensor, cfg_bm: int) -> int:
     if not 1 <= m <= cfg_bm:
         raise ValueError(f"{name}: expected 1..{cfg_bm} rows for this tile config, found {m}")
     return m
+
+
+def check_operand(name: str, t: Any, dtypes: tuple[torch.dtype, ...], dims: int, device: torch.device | None,
+                  contiguous: bool = False) -> torch.Tensor:
+    """TypeError/ValueError naming `name` unless t is a tensor of one of `dtypes` with `dims` dims, a unit last
+    stride (or fully contiguous) and on `device` (None: any)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {dtypes}, found {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dims, found shape {tuple(t.shape)}")
+    if t.numel() and (not t.is_contiguous() if contiguous else t.stride(-1) != 1):
+        raise ValueError(f"{name}: expected {'a contiguous tensor' if contiguous else 'a unit last stride'}, "
+                         f"found strides {tuple(t.stride())}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, found {t.device}")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, want: tuple[int, ...], meaning: str) -> None:
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name}: expected shape {meaning} = {want}, found {tuple(t.shape)}")

@@ -34,7 +34,7 @@ import triton.language as tl
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._encode import f32_to_e4m3, nvfp4_encode
 from m3serve.kernels._jit import helper, is_compiled, kernel
-from m3serve.kernels.catalog import Case, Cell, Entry
+from m3serve.kernels.catalog import Case, Cell, Entry, check_operand, check_shape
 from m3serve.kv import codec
 from m3serve.kv.cache import PagedKVCache
 from m3serve.kv.spec import FMT_TORCH_DTYPE, NVFP4_BLOCK, KVCacheSpec
@@ -120,23 +120,7 @@ def _kv_write_kernel(slot_ptr, k_ptr, v_ptr, ik_ptr, kp_ptr, vp_ptr, ks_ptr, vs_
 
 # --- validation -------------------------------------------------------------------------------
 
-def _require(name: str, t, dtypes: tuple[torch.dtype, ...], dims: int, device: torch.device | None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype in {dtypes}, found {t.dtype}")
-    if t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dims, found shape {tuple(t.shape)}")
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected a unit last stride, found strides {tuple(t.stride())}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, found {t.device}")
-    return t
-
-
-def _require_shape(name: str, t: torch.Tensor, want: tuple[int, ...], meaning: str) -> None:
-    if tuple(t.shape) != want:
-        raise ValueError(f"{name}: expected shape {meaning} = {want}, found {tuple(t.shape)}")
+_require, _require_shape = check_operand, check_shape
 
 
 def _pow2(name: str, n: int, least: int) -> None:

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import e4m3_to_f32
 from m3serve.kernels._jit import helper, is_compiled, kernel
-from m3serve.kernels.catalog import FP32_U, Case, Cell, Entry, poisoned, true_fp32
+from m3serve.kernels.catalog import FP32_U, Case, Cell, Entry, check_operand, check_shape, poisoned, true_fp32
 from m3serve.kv import codec
 from m3serve.model import msa
 
@@ -117,25 +117,7 @@ def _block_scores_kernel(q_ptr, ik_ptr, table_ptr, lens_ptr, qs_ptr, out_ptr, to
                 tl.store(out_ptr + t * stride_ot + g * stride_oh + b, tl.full([M], _NEG_INF, tl.float32), mask=live)
 
 
-def _check(name: str, t, dtypes: tuple[torch.dtype, ...], dims: int, device: torch.device | None,
-           contiguous: bool = False) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype in {dtypes}, found {t.dtype}")
-    if t.dim() != dims:
-        raise ValueError(f"{name}: expected {dims} dims, found shape {tuple(t.shape)}")
-    if t.numel() and (not t.is_contiguous() if contiguous else t.stride(-1) != 1):
-        raise ValueError(f"{name}: expected {'a contiguous tensor' if contiguous else 'a unit last stride'}, "
-                         f"found strides {tuple(t.stride())}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, found {t.device}")
-    return t
-
-
-def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...], meaning: str) -> None:
-    if tuple(t.shape) != want:
-        raise ValueError(f"{name}: expected shape {meaning} = {want}, found {tuple(t.shape)}")
+_check, _check_shape = check_operand, check_shape
 
 
 def _check_int(name: str, v, lo: int, hi: int | None = None) -> int:

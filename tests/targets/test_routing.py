@@ -9,6 +9,7 @@ import torch
 from m3serve.model.layers import Linear
 from m3serve.model.moe import MoE
 from m3serve.targets import routing
+from tests.targets.routed_logits import check_routed_logits
 
 
 def _hooks(model):
@@ -68,7 +69,6 @@ def test_routed_matches_stock_on_gpu(rows, seed, real_model):
     expert, which legitimately moves that token's logits by O(1). Such a token is accepted only when its
     expert sets really differ and the stock router's 4th-5th score gap is below 0.02 (a near tie)."""
     from m3serve.model.m3 import ForwardBatch, SeqSpan
-    from m3serve.model.moe import route
     model = real_model
     g = torch.Generator(device="cuda").manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (rows,), device="cuda", generator=g)
@@ -88,25 +88,7 @@ def test_routed_matches_stock_on_gpu(rows, seed, real_model):
             h.remove()
     assert torch.isfinite(got).all()
     moes = [m for m in model.modules() if m.__class__.__name__ == "MoE"]
-    flipped = torch.zeros(rows, dtype=torch.bool, device="cuda")
-    near_tie = torch.zeros(rows, dtype=torch.bool, device="cuda")
-    for m, xr, xg in zip(moes, x_ref, x_got):
-        a, _ = route(xr, m.router, m.e_score_correction_bias, m.top_k)
-        b, _ = route(xg, m.router, m.e_score_correction_bias, m.top_k)
-        flipped |= (a.sort(-1).values != b.sort(-1).values).any(-1)
-        s = torch.sigmoid(xr.float() @ m.router.float().t()) + m.e_score_correction_bias
-        top = s.topk(m.top_k + 1, dim=-1).values
-        near_tie |= (top[:, -2] - top[:, -1]) < 0.02
-    scale = ref.abs().max().item()
-    ulp = 2.0 ** (torch.floor(torch.log2(torch.tensor(scale))).item() - 7)
-    row_diff = (ref - got).abs().max(-1).values
-    same = ~flipped
-    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    print(f"rows {rows} seed {seed}: max |logit| {scale:.3f}, max |diff| over same-routing tokens "
-          f"{(row_diff[same].max().item() if same.any() else 0.0) / ulp:.1f} ulp, routing flips "
-          f"{int(flipped.sum())}, argmax agreement {agree:.3f}")
-    assert (row_diff[same] <= 4 * ulp).all()
-    assert bool((near_tie | ~flipped).all()), "a routing flip without a near tie: the kernel routed wrongly"
+    check_routed_logits(moes, x_ref, x_got, ref, got, label=f"rows {rows} seed {seed}")
 
 
 def test_per_module_caches_belong_to_their_module():
