@@ -117,7 +117,9 @@ def run(args: argparse.Namespace) -> Comparison:
     cmp = compare(items, configs, batch_size=args.batch_size)
     print(format_report(cmp))
     if args.json:
-        Path(args.json).write_text(json.dumps(cmp.to_dict(include_items=True), indent=2) + "\n")
+        from m3serve.benchmeta import run_metadata
+        doc = {**run_metadata(), **cmp.to_dict(include_items=True)}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return cmp
 
 
