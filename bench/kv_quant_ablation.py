@@ -98,8 +98,8 @@ def install(llm, plan: dict[int, tuple[str | None, str | None]]) -> None:
         fk, fv = (CODECS[f] for f in plan[attn.layer])
         original = attn.project
 
-        def project(x, cos, sin, detach_indexer=False, original=original, fk=fk, fv=fv):
-            q, k, v, iq, ik = original(x, cos, sin, detach_indexer)
+        def project(x, cos, sin, detach_indexer=False, positions=None, original=original, fk=fk, fv=fv):
+            q, k, v, iq, ik = original(x, cos, sin, detach_indexer, positions=positions)
             return q, (fk(k) if fk else k), (fv(v) if fv else v), iq, ik
 
         attn.project = project

@@ -126,7 +126,8 @@ def main() -> None:
             results.append(r)
             print(f"V={v:>6} {name:<32} ops/step {r['ops_per_step']:>3}  host {r['host_us_median']:9.1f} us "
                   f"(p90 {r['host_us_p90']:9.1f})", flush=True)
-    out = {"meta": run_metadata(), "batch": BATCH, "device": str(device), "results": results}
+    meta = run_metadata()
+    out = {**meta, "meta": meta, "batch": BATCH, "device": str(device), "results": results}
     path = Path(args.out) if args.out else Path(__file__).parent / "results" / \
         f"sampler_host-{device.type}-{dt.date.today().isoformat()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

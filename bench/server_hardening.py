@@ -310,6 +310,7 @@ def main() -> None:
         "no_special_ids_from_content": inj["special_ids_in_prompt"] == inj["special_ids_template_alone"],
     }
     res["meta"]["wall_s"] = time.monotonic() - t0
+    res = {**{k: res["meta"][k] for k in ("command", "date", "commit", "gpu")}, **res}   # provenance at the top
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -26,6 +26,7 @@ from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
+from m3serve.targets.attention import PagedStep, split_plan
 
 log = logging.getLogger("m3serve")
 
@@ -62,16 +63,8 @@ class LLMEngine:
         capacity = self.kv.num_slots * page
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // page)
-        self.blocks = BlockManager(self.kv.num_slots, page, max_seqs=config.max_num_seqs,
-                                   max_blocks_per_seq=self.max_blocks_per_seq,
-                                   enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens, max_queue=config.max_queue)
+        self._make_tables(self.max_blocks_per_seq)
         self.capacity_tokens = capacity
-        # Slot tables for the stock path (index_scale 1: slot ids); kernels that need sub-page tables build their
-        # own views with the cache's geometry.
-        self.tables = DeviceBlockTables(self.blocks, dev, index_scale=1, kv_offset=1,
-                                        max_tokens=config.max_num_batched_tokens)
         self.target_attention = False   # attention through the paged-cache kernels (enable_target)
         self.graphs = None               # m3serve.runtime.decode_graphs.DecodeGraphs (enable_target)
         self.overlap = True              # with graphs: launch step n+1 before reading step n's tokens
@@ -112,7 +105,9 @@ class LLMEngine:
         if self.requests:
             raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
         buckets = buckets or buckets_up_to(self.config.max_num_seqs)
-        self._widen_tables(self._certified_table_width())
+        width = self._certified_table_width()
+        if width != self.tables.max_blocks:
+            self._make_tables(width)
         missing = uncertified_attention(self.model, self.kv, self.tables.max_blocks, buckets)
         if missing:
             why = "; ".join(p.line() for p in missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -139,9 +134,9 @@ class LLMEngine:
                         if c.shape[:3] == (hk, p, cfg.index_topk_blocks) and c.shape[3] >= need)
         return widths[0] if widths else need
 
-    def _widen_tables(self, width: int) -> None:
-        if width == self.tables.max_blocks:
-            return
+    def _make_tables(self, width: int) -> None:
+        """Allocator, scheduler and device block tables `width` pages wide. The tables hold slot ids (index_scale
+        1); kernels that need sub-page tables build their own views with the cache's geometry."""
         cfg = self.config
         self.blocks = BlockManager(self.kv.num_slots, self.kv.page_size, max_seqs=cfg.max_num_seqs,
                                    max_blocks_per_seq=width, enable_prefix_caching=cfg.enable_prefix_caching)
@@ -289,8 +284,7 @@ class LLMEngine:
         """Step n+1 is queued before step n's tokens are read: a request whose last token is still pending takes
         it from the device (-1 in the staged ids). Then step n is read back and accepted, while the GPU runs n+1.
         Returns the requests of step n that got their token (as a synchronous step would have)."""
-        last = [-1 if r.pending else (r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1])
-                for r in reqs]
+        last = [-1 if r.pending else _last_token(r) for r in reqs]
         launched = self.graphs.run([r.request_id for r in reqs], last, [r.num_computed for r in reqs])
         for r in reqs:
             r.num_computed += 1
@@ -350,9 +344,9 @@ class LLMEngine:
 
     def _graph_decode(self, reqs: list[Request]) -> tuple[list[int], tuple | None]:
         """A pure decode step as one graph replay; greedy rows without logprobs read back only token ids."""
-        last = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
-        launched = self.graphs.run([r.request_id for r in reqs], last, [r.num_computed for r in reqs])
-        if all(r.params.greedy and r.params.logprobs is None and not r.logits_processing for r in reqs):
+        launched = self.graphs.run([r.request_id for r in reqs], [_last_token(r) for r in reqs],
+                                   [r.num_computed for r in reqs])
+        if all(self._overlappable(r) for r in reqs):   # the graph's own argmax is the answer
             return self.graphs.fetch_tokens(launched), None
         return self._sample_rows(self.graphs.logits(launched), reqs)
 
@@ -387,7 +381,6 @@ class LLMEngine:
                                                           extra=extra)
         step = None
         if self.target_attention:
-            from m3serve.targets.attention import PagedStep, split_plan
             s = len(chunks)
             meta = self.tables.last_extra
             dense, sparse = split_plan(int(n.sum()), self.tables.max_blocks, self.kv.spec.num_kv_heads,
@@ -451,6 +444,10 @@ class LLMEngine:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.kv.num_slots,
                 "preemptions": self.scheduler.num_preemptions}
+
+
+def _last_token(req: Request) -> int:
+    return req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
 
 
 def _token_slice(req: Request, start: int, count: int) -> list[int]:

@@ -134,8 +134,8 @@ def kv_hooks(model, layers: Sequence[int], hook: KVHook) -> Iterator[None]:
     originals = {}
 
     def wrap(layer, original):
-        def project(x, cos, sin, detach_indexer=False):
-            q, k, v, iq, ik = original(x, cos, sin, detach_indexer)
+        def project(x, cos, sin, detach_indexer=False, positions=None):
+            q, k, v, iq, ik = original(x, cos, sin, detach_indexer, positions=positions)
             k, v = hook(layer, k, v)
             return q, k, v, iq, ik
         return project

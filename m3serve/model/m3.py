@@ -84,6 +84,8 @@ class Attention(nn.Module):
             routed = self.prep_dispatch(self, x, positions)
             if routed is not None:
                 return routed
+        if cos is None:   # hidden() skipped the shared table because every layer has the fused prep
+            cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         lead, d = x.shape[:-1], self.cfg.head_dim
         q = self.q_norm(self.q_proj(x).view(*lead, self.hq, d))
         k = self.k_norm(self.k_proj(x).view(*lead, self.hk, d))
@@ -171,7 +173,9 @@ class M3ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ serving forward
     def hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, H] (after the final norm)."""
-        cos, sin = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+        cos = sin = None
+        if any(layer.attn.prep_dispatch is None for layer in self.layers):   # attn.qk_prep computes its own
+            cos, sin = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         x = self.embed(batch.input_ids).to(self.dtype)
         for i, layer in enumerate(self.layers):
             if i in batch.capture_layers:

@@ -15,19 +15,10 @@ import torch
 
 from m3serve import SamplingParams
 from tests.server.promtext import parse, value
-from tests.server.vllm_http import EMBEDDED, embedded_llm, embedded_server, get_text, post, stream, streamed_texts
+from tests.server.vllm_http import EMBEDDED, get_text, post, stream, streamed_texts
+from tests.server.vllm_http import embedded_ref_fixture, embedded_server_fixture  # noqa: F401 (fixtures ref, server)
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = embedded_server()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return embedded_llm()
 
 
 def _ids(seed: int, n: int) -> list[int]:

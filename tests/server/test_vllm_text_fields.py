@@ -14,22 +14,12 @@ import logging
 import pytest
 
 from m3serve import SamplingParams
-from tests.server.vllm_http import (AB, EMBEDDED, EOS, USER, embedded_llm, embedded_server, http_fields, post, stream,
-                                    streamed_texts)
+from tests.server.vllm_http import AB, EMBEDDED, EOS, USER, http_fields, post, stream, streamed_texts
+from tests.server.vllm_http import embedded_ref_fixture, embedded_server_fixture  # noqa: F401 (fixtures ref, server)
 
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = embedded_server()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return embedded_llm()
 
 
 def _params(**kw) -> dict:

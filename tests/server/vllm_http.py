@@ -6,6 +6,8 @@ import json
 import urllib.error
 import urllib.request
 
+import pytest
+
 
 def post(url: str, path: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
@@ -65,3 +67,17 @@ def http_fields(**kw) -> dict:
     if body.get("logit_bias") is not None:
         body["logit_bias"] = {str(t): b for t, b in body["logit_bias"].items()}
     return body
+
+
+@pytest.fixture(scope="module", name="server")
+def embedded_server_fixture():
+    """The embedded model's server, one per test module (imported by the vLLM-field test modules)."""
+    srv = embedded_server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", name="ref")
+def embedded_ref_fixture():
+    """The offline LLM every server answer is compared with."""
+    return embedded_llm()
