@@ -45,8 +45,11 @@ def main() -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
     print(table)
     if args.out:
+        from m3serve.benchmeta import run_metadata
+        meta = run_metadata()
         with open(args.out, "w") as f:
-            f.write(f"model {args.model} batch {args.batch} context {args.context} steps {args.steps}\n{table}\n")
+            f.write(f"# command: {meta['command']}\n# commit: {meta['commit']} · gpu: {meta['gpu']} · date: {meta['date']}\n"
+                    f"model {args.model} batch {args.batch} context {args.context} steps {args.steps}\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -643,6 +643,23 @@ def render_sampler_host(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_kv_ablation(files: list[ResultFile]) -> str:
+    """bench/kv_quant_ablation.py: exact match per storage plan against the exact (fp32) cache, McNemar's test."""
+    blocks = []
+    for rf in files:
+        plans = need(rf.data, "plans", rf.name, "dict")
+        table = []
+        for name in sorted(plans):
+            w = f"{rf.name}.plans.{name}"
+            r = plans[name]
+            table.append([name, f"{100 * need(r, 'exact_match', w):.1f} % ({need(r, 'correct', w, 'int')})",
+                          f"{need(r, 'b', w, 'int')} / {need(r, 'c', w, 'int')}", p_value(need(r, "p_value", w))])
+        text = md_table(["plan (what is quantized)", "exact match", "b / c vs exact", "McNemar p"], table)
+        n = opt(rf.data, "n", rf.name)
+        blocks.append(file_block(f"KV storage ablation on {n} held-out items (simulated formats)", text, rf))
+    return "\n\n".join(blocks)
+
+
 # Section order in the README; the generic kind comes first in recognition (below) so that a known-but-unschemaed
 # file never trips a dedicated formatter.
 KINDS = (
@@ -664,6 +681,8 @@ KINDS = (
          lambda d: "meta" in d and _row_keys(d, "concurrency", "itl_ms"), render_serve),
     Kind("sampler_host", "Sampler cost per step", ("sampler_host",), ("sampler_host-*.json",),
          lambda d: _row_keys(d, "ops_per_step", "case"), render_sampler_host),
+    Kind("kv_ablation", "KV storage ablation", (), ("kv-quant-ablation*.json",),
+         lambda d: "plans" in d, render_kv_ablation),
     Kind("eval_kv", "Accuracy of KV-cache formats", (), ("eval-kv-*.json",),
          lambda d: {"configs", "paired", "order"} <= d.keys(), render_eval_kv),
     Kind("generic", "Other results", (), ("server-hardening*.json", "spec-target*.json"),

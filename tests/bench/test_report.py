@@ -233,6 +233,17 @@ def test_sampler_host(report, tmp_path):
     assert "batch 8" in out and "unrendered" not in out
 
 
+def test_kv_ablation(report, tmp_path):
+    plans = {"hybrid": {"layers": {}, "exact_match": 0.74, "correct": 370, "b": 55, "c": 18, "p_value": 1.69e-05},
+             "exact": {"layers": {}, "exact_match": 0.814, "correct": 407, "b": 0, "c": 0, "p_value": 1.0}}
+    write(tmp_path, "kv-quant-ablation-cpu.json", {"command": "python3 bench/kv_quant_ablation.py", "commit": "abc",
+                                                   "date": "2026-12-01T01:22:00+00:00", "n": 500, "plans": plans})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "plan (what is quantized)") == [["exact", "81.4 % (407)", "0 / 0", "1.0"],
+                                                           ["hybrid", "74.0 % (370)", "55 / 18", "1.7e-05"]]
+    assert "500 held-out items" in out and "unrendered" not in out
+
+
 def test_tp(report, tmp_path):
     data = {"bench": "tp", "date": "2026-11-30T08:22:56+00:00", "commit": "HEAD", "dirty": True,
             "command": "python bench/tp.py --preset minimax-m3:12", "gpu": "NVIDIA H200",
