@@ -18,6 +18,7 @@ writes bench/results/decode-target-h200.json (or --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -164,6 +165,7 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
                 results.append(r)
         del llm, graphs
+        gc.collect()   # the routing hooks and graphs hold reference cycles; the next model sizes its KV from free memory
         torch.cuda.empty_cache()
     out = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
            "kv_cache_dtype": args.kv_cache_dtype, "load_s": loads, "results": results}

@@ -43,6 +43,10 @@ def main() -> None:
             eng.step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) * 1e-6 / args.steps
+    table = (f"kernels per step {len(kernels) / args.steps:.1f}, GPU busy per step {busy * 1e3:.3f} ms\n"
+             + table)
     print(table)
     if args.out:
         from m3serve.benchmeta import run_metadata

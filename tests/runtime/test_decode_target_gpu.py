@@ -3,6 +3,8 @@ stock path, and a real-dimension forward captures into a CUDA graph (nothing in 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -12,6 +14,20 @@ pytestmark = pytest.mark.gpu
 def _need_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+def _release(*llms):
+    """Drop the LLMs and give their memory back: each of them sized its KV cache from what was free."""
+    for llm in llms:
+        llm.shutdown()
+    del llms
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# The embedded model needs a few MiB of KV here; a fixed budget keeps the three LLMs of one test from each
+# claiming 90 % of the GPU (the default, gpu_memory_utilization=0.9, sizes the cache from what is free).
+TINY_KV = 256 << 20
 
 
 def _greedy(llm, prompts, n):
@@ -27,18 +43,19 @@ def test_embedded_model_graphs_eager_and_stock():
     _need_cuda()
     from m3serve import LLM
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 7 * i))} for i in range(6)]
-    target = LLM(dtype="bfloat16", max_num_seqs=8, route="auto")
+    target = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", kv_cache_bytes=TINY_KV)
     assert target.engine.graphs is not None
     got = _greedy(target, prompts, 48)
     assert target.engine.graphs.replays > 0
-    eager = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", enforce_eager=True)
+    eager = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", enforce_eager=True, kv_cache_bytes=TINY_KV)
     assert eager.engine.graphs is None and eager.engine.target_attention
     assert _greedy(eager, prompts, 48) == got
-    stock = LLM(dtype="bfloat16", max_num_seqs=8, route="off")
+    stock = LLM(dtype="bfloat16", max_num_seqs=8, route="off", kv_cache_bytes=TINY_KV)
     ref = _greedy(stock, prompts, 48)
     first_div = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
     print("first divergence per prompt:", first_div)
     assert sum(first_div) >= 0.95 * sum(len(r) for r in ref)
+    _release(target, eager, stock)
 
 
 @pytest.mark.parametrize("kv", ["nvfp4", "fp8"])
@@ -57,3 +74,5 @@ def test_real_dims_forward_captures_in_a_graph(kv):
     assert graphs.replays > 0
     llm.engine.graphs = None
     assert _greedy(llm, prompts, 8) == got
+    del graphs
+    _release(llm)
