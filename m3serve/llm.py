@@ -220,6 +220,9 @@ class LLM:
             if bar is not None and now > done:
                 bar.update(now - done)
             done = now
+        # the overlap loop may have queued one more step for requests that stopped: read it back so this call
+        # leaves nothing in flight (their pages are free when generate returns)
+        self.engine.drain()
         if bar is not None:
             bar.close()
         outs = [self._output(r) for r in reqs]

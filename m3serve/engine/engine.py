@@ -227,6 +227,17 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
+    def drain(self) -> list[Request]:
+        """Read back the graph step in flight, if any (its tokens are accepted as a step would; a request that
+        finished meanwhile has its token discarded). Afterwards no launched step is outstanding: the graphs may
+        be dropped and every page of a finished request is back in the pool."""
+        return self._resolve_inflight()
+
+    def disable_graphs(self) -> None:
+        """Continue on the eager target (or stock path): drain the step in flight, then drop the graphs."""
+        self.drain()
+        self.graphs = None
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
         """Run one model step; returns the requests that got a new token or finished in it."""

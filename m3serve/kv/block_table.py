@@ -148,11 +148,17 @@ class DeviceBlockTables:
 
     def prepare(self, seq_ids: list[int], token_seq_idx: np.ndarray, positions: np.ndarray,
                 extra: np.ndarray | None = None, pad_to: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """One step's tables and slot mapping from ONE staged upload and ONE device op.
+        """stage() then expand_staged(): one step's tables and token slots from one upload and one device op."""
+        return self.expand_staged(*self.stage(seq_ids, token_seq_idx, positions, extra=extra, pad_to=pad_to))
+
+    def stage(self, seq_ids: list[int], token_seq_idx: np.ndarray, positions: np.ndarray,
+              extra: np.ndarray | None = None, pad_to: int | None = None) -> tuple[int, int, tuple[int, ...]]:
+        """The host half of prepare(): pack one step into a pinned buffer and queue ONE H2D copy of it.
 
         token_seq_idx / positions: host int arrays [T] (batch position and absolute position of each token
-        of the step). Returns views of persistent buffers: slot table [S, B], sub-page table [S, 2, B] and
-        the flat slot of every token [T] (int64, -1 where the page is unallocated).
+        of the step). Returns (S, T, offsets) for expand_staged, whose outputs are views of persistent
+        buffers: slot table [S, B], sub-page table [S, 2, B] and the flat slot of every token [T] (int64, -1
+        where the page is unallocated).
 
         extra: an int32 payload (token ids, sequence lengths, ...) that rides in the same upload; its device
         copy is `last_extra` afterwards. pad_to: pad the batch to this many sequences (a CUDA-graph bucket):
@@ -208,15 +214,22 @@ class DeviceBlockTables:
         stage = self._dev_stage
         self._batch_rows = stage[:s]
         self.last_extra = stage[off_extra:off_data]
+        return s, t, (off_change, off_data, off_tok, off_pos)
+
+    def expand_staged(self, s: int, t: int, offsets: tuple[int, int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
+        """The device half of prepare(): ONE op turns the staged upload of a step of s sequences and t tokens
+        into the slot table [s, B], sub-page table [s, 2, B] and token slots [t]. Its arguments depend only on
+        (s, t, the payload size), so a CUDA graph of a fixed bucket can capture it and replay it after every
+        stage() of that bucket."""
         slot_out, sub_out, map_out = self.slot_table[:s], self.subpage_table[:s], self.slot_mapping_out[:t]
-        offsets = (off_change, off_data, off_tok, off_pos)
+        page = self.manager.page_size
         if self.use_triton:
             from m3serve.kv._expand_triton import prepare_triton
-            prepare_triton(self.mirror, stage, s, t, mgr.page_size, self.index_scale, self.kv_offset, offsets,
+            prepare_triton(self.mirror, self._dev_stage, s, t, page, self.index_scale, self.kv_offset, offsets,
                            slot_out, sub_out, map_out)
         else:
-            _prepare_torch(self.mirror, stage, s, t, b, mgr.page_size, self.index_scale, self.kv_offset, offsets,
-                           slot_out, sub_out, map_out)
+            _prepare_torch(self.mirror, self._dev_stage, s, t, self.max_blocks, page, self.index_scale,
+                           self.kv_offset, offsets, slot_out, sub_out, map_out)
         return slot_out, sub_out, map_out
 
     def slot_mapping(self, token_seq_idx: Tensor, positions: Tensor) -> Tensor:

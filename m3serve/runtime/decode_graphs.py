@@ -4,10 +4,9 @@ A pure decode step (every scheduled request computes one token and samples the n
 smallest bucket >= its batch size and runs as:
 
     host   pack [rows | change | token seq | positions | token ids, seq lens | changed table rows] into one
-           pinned buffer (DeviceBlockTables.prepare with pad_to=bucket)
+           pinned buffer (DeviceBlockTables.stage with pad_to=bucket)
     H2D    one copy                                   (stage views sit at fixed offsets for a bucket)
-    device one op: table rows -> slot table, token slots
-           one graph replay: input ids (a staged id, or -1 = "the token this row's request sampled in the
+    device one graph replay: table rows -> slot table, token slots (expand_staged, captured), input ids (a staged id, or -1 = "the token this row's request sampled in the
            previous graph step", kept on the device) -> embed -> L x (norms, projections, kv.write,
            [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax -> remember it per row
     D2H    the bucket's token ids (8 bytes per row) into a pinned ring slot, then an event
@@ -110,10 +109,12 @@ class DecodeGraphs:
         top = self.buckets[-1]
         self._ring = [(torch.empty(top, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
         self._next = 0
+        self._offsets: dict[int, tuple[int, ...]] = {}   # bucket -> staged layout its graph expands
 
     # ------------------------------------------------------------------ capture
     def _forward(self, bucket: int, step: PagedStep) -> tuple[torch.Tensor, torch.Tensor]:
         off = stage_offsets(bucket)
+        self.tables.expand_staged(bucket, bucket, self._offsets[bucket])   # staged rows -> tables, token slots
         stage = self.tables._dev_stage
         rows = stage[:bucket].long()
         staged = stage[off["token_ids"]].long()
@@ -125,14 +126,16 @@ class DecodeGraphs:
         self.tok_by_row.index_copy_(0, rows, tokens)   # padded rows all land on the padding row
         return tokens, logits
 
+    def _stage(self, bucket: int, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> None:
+        tsi, pos, extra = pack_decode(bucket, token_ids, positions)
+        s, t, offsets = self.tables.stage(seq_ids, tsi, pos, extra=extra, pad_to=bucket)
+        if self._offsets.setdefault(bucket, offsets) != offsets or (s, t) != (bucket, bucket):
+            raise AssertionError(f"bucket {bucket}: staged layout {(s, t, offsets)} differs from the captured one")
+
     def _safe_inputs(self, bucket: int) -> None:
-        """Padding everywhere: the warm-up run before capture reads and writes nothing in the cache."""
-        off = stage_offsets(bucket)
-        stage = self.tables._dev_stage
-        for key in ("positions", "token_ids", "seq_lens"):
-            stage[off[key]].zero_()
-        self.tables.slot_table[:bucket].zero_()
-        self.tables.slot_mapping_out[:bucket].fill_(-1)
+        """Stage a step of padding rows only: the warm-up run before capture reads and writes nothing in the
+        cache (every row is the padding row: slot 0, token slot -1, sequence length 0)."""
+        self._stage(bucket, [], [], [])
 
     def capture(self) -> None:
         """Capture every bucket, largest first (later, smaller graphs reuse the shared pool's blocks)."""
@@ -168,8 +171,7 @@ class DecodeGraphs:
         bucket = self.bucket_for(len(seq_ids))
         if bucket is None:
             raise ValueError(f"seq_ids: {len(seq_ids)} sequences; the largest graph bucket is {self.buckets[-1]}")
-        tsi, pos, extra = pack_decode(bucket, token_ids, positions)
-        self.tables.prepare(seq_ids, tsi, pos, extra=extra, pad_to=bucket)
+        self._stage(bucket, seq_ids, token_ids, positions)      # the graph's first op expands it on the device
         g = self.graphs[bucket]
         g.graph.replay()
         self.replays += 1

@@ -21,6 +21,7 @@ import torch
 
 import functools
 
+from m3serve.targets import fused_projection
 from m3serve.targets.dispatch import MODES, lookup
 
 
@@ -135,8 +136,9 @@ def _norm(norm, x: torch.Tensor, mode: str):
 
 
 def _qk_prep(attn, x: torch.Tensor, positions: torch.Tensor, mode: str):
-    """Attention.project with the q/k (and index q/k) norms and RoPE in one attn.qk_prep launch; the
-    projections themselves go through their own Linear hooks. x [T, H] -> (q, k, v, iq, ik)."""
+    """Attention.project with the q/k (and index q/k) norms and RoPE in one attn.qk_prep launch, after the
+    projections as one fused GEMM (targets.fused_projection) or, where none serves, through each part's own
+    Linear hook. x [T, H] -> (q, k, v, iq, ik)."""
     from m3serve.model.layers import rope_inv_freq
     where = f"layers.{attn.layer}.self_attn"
     if not _bf16_cuda(where, x, mode) or x.dim() != 2 or x.shape[0] == 0:
@@ -148,13 +150,19 @@ def _qk_prep(attn, x: torch.Tensor, positions: torch.Tensor, mode: str):
     if entry is None:
         return None
     inv_freq = _workspace(attn, ("rope_inv_freq", x.device), lambda: rope_inv_freq(rd, cfg.rope_theta, x.device))
-    q, k = attn.q_proj(x), attn.k_proj(x)
-    v = attn.v_proj(x).view(t, attn.hk, d)
+    fused = fused_projection.project(attn, x, mode)   # one GEMM for all parts, or None: one per part
+    if fused is not None:
+        q, k, v, *idx = fused
+        index_in = dict(iq=idx[0], ik=idx[1]) if di else {}
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        index_in = dict(iq=attn.index_q_proj(x), ik=attn.index_k_proj(x)) if di else {}
+    v = v.view(t, attn.hk, d)
     q_out = torch.empty(t, attn.hq, d, dtype=torch.bfloat16, device=x.device)
     k_out = torch.empty(t, attn.hk, d, dtype=torch.bfloat16, device=x.device)
     index = {}
     if di:
-        index = dict(iq=attn.index_q_proj(x), ik=attn.index_k_proj(x), iq_norm_w=attn.index_q_norm.weight,
+        index = dict(**index_in, iq_norm_w=attn.index_q_norm.weight,
                      ik_norm_w=attn.index_k_norm.weight,
                      iq_out=torch.empty(t, attn.hk, di, dtype=torch.bfloat16, device=x.device),
                      ik_out=torch.empty(t, di, dtype=torch.bfloat16, device=x.device))

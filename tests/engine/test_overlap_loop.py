@@ -150,3 +150,26 @@ def test_overlap_under_page_pressure_preempts_and_recovers(model):
     assert got == ref
     assert eng.scheduler.num_preemptions > 0, "the test needs preemption to happen"
     _assert_no_leak(eng)
+
+
+def test_stopping_with_a_step_in_flight_then_drain_leaves_nothing_launched(model):
+    """Drive only until every request is finished (as LLM.generate does): the overlap loop has already queued one
+    more step for them. drain() reads it back, discards its tokens, and leaves the pages free; disable_graphs()
+    then continues eagerly with the same outputs as a synchronous engine."""
+    rng = np.random.default_rng(3)
+    prompts = _prompts(rng, 3)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 3
+    ref = _drive(_engine(model, False), prompts, params)
+    eng = _engine(model, True)
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while not all(r.is_finished for r in reqs):
+        eng.step()
+    assert eng._inflight is not None, "the test needs a step in flight after the last request finished"
+    eng.drain()
+    assert eng._inflight is None and eng.graphs.pending_reads == 0
+    assert [(list(r.output_token_ids), r.finish_reason) for r in reqs] == [ref[i] for i in range(3)]
+    _assert_no_leak(eng)
+    eng.disable_graphs()
+    assert eng.graphs is None
+    again = _drive(eng, prompts, params)
+    assert again == ref

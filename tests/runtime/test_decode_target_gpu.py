@@ -72,7 +72,7 @@ def test_real_dims_forward_captures_in_a_graph(kv):
     got = _greedy(llm, prompts, 8)
     graphs = llm.engine.graphs
     assert graphs.replays > 0
-    llm.engine.graphs = None
+    llm.engine.disable_graphs()
     assert _greedy(llm, prompts, 8) == got
     del graphs
     _release(llm)

@@ -68,3 +68,28 @@ def test_unchanged_rows_are_not_uploaded_again_with_padding():
     assert tables.last_num_uploaded_rows == 1
     tables.prepare([1], tsi, pos, extra=extra, pad_to=2)
     assert tables.last_num_uploaded_rows == 0
+
+
+def test_a_bucket_stages_at_the_same_offsets_whatever_changed_so_its_graph_can_expand_it():
+    """The graph captures expand_staged with fixed arguments: for one bucket, stage() must return the same
+    (S, T, offsets) whether 0, 1 or all rows changed and whatever the batch size up to the bucket; expanding the
+    staged step then gives what prepare() gives. The all-padding stage (the graphs' warm-up input) touches no page."""
+    lengths = {1: 3, 2: 9, 3: 14}
+    mgr = _manager_with(lengths)
+    tables = DeviceBlockTables(mgr, "cpu", index_scale=2, max_tokens=16)
+    ref = DeviceBlockTables(mgr, "cpu", index_scale=2, max_tokens=16)
+    bucket, layouts = 4, set()
+    for seq_ids, grow in (([1, 2, 3], None), ([1, 2, 3], None), ([2], 2), ([3, 1], 1), ([], None)):
+        if grow is not None:
+            lengths[grow] += 4
+            assert mgr.append_slots(grow, lengths[grow])   # one more page for that sequence: its row changes
+        pos = [lengths[s] - 1 for s in seq_ids]
+        tsi, p, extra = pack_decode(bucket, [7] * len(seq_ids), pos)
+        staged = tables.stage(seq_ids, tsi, p, extra=extra, pad_to=bucket)
+        layouts.add(staged)
+        got = [x.clone() for x in tables.expand_staged(*staged)]
+        want = ref.prepare(seq_ids, tsi, p, extra=extra, pad_to=bucket)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    assert len(layouts) == 1
+    assert got[0].eq(0).all() and got[2].eq(-1).all(), "an all-padding step must touch no page"

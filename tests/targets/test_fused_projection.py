@@ -1,0 +1,81 @@
+"""The fused attention projection: one concatenated weight whose row views the parts keep (nothing stored
+twice, the stock path reads the same bytes), and one GEMM whose split output equals the parts' own GEMMs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from m3serve.model.loader import load_model
+from m3serve.model.m3 import Attention
+from m3serve.model.qweight import QWeight
+from m3serve.targets import fused_projection
+
+
+def _attentions(model):
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def _quantize(w: torch.Tensor, fmt: str) -> QWeight:
+    from m3serve.quant.mxfp8 import quantize_mxfp8
+    from m3serve.quant.nvfp4 import nvfp4_global_scale, quantize_nvfp4
+    if fmt == "mxfp8":
+        q, s = quantize_mxfp8(w)
+        return QWeight("mxfp8", {"q": q, "scale": s})
+    if fmt == "fp8":
+        scale = w.abs().amax() / 448.0
+        return QWeight("fp8", {"q": (w / scale).to(torch.float8_e4m3fn), "scale": scale.reshape(1)})
+    g = nvfp4_global_scale(w.abs().amax())
+    packed, s = quantize_nvfp4(w, g)
+    return QWeight("nvfp4", {"packed": packed, "scale": s, "global_scale": torch.as_tensor(g).float().reshape(1)})
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4", "mxfp8", "fp8"])
+def test_fusing_keeps_every_part_weight_bit_for_bit_and_shares_storage(fmt):
+    model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, seed=3)
+    for attn in _attentions(model):
+        parts = fused_projection.projection_parts(attn)
+        if fmt != "dense":
+            for p in parts:
+                p.set_weight(_quantize(p.weight.detach().float(), fmt))
+        before = [p.dense_weight(torch.float32).clone() for p in parts]
+        fp = fused_projection.fuse(attn)
+        assert fp is not None and fp.fmt == fmt and fp.splits == tuple(p.out_features for p in parts)
+        assert len(parts) == (5 if attn.sparse else 3)
+        for p, w in zip(parts, before):
+            assert torch.equal(p.dense_weight(torch.float32), w), p.name
+        assert fused_projection._still_views(attn, fp), "each part must read its rows of the concatenation"
+
+
+def test_dense_projection_equals_the_parts_and_refuses_replaced_weights():
+    model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    for attn in _attentions(model):
+        x = torch.randn(5, attn.cfg.hidden_size, generator=gen)
+        parts = fused_projection.projection_parts(attn)
+        want = [F.linear(x, p.weight) for p in parts]
+        got = fused_projection.project(attn, x, "auto")
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            # fp32: the same dot products, the GEMM's blocking may change their summation order only
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        # a part whose weight is replaced afterwards is fused again, with its new values
+        q = attn.q_proj
+        q.set_weight(QWeight("dense", {"w": torch.randn(q.out_features, q.in_features, generator=gen)}))
+        got = fused_projection.project(attn, x, "auto")
+        torch.testing.assert_close(got[0], F.linear(x, q.weight), rtol=1e-5, atol=1e-6)
+        assert fused_projection._still_views(attn, attn._routed_workspaces["fused_projection"])
+
+
+def test_quantized_projection_needs_a_certified_cell():
+    """On the tiny model's shapes no qkv cell is certified: project returns None (the parts run one by one)
+    in auto mode, and require raises naming the shape."""
+    model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, seed=5)
+    attn = _attentions(model)[0]
+    for p in fused_projection.projection_parts(attn):
+        p.set_weight(_quantize(p.weight.detach().float(), "mxfp8"))
+    x = torch.randn(2, attn.cfg.hidden_size, dtype=torch.bfloat16)
+    assert fused_projection.project(attn, x, "auto") is None
+    with pytest.raises(ValueError, match="qkv.mxfp8"):
+        fused_projection.project(attn, x, "require")
