@@ -177,12 +177,13 @@ def main() -> None:
         del llm, graphs
         gc.collect()   # the routing hooks and graphs hold reference cycles; the next model sizes its KV from free memory
         torch.cuda.empty_cache()
-    out = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
-           "kv_cache_dtype": args.kv_cache_dtype, "load_s": loads, "results": results}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
+        # written after every model, so a run cut short by a time limit keeps what it measured
+        out = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
+               "kv_cache_dtype": args.kv_cache_dtype, "load_s": loads, "results": results}
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {args.out}", flush=True)
 
 
 if __name__ == "__main__":

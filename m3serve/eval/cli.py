@@ -58,15 +58,21 @@ register_config("reference", _reference_builder)
 
 
 def _engine_builder(model_dir: str, options: str, device: str) -> GenerateFn:
-    """`engine[:key=value,...]` with keys dtype (fp32|bf16|auto), kv (auto|bf16|fp8|nvfp4), max_tokens."""
+    """`engine[:key=value,...]` with keys dtype (fp32|bf16|auto), kv (auto|bf16|fp8|nvfp4), max_tokens,
+    route (off|auto|require: the stock path or the decode target), eager (1: no CUDA graphs), max_seqs."""
     from m3serve.engine.sampling_params import SamplingParams
     from m3serve.llm import LLM
 
     opts = dict(kv.split("=", 1) for kv in options.split(",") if kv) if options else {}
-    unknown = set(opts) - {"dtype", "kv", "max_tokens"}
+    keys = ("dtype", "kv", "max_tokens", "route", "eager", "max_seqs")
+    unknown = set(opts) - set(keys)
     if unknown:
-        raise ValueError(f"engine options: unknown keys {sorted(unknown)}; expected dtype, kv, max_tokens")
-    llm = LLM(model_dir, device=device, dtype=opts.get("dtype", "auto"), kv_cache_dtype=opts.get("kv", "auto"))
+        raise ValueError(f"engine options: unknown keys {sorted(unknown)}; expected one of {', '.join(keys)}")
+    extra = {"route": opts["route"]} if "route" in opts else {}
+    if "max_seqs" in opts:
+        extra["max_num_seqs"] = int(opts["max_seqs"])
+    llm = LLM(model_dir, device=device, dtype=opts.get("dtype", "auto"), kv_cache_dtype=opts.get("kv", "auto"),
+              enforce_eager=opts.get("eager", "0") == "1", **extra)
     params = SamplingParams(max_tokens=int(opts.get("max_tokens", 64)), temperature=0.0)
 
     def generate(prompts: list[str]) -> list[str]:
@@ -77,6 +83,31 @@ def _engine_builder(model_dir: str, options: str, device: str) -> GenerateFn:
 
 
 register_config("engine", _engine_builder)
+
+
+def _recorded_builder(model_dir: str, options: str, device: str) -> GenerateFn:
+    """`recorded:FILE.json#CONFIG`: the outputs configuration CONFIG produced in an earlier `--json` run (for
+    instance on another machine), looked up by prompt. Every prompt asked for must have been recorded."""
+    from m3serve.train.tokenizer import chat_prompt
+
+    path, sep, name = options.partition("#")
+    if not sep or not path or not name:
+        raise ValueError(f"recorded options: expected FILE.json#CONFIG, found {options!r}")
+    doc = json.loads(Path(path).read_text())
+    if name not in doc.get("configs", {}):
+        raise ValueError(f"recorded {path}: no configuration {name!r}; it has {sorted(doc.get('configs', {}))}")
+    by_prompt = {chat_prompt(it["question"]): it[f"{name}.output"] for it in doc.get("items", [])}
+
+    def generate(prompts: list[str]) -> list[str]:
+        missing = [p for p in prompts if p not in by_prompt]
+        if missing:
+            raise ValueError(f"recorded {path}: {len(missing)} prompts were not recorded, e.g. {missing[0][:80]!r}")
+        return [by_prompt[p] for p in prompts]
+
+    return generate
+
+
+register_config("recorded", _recorded_builder)
 
 
 def load_task(spec: str, model_dir: str, limit: int | None) -> list[TaskItem]:
@@ -97,12 +128,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=str(default_model_dir()), help="checkpoint directory")
     ap.add_argument("--task", default="synthetic", help="'synthetic' or a jsonl of {question, answer}")
     ap.add_argument("--limit", type=int, default=None, help="first N items only")
-    ap.add_argument("--config-a", default="engine:kv=bf16", help="kind[:options]: engine[:dtype=,kv=,max_tokens=] "
-                                                                 "or reference[:fp32|bf16]")
+    ap.add_argument("--config-a", default="engine:kv=bf16", help="kind[:options]: engine[:dtype=,kv=,max_tokens=,route=,eager=,max_seqs=], "
+                                                                 "reference[:fp32|bf16] or recorded:FILE.json#CONFIG")
     ap.add_argument("--config-b", default="engine:kv=nvfp4")
     ap.add_argument("--batch-size", type=int, default=None, help="prompts per generate_fn call (default: all)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--json", default=None, help="write the full result (with per-item outputs) here")
+
+
+def _agreement_tokenizer(model_dir: str):
+    """The model's own tokenizer for the greedy-agreement count; a directory without one (a registered
+    configuration that is not a checkpoint) counts characters instead, and the result says so."""
+    if not (Path(model_dir) / "tokenizer.json").exists():
+        return list
+    from m3serve.train.tokenizer import load_tokenizer
+    tok = load_tokenizer(model_dir)
+    return lambda text: tok.encode(text, add_special_tokens=False)
 
 
 def run(args: argparse.Namespace) -> Comparison:
@@ -114,11 +155,12 @@ def run(args: argparse.Namespace) -> Comparison:
         raise ValueError(f"config_b: expected a configuration different from config_a, found {args.config_b!r} twice")
     items = load_task(args.task, args.model, args.limit)
     configs = {s: build_config(s, args.model, args.device) for s in (args.config_a, args.config_b)}
-    cmp = compare(items, configs, batch_size=args.batch_size)
+    cmp = compare(items, configs, batch_size=args.batch_size, tokenize=_agreement_tokenizer(args.model))
     print(format_report(cmp))
     if args.json:
         from m3serve.benchmeta import run_metadata
-        doc = {**run_metadata(), **cmp.to_dict(include_items=True)}
+        doc = {**run_metadata(), **cmp.to_dict(include_items=True),
+               "agreement_unit": "tokens" if (Path(args.model) / "tokenizer.json").exists() else "characters"}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return cmp
 

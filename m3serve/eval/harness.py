@@ -39,6 +39,7 @@ class Comparison:
     a: ConfigScore
     b: ConfigScore
     paired: dict[str, dict[str, float | int]] = field(default_factory=dict)  # metric -> {b, c, p_value}
+    agreement: dict[str, float] = field(default_factory=dict)               # see greedy_agreement
 
     def to_dict(self, include_items: bool = False) -> dict:
         out: dict = {"n": len(self.items), "configs": {}, "paired": self.paired}
@@ -51,10 +52,12 @@ class Comparison:
                 "wall_s": s.wall_s,
             }
         out["order"] = [self.a.name, self.b.name]
+        out["agreement"] = self.agreement
         if include_items:
             out["items"] = [
                 {
                     "index": it.index,
+                    "question": it.question,
                     "target": it.target,
                     **{f"{s.name}.output": s.outputs[k] for s in (self.a, self.b)},
                     **{f"{s.name}.strict": s.predictions["strict"][k] for s in (self.a, self.b)},
@@ -95,9 +98,30 @@ def run_config(name: str, fn: GenerateFn, items: Sequence[TaskItem],
     return score_outputs(name, items, outputs, time.perf_counter() - t0)
 
 
+def greedy_agreement(a: Sequence[str], b: Sequence[str], tokenize: Callable[[str], list[int]]) -> dict[str, float]:
+    """How far two greedy configurations produce the same text. Per item, both outputs are tokenized and their
+    common prefix counted: `tokens` = sum of common prefixes / sum of the longer output's tokens (a token after
+    the first disagreement never counts as agreeing: greedy sequences diverge from there), `identical` = the
+    fraction of items whose outputs are equal."""
+    same = total = identical = 0
+    for x, y in zip(a, b):
+        tx, ty = tokenize(x), tokenize(y)
+        n = 0
+        for u, v in zip(tx, ty):
+            if u != v:
+                break
+            n += 1
+        same += n
+        total += max(len(tx), len(ty))
+        identical += x == y
+    return {"tokens": same / total if total else 1.0, "identical": identical / len(a) if len(a) else 1.0}
+
+
 def compare(items: Sequence[TaskItem], configs: Mapping[str, GenerateFn],
-            prompt_fn: Callable[[str], str] = chat_prompt, batch_size: int | None = None) -> Comparison:
-    """Run exactly two configurations (in mapping order) on `items` and pair their scores."""
+            prompt_fn: Callable[[str], str] = chat_prompt, batch_size: int | None = None,
+            tokenize: Callable[[str], list[int]] | None = None) -> Comparison:
+    """Run exactly two configurations (in mapping order) on `items` and pair their scores (and, given a
+    tokenizer, their greedy agreement)."""
     if len(configs) != 2:
         raise ValueError(f"configs: expected exactly 2 configurations, found {len(configs)} ({list(configs)})")
     if not items:
@@ -109,7 +133,8 @@ def compare(items: Sequence[TaskItem], configs: Mapping[str, GenerateFn],
     for m in METRICS:
         bb, cc = discordant(a.correct[m], b.correct[m])
         paired[m] = {"b": bb, "c": cc, "p_value": mcnemar_exact_p(bb, cc)}
-    return Comparison(list(items), a, b, paired)
+    agreement = greedy_agreement(a.outputs, b.outputs, tokenize) if tokenize is not None else {}
+    return Comparison(list(items), a, b, paired, agreement)
 
 
 def format_report(cmp: Comparison) -> str:
@@ -119,4 +144,7 @@ def format_report(cmp: Comparison) -> str:
                      f"  ({s.wall_s:.1f} s)")
     for m, r in cmp.paired.items():
         lines.append(f"McNemar [{m}]: b={r['b']} ({cmp.a.name} only) c={r['c']} ({cmp.b.name} only) p={r['p_value']:.4g}")
+    if cmp.agreement:
+        lines.append(f"greedy agreement: {cmp.agreement['tokens']:.4f} of tokens (common prefixes), "
+                     f"{cmp.agreement['identical']:.4f} of outputs identical")
     return "\n".join(lines)

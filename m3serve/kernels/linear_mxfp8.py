@@ -101,8 +101,9 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 # Rows 1-2: the GEMV measured 1.42x / 1.19x faster than the tensor-core cell (family g32x256w4s3); at 3-4
 # rows the tensor-core cell wins (H200, bench/results/gemv_variants-gpu-2026-11-30.json).
-CELLS = L.decode_linear_cells(WEIGHT_BYTES, {"BN": 32, "BK": 256, "num_warps": 4, "programs": 528,
-                                             "PREFETCH": False, "num_stages": 3}, ((1, 1), (2, 2)))
+GEMV_FAMILY = {"BN": 32, "BK": 256, "num_warps": 4, "programs": 528, "PREFETCH": False, "num_stages": 3}
+GEMV_ROWS = ((1, 1), (2, 2))
+CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS)
 INTERP_CELLS = L.interp_cells(((128, 256),))
 
 

@@ -110,8 +110,9 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 # Rows 1-4: the register-accumulating GEMV measured 2.3x / 1.9x / 1.3x faster than the tensor-core cell at
 # rows 1 / 2 / 4 (H200, bench/results/gemv_variants-gpu-2026-11-30.json, family g16x512w4).
-CELLS = L.decode_linear_cells(WEIGHT_BYTES, {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528,
-                                             "PREFETCH": True, "num_stages": 1}, ((1, 1), (2, 2), (3, 4)))
+GEMV_FAMILY = {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528, "PREFETCH": True, "num_stages": 1}
+GEMV_ROWS = ((1, 1), (2, 2), (3, 4))
+CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS)
 INTERP_CELLS = L.interp_cells(((128, 256),))
 
 

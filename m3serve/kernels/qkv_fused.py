@@ -7,8 +7,9 @@ row, so each part keeps its own scale exactly.
 Shape legend:
     x        [M, 6144]           bf16 hidden states (M = 1..48 tokens)
     parts    q [8192 | 4096], k [512 | 256], v [512 | 256], index-q [512 | 256], index-k [128]
-             rows at TP1 | TP2 (index-k is one head, replicated on every rank)
-    out      [M, N_total]        bf16, N_total = 9856 (TP1) | 4992 (TP2)
+             rows at TP1 | TP2 (index-k is one head, replicated on every rank; dense-attention layers
+             have q | k | v only)
+    out      [M, N_total]        bf16, N_total = 9856 | 4992 (MSA layers, TP1 | TP2), 9216 | 4608 (dense)
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ QKV_PARTS_TP2 = (4096, 256, 256, 256, 128)
 _SHAPES = (
     ((sum(QKV_PARTS_TP1), 6144), "fused q|k|v|index-q|index-k, TP1"),
     ((sum(QKV_PARTS_TP2), 6144), "fused q|k|v|index-q|index-k, TP2"),
+    ((sum(QKV_PARTS_TP1[:3]), 6144), "fused q|k|v of a dense-attention layer, TP1"),
+    ((sum(QKV_PARTS_TP2[:3]), 6144), "fused q|k|v of a dense-attention layer, TP2"),
 )
+_PARTS_BY_N = {sum(p): p for p in (QKV_PARTS_TP1, QKV_PARTS_TP2, QKV_PARTS_TP1[:3], QKV_PARTS_TP2[:3])}
 _INTERP_PARTS = (64, 16, 16, 16, 16)
 
 
@@ -72,7 +76,10 @@ def split_projection(out: torch.Tensor, splits: Sequence[int]) -> tuple[torch.Te
 
 
 def _make(fmt: str, raw: Callable, ref: Callable, stock: Callable, weight_bytes: float,
-          random_part: Callable[[int, int, torch.device, torch.Generator | None], tuple], dequant: Callable) -> Entry:
+          random_part: Callable[[int, int, torch.device, torch.Generator | None], tuple], dequant: Callable,
+          gemv: tuple[dict, tuple] | None = None) -> Entry:
+    """gemv: the linear entry's decode GEMV family and row ranges, so a fused projection at 1-4 rows streams its
+    weight with the same kernel the separate projections would use."""
     name = f"qkv.{fmt}"
 
     def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
@@ -96,8 +103,9 @@ def _make(fmt: str, raw: Callable, ref: Callable, stock: Callable, weight_bytes:
         assert_band(name, out, refv, gemm_band(refv, absprod, x.shape[1] + 1))
 
     cells = tuple(Cell(rows=c.rows, shape=c.shape, why=c.why,
-                       config={**c.config, "parts": QKV_PARTS_TP1 if c.shape[0] == sum(QKV_PARTS_TP1) else QKV_PARTS_TP2})
-                  for c in L.linear_cells(weight_bytes, _SHAPES))
+                       config={**c.config, "parts": _PARTS_BY_N[c.shape[0]]})
+                  for c in (L.decode_linear_cells(weight_bytes, *gemv, shapes=_SHAPES) if gemv is not None
+                            else L.linear_cells(weight_bytes, _SHAPES)))
     interp = tuple(Cell(rows=c.rows, shape=c.shape, why=c.why, config={**c.config, "parts": _INTERP_PARTS})
                    for c in L.interp_cells(((sum(_INTERP_PARTS), 256),)))
 
@@ -125,10 +133,11 @@ def _fp8_part(r: int, k: int, device: torch.device, gen: torch.Generator | None)
 
 
 QKV_NVFP4 = _make("nvfp4", linear_nvfp4.nvfp4_linear, linear_nvfp4.nvfp4_linear_reference,
-                  linear_nvfp4.nvfp4_linear_stock, linear_nvfp4.WEIGHT_BYTES, _nvfp4_part, linear_nvfp4._dequant)
+                  linear_nvfp4.nvfp4_linear_stock, linear_nvfp4.WEIGHT_BYTES, _nvfp4_part, linear_nvfp4._dequant,
+                  gemv=(linear_nvfp4.GEMV_FAMILY, linear_nvfp4.GEMV_ROWS))
 QKV_MXFP8 = _make("mxfp8", linear_mxfp8.mxfp8_linear, linear_mxfp8.mxfp8_linear_reference,
                   linear_mxfp8.mxfp8_linear_stock, linear_mxfp8.WEIGHT_BYTES, _mxfp8_part,
-                  lambda q, s: linear_mxfp8.dequantize_mxfp8(q, s))
+                  lambda q, s: linear_mxfp8.dequantize_mxfp8(q, s), gemv=(linear_mxfp8.GEMV_FAMILY, linear_mxfp8.GEMV_ROWS))
 QKV_FP8 = _make("fp8", linear_fp8.fp8_linear, linear_fp8.fp8_linear_reference, linear_fp8.fp8_linear_stock, 1.0,
                 _fp8_part, linear_fp8._dequant)
 ENTRIES = (QKV_NVFP4, QKV_MXFP8, QKV_FP8)

@@ -95,7 +95,9 @@ def project(attn, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...] | None
             return None
         out = torch.mm(x, w.t())
     else:
-        entry = lookup(f"qkv.{fp.fmt}", t, (n, h), mode)
+        # Both routes are catalog entries (the parts' own linear.{fmt} hooks enforce require mode), so a shape
+        # without a certified fused cell takes the per-part route rather than raising here.
+        entry = lookup(f"qkv.{fp.fmt}", t, (n, h), "auto")
         if entry is None:
             return None
         from m3serve.kernels._linear import make_workspace

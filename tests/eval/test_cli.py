@@ -41,6 +41,22 @@ def test_run_with_registered_configs(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert r["configs"]["fake:6"]["exact_match_strict"] == 1.0 and len(r["items"]) == 6
     assert cmp.paired["strict"]["p_value"] == 0.125
     assert "McNemar [strict]: b=4" in capsys.readouterr().out
+    assert r["agreement"]["identical"] == 2 / 6 and r["agreement_unit"] == "characters"
+    # the recorded outputs replay as a configuration of a later run (on another machine, say)
+    args = ap.parse_args(["--model", "M", "--task", str(task), "--config-a", "fake:3",
+                          "--config-b", f"recorded:{tmp_path / 'r.json'}#fake:2", "--device", "cpu"])
+    again = cli.run(args)
+    assert again.b.outputs == cmp.b.outputs and again.paired["strict"]["b"] == 1
+    args = ap.parse_args(["--model", "M", "--task", str(task), "--limit", "2", "--config-a", "fake:3",
+                          "--config-b", f"recorded:{tmp_path / 'r.json'}#fake:7", "--device", "cpu"])
+    with pytest.raises(ValueError, match="no configuration 'fake:7'"):
+        cli.run(args)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"question": "never asked", "answer": "#### 1"}) + "\n")
+    args = ap.parse_args(["--model", "M", "--task", str(other), "--config-a", "fake:3",
+                          "--config-b", f"recorded:{tmp_path / 'r.json'}#fake:2", "--device", "cpu"])
+    with pytest.raises(ValueError, match="1 prompts were not recorded"):
+        cli.run(args)
 
 
 def test_bad_specs() -> None:

@@ -66,3 +66,15 @@ def test_contract_violations() -> None:
         compare(ITEMS, {"a": gen_a, "b": lambda ps: [None] * len(ps)})
     with pytest.raises(ValueError, match="items: expected at least one"):
         compare([], {"a": gen_a, "b": gen_b})
+
+
+def test_greedy_agreement_counts_common_prefixes_only() -> None:
+    from m3serve.eval.harness import greedy_agreement
+    chars = list  # one token per character: enough to check the counting
+    a = ["abcdef", "xyz", "same", ""]
+    b = ["abcxef", "xyz", "same", "q"]
+    got = greedy_agreement(a, b, lambda s: [ord(c) for c in chars(s)])
+    # prefixes 3 (the 'e', 'f' after the mismatch do not count) + 3 + 4 + 0 over 6 + 3 + 4 + 1 tokens
+    assert got["tokens"] == 10 / 14
+    assert got["identical"] == 0.5
+    assert greedy_agreement(["ab"], ["ab"], list) == {"tokens": 1.0, "identical": 1.0}
