@@ -59,18 +59,23 @@ register_config("reference", _reference_builder)
 
 def _engine_builder(model_dir: str, options: str, device: str) -> GenerateFn:
     """`engine[:key=value,...]` with keys dtype (fp32|bf16|auto), kv (auto|bf16|fp8|nvfp4), max_tokens,
-    route (off|auto|require: the stock path or the decode target), eager (1: no CUDA graphs), max_seqs."""
+    route (off|auto|require: the stock path or the decode target), eager (1: no CUDA graphs), max_seqs, kv_gib
+    (the KV cache's GiB on a GPU, default 2)."""
     from m3serve.engine.sampling_params import SamplingParams
     from m3serve.llm import LLM
 
     opts = dict(kv.split("=", 1) for kv in options.split(",") if kv) if options else {}
-    keys = ("dtype", "kv", "max_tokens", "route", "eager", "max_seqs")
+    keys = ("dtype", "kv", "max_tokens", "route", "eager", "max_seqs", "kv_gib")
     unknown = set(opts) - set(keys)
     if unknown:
         raise ValueError(f"engine options: unknown keys {sorted(unknown)}; expected one of {', '.join(keys)}")
     extra = {"route": opts["route"]} if "route" in opts else {}
     if "max_seqs" in opts:
         extra["max_num_seqs"] = int(opts["max_seqs"])
+    if device.startswith("cuda"):
+        # an eval builds two engines in one process: each gets a fixed KV budget (kv_gib, default 2) rather than
+        # "90 % of the GPU", which the first would take from the second
+        extra["kv_cache_bytes"] = int(float(opts.get("kv_gib", 2)) * (1 << 30))
     llm = LLM(model_dir, device=device, dtype=opts.get("dtype", "auto"), kv_cache_dtype=opts.get("kv", "auto"),
               enforce_eager=opts.get("eager", "0") == "1", **extra)
     params = SamplingParams(max_tokens=int(opts.get("max_tokens", 64)), temperature=0.0)

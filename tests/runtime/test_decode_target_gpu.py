@@ -83,12 +83,15 @@ def test_real_dims_forward_captures_in_a_graph(kv):
     from m3serve import LLM
     llm = LLM("minimax-m3:4", device="cuda", dtype="bfloat16", random_weights=True, quantization="nvfp4",
               kv_cache_dtype=kv, max_num_seqs=2, max_model_len=4096, gpu_memory_utilization=0.5, route="auto")
-    assert llm.engine.graphs is not None and set(llm.engine.graphs.graphs) == {1, 2}
-    prompts = [{"prompt_token_ids": list(range(100, 100 + 2200))}, {"prompt_token_ids": list(range(7, 300))}]
-    got = _greedy(llm, prompts, 8)
-    graphs = llm.engine.graphs
-    assert graphs.replays > 0
-    llm.engine.disable_graphs()
-    assert _greedy(llm, prompts, 8) == got
-    del graphs
-    _release(llm)
+    try:
+        assert llm.engine.graphs is not None and set(llm.engine.graphs.graphs) == {1, 2}
+        prompts = [{"prompt_token_ids": list(range(100, 100 + 2200))}, {"prompt_token_ids": list(range(7, 300))}]
+        got = _greedy(llm, prompts, 8)
+        assert llm.engine.graphs.replays > 0
+        llm.engine.disable_graphs()
+        # the same prefill as the first run: with the prompts' pages cached it would compute only their tails,
+        # in other chunks (other summation orders), and random weights leave many near-ties to flip
+        llm.engine.blocks.clear_prefix_cache()
+        assert _greedy(llm, prompts, 8) == got
+    finally:
+        _release(llm)
