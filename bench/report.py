@@ -31,8 +31,8 @@ Schema legend (the fields each formatter reads; [x] optional):
     serve           serve-*.json: {meta: {model, workload, input_len, output_len, [label], [created]},
                      results: [{concurrency, requests, completed, failed, output_tokens_per_s,
                      total_tokens_per_s_per_gpu, ttft_ms: {p50, p90}, itl_ms: {p50, p90}, interactivity_x90}]}
-    eval_kv         eval-kv-*.json: {n, order: [A, B], configs: {A|B: {exact_match_strict, correct_strict}},
-                     paired: {strict: {b, c, p_value}}}
+    eval_kv         eval-*.json: {n, order: [A, B], configs: {A|B: {exact_match_strict, correct_strict}},
+                     paired: {strict: {b, c, p_value}}, [agreement: {tokens}, agreement_unit]}
     generic         server-hardening*.json, spec-target*.json: every top-level scalar field, key: value
 Rounding: times and rates to 3 significant digits (integers kept whole above 100), speedups to 2, percentages
 to integers (one significant digit below 1 %) except task accuracy (one decimal), p-values to 2 significant digits.
@@ -585,12 +585,15 @@ def render_eval_kv(files: list[ResultFile]) -> str:
         ws = f"{n}.paired.strict"
         strict = need(need(d, "paired", n, "dict"), "strict", f"{n}.paired", "dict")
         p = need(strict, "p_value", ws)
+        agree = d.get("agreement") or {}
+        agreement = (f"{accuracy_pct(need(agree, 'tokens', f'{n}.agreement'))} of "
+                     f"{d.get('agreement_unit', 'tokens')}" if agree else "—")
         table.append([order[0], scores[0], order[1], scores[1], need(d, "n", n, "int"),
                       f"{need(strict, 'b', ws, 'int')} / {need(strict, 'c', ws, 'int')}",
-                      p_value(p), "significant" if p < 0.05 else "not significant", code(n)])
+                      p_value(p), "significant" if p < 0.05 else "not significant", agreement, code(n)])
     table.sort(key=lambda row: (row[0], row[2], row[-1]))
     headers = ["A", "A exact match (correct)", "B", "B exact match (correct)", "items",
-               "discordant A-only / B-only", "McNemar exact p", "difference at 5 %", "file"]
+               "discordant A-only / B-only", "McNemar exact p", "difference at 5 %", "greedy agreement", "file"]
     caption = "**Strict exact match of configuration A vs B on the same items**"
     return f"{caption}\n\n{md_table(headers, table)}\n\n" + "\n".join(f"- {source_line(rf)}" for rf in files)
 
@@ -683,7 +686,7 @@ KINDS = (
          lambda d: _row_keys(d, "ops_per_step", "case"), render_sampler_host),
     Kind("kv_ablation", "KV storage ablation", (), ("kv-quant-ablation*.json",),
          lambda d: "plans" in d, render_kv_ablation),
-    Kind("eval_kv", "Accuracy of KV-cache formats", (), ("eval-kv-*.json",),
+    Kind("eval_kv", "Accuracy of two configurations (KV formats, stock vs target)", (), ("eval-*.json",),
          lambda d: {"configs", "paired", "order"} <= d.keys(), render_eval_kv),
     Kind("generic", "Other results", (), ("server-hardening*.json", "spec-target*.json"),
          lambda d: False, render_generic),

@@ -309,12 +309,18 @@ def test_eval_kv(report, tmp_path):
                 "paired": {"strict": {"b": b, "c": c, "p_value": p}}}
     write(tmp_path, "eval-kv-bf16-vs-nvfp4-cpu.json", comparison("nvfp4", 0.74, 56, 19, 2.242964e-05))
     write(tmp_path, "eval-kv-bf16-vs-fp8-cpu.json", comparison("fp8", 0.802, 13, 7, 0.263176))
+    target = comparison("fp8", 0.81, 2, 0, 0.5)
+    target.update(order=["engine:kv=bf16", "engine:kv=fp8"], agreement={"tokens": 0.99467, "identical": 0.992},
+                  agreement_unit="tokens")
+    write(tmp_path, "eval-stock-vs-target.json", target)
     out = report.render_report(tmp_path)
     assert table_rows(out, "A") == [
         ["engine:kv=bf16", "81.4 % (407)", "engine:kv=fp8", "80.2 % (401)", "500", "13 / 7", "0.26",
-         "not significant", "`eval-kv-bf16-vs-fp8-cpu.json`"],
+         "not significant", "—", "`eval-kv-bf16-vs-fp8-cpu.json`"],
+        ["engine:kv=bf16", "81.4 % (407)", "engine:kv=fp8", "81.0 % (405)", "500", "2 / 0", "0.50",
+         "not significant", "99.5 % of tokens", "`eval-stock-vs-target.json`"],
         ["engine:kv=bf16", "81.4 % (407)", "engine:kv=nvfp4", "74.0 % (370)", "500", "56 / 19", "2.2e-05",
-         "significant", "`eval-kv-bf16-vs-nvfp4-cpu.json`"]]
+         "significant", "—", "`eval-kv-bf16-vs-nvfp4-cpu.json`"]]
 
 
 def test_generic_files_list_their_top_level_scalars(report, tmp_path):
