@@ -100,11 +100,12 @@ def profile_steps(eng, steps: int) -> tuple[float, float]:
 WINDOW = 8   # decode steps per timing sample on the target (the eager routes sync every step anyway: 1)
 
 
-def time_decode(llm, batch: int, context: int, steps: int, seed: int, window: int = 1) -> dict:
+def time_decode(llm, batch: int, context: int, steps: int, seed: int, window: int = 1,
+                sampling: dict | None = None) -> dict:
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     vocab = llm.model.cfg.vocab_size
-    params = SamplingParams(max_tokens=window * steps + 16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=window * steps + 16, ignore_eos=True, **(sampling or {"temperature": 0.0}))
     reqs = [eng.add_request(torch.randint(3, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
     while any(r.num_computed < len(r.prompt_token_ids) for r in reqs):   # prefill (chunked)
         eng.step()
@@ -141,10 +142,23 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--routes", default="off,auto,target")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode-target-h200.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
     batches = [int(b) for b in args.batch.split(",")]
+    penalties = {k: v for k, v in (("repetition_penalty", args.repetition_penalty),
+                                   ("frequency_penalty", args.frequency_penalty),
+                                   ("presence_penalty", args.presence_penalty)) if v != (1.0 if k[0] == "r" else 0.0)}
+    sampling = None
+    if args.temperature > 0 or penalties:
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, **penalties,
+                    "seed": 1}
     routes = args.routes.split(",")
     bw = copy_bandwidth(dev)
     results, loads = [], {}
@@ -163,7 +177,8 @@ def main() -> None:
         for route in routes:
             set_route(llm, route, graphs)
             for b in batches:
-                r = time_decode(llm, b, args.context, args.steps, seed=b, window=WINDOW if route == "target" else 1)
+                r = time_decode(llm, b, args.context, args.steps, seed=b, window=WINDOW if route == "target" else 1,
+                                sampling=sampling)
                 toks = r.pop("_tokens")
                 if route == "off":
                     base_tokens[b] = toks
@@ -179,7 +194,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         # written after every model, so a run cut short by a time limit keeps what it measured
         out = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
-               "kv_cache_dtype": args.kv_cache_dtype, "load_s": loads, "results": results}
+               "kv_cache_dtype": args.kv_cache_dtype, "load_s": loads, "sampling": sampling, "results": results}
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

@@ -330,6 +330,11 @@ def render_decode(files: list[ResultFile]) -> str:
         flags += [f"{kv} KV"] if kv else []
         caption = f"{', '.join(models)}: routes {', '.join(routes)}"
         caption += f" ({', '.join(flags)}{' for presets' if kv else ''})" if flags else ""
+        sampling = rf.data.get("sampling")
+        if sampling:
+            caption += ", sampled: " + ", ".join(f"{k} {v}" for k, v in sampling.items() if k != "seed")
+        else:
+            caption += ", greedy"
         blocks.append(file_block(caption, md_table(headers, table), rf, copy_bw_note(rf)))
     return "\n\n".join(blocks)
 

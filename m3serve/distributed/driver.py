@@ -34,7 +34,8 @@ class TPDriverEngine(LLMEngine):
             if mode == protocol.NONE:
                 tokens, lp = [], None
             elif mode == protocol.GATHER:
-                t = sample(res.logits, [r.params for r in reqs], [r.generator for r in reqs])
+                t = sample(res.logits, [r.params for r in reqs], [r.sample_key for r in reqs],
+                           [r.num_tokens for r in reqs])
                 lp = top_logprobs(res.logits, t, k) if k >= 0 else None
                 tokens = t.tolist()
             else:

@@ -18,7 +18,7 @@ from m3serve.engine import groups, prompt_logprobs, stopping
 from m3serve.engine.detokenize import output_text
 from m3serve.engine.penalties import PenaltyState
 from m3serve.engine.request import Request, RequestGroup, Status
-from m3serve.engine.sampler import sample, top_logprobs
+from m3serve.engine.sampler import sample, sampling_key, top_logprobs
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
 from m3serve.kv.block_manager import BlockManager
@@ -118,7 +118,7 @@ class LLMEngine:
         self.target_attention = True
         if graphs:
             from m3serve.runtime.decode_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties)
             self.graphs.capture()
         return True
 
@@ -173,10 +173,7 @@ class LLMEngine:
                                 "candidates)")
         reqs = [Request(next(self._ids), list(prompt_token_ids), p, prompt=prompt) for p in candidates]
         for req in reqs:
-            if not req.params.greedy:
-                req.generator = torch.Generator(device=self.model.device)
-                req.generator.manual_seed(req.params.seed if req.params.seed is not None
-                                          else (self.config.seed * 1_000_003 + req.request_id) % (2 ** 63))
+            req.sample_key = sampling_key(req.params, self.config.seed * 1_000_003 + req.request_id)
             prompt_logprobs.start(req)
         leader = reqs[0]
         self.scheduler.add(leader)
@@ -285,18 +282,29 @@ class LLMEngine:
         return done + reqs
 
     # ------------------------------------------------------------------ the overlap loop
-    @staticmethod
-    def _overlappable(req: Request) -> bool:
-        """Its next token can stay on the device until the step after next: greedy argmax inside the graph, no
-        logprobs or logits processing that need the host between steps."""
-        return req.params.greedy and req.params.logprobs is None and not req.logits_processing
+    def _overlappable(self, req: Request) -> bool:
+        """Its next token can stay on the device until the step after next: chosen inside the graph (argmax, or
+        the graphs' sampling variant), no logprobs or logits processing that need the host between steps."""
+        g = self.graphs
+        return (req.params.logprobs is None
+                and (req.params.greedy or getattr(g, "sampling", False))
+                and (not req.logits_processing or getattr(g, "penalties", None) is not None))
+
+    def _graph_choice(self, reqs: list[Request]) -> tuple[list | None, list[int] | None]:
+        """(sampling, penalty_rows) for DecodeGraphs.run: the rows' sampling parameters (None when every row is
+        greedy and none is processed) and their penalty-state rows (None when none is processed)."""
+        rows = self.penalties.row_ids_for(reqs)
+        if rows is None and all(r.params.greedy for r in reqs):
+            return None, None
+        return [(r.params.temperature, r.params.top_k, r.params.top_p, r.sample_key) for r in reqs], rows
 
     def _launch_overlapped(self, reqs: list[Request]) -> list[Request]:
         """Step n+1 is queued before step n's tokens are read: a request whose last token is still pending takes
         it from the device (-1 in the staged ids). Then step n is read back and accepted, while the GPU runs n+1.
         Returns the requests of step n that got their token (as a synchronous step would have)."""
         last = [-1 if r.pending else _last_token(r) for r in reqs]
-        launched = self.graphs.run([r.request_id for r in reqs], last, [r.num_computed for r in reqs])
+        launched = self.graphs.run([r.request_id for r in reqs], last, [r.num_computed for r in reqs],
+                                   *self._graph_choice(reqs))
         for r in reqs:
             r.num_computed += 1
             r.pending += 1
@@ -354,10 +362,12 @@ class LLMEngine:
         return self._sample_rows(logits, reqs)
 
     def _graph_decode(self, reqs: list[Request]) -> tuple[list[int], tuple | None]:
-        """A pure decode step as one graph replay; greedy rows without logprobs read back only token ids."""
+        """A pure decode step as one graph replay; rows that the graph itself can decide (no logprobs, no logits
+        processing) read back only token ids, otherwise the step's logits are sampled as an eager step would."""
+        own = all(self._overlappable(r) for r in reqs)     # the graph's argmax / sampling variant is the answer
         launched = self.graphs.run([r.request_id for r in reqs], [_last_token(r) for r in reqs],
-                                   [r.num_computed for r in reqs])
-        if all(self._overlappable(r) for r in reqs):   # the graph's own argmax is the answer
+                                   [r.num_computed for r in reqs], *(self._graph_choice(reqs) if own else (None, None)))
+        if own:
             return self.graphs.fetch_tokens(launched), None
         return self._sample_rows(self.graphs.logits(launched), reqs)
 
@@ -366,7 +376,7 @@ class LLMEngine:
         is chosen from (on the device, only when a request in the batch asks for them), logprobs stay raw."""
         rows = self.penalties.rows_for(reqs)
         scores = logits if rows is None else self.penalties.apply(logits, rows)
-        tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = sample(scores, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
         if rows is not None:
             self.penalties.record(rows, tokens)
         want = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)

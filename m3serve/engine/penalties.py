@@ -69,17 +69,18 @@ class PenaltyState:
         self._true = torch.ones((), dtype=torch.bool, device=dev)
 
     # ------------------------------------------------------------------ host: rows (once per request)
-    def rows_for(self, reqs: list[Request]) -> torch.Tensor | None:
-        """int64 [R] state rows of this step's sampled requests (neutral row for those without processing), or
-        None when none needs processing. Rows are assigned on a request's first sampled step; the tensor is
-        reused while the batch's requests and the row assignment are unchanged (steady decode)."""
-        if not any(r.logits_processing for r in reqs):
-            return None
-        key = tuple(r.request_id for r in reqs)
-        if self._cached is not None and self._cached[0] == key and self._cached[1] == self._epoch:
-            return self._cached[2]
+    def ensure_allocated(self) -> None:
+        """Allocate the state now (before a CUDA graph that reads it is captured)."""
         if self.counts is None:
             self._allocate()
+
+    def row_ids_for(self, reqs: list[Request]) -> list[int] | None:
+        """The state row of each of this step's sampled requests (the neutral row for those without processing),
+        or None when none needs processing. Rows are assigned on a request's first sampled step (its state is
+        written then, on the device, from its prompt and output so far)."""
+        if not any(r.logits_processing for r in reqs):
+            return None
+        self.ensure_allocated()
         rows = []
         for r in reqs:
             if not r.logits_processing:
@@ -89,6 +90,17 @@ class PenaltyState:
             if row is None or self._owner[row] is not r:
                 row = self._assign(r)
             rows.append(row)
+        return rows
+
+    def rows_for(self, reqs: list[Request]) -> torch.Tensor | None:
+        """row_ids_for as an int64 [R] device tensor, reused while the batch's requests and the row assignment
+        are unchanged (steady decode)."""
+        if not any(r.logits_processing for r in reqs):
+            return None
+        key = tuple(r.request_id for r in reqs)
+        if self._cached is not None and self._cached[0] == key and self._cached[1] == self._epoch:
+            return self._cached[2]
+        rows = self.row_ids_for(reqs)
         t = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self._cached = (key, self._epoch, t)
         return t

@@ -95,8 +95,9 @@ class DeviceBlockTables:
         # build() staging: [S batch rows | n changed row ids | n changed rows x B].
         # prepare() staging: [S batch rows | S change index | n changed rows x B | T token seq | T positions].
         self.max_tokens = max_tokens if max_tokens is not None else 8 * s
-        # prepare() also carries the caller's int32 payload (`extra`): at most 2 * max_tokens + 2 * s + 1 values.
-        self.max_extra = 2 * self.max_tokens + 2 * s + 1
+        # prepare() also carries the caller's int32 payload (`extra`): at most 2 * max_tokens + 8 * s + 1 values
+        # (a decode graph step stages 7 per sequence: token id, sequence length and its sampling parameters).
+        self.max_extra = 2 * self.max_tokens + 8 * s + 1
         stage_numel = s * (b + 2) + 2 * self.max_tokens + self.max_extra
         # On CPU copies are synchronous: one buffer and a no-op event, unless a test injects events.
         if event_factory is None and not on_cuda:

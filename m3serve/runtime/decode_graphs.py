@@ -8,7 +8,10 @@ smallest bucket >= its batch size and runs as:
     H2D    one copy                                   (stage views sit at fixed offsets for a bucket)
     device one graph replay: table rows -> slot table, token slots (expand_staged, captured), input ids (a staged id, or -1 = "the token this row's request sampled in the
            previous graph step", kept on the device) -> embed -> L x (norms, projections, kv.write,
-           [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax -> remember it per row
+           [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax (or, in the sampling
+           variant, temperature / top-k / top-p and the keyed exponential race; in the processed variant,
+           penalties / logit_bias / min_tokens from the staged state rows first, the tokens counted after)
+           -> remember it per row
     D2H    the bucket's token ids (8 bytes per row) into a pinned ring slot, then an event
 
 Because a step's input can come from the previous step's output on the device, the host may launch step n+1
@@ -55,23 +58,65 @@ def buckets_up_to(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS)
     return tuple(out)
 
 
+# The payload of a decode step, S int32 values each, in this order (after the positions of the stage).
+PAYLOAD = ("token_ids", "seq_lens", "temperature", "top_k", "top_p", "key_lo", "key_hi", "penalty_row")
+
+
 def stage_offsets(bucket: int) -> dict[str, slice]:
     """Where a decode bucket's inputs sit in the staged upload (DeviceBlockTables.prepare's layout with
-    S = T = bucket and the payload [token ids S | seq lens S])."""
+    S = T = bucket: [rows S | change S | token seq S | positions S | payload 8S | changed rows])."""
     s = bucket
-    return {"positions": slice(3 * s, 4 * s), "token_ids": slice(4 * s, 5 * s), "seq_lens": slice(5 * s, 6 * s)}
+    out = {"positions": slice(3 * s, 4 * s)}
+    for i, name in enumerate(PAYLOAD):
+        out[name] = slice((4 + i) * s, (5 + i) * s)
+    return out
 
 
-def pack_decode(bucket: int, token_ids: list[int], positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host arrays for one padded decode step: (token seq index [S], positions [S], payload [2S] int32).
-    Padded rows: position 0, token 0, sequence length 0."""
-    n = len(token_ids)
-    pos = np.zeros(bucket, dtype=np.int32)
+Sampling = tuple[float, int, float, int]   # one row's (temperature, top_k, top_p, sampling key)
+
+
+def pack_decode(bucket: int, token_ids: list[int], positions: list[int], sampling: list[Sampling] | None = None,
+                penalty_rows: list[int] | None = None, neutral_row: int = 0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host arrays for one padded decode step: (token seq index [S], positions [S], payload [8S] int32).
+    The payload carries each row's token id, sequence length and sampling parameters: temperature and top_p
+    as fp32 bit patterns, top_k raw (0 / -1: off), the 63-bit sampling key as two int32 halves, and its
+    penalty-state row (m3serve.engine.penalties). Padded rows (and every row when `sampling` is None):
+    position 0, token 0, sequence length 0, greedy (temperature 0), the neutral penalty row."""
+    n, s = len(token_ids), bucket
+    pos = np.zeros(s, dtype=np.int32)
     pos[:n] = positions
-    extra = np.zeros(2 * bucket, dtype=np.int32)
+    extra = np.zeros(len(PAYLOAD) * s, dtype=np.int32)
     extra[:n] = token_ids
-    extra[bucket:bucket + n] = pos[:n] + 1
-    return np.arange(bucket, dtype=np.int32), pos, extra
+    extra[s:s + n] = pos[:n] + 1
+    extra[4 * s:5 * s] = np.float32(1.0).view(np.int32)       # top_p = 1 on padded rows
+    if sampling is not None:
+        temp, top_k, top_p, key = (np.asarray(c) for c in zip(*sampling))
+        extra[2 * s:2 * s + n] = temp.astype(np.float32).view(np.int32)
+        extra[3 * s:3 * s + n] = top_k
+        extra[4 * s:4 * s + n] = top_p.astype(np.float32).view(np.int32)
+        key = key.astype(np.uint64)
+        extra[5 * s:5 * s + n] = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+        extra[6 * s:6 * s + n] = (key >> np.uint64(32)).astype(np.uint32).view(np.int32)
+    extra[7 * s:8 * s] = neutral_row
+    if penalty_rows is not None:
+        extra[7 * s:7 * s + n] = penalty_rows
+    return np.arange(s, dtype=np.int32), pos, extra
+
+
+def staged_sampling(stage: torch.Tensor, bucket: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """The device view of pack_decode's sampling payload -> sample_rows' arguments (temperature, top_k, top_p,
+    greedy, keys, counters) for a bucket; pure tensor ops on the staged int32 buffer (graph-safe)."""
+    off = stage_offsets(bucket)
+    temp_raw = stage[off["temperature"]].view(torch.float32)
+    greedy = temp_raw == 0
+    temperature = torch.where(greedy, 1.0, temp_raw)
+    k_raw = stage[off["top_k"]].long()
+    top_k = torch.where((k_raw > 0) & (k_raw < vocab), k_raw, vocab)
+    top_p = stage[off["top_p"]].view(torch.float32)
+    keys = (stage[off["key_hi"]].long() << 32) | (stage[off["key_lo"]].long() & 0xFFFFFFFF)
+    counters = stage[off["positions"]].long() + 1          # the index of the token being drawn
+    return temperature, top_k, top_p, greedy, keys, counters
 
 
 @dataclass
@@ -92,7 +137,11 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv, tables, buckets: tuple[int, ...]):
+    """sampling=True also captures, per bucket, a variant that samples on the device (temperature, top-k, top-p,
+    per-request keys: m3serve.engine.sampler.sample_rows) from the staged parameters; greedy steps replay the
+    plain argmax variant, so they pay nothing for it."""
+
+    def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None):
         if model.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA model, found {model.device}")
         self.model, self.kv, self.tables = model, kv, tables
@@ -101,8 +150,15 @@ class DecodeGraphs:
             raise ValueError(f"buckets: expected sizes in [1, max_num_seqs = {tables.manager.max_seqs}], "
                              f"found {buckets}")
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, _Bucket] = {}
+        self.graphs: dict[int, _Bucket] = {}            # greedy variant per bucket
+        self.sampling = sampling
+        self.sampled_graphs: dict[int, _Bucket] = {}    # sampling variant per bucket (when sampling)
+        # With a PenaltyState (and sampling): a third variant per bucket applies penalties / logit_bias /
+        # min_tokens from the state rows staged per batch row, samples, and counts the tokens in place.
+        self.penalties = penalties if sampling else None
+        self.processed_graphs: dict[int, _Bucket] = {}
         self.replays = 0
+        self.sampled_replays = 0                         # of them, on the sampling variant
         # The token each block-table row's request sampled in the last graph step (the padding row included).
         self.tok_by_row = torch.zeros(tables.manager.max_seqs + 1, dtype=torch.int64, device=model.device)
         # Two pinned slots: step n's tokens stay readable while step n+1's copy is queued.
@@ -112,7 +168,7 @@ class DecodeGraphs:
         self._offsets: dict[int, tuple[int, ...]] = {}   # bucket -> staged layout its graph expands
 
     # ------------------------------------------------------------------ capture
-    def _forward(self, bucket: int, step: PagedStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, step: PagedStep, variant: str = "greedy") -> tuple[torch.Tensor, torch.Tensor]:
         off = stage_offsets(bucket)
         self.tables.expand_staged(bucket, bucket, self._offsets[bucket])   # staged rows -> tables, token slots
         stage = self.tables._dev_stage
@@ -122,12 +178,33 @@ class DecodeGraphs:
         batch = ForwardBatch(input_ids=ids, positions=stage[off["positions"]].long(),
                              seqs=[], slot_mapping=self.tables.slot_mapping_out[:bucket], kv=self.kv, step=step)
         logits = self.model(batch)
-        tokens = logits.argmax(-1)
+        if variant == "greedy":
+            tokens = logits.argmax(-1)
+        else:
+            from m3serve.engine.sampler import sample_rows
+            scores = logits
+            if variant == "processed":
+                prow = stage[off["penalty_row"]].long()
+                scores = self.penalties.apply(logits, prow)
+            tokens = sample_rows(scores, *staged_sampling(stage, bucket, logits.shape[1]))
+            if variant == "processed":
+                self.penalties.record(prow, tokens)
         self.tok_by_row.index_copy_(0, rows, tokens)   # padded rows all land on the padding row
         return tokens, logits
 
-    def _stage(self, bucket: int, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> None:
-        tsi, pos, extra = pack_decode(bucket, token_ids, positions)
+    def _variants(self) -> list[tuple[str, dict]]:
+        out = [("greedy", self.graphs)]
+        if self.sampling:
+            out.append(("sampled", self.sampled_graphs))
+        if self.penalties is not None:
+            self.penalties.ensure_allocated()
+            out.append(("processed", self.processed_graphs))
+        return out
+
+    def _stage(self, bucket: int, seq_ids: list[int], token_ids: list[int], positions: list[int],
+               sampling: list[Sampling] | None = None, penalty_rows: list[int] | None = None) -> None:
+        neutral = self.penalties.neutral if self.penalties is not None else 0
+        tsi, pos, extra = pack_decode(bucket, token_ids, positions, sampling, penalty_rows, neutral)
         s, t, offsets = self.tables.stage(seq_ids, tsi, pos, extra=extra, pad_to=bucket)
         if self._offsets.setdefault(bucket, offsets) != offsets or (s, t) != (bucket, bucket):
             raise AssertionError(f"bucket {bucket}: staged layout {(s, t, offsets)} differs from the captured one")
@@ -150,13 +227,14 @@ class DecodeGraphs:
                                  seq_lens=self.tables._dev_stage[off["seq_lens"]],
                                  query_start=torch.arange(bucket + 1, dtype=torch.int32, device=self.model.device),
                                  max_query_len=1, num_splits=dense, num_splits_sparse=sparse)
-                self._safe_inputs(bucket)
-                self._forward(bucket, step)                 # compile + allocate the step's scratch
-                torch.cuda.synchronize(self.model.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    tokens, logits = self._forward(bucket, step)
-                self.graphs[bucket] = _Bucket(graph, step, tokens, logits)
+                for variant, store in self._variants():
+                    self._safe_inputs(bucket)
+                    self._forward(bucket, step, variant)        # compile + allocate the step's scratch
+                    torch.cuda.synchronize(self.model.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        tokens, logits = self._forward(bucket, step, variant)
+                    store[bucket] = _Bucket(graph, step, tokens, logits)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         torch.cuda.synchronize(self.model.device)
         log.info("decode graphs captured for buckets %s", self.buckets)
@@ -165,14 +243,25 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int | None:
         return bucket_for(batch, self.buckets)
 
-    def run(self, seq_ids: list[int], token_ids: list[int], positions: list[int]) -> Launched:
-        """Stage, prepare and replay one padded decode step, then queue the copy of its greedy tokens to the host.
-        token_ids[i] = -1: row i's input is the token its request sampled in the previous graph step."""
+    def run(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
+            sampling: list[Sampling] | None = None, penalty_rows: list[int] | None = None) -> Launched:
+        """Stage, prepare and replay one padded decode step, then queue the copy of its tokens to the host.
+        token_ids[i] = -1: row i's input is the token its request sampled in the previous graph step.
+        sampling: each row's (temperature, top_k, top_p, key) to sample on the device (temperature 0: that
+        row's argmax); None: every row greedy. penalty_rows: each row's PenaltyState row (the neutral one for
+        rows without processing), with `sampling` given; None: no penalties this step."""
         bucket = self.bucket_for(len(seq_ids))
         if bucket is None:
             raise ValueError(f"seq_ids: {len(seq_ids)} sequences; the largest graph bucket is {self.buckets[-1]}")
-        self._stage(bucket, seq_ids, token_ids, positions)      # the graph's first op expands it on the device
-        g = self.graphs[bucket]
+        if sampling is not None and not self.sampling:
+            raise ValueError("sampling: these graphs were captured without the sampling variant")
+        if penalty_rows is not None and (self.penalties is None or sampling is None):
+            raise ValueError("penalty_rows: needs graphs captured with a PenaltyState, and the rows' sampling")
+        self._stage(bucket, seq_ids, token_ids, positions, sampling, penalty_rows)   # the graph expands it
+        store = (self.processed_graphs if penalty_rows is not None
+                 else self.sampled_graphs if sampling is not None else self.graphs)
+        g = store[bucket]
+        self.sampled_replays += sampling is not None
         g.graph.replay()
         self.replays += 1
         host, done = self._ring[self._next]
@@ -182,7 +271,7 @@ class DecodeGraphs:
         return Launched(bucket, len(seq_ids), host, done)
 
     def logits(self, launched: Launched) -> torch.Tensor:
-        """[n, V] fp32 logits of a launched step (valid until the same bucket replays again)."""
+        """[n, V] fp32 logits of a launched greedy-variant step (valid until the same bucket replays again)."""
         return self.graphs[launched.bucket].logits[:launched.n]
 
     @staticmethod

@@ -80,9 +80,28 @@ def module_placements(model, bucket: int) -> list[Placement]:
     from m3serve.model.layers import Linear
     from m3serve.model.moe import MoE
     from m3serve.targets.routing import ALL_EXPERTS_MAX
-    out = []
+    from m3serve.model.m3 import Attention
+    from m3serve.targets.fused_projection import QUANT_FORMATS, projection_parts
+    out, fused_parts = [], {}
     for name, mod in model.named_modules():
-        if isinstance(mod, MoE):
+        if isinstance(mod, Attention):
+            parts = projection_parts(mod)
+            fmts = {p.fmt for p in parts}
+            if len(fmts) != 1:
+                continue
+            fmt, n, k = fmts.pop(), sum(p.out_features for p in parts), parts[0].in_features
+            if fmt == "dense":
+                placed = Placement(f"{name}.qkv", bucket, "torch:fused-GEMM",
+                                   f"q|k|v{'|index-q|index-k' if mod.sparse else ''} as one cuBLAS GEMM ({n} x {k})")
+            elif fmt in QUANT_FORMATS:
+                placed = _place(f"{name}.qkv", bucket, f"qkv.{fmt}", bucket, (n, k))
+                if placed.entry is None:   # the parts run one by one through their own linear entries
+                    continue
+            else:
+                continue
+            out.append(placed)
+            fused_parts.update((id(p), placed.module) for p in parts)
+        elif isinstance(mod, MoE):
             if mod.w13.fmt == "nvfp4" and mod.w2.fmt == "nvfp4":
                 sh = mod.shared
                 shape = (mod.w13.num_experts, mod.w13.in_features, mod.w2.in_features,
@@ -96,7 +115,9 @@ def module_placements(model, bucket: int) -> list[Placement]:
                 out.append(Placement(name, bucket, None, f"{mod.w13.fmt} experts with {mod.w13.num_experts} "
                                      "experts: the stock loop (syncs the host: not capturable)"))
         elif isinstance(mod, Linear) and mod.num_experts is None:
-            if mod.fmt in ("nvfp4", "mxfp8", "fp8"):
+            if id(mod) in fused_parts:
+                out.append(Placement(name, bucket, "(fused)", f"runs inside {fused_parts[id(mod)]}"))
+            elif mod.fmt in ("nvfp4", "mxfp8", "fp8"):
                 out.append(_place(name, bucket, f"linear.{mod.fmt}", bucket, (mod.out_features, mod.in_features)))
             else:
                 out.append(Placement(name, bucket, "torch:F.linear",

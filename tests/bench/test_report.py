@@ -120,9 +120,14 @@ def test_decode_target_schema(report, tmp_path):
     assert rows[0][-2:] == ["—", "—"]                               # off is the baseline
     assert rows[5][7:] == ["3.25", "4 %", "15×", "94 %"]             # 3.69 %; 189.3/12.5 = 15.1; 0.9375
     assert rows[3][8] == "1 %"                                          # off: 1.23 %
-    assert "**minimax-m3:5: routes off, auto, target (NVFP4 weights, nvfp4 KV for presets)**" in out
+    assert "**minimax-m3:5: routes off, auto, target (NVFP4 weights, nvfp4 KV for presets), greedy**" in out
     assert ("source `decode-target-h200.json` · NVIDIA H200 · commit 0123456789ab · 2026-12-01 10:20 UTC · "
             "copy bandwidth 4.19 TB/s · `python bench/decode.py --models minimax-m3:5`") in out
+    sampled = decode_target_file()
+    sampled["sampling"] = {"temperature": 1.0, "top_p": 0.9, "top_k": 0, "seed": 1}
+    write(tmp_path, "decode-target-sampled-h200.json", sampled)
+    out = report.render_report(tmp_path)
+    assert "for presets), sampled: temperature 1.0, top_p 0.9, top_k 0**" in out
 
 
 def test_decode_old_schema_takes_the_model_from_the_preset(report, tmp_path):

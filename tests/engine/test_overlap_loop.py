@@ -15,7 +15,9 @@ import torch
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.model.loader import load_model
+from m3serve.engine.sampler import sample_rows
 from m3serve.model.m3 import ForwardBatch, SeqSpan
+from m3serve.runtime.decode_graphs import pack_decode, stage_offsets, staged_sampling
 
 
 @dataclass
@@ -29,6 +31,9 @@ class FakeGraphs:
 
     def __init__(self, engine: LLMEngine, buckets=(1, 2, 4, 8)):
         self.engine, self.buckets = engine, buckets
+        self.sampling = True
+        self.penalties = engine.penalties
+        self.sampled_runs = self.processed_runs = 0
         self.device_tokens: dict[int, int] = {}     # request id -> token sampled in the last graph step
         self.runs = 0
         self.pending_reads = 0                       # launched steps whose tokens were not fetched yet
@@ -36,7 +41,7 @@ class FakeGraphs:
     def bucket_for(self, n):
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, seq_ids, token_ids, positions):
+    def run(self, seq_ids, token_ids, positions, sampling=None, penalty_rows=None):
         eng = self.engine
         ids = [t if t >= 0 else self.device_tokens[s] for s, t in zip(seq_ids, token_ids)]
         pos = np.asarray(positions, dtype=np.int64)
@@ -46,7 +51,25 @@ class FakeGraphs:
                  for i, p in enumerate(positions)]
         batch = ForwardBatch(torch.tensor(ids), torch.from_numpy(pos), spans, slot_mapping=slot_mapping, kv=eng.kv)
         with torch.inference_mode():
-            tokens = eng.model(batch).argmax(-1).tolist()
+            logits = eng.model(batch)
+        if sampling is None:
+            tokens = logits.argmax(-1).tolist()
+        else:   # what the sampling graph does: the staged payload, unpacked on the device, then sample_rows
+            bucket = self.bucket_for(len(seq_ids))
+            _, pos_b, extra = pack_decode(bucket, token_ids, positions, sampling, penalty_rows, self.penalties.neutral)
+            stage = torch.zeros(4 * bucket + extra.shape[0], dtype=torch.int32)
+            stage[3 * bucket:4 * bucket] = torch.from_numpy(pos_b)
+            stage[4 * bucket:] = torch.from_numpy(extra)
+            scores = torch.cat([logits, logits[:1].expand(bucket - len(seq_ids), -1)])
+            if penalty_rows is not None:   # the processed variant: state rows from the payload, counted after
+                prow = stage[stage_offsets(bucket)["penalty_row"]].long()
+                scores = self.penalties.apply(scores, prow)
+            tokens = sample_rows(scores, *staged_sampling(stage, bucket, logits.shape[1]))
+            if penalty_rows is not None:
+                self.penalties.record(prow, tokens)
+                self.processed_runs += 1
+            tokens = tokens[:len(seq_ids)].tolist()
+            self.sampled_runs += 1
         for s, t in zip(seq_ids, tokens):
             self.device_tokens[s] = t
         self.runs += 1
@@ -173,3 +196,42 @@ def test_stopping_with_a_step_in_flight_then_drain_leaves_nothing_launched(model
     assert eng.graphs is None
     again = _drive(eng, prompts, params)
     assert again == ref
+
+
+def test_sampled_requests_overlap_and_draw_what_the_synchronous_engine_draws(model):
+    """Seeded and unseeded temperature / top-k / top-p requests, mixed with greedy ones, run in the overlap loop
+    on the graphs' sampling variant (its staged payload unpacked as on the device) and produce exactly the
+    synchronous engine's tokens: the draws are keyed by (request key, token index), not by the path or batch."""
+    rng = np.random.default_rng(4)
+    prompts = _prompts(rng, 5)
+    params = [SamplingParams(max_tokens=14, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=1.1, top_k=20, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=1.0, top_p=0.7, seed=2 ** 40 + 3, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.6, top_k=5, top_p=0.9, ignore_eos=True)]
+    ref = _drive(_engine(model, False), prompts, params)
+    eng = _engine(model, True)
+    got = _drive(eng, prompts, params)
+    assert got == ref
+    assert eng.graphs.sampled_runs > 5 and eng._inflight is None
+    _assert_no_leak(eng)
+
+
+def test_penalised_requests_overlap_with_device_state_and_match_the_synchronous_engine(model):
+    """Penalties, logit_bias and min_tokens (greedy and sampled rows, mixed with plain ones) run in the overlap
+    loop on the processed variant: state rows staged per batch row, counts updated on the device, no host work
+    per token; the tokens equal the synchronous engine's."""
+    rng = np.random.default_rng(5)
+    prompts = _prompts(rng, 5)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, frequency_penalty=0.7, presence_penalty=0.4, seed=8,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.0, logit_bias={5: 4.0, 9: -100.0}, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=0.7, min_tokens=6, top_k=30)]
+    ref = _drive(_engine(model, False), prompts, params)
+    eng = _engine(model, True)
+    got = _drive(eng, prompts, params)
+    assert got == ref
+    assert eng.graphs.processed_runs > 5
+    _assert_no_leak(eng)

@@ -95,3 +95,33 @@ def test_real_dims_forward_captures_in_a_graph(kv):
         assert _greedy(llm, prompts, 8) == got
     finally:
         _release(llm)
+
+
+def test_embedded_model_samples_inside_the_graph_as_the_eager_target_does():
+    """Temperature / top-k / top-p rows (seeded and not, mixed with greedy ones) and rows with penalties,
+    logit_bias and min_tokens run on the graphs' sampling / processed variants and draw exactly the eager
+    target's tokens: same logits (same kernels), same keyed noise, the same penalty state updated on the
+    device."""
+    _need_cuda()
+    from m3serve import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": list(range(9 + i, 50 + 5 * i))} for i in range(5)]
+    params = [SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, top_k=20, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.2, top_p=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2, logit_bias={7: 3.0},
+                             ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.9, frequency_penalty=0.5, presence_penalty=0.3,
+                             min_tokens=10, seed=4)]
+    prompts.append({"prompt_token_ids": list(range(30, 61))})
+    prompts.append({"prompt_token_ids": list(range(60, 80))})
+    target = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", kv_cache_bytes=TINY_KV, seed=5)
+    eager = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", enforce_eager=True, kv_cache_bytes=TINY_KV, seed=5)
+    try:
+        got = [o.outputs[0].token_ids for o in target.generate(prompts, params, use_tqdm=False)]
+        assert target.engine.graphs.sampled_replays > 20 and target.engine.graphs.processed_graphs
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    finally:
+        _release(target, eager)

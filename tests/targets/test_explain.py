@@ -1,0 +1,38 @@
+"""`m3serve explain`'s placements on CPU: the fused projection replaces the per-part lines where it serves,
+MoE and attention lines name what runs, and a shape outside every certified cell says why."""
+
+from __future__ import annotations
+
+import torch
+
+from m3serve.model.loader import load_model
+from m3serve.targets.explain import module_placements
+
+
+def test_embedded_model_placements_name_the_fused_projection_and_the_all_experts_moe():
+    from m3serve.eval.cli import default_model_dir
+    model = load_model(str(default_model_dir()), device="cpu", dtype=torch.bfloat16)
+    by_module = {p.module: p for p in module_placements(model, 1)}
+    qkv = by_module["layers.2.attn.qkv"]
+    assert qkv.entry == "torch:fused-GEMM" and "index-q|index-k" in qkv.detail
+    assert "index-q" not in by_module["layers.0.attn.qkv"].detail      # a dense-attention layer: q|k|v only
+    for part in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"):
+        p = by_module[f"layers.2.attn.{part}"]
+        assert p.entry == "(fused)" and "layers.2.attn.qkv" in p.detail
+    assert by_module["layers.2.attn.o_proj"].entry == "torch:F.linear"
+    assert by_module["layers.2.mlp"].entry == "torch:all-experts"
+
+
+def test_quantized_parts_without_a_fused_cell_are_placed_one_by_one():
+    from m3serve.model.qweight import QWeight
+    from m3serve.quant.mxfp8 import quantize_mxfp8
+    from m3serve.targets.fused_projection import projection_parts
+    model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, seed=1)
+    attn = model.layers[0].attn
+    for p in projection_parts(attn):
+        q, s = quantize_mxfp8(p.weight.detach().float())
+        p.set_weight(QWeight("mxfp8", {"q": q, "scale": s}))
+    by_module = {p.module: p for p in module_placements(model, 2)}
+    assert "layers.0.attn.qkv" not in by_module
+    q = by_module["layers.0.attn.q_proj"]
+    assert q.entry is None and "linear.mxfp8" in q.detail and "no certified cell" in q.detail
