@@ -57,6 +57,12 @@ class PenaltyState:
         self.counts = None                           # allocated on first use: no memory unless a request needs it
 
     def _allocate(self) -> None:
+        # normal tensors even when first needed under inference mode (a graph capture): the host updates rows
+        # in place later, outside it
+        with torch.inference_mode(False):
+            self._allocate_now()
+
+    def _allocate_now(self) -> None:
         s, v, dev = self.max_rows + 1, self.vocab, self.device
         self.counts = torch.zeros(s, v, dtype=torch.float32, device=dev)
         self.seen = torch.zeros(s, v, dtype=torch.bool, device=dev)

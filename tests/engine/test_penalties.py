@@ -184,3 +184,16 @@ def test_host_cost_per_step_does_not_grow_with_penalties():
         reqs = [_req(i, [1, 2], [], params if i < n_pen else SamplingParams()) for i in range(8)]
         counts.add(_ops_per_step(reqs, PenaltyState(8, 40, "cpu", EOS)))
     assert len(counts) == 1, counts
+
+
+def test_state_first_allocated_under_inference_mode_still_takes_host_updates():
+    """The decode graphs allocate the state while capturing (under inference mode); assigning a request's row
+    afterwards, outside it, writes the rows in place and must not hit inference-tensor errors."""
+    from m3serve.engine.penalties import PenaltyState
+    from m3serve.engine.request import Request
+    st = PenaltyState(4, 50, "cpu", [2])
+    with torch.inference_mode():
+        st.ensure_allocated()
+    req = Request(0, [1, 3, 5], SamplingParams(repetition_penalty=1.2, logit_bias={7: 1.5}))
+    rows = st.row_ids_for([req])
+    assert rows == [0] and bool(st.seen[0, 3]) and float(st.bias[0, 7]) == 1.5
