@@ -296,7 +296,14 @@ class LLMEngine:
         rows = self.penalties.row_ids_for(reqs)
         if rows is None and all(r.params.greedy for r in reqs):
             return None, None
-        return [(r.params.temperature, r.params.top_k, r.params.top_p, r.sample_key) for r in reqs], rows
+        return [r.graph_sampling or self._graph_sampling_row(r) for r in reqs], rows
+
+    @staticmethod
+    def _graph_sampling_row(req: Request) -> tuple:
+        from m3serve.runtime.decode_graphs import sampling_row
+        p = req.params
+        req.graph_sampling = sampling_row(p.temperature, p.top_k, p.top_p, req.sample_key)
+        return req.graph_sampling
 
     def _launch_overlapped(self, reqs: list[Request]) -> list[Request]:
         """Step n+1 is queued before step n's tokens are read: a request whose last token is still pending takes

@@ -181,14 +181,17 @@ class DeviceBlockTables:
         if e > self.max_extra:
             raise ValueError(f"extra: {e} values; the staging buffer holds at most {self.max_extra}")
         pos = np.asarray(positions)
-        if t and (pos.min() < 0 or pos.max() >= b * mgr.page_size):
-            raise ValueError(f"positions: expected values in [0, {b * mgr.page_size}), found "
-                             f"[{pos.min()}, {pos.max()}]")
         tsi = np.asarray(token_seq_idx)
-        if t and (tsi.min() < 0 or tsi.max() >= s):
-            raise ValueError(f"token_seq_idx: expected batch positions in [0, {s}), found [{tsi.min()}, {tsi.max()}]")
+        if t:
+            # one unsigned compare per array checks both bounds (a negative value wraps to a huge one)
+            if pos.astype(np.uint64, copy=False).max() >= b * mgr.page_size:
+                raise ValueError(f"positions: expected values in [0, {b * mgr.page_size}), found "
+                                 f"[{pos.min()}, {pos.max()}]")
+            if tsi.astype(np.uint64, copy=False).max() >= s:
+                raise ValueError(f"token_seq_idx: expected batch positions in [0, {s}), found "
+                                 f"[{tsi.min()}, {tsi.max()}]")
         stale = self._uploaded[rows] != mgr.row_version[rows]
-        changed_pos = np.nonzero(stale)[0]
+        changed_pos = np.flatnonzero(stale)
         n = changed_pos.shape[0]
         i = self.ring.acquire()
         buf = self.ring.arrays[i]
@@ -201,16 +204,19 @@ class DeviceBlockTables:
         buf[s_real:s] = self.pad_row
         change = buf[off_change:off_tok]
         change[:] = -1
-        change[changed_pos] = np.arange(n)
         buf[off_tok:off_pos] = tsi
         buf[off_pos:off_extra] = pos
         if e:
             buf[off_extra:off_data] = extra
         total = off_data + n * b
-        np.take(mgr.host_table, rows[changed_pos], axis=0, out=buf[off_data:total].reshape(n, b))
+        if n:   # steady decode changes no row: nothing more to pack
+            changed_rows = rows[changed_pos]
+            change[changed_pos] = np.arange(n)
+            np.take(mgr.host_table, changed_rows, axis=0, out=buf[off_data:total].reshape(n, b))
         self._dev_stage[:total].copy_(self.ring.buffers[i][:total], non_blocking=True)
         self.ring.release(i)
-        self._uploaded[rows[changed_pos]] = mgr.row_version[rows[changed_pos]]
+        if n:
+            self._uploaded[changed_rows] = mgr.row_version[changed_rows]
         self.last_num_uploaded_rows = n
         stage = self._dev_stage
         self._batch_rows = stage[:s]

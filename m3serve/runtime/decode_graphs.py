@@ -72,32 +72,37 @@ def stage_offsets(bucket: int) -> dict[str, slice]:
     return out
 
 
-Sampling = tuple[float, int, float, int]   # one row's (temperature, top_k, top_p, sampling key)
+SamplingRow = tuple[int, int, int, int, int]   # one row's staged (temperature, top_k, top_p, key_lo, key_hi)
+_ONE_BITS = int(np.float32(1.0).view(np.int32))
 
 
-def pack_decode(bucket: int, token_ids: list[int], positions: list[int], sampling: list[Sampling] | None = None,
+def _i32(u: int) -> int:
+    return u - (1 << 32) if u >= 1 << 31 else u
+
+
+def sampling_row(temperature: float, top_k: int, top_p: float, key: int) -> SamplingRow:
+    """A request's sampling parameters as the int32 values the decode step stages (computed once per request):
+    temperature and top_p as fp32 bit patterns, top_k raw (0 / -1: off), the 63-bit key as two halves."""
+    bits = np.array([temperature, top_p], dtype=np.float32).view(np.int32)
+    return int(bits[0]), int(top_k), int(bits[1]), _i32(key & 0xFFFFFFFF), _i32((key >> 32) & 0xFFFFFFFF)
+
+
+def pack_decode(bucket: int, token_ids: list[int], positions: list[int], sampling: list[SamplingRow] | None = None,
                 penalty_rows: list[int] | None = None, neutral_row: int = 0
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host arrays for one padded decode step: (token seq index [S], positions [S], payload [8S] int32).
-    The payload carries each row's token id, sequence length and sampling parameters: temperature and top_p
-    as fp32 bit patterns, top_k raw (0 / -1: off), the 63-bit sampling key as two int32 halves, and its
-    penalty-state row (m3serve.engine.penalties). Padded rows (and every row when `sampling` is None):
-    position 0, token 0, sequence length 0, greedy (temperature 0), the neutral penalty row."""
+    The payload carries each row's token id, sequence length, sampling_row values and penalty-state row
+    (m3serve.engine.penalties). Padded rows (and every row when `sampling` is None): position 0, token 0,
+    sequence length 0, greedy (temperature 0), top_p 1, the neutral penalty row."""
     n, s = len(token_ids), bucket
     pos = np.zeros(s, dtype=np.int32)
     pos[:n] = positions
     extra = np.zeros(len(PAYLOAD) * s, dtype=np.int32)
     extra[:n] = token_ids
-    extra[s:s + n] = pos[:n] + 1
-    extra[4 * s:5 * s] = np.float32(1.0).view(np.int32)       # top_p = 1 on padded rows
+    np.add(pos[:n], 1, out=extra[s:s + n])
     if sampling is not None:
-        temp, top_k, top_p, key = (np.asarray(c) for c in zip(*sampling))
-        extra[2 * s:2 * s + n] = temp.astype(np.float32).view(np.int32)
-        extra[3 * s:3 * s + n] = top_k
-        extra[4 * s:4 * s + n] = top_p.astype(np.float32).view(np.int32)
-        key = key.astype(np.uint64)
-        extra[5 * s:5 * s + n] = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
-        extra[6 * s:6 * s + n] = (key >> np.uint64(32)).astype(np.uint32).view(np.int32)
+        extra[2 * s:7 * s].reshape(5, s)[:, :n] = np.array(sampling, dtype=np.int32).T
+    extra[4 * s + (n if sampling is not None else 0):5 * s] = _ONE_BITS
     extra[7 * s:8 * s] = neutral_row
     if penalty_rows is not None:
         extra[7 * s:7 * s + n] = penalty_rows
@@ -202,7 +207,7 @@ class DecodeGraphs:
         return out
 
     def _stage(self, bucket: int, seq_ids: list[int], token_ids: list[int], positions: list[int],
-               sampling: list[Sampling] | None = None, penalty_rows: list[int] | None = None) -> None:
+               sampling: list[SamplingRow] | None = None, penalty_rows: list[int] | None = None) -> None:
         neutral = self.penalties.neutral if self.penalties is not None else 0
         tsi, pos, extra = pack_decode(bucket, token_ids, positions, sampling, penalty_rows, neutral)
         s, t, offsets = self.tables.stage(seq_ids, tsi, pos, extra=extra, pad_to=bucket)
@@ -244,11 +249,11 @@ class DecodeGraphs:
         return bucket_for(batch, self.buckets)
 
     def run(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
-            sampling: list[Sampling] | None = None, penalty_rows: list[int] | None = None) -> Launched:
+            sampling: list[SamplingRow] | None = None, penalty_rows: list[int] | None = None) -> Launched:
         """Stage, prepare and replay one padded decode step, then queue the copy of its tokens to the host.
         token_ids[i] = -1: row i's input is the token its request sampled in the previous graph step.
-        sampling: each row's (temperature, top_k, top_p, key) to sample on the device (temperature 0: that
-        row's argmax); None: every row greedy. penalty_rows: each row's PenaltyState row (the neutral one for
+        sampling: each row's sampling_row(...) to sample on the device (temperature 0: that row's argmax);
+        None: every row greedy. penalty_rows: each row's PenaltyState row (the neutral one for
         rows without processing), with `sampling` given; None: no penalties this step."""
         bucket = self.bucket_for(len(seq_ids))
         if bucket is None:
