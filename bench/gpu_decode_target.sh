@@ -4,12 +4,13 @@
 #                                             # the NVFP4 decode cells, the runtime (graphs, capture at real dims)
 #   bash bench/gpu_decode_target.sh measure   # bench/attention.py, bench/decode.py (embedded + minimax-m3:5),
 #                                             # step profiles, NVFP4 kernels
+#   bash bench/gpu_decode_target.sh sampling  # sampled / penalised graphs: test, bench, eval graphs vs eager
 # Run from a committed tree with M3SERVE_COMMIT=$(git rev-parse --short HEAD) exported on the device (the device
 # copy carries no usable git history). Every phase has its own timeout so partial results always come back.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; L=$OUT/logs; mkdir -p "$L"
-PHASE=${1:?usage: $0 certify|measure}
+PHASE=${1:?usage: $0 certify|measure|sampling}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$L/gpu.txt" 2>&1
 pyt() { timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 200 "${@:2}"; }
 case "$PHASE" in
@@ -34,6 +35,17 @@ case "$PHASE" in
     timeout 90 python3 bench/profile_step.py --model minimax-m3:5 --batch 1 --context 512 \
         --out "$L/profile-m3_5-b1.txt" > /dev/null 2>&1
     ;;
-  *) echo "usage: $0 certify|measure"; exit 2 ;;
+  sampling)
+    # the graphs' sampling / processed variants: equality with the eager target, cost per step, and the eval pair
+    # whose recorded outputs the CPU stock run is compared with (m3serve eval ... recorded:FILE#CONFIG)
+    pyt 90 tests/runtime/test_decode_target_gpu.py -k samples > "$L/pytest-sampled.log" 2>&1; tail -2 "$L/pytest-sampled.log"
+    timeout 60 python3 bench/decode.py --models m3-tiny-verse --batch 1,8 --context 512 --steps 10 --routes target \
+        --temperature 1.0 --top-p 0.9 --repetition-penalty 1.1 --frequency-penalty 0.2 \
+        --out "$OUT/decode-target-tiny-sampled-penalised-h200.json" > "$L/bench-sampled.log" 2>&1
+    timeout 90 python3 -m m3serve.eval --config-a engine:dtype=bf16,route=auto --config-b \
+        engine:dtype=bf16,route=auto,eager=1 --json "$OUT/eval-target-graphs-vs-eager-h200.json" > "$L/eval.log" 2>&1
+    tail -3 "$L/eval.log"
+    ;;
+  *) echo "usage: $0 certify|measure|sampling"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$OUT" logs
