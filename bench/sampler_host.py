@@ -70,8 +70,7 @@ def _requests(penalised: dict, n_pen: int, temperature: float, device: torch.dev
         r = Request(i, torch.randint(0, vocab, (512,), generator=g).tolist(),
                     SamplingParams(temperature=temperature, max_tokens=None, seed=i, **kw))
         r.status = Status.RUNNING
-        if temperature > 0:
-            r.generator = torch.Generator(device=device).manual_seed(i)
+        r.sample_key = i
         reqs.append(r)
     return reqs
 
@@ -79,7 +78,7 @@ def _requests(penalised: dict, n_pen: int, temperature: float, device: torch.dev
 def _step(state: PenaltyState, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
     rows = state.rows_for(reqs)
     scores = logits if rows is None else state.apply(logits, rows)
-    tokens = sample(scores, [r.params for r in reqs], [r.generator for r in reqs])
+    tokens = sample(scores, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
     if rows is not None:
         state.record(rows, tokens)
     return tokens
