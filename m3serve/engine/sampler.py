@@ -35,15 +35,42 @@ def sampling_key(params: SamplingParams, fallback: int) -> int:
     return params.seed if params.seed is not None else fallback % (2 ** 63)
 
 
-def exponential_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) draws fp32 [R, V], strictly positive: a hash of (keys[r], counters[r], v), independent of R.
-    keys, counters: int64 [R] on the target device."""
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32_int(x: int) -> int:
+    """spec_rng.mix32 on one Python int in [0, 2^32) (the host half of the row seed)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_seed_host(key: int, counter: int) -> int:
+    """The 32-bit seed of one row's draws: three mixing rounds over (key, counter); equals row_seed."""
+    k = key & 0x7FFFFFFFFFFFFFFF
+    return _mix32_int(_mix32_int(_mix32_int(k & _M32) ^ ((k >> 32) & _M32)) ^ (counter & _M32)) ^ ((counter >> 32) & _M32)
+
+
+def row_seed(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """row_seed_host on the device: int64 [R] keys and counters -> int64 [R] seeds in [0, 2^32)."""
     k = keys & 0x7FFFFFFFFFFFFFFF
-    row = mix32(mix32(mix32(k & _M32) ^ ((k >> 32) & _M32)) ^ (counters & _M32)) ^ ((counters >> 32) & _M32)
-    v = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    bits = mix32(mix32(mix32(row)[:, None] ^ v[None, :]) + 0x9E3779B9 & _M32) >> 8   # 24 bits
-    u = (bits.double() + 0.5) * 2.0 ** -24                                                # bin centres in (0, 1)
-    return (-torch.log(u)).float()
+    return mix32(mix32(mix32(k & _M32) ^ ((k >> 32) & _M32)) ^ (counters & _M32)) ^ ((counters >> 32) & _M32)
+
+
+def noise_from_seeds(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws fp32 [R, V], strictly positive: one mixing round over seed + v * golden (mod 2^32), the
+    top 24 bits taken at bin centres in (0, 1)."""
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = mix32((seeds[:, None] + v[None, :] * _GOLDEN) & _M32) >> 8
+    return (-torch.log((bits.double() + 0.5) * 2.0 ** -24)).float()
+
+
+def exponential_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws fp32 [R, V]: a hash of (keys[r], counters[r], v), independent of R.
+    keys, counters: int64 [R] on the target device."""
+    return noise_from_seeds(row_seed(keys, counters), vocab)
 
 
 def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -102,10 +129,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], 
         return logits.argmax(-1)
     dev = logits.device
     probs = processed_probs(logits, params)
-    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=dev)
-    noise = exponential_noise(torch.tensor(keys, dtype=torch.int64, device=dev),
-                              torch.tensor(counters, dtype=torch.int64, device=dev), logits.shape[1])
-    return (probs / torch.where(greedy.unsqueeze(1), 1.0, noise)).argmax(-1)
+    # greedy rows draw with noise 1 (their probs are one-hot); seeds are mixed on the host: R small ints
+    seeds = torch.tensor([row_seed_host(k, c) for k, c in zip(keys, counters)], dtype=torch.int64, device=dev)
+    noise = noise_from_seeds(seeds, logits.shape[1])
+    greedy = [p.greedy for p in params]
+    if any(greedy):
+        noise = noise.masked_fill(torch.tensor(greedy, device=dev).unsqueeze(1), 1.0)
+    return (probs / noise).argmax(-1)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -81,3 +81,14 @@ def test_drawn_tokens_follow_the_processed_distribution():
         z = 3.09
         q999 = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
         assert chi2 < q999, (p, chi2, q999)
+
+
+def test_row_seeds_mixed_on_the_host_equal_the_device_form():
+    from m3serve.engine.sampler import row_seed, row_seed_host
+    gen = torch.Generator().manual_seed(6)
+    keys = torch.randint(0, 2 ** 62, (64,), generator=gen)
+    keys[:3] = torch.tensor([0, 2 ** 63 - 1, 2 ** 32])
+    counters = torch.randint(0, 2 ** 40, (64,), generator=gen)
+    want = row_seed(keys, counters).tolist()
+    assert [row_seed_host(k, c) for k, c in zip(keys.tolist(), counters.tolist())] == want
+    assert len(set(want)) == 64 and all(0 <= x < 2 ** 32 for x in want)
