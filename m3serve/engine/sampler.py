@@ -74,10 +74,12 @@ def exponential_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) ->
 
 
 def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   greedy: torch.Tensor, apply_top_k: bool = True, apply_top_p: bool = True) -> torch.Tensor:
+                   greedy: torch.Tensor, apply_top_k: bool = True, apply_top_p: bool = True,
+                   apply_greedy: bool = True) -> torch.Tensor:
     """Rows' sampling distributions [R, V] fp32 after temperature, top-k and top-p (greedy rows: one-hot at the
     argmax). temperature fp32 [R] (any positive value on greedy rows), top_k int64 [R] in [1, V], top_p fp32
-    [R] in (0, 1], greedy bool [R]. apply_*=False skips a pass no row asks for (same result)."""
+    [R] in (0, 1], greedy bool [R]. apply_*=False skips a pass no row asks for (same result; apply_greedy:
+    the one-hot of greedy rows)."""
     x = logits.float() / temperature.unsqueeze(1)
     if apply_top_k:
         kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
@@ -91,6 +93,8 @@ def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         kept = probs.masked_fill(drop, 0.0)
         probs = torch.where(nucleus, kept / kept.sum(-1, keepdim=True), probs)
+    if not apply_greedy:
+        return probs
     onehot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy.unsqueeze(1), onehot, probs)
 
@@ -119,7 +123,8 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     v = logits.shape[1]
     return processed_rows(logits, *row_tensors(params, v, logits.device),
                           apply_top_k=any(0 < p.top_k < v for p in params),
-                          apply_top_p=any(p.top_p < 1.0 for p in params))
+                          apply_top_p=any(p.top_p < 1.0 for p in params),
+                          apply_greedy=any(p.greedy for p in params))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], counters: list[int]) -> torch.Tensor:
