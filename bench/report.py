@@ -326,8 +326,9 @@ def render_decode(files: list[ResultFile]) -> str:
         quant = opt(rf.data, "quantization", rf.name, "str")
         kv = opt(rf.data, "kv_cache_dtype", rf.name, "str")
         # the quantization flags apply to presets only (the embedded model stays BF16), so say so
-        flags = [f"{quant.upper()} weights"] if quant else []
-        flags += [f"{kv} KV"] if kv else []
+        presets = any(m != "m3-tiny-verse" for m in models)   # the embedded model is always BF16 with BF16 KV
+        flags = [f"{quant.upper()} weights"] if quant and presets else []
+        flags += [f"{kv} KV"] if kv and presets else []
         caption = f"{', '.join(models)}: routes {', '.join(routes)}"
         caption += f" ({', '.join(flags)}{' for presets' if kv else ''})" if flags else ""
         sampling = rf.data.get("sampling")

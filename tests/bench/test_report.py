@@ -128,6 +128,12 @@ def test_decode_target_schema(report, tmp_path):
     write(tmp_path, "decode-target-sampled-h200.json", sampled)
     out = report.render_report(tmp_path)
     assert "for presets), sampled: temperature 1.0, top_p 0.9, top_k 0**" in out
+    tiny = decode_target_file()
+    for r in tiny["results"]:
+        r["model"] = "m3-tiny-verse"
+    write(tmp_path, "decode-target-tiny-h200.json", tiny)
+    # the embedded model is BF16 whatever the file's preset flags say: they are left out of its caption
+    assert "**m3-tiny-verse: routes off, auto, target, greedy**" in report.render_report(tmp_path)
 
 
 def test_decode_old_schema_takes_the_model_from_the_preset(report, tmp_path):
