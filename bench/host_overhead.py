@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.kv import BlockManager, DeviceBlockTables  # noqa: E402
 
 PAGE = 128
@@ -162,20 +162,6 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def git_commit() -> dict:
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--", "m3serve/kv", "bench/host_overhead.py")
-    return {"commit": git("rev-parse", "HEAD") or "none (no commit yet)", "kv_files_dirty": bool(status)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -221,8 +207,7 @@ def main() -> None:
     name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).lower().replace(" ", "-")
     now = dt.datetime.now(dt.timezone.utc)
     record = {
-        "benchmark": "host_overhead", "device": str(device), "machine": machine_info(device), "git": git_commit(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "date": now.isoformat(timespec="seconds"),
+        "benchmark": "host_overhead", "device": str(device), "machine": machine_info(device), **run_metadata(),
         "torch_threads": torch.get_num_threads(), "page_size": PAGE, "index_scale": INDEX_SCALE,
         "summary": summary, "results": results,
     }

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,6 +32,7 @@ from m3serve.engine.penalties import PenaltyState  # noqa: E402
 from m3serve.engine.request import Request, Status  # noqa: E402
 from m3serve.engine.sampler import sample  # noqa: E402
 from m3serve.engine.sampling_params import SamplingParams  # noqa: E402
+from m3serve.opcount import AtenOpCount  # noqa: E402
 
 BATCH = 8
 ALL = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3, logit_bias={5: 2.0, 9: -3.0},
@@ -45,16 +45,6 @@ CASES = {   # name -> (params of the penalised rows, number of penalised rows of
     "sampled_plain": ({}, 0, 0.8),
     "sampled_8_of_8_all_penalties": (ALL, 8, 0.8),
 }
-
-
-class _OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _sync(device: torch.device) -> None:
@@ -92,7 +82,7 @@ def run_case(name: str, device: torch.device, vocab: int, steps: int) -> dict:
     for _ in range(5):                      # warm-up: row assignment (once per request), allocator, kernels
         _step(state, reqs, logits)
     _sync(device)
-    with _OpCount() as count:
+    with AtenOpCount() as count:
         _step(state, reqs, logits)
     _sync(device)
     times = []

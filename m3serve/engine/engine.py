@@ -286,9 +286,8 @@ class LLMEngine:
         """Its next token can stay on the device until the step after next: chosen inside the graph (argmax, or
         the graphs' sampling variant), no logprobs or logits processing that need the host between steps."""
         g = self.graphs
-        return (req.params.logprobs is None
-                and (req.params.greedy or getattr(g, "sampling", False))
-                and (not req.logits_processing or getattr(g, "penalties", None) is not None))
+        return (req.params.logprobs is None and (req.params.greedy or g.sampling)
+                and (not req.logits_processing or g.penalties is not None))
 
     def _graph_choice(self, reqs: list[Request]) -> tuple[list | None, list[int] | None]:
         """(sampling, penalty_rows) for DecodeGraphs.run: the rows' sampling parameters (None when every row is

@@ -75,14 +75,20 @@ def exponential_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) ->
 
 def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    greedy: torch.Tensor, apply_top_k: bool = True, apply_top_p: bool = True,
-                   apply_greedy: bool = True) -> torch.Tensor:
+                   apply_greedy: bool = True, top_k_max: int | None = None) -> torch.Tensor:
     """Rows' sampling distributions [R, V] fp32 after temperature, top-k and top-p (greedy rows: one-hot at the
     argmax). temperature fp32 [R] (any positive value on greedy rows), top_k int64 [R] in [1, V], top_p fp32
     [R] in (0, 1], greedy bool [R]. apply_*=False skips a pass no row asks for (same result; apply_greedy:
-    the one-hot of greedy rows)."""
+    the one-hot of greedy rows); top_k_max: max(top_k), when the caller knows it."""
     x = logits.float() / temperature.unsqueeze(1)
     if apply_top_k:
-        kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
+        # the k-th largest value: a partial top-k when the largest k is known on the host, else a full sort
+        # (the graph's form); the same value either way
+        if top_k_max is None:
+            kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
+        else:   # rows without top-k (k = V > top_k_max) mask nothing, as the k-th largest of V would
+            kth = torch.topk(x, top_k_max, dim=-1).values.gather(1, (top_k.clamp(max=top_k_max) - 1).unsqueeze(1))
+            kth = kth.masked_fill((top_k > top_k_max).unsqueeze(1), float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))          # ties at the k-th value stay
     probs = torch.softmax(x, dim=-1)
     if apply_top_p:
@@ -121,8 +127,9 @@ def row_tensors(params: list[SamplingParams], vocab: int, device) -> tuple[torch
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Rows' sampling distributions [R, V] fp32 after temperature, top-k and top-p (greedy rows: one-hot)."""
     v = logits.shape[1]
+    ks = [p.top_k for p in params if 0 < p.top_k < v]
     return processed_rows(logits, *row_tensors(params, v, logits.device),
-                          apply_top_k=any(0 < p.top_k < v for p in params),
+                          apply_top_k=bool(ks), top_k_max=max(ks, default=None),
                           apply_top_p=any(p.top_p < 1.0 for p in params),
                           apply_greedy=any(p.greedy for p in params))
 

@@ -48,6 +48,15 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
 }
 
 
+def module_workspace(module, key, make):
+    """A routed call site's workspace or output buffer for one cell, made once and kept on the module itself (so
+    it is freed with it and never shared by two modules, as the entries require)."""
+    store = module.__dict__.setdefault("_routed_workspaces", {})
+    if key not in store:
+        store[key] = make()
+    return store[key]
+
+
 def _fmt_cell(entry: Entry, rows: int, shape: tuple[int, ...]) -> str:
     c = entry.nearest_cell(rows, shape)
     if c is None:

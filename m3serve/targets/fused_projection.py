@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from m3serve.targets.dispatch import lookup
+from m3serve.targets.dispatch import lookup, module_workspace
 
 QUANT_FORMATS = ("nvfp4", "mxfp8", "fp8")
 
@@ -27,6 +27,7 @@ class FusedProjection:
     fmt: str
     tensors: tuple[torch.Tensor, ...]   # dense: (w [N_total, H],); quantized: the qkv entry's weight arguments
     splits: tuple[int, ...]             # output columns of each part, in order
+    views: tuple[torch.Tensor, ...]     # the tensor each part was rebound to (its weight / packed / q)
 
 
 def projection_parts(attn) -> list:
@@ -56,7 +57,7 @@ def fuse(attn) -> FusedProjection | None:
         w = torch.cat([p.weight.detach() for p in parts]).contiguous()
         for p, view in zip(parts, _rows(w, offsets)):
             p.weight = nn.Parameter(view, requires_grad=False)
-        return FusedProjection(fmt, (w,), splits)
+        return FusedProjection(fmt, (w,), splits, tuple(p.weight for p in parts))
     if fmt not in QUANT_FORMATS:
         return None
     from m3serve.kernels.qkv_fused import fuse_projection_weights
@@ -67,21 +68,20 @@ def fuse(attn) -> FusedProjection | None:
     for i, key in enumerate(row_keys):
         for p, view in zip(parts, _rows(fused.tensors[i], offsets)):
             p.register_buffer(f"q_{key}", view)
-    return FusedProjection(fmt, fused.tensors, splits)
+    return FusedProjection(fmt, fused.tensors, splits, tuple(getattr(p, f"q_{row_keys[0]}") for p in parts))
 
 
 def _still_views(attn, fp: FusedProjection) -> bool:
-    """Whether every part still reads its rows of the concatenation (a later set_weight rebinds a part)."""
+    """Whether every part still reads its rows of the concatenation (a later set_weight rebinds a part): an
+    identity check per part, cheap enough for every eager call."""
     key = "weight" if fp.fmt == "dense" else ("q_packed" if fp.fmt == "nvfp4" else "q_q")
-    base = fp.tensors[0].untyped_storage().data_ptr()
-    return all(p.fmt == fp.fmt and getattr(p, key).untyped_storage().data_ptr() == base
-               for p in projection_parts(attn))
+    return all(getattr(p, key, None) is v for p, v in zip(projection_parts(attn), fp.views))
 
 
 def project(attn, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...] | None:
     """x [T, H] bf16 -> the parts' outputs (views of one [T, N_total] buffer), or None when no fused
     projection serves this layer and row count (the caller then runs the parts one by one)."""
-    store = attn.__dict__.setdefault("_routed_workspaces", {})
+    store = attn.__dict__.setdefault("_routed_workspaces", {})   # as dispatch.module_workspace, but refreshed
     fp = store.get("fused_projection", False)
     if fp is False or (fp is not None and not _still_views(attn, fp)):   # first call, or weights replaced since
         fp = store["fused_projection"] = fuse(attn)
@@ -101,10 +101,9 @@ def project(attn, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...] | None
         if entry is None:
             return None
         from m3serve.kernels._linear import make_workspace
-        cfg = entry.cell_for(t, (n, h)).config["gemm"]
-        ws_key = ("qkv_workspace", entry.cell_for(t, (n, h)).rows)
-        if ws_key not in store:
-            store[ws_key] = make_workspace(cfg, n, x.device)
+        cell = entry.cell_for(t, (n, h))
+        cfg = cell.config["gemm"]
+        ws = module_workspace(attn, ("qkv_workspace", cell.rows), lambda: make_workspace(cfg, n, x.device))
         out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
-        entry.raw_call(x.contiguous(), *fp.tensors, out, store[ws_key], cfg)
+        entry.raw_call(x.contiguous(), *fp.tensors, out, ws, cfg)
     return tuple(torch.split(out, list(fp.splits), dim=-1))

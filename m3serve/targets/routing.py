@@ -22,16 +22,7 @@ import torch
 import functools
 
 from m3serve.targets import fused_projection
-from m3serve.targets.dispatch import MODES, lookup
-
-
-def _workspace(module, key, make):
-    """Per call site and cell, kept on the module itself (so it is freed with it and never shared by two
-    modules, as the entries require)."""
-    store = module.__dict__.setdefault("_routed_workspaces", {})
-    if key not in store:
-        store[key] = make()
-    return store[key]
+from m3serve.targets.dispatch import MODES, lookup, module_workspace
 
 
 def install(model, mode: str) -> None:
@@ -94,7 +85,7 @@ def _linear(lin, x: torch.Tensor, mode: str):
     cell = entry.cell_for(rows, (n, k))
     cfg = cell.config["gemm"]
     from m3serve.kernels._linear import make_workspace
-    ws = _workspace(lin, cell.rows, lambda: make_workspace(cfg, n, x.device))
+    ws = module_workspace(lin, cell.rows, lambda: make_workspace(cfg, n, x.device))
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
     x2 = x2.contiguous()
     if lin.fmt == "nvfp4":
@@ -149,7 +140,7 @@ def _qk_prep(attn, x: torch.Tensor, positions: torch.Tensor, mode: str):
     entry = lookup("attn.qk_prep", t, (attn.hq, attn.hk, d, di, rd), mode)
     if entry is None:
         return None
-    inv_freq = _workspace(attn, ("rope_inv_freq", x.device), lambda: rope_inv_freq(rd, cfg.rope_theta, x.device))
+    inv_freq = module_workspace(attn, ("rope_inv_freq", x.device), lambda: rope_inv_freq(rd, cfg.rope_theta, x.device))
     fused = fused_projection.project(attn, x, mode)   # one GEMM for all parts, or None: one per part
     if fused is not None:
         q, k, v, *idx = fused
@@ -270,7 +261,7 @@ def _moe(m, x: torch.Tensor, mode: str):
     cell = entry.cell_for(rows, shape)
     cfg = cell.config["moe"]
     from m3serve.kernels.moe_nvfp4 import make_moe_workspace
-    ws = _workspace(m, rows, lambda: make_moe_workspace(cfg, rows, e, h, i, x.device))
+    ws = module_workspace(m, rows, lambda: make_moe_workspace(cfg, rows, e, h, i, x.device))
     if shared_bf16:
         sh_args = (sh.gate_up_proj.weight, None, None, sh.down_proj.weight, None, None)
     else:

@@ -13,11 +13,11 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from m3serve.engine.penalties import PenaltyState, reference_process
 from m3serve.engine.request import Request, Status
 from m3serve.engine.sampling_params import SamplingParams
+from m3serve.opcount import AtenOpCount
 
 INF = float("inf")
 EOS = {1}
@@ -156,20 +156,10 @@ def test_bad_shapes_name_the_tensors():
         state.apply(torch.zeros(1, 31), rows)
 
 
-class _OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops_per_step(reqs, state) -> int:
     rows = state.rows_for(reqs)                               # first step assigns rows (once per request)
     logits = torch.randn(len(reqs), 40)
-    with _OpCount() as count:
+    with AtenOpCount() as count:
         rows = state.rows_for(reqs)
         state.record(rows, state.apply(logits, rows).argmax(-1))
     return count.n

@@ -9,6 +9,7 @@ import torch
 from m3serve.model.layers import Linear
 from m3serve.model.moe import MoE
 from m3serve.targets import routing
+from m3serve.targets.dispatch import module_workspace
 from tests.targets.routed_logits import check_routed_logits
 
 
@@ -97,9 +98,9 @@ def test_per_module_caches_belong_to_their_module():
     from m3serve.model.layers import Linear
     a, b = Linear(16, 8, name="a"), Linear(16, 8, name="b")
     made = []
-    ws_a = routing._workspace(a, (1, 4), lambda: made.append("a") or object())
-    assert routing._workspace(a, (1, 4), lambda: made.append("again") or object()) is ws_a
-    assert routing._workspace(b, (1, 4), lambda: made.append("b") or object()) is not ws_a
+    ws_a = module_workspace(a, (1, 4), lambda: made.append("a") or object())
+    assert module_workspace(a, (1, 4), lambda: made.append("again") or object()) is ws_a
+    assert module_workspace(b, (1, 4), lambda: made.append("b") or object()) is not ws_a
     assert made == ["a", "b"]
     parts = torch.tensor([2.0, 4.0])
     rows = routing._per_row(a, parts, 8)
