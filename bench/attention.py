@@ -9,6 +9,17 @@ and each row's sequences take their pages from a random permutation of the slots
     kv.write     one decode token per sequence, batch 1 and 16, dense FP8 layer and sparse NVFP4 layer
     attn.prefill an 8k-token first chunk (and an 8k chunk after 8k of context) on the FP8 dense layer, and
                  the 8k first chunk on bf16 pages; TFLOP/s = 2*2*D*Hq*(causal pairs) / time
+    decode_step  (CUDA only, run last; key "decode_step") whole engine decode steps of the decode target (route
+                 "auto", CUDA graphs) at batch 1, context 4k and 128k: an LLM of --decode-step-model
+                 (default `minimax-m3:5`, random NVFP4 weights, NVFP4 KV cache) built as bench/decode.py builds
+                 a preset's, timed by bench/decode.py's time_decode (windows of its WINDOW back-to-back steps,
+                 median of --decode-step-steps; gpu_busy_s and launches_per_step from a profile of 3 steps).
+                 msa.select is certified up to a block table of 1024 pages (128k tokens), and a wider table
+                 turns the target off, so max_model_len stops there: a context whose prompt plus the timed
+                 steps would not fit is prefilled with fewer tokens ("prompt_tokens"; 128k -> 131072 - 8 *
+                 steps - 64). Prefill runs in chunks of at most 8192 tokens (the certified prefill rows).
+                 Rows {model, context, batch, median_s, gpu_busy_s, launches_per_step, prompt_tokens, ...};
+                 "decode_step": [] when the group did not run (--device cpu skips it with a note).
 Timing: CUDA events around a CUDA-graph replay (eager if capture fails), median of --iters, the 60 MB
 L2 flushed by a 256 MB memset before each replay (outside the events); on the CPU (--device cpu, the
 Triton interpreter, tiny shapes of the `tiny` preset) a wall-clock median: a smoke test, not a result.
@@ -18,15 +29,20 @@ written; frac_copy = bytes / time / the device-to-device copy bandwidth measured
 
 The entry modules are imported when the run starts; a missing one fails the run (no row is skipped).
 
-    python3 bench/attention.py [--quick] [--iters 50] [--only decode,msa,kv_write,prefill] [--out-dir DIR]
-    python3 bench/attention.py --device cpu --quick          # smoke test on the interpreter
+    python3 bench/attention.py [--quick] [--iters 50] [--only decode,msa,kv_write,prefill,decode_step]
+                               [--decode-step-model minimax-m3:5] [--decode-step-contexts 4096,131072]
+                               [--decode-step-steps 12] [--out-dir DIR]
+    python3 bench/attention.py --only decode_step             # only the whole decode-step rows
+    python3 bench/attention.py --device cpu --quick          # smoke test on the interpreter (no decode_step)
 Writes bench/results/attention-h200.json on CUDA (--out FILE to change; CPU writes only with --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -40,14 +56,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
-from m3serve.config import preset  # noqa: E402
+from m3serve.config import is_preset, preset  # noqa: E402
 from m3serve.kv.cache import PagedKVCache  # noqa: E402
 from m3serve.kv.spec import KVCacheSpec  # noqa: E402
 
-GROUPS = ("decode", "msa", "kv_write", "prefill")
+GROUPS = ("decode", "msa", "kv_write", "prefill", "decode_step")
 MODULES = ("m3serve.kernels.kv_write", "m3serve.kernels.msa_index", "m3serve.kernels.paged_attention",
            "m3serve.kernels.prefill_attention")
 FLUSH_BYTES = 256 << 20
+# decode_step: prefill tokens per engine step; kv.write, msa.scores and msa.select are certified up to 8192 rows
+DECODE_STEP_CHUNK = 8192
 
 
 def load_modules() -> dict[str, object]:
@@ -298,6 +316,83 @@ class Bench:
                     flops)
 
 
+# --- whole decode steps (the decode target) ------------------------------------------------------------
+
+
+def _load_decode_bench():
+    """bench/decode.py (its LLM settings, time_decode and WINDOW: one methodology for both benchmarks)."""
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def target_len_limit(cfg) -> int | None:
+    """The longest max_model_len the decode target runs at: msa.select is certified up to a block-table width
+    (1024 pages = 128k tokens at M3 TP1); a longer max_model_len widens the table past it and LLMEngine.
+    enable_target turns the target off (route "auto"). None: no sparse layer, no such limit."""
+    if "sparse" not in cfg.layer_types:
+        return None
+    from m3serve.kernels.catalog import all_entries
+    p = cfg.index_block_size
+    widths = [c.shape[3] for c in all_entries()["msa.select"].cells
+              if c.shape[:3] == (cfg.num_key_value_heads, p, cfg.index_topk_blocks)]
+    return max(widths) * p if widths else None
+
+
+def decode_step(model: str, contexts: list[int], steps: int) -> tuple[list[dict], dict]:
+    """Whole decode steps of the decode target at batch 1 for each context: (rows, setup)."""
+    from m3serve import LLM
+
+    if not is_preset(model):
+        raise SystemExit(f"--decode-step-model: expected a preset (random weights), found {model!r}")
+    dec = _load_decode_bench()
+    headroom = dec.WINDOW * steps + 64       # bench/decode.py's max_model_len margin over its --context
+    max_len = max(contexts) + headroom
+    limit = target_len_limit(preset(model))
+    if limit is not None and max_len > limit:
+        print(f"decode_step: max_model_len {max_len} capped at {limit} (msa.select's certified table width; "
+              "a wider table turns the decode target off)", flush=True)
+        max_len = limit
+    if max_len - headroom < 1:
+        raise SystemExit(f"decode_step: max_model_len {max_len} leaves no prompt after {headroom} tokens of steps")
+    # bench/decode.py's LLM for a preset (its --quantization / --kv-cache-dtype defaults), one request at a time;
+    # its prefill chunk max(2048, context) is capped at the certified prefill rows.
+    kwargs = dict(device="cuda", dtype="bfloat16", random_weights=True, quantization="nvfp4", kv_cache_dtype="nvfp4",
+                  max_num_seqs=1, max_num_batched_tokens=min(max(2048, max(contexts)), DECODE_STEP_CHUNK),
+                  gpu_memory_utilization=0.85, max_model_len=max_len, route="auto")
+    t0 = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    load_s = time.perf_counter() - t0
+    eng = llm.engine
+    if eng.graphs is None or not eng.target_attention:
+        raise SystemExit(f"decode_step: the decode target is off for {model} (max_model_len {max_len}); the log "
+                         "names the uncertified placements")
+    print(f"decode_step: {model} loaded in {load_s:.1f} s; max_model_len {eng.max_model_len}, KV capacity "
+          f"{eng.capacity_tokens} tokens, prefill chunk {kwargs['max_num_batched_tokens']}", flush=True)
+    rows = []
+    for ctx in contexts:
+        prompt = min(ctx, eng.max_model_len - headroom)
+        if prompt != ctx:
+            print(f"decode_step: context {ctx}: a prompt of {prompt} tokens ({prompt} + {headroom} for the steps = "
+                  f"max_model_len {eng.max_model_len})", flush=True)
+        t0 = time.perf_counter()
+        r = dec.time_decode(llm, batch=1, context=prompt, steps=steps, seed=0, window=dec.WINDOW)
+        row = {"model": model, "context": ctx, "batch": 1, "median_s": r["median_s"], "gpu_busy_s": r["gpu_busy_s"],
+               "launches_per_step": r["launches_per_step"], "prompt_tokens": prompt, "min_s": r["min_s"],
+               "steps": r["steps"], "window": r["window"], "wall_s": time.perf_counter() - t0}
+        rows.append(row)
+        print(f"decode_step {model:14s} b1 ctx {ctx:6d} (prompt {prompt:6d})  {r['median_s'] * 1e3:8.3f} ms/step  "
+              f"GPU busy {r['gpu_busy_s'] * 1e3:8.3f} ms  {r['launches_per_step']:.1f} launches/step  "
+              f"({row['wall_s']:.1f} s with prefill)", flush=True)
+    setup = {"model": model, **{k: v for k, v in kwargs.items() if k != "device"}, "window": dec.WINDOW,
+             "steps": steps, "load_s": load_s, "kv_capacity_tokens": eng.capacity_tokens}
+    del llm, eng
+    gc.collect()   # the routing hooks and graphs hold reference cycles (as in bench/decode.py)
+    torch.cuda.empty_cache()
+    return rows, setup
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -306,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated subset of {GROUPS}")
     ap.add_argument("--out", default=None, help="results file (CUDA default bench/results/attention-h200.json)")
     ap.add_argument("--out-dir", default=None, help="also write a copy here")
+    ap.add_argument("--decode-step-model", default="minimax-m3:5", help="decode_step: preset (random weights)")
+    ap.add_argument("--decode-step-contexts", default="4096,131072", help="decode_step: comma-separated contexts")
+    ap.add_argument("--decode-step-steps", type=int, default=12, help="decode_step: timed windows per context")
     a = ap.parse_args(argv)
     groups = [g for g in a.only.split(",") if g]
     bad = [g for g in groups if g not in GROUPS]
@@ -347,11 +445,23 @@ def main(argv: list[str] | None = None) -> int:
         b.kv_write(kv_batches)
     if "prefill" in groups:
         b.prefill(chunk, pre_ctx)
+    rows = b.rows
+    steps, step_setup = [], None
+    if "decode_step" in groups:
+        if dev.type != "cuda":
+            print("decode_step: skipped (CUDA only: the decode target runs CUDA graphs)", flush=True)
+        else:
+            del b, cache, timer   # the attention cache and the L2 flush buffer: the LLM sizes its KV from free memory
+            gc.collect()
+            torch.cuda.empty_cache()
+            contexts = [int(c) for c in a.decode_step_contexts.split(",") if c]
+            steps, step_setup = decode_step(a.decode_step_model, contexts, a.decode_step_steps)
     meta = run_metadata()
     doc = {"commit": meta["commit"], "gpu": meta["gpu"], "command": meta["command"], "date": meta["date"],
            "torch": meta["torch"], "triton": __import__("triton").__version__, "device": a.device,
            "preset": "tiny" if dev.type == "cpu" else "minimax-m3", "iters": iters,
-           "l2_flush_bytes": FLUSH_BYTES if dev.type == "cuda" else 0, "copy_bandwidth_Bps": bw, "results": b.rows}
+           "l2_flush_bytes": FLUSH_BYTES if dev.type == "cuda" else 0, "copy_bandwidth_Bps": bw, "results": rows,
+           "decode_step": steps, "decode_step_setup": step_setup}
     out = a.out or (str(Path(__file__).resolve().parent / "results" / "attention-h200.json") if dev.type == "cuda"
                     else None)
     text = json.dumps(doc, indent=1)

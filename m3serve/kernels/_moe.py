@@ -35,7 +35,7 @@ import triton.language as tl
 from m3serve.kernels._decode import NVFP4_UNIT, to_bf16
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
-from m3serve.kernels._wstream import dot_tile
+from m3serve.kernels._wstream import dot_tile, load_w_tile, mma, x_tile
 
 
 @kernel
@@ -100,6 +100,20 @@ def swiglu_oai(g, u, alpha, limit):
     return g * tl.sigmoid(alpha * g) * (u + 1.0)
 
 
+@helper
+def gate_up_dots(x_ptr, w_ptr, s_ptr, rn, I, rt, T, H, stride_x, FMT: tl.constexpr, BT: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+    """Gate rows rn and up rows rn + I of one expert against all tokens, [BN, BT] fp32 each, in ONE
+    K loop: each step has both tiles' loads in flight and shares the x tile."""
+    g = tl.zeros([BN, BT], tl.float32)
+    u = tl.zeros([BN, BT], tl.float32)
+    for k0 in range(0, H, BK):
+        xt = x_tile(x_ptr, rt, T, k0, stride_x, FMT, BT, BK)
+        g = mma(g, load_w_tile(w_ptr, s_ptr, rn, k0, H, FMT, BN, BK, 16, CUDA, PTX), xt, CUDA)
+        u = mma(u, load_w_tile(w_ptr, s_ptr, rn + I, k0, H, FMT, BN, BK, 16, CUDA, PTX), xt, CUDA)
+    return g, u
+
+
 @kernel
 def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr,
                 T, H, I, stride_x, S, swiglu_alpha, swiglu_limit, SHARED_FMT: tl.constexpr, BT: tl.constexpr,
@@ -108,24 +122,19 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
     s = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rt = tl.arange(0, BT)
-    zero = tl.zeros([BN, BT], tl.float32)
     if s < S:
         e = tl.load(slot_e_ptr + s)
         if e >= 0:
             wp = w13_ptr + e.to(tl.int64) * (2 * I * (H // 8))
             sp = s13_ptr + e.to(tl.int64) * (2 * I * (H // 16))
-            g = dot_tile(zero, x_ptr, wp, sp, rn, rt, T, H, 0, H, stride_x, 0, 16, BT, BN, BK, CUDA, PTX)
-            u = dot_tile(zero, x_ptr, wp, sp, rn + I, rt, T, H, 0, H, stride_x, 0, 16, BT, BN, BK, CUDA, PTX)
+            g, u = gate_up_dots(x_ptr, wp, sp, rn, I, rt, T, H, stride_x, 0, BT, BN, BK, CUDA, PTX)
             g = g * NVFP4_UNIT / tl.load(g13_ptr + 2 * e)
             u = u * NVFP4_UNIT / tl.load(g13_ptr + 2 * e + 1)
             a = tl.trans(swiglu_oai(g, u, swiglu_alpha, swiglu_limit))
             tl.store(act_ptr + s.to(tl.int64) * T * I + rt[:, None] * I + rn[None, :], to_bf16(a, CUDA),
                      mask=rt[:, None] < T)
     else:
-        g = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK,
-                     CUDA, PTX)
-        u = dot_tile(zero, x_ptr, sw13_ptr, ss13_ptr, rn + I, rt, T, H, 0, H, stride_x, SHARED_FMT, 16, BT, BN, BK,
-                     CUDA, PTX)
+        g, u = gate_up_dots(x_ptr, sw13_ptr, ss13_ptr, rn, I, rt, T, H, stride_x, SHARED_FMT, BT, BN, BK, CUDA, PTX)
         if SHARED_FMT == 0:
             g = g * NVFP4_UNIT / tl.load(sg13_ptr)
             u = u * NVFP4_UNIT / tl.load(sg13_ptr + 1)
@@ -137,33 +146,57 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
 @kernel
 def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_ptr, slot_w_ptr, y_ptr, dpart_ptr,
              count_ptr, T, H, I, S, stride_y, SHARED_FMT: tl.constexpr, DSPLIT: tl.constexpr, BT: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+             BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr, SP: tl.constexpr, CUDA: tl.constexpr,
+             PTX: tl.constexpr):
     """grid (H / BN, DSPLIT): y[:, tile] = sum_slots w_slot * (act_slot @ W2_e^T) + act_S @ W2_sh^T,
-    the K (= I) range split DSPLIT ways with the ticketed fixed-order reduction of _splitk."""
+    the K (= I) range split DSPLIT ways (KT tiles of BK each) with the ticketed fixed-order
+    reduction of _splitk.
+
+    One flat loop walks (slot, k tile) pairs, the touched slots in ascending expert order and then
+    (NVFP4) the shared expert, so the software pipeline streams weights across expert boundaries
+    instead of draining and refilling once per expert. At a slot's last tile its sum is scaled
+    (1 / global scale, routing weight per token) into `out` and the accumulator restarts: the same
+    per-expert sums and the same order as one loop per expert."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rt = tl.arange(0, BT)
     tmask = rt < T
-    k_len = I // DSPLIT
-    k_lo = pid_k * k_len
+    k_lo = pid_k * (KT * BK)
     zero = tl.zeros([BN, BT], tl.float32)
     out = tl.zeros([BN, BT], tl.float32)
-    for s in range(0, S):
-        e = tl.load(slot_e_ptr + s)
-        if e >= 0:
-            wp = w2_ptr + e.to(tl.int64) * (H * (I // 8))
-            sp = s2_ptr + e.to(tl.int64) * (H * (I // 16))
-            ap = act_ptr + (tl.full([], 0, tl.int64) + s) * T * I  # s is a python int when interpreted
-            acc = dot_tile(zero, ap, wp, sp, rn, rt, T, I, k_lo, k_lo + k_len, I, 0, 16, BT, BN, BK, CUDA, PTX)
-            wt = tl.load(slot_w_ptr + s * T + rt, mask=tmask, other=0.0)
-            out += acc * (NVFP4_UNIT / tl.load(g2_ptr + e)) * wt[None, :]
-    ap = act_ptr + (tl.full([], 0, tl.int64) + S) * T * I  # S may arrive as a constexpr int
-    acc = dot_tile(zero, ap, sw2_ptr, ss2_ptr, rn, rt, T, I, k_lo, k_lo + k_len, I, SHARED_FMT, 16, BT, BN, BK,
-                   CUDA, PTX)
+    acc = tl.zeros([BN, BT], tl.float32)
+    n_valid = tl.sum((tl.load(slot_e_ptr + tl.arange(0, SP)) >= 0).to(tl.int32), axis=0)  # slots: touched first
+    n_iter = n_valid * KT
     if SHARED_FMT == 0:
-        acc = acc * (NVFP4_UNIT / tl.load(sg2_ptr))
-    out += acc
+        n_iter += KT
+    for it in range(0, n_iter):
+        s = it // KT
+        routed = s < n_valid
+        e = tl.load(slot_e_ptr + s, mask=routed, other=0)
+        wp = w2_ptr + e.to(tl.int64) * (H * (I // 8))
+        sp = s2_ptr + e.to(tl.int64) * (H * (I // 16))
+        if SHARED_FMT == 0:  # the shared expert's NVFP4 tiles close the same loop
+            wp = tl.where(routed, wp, sw2_ptr)
+            sp = tl.where(routed, sp, ss2_ptr)
+        ap = act_ptr + tl.where(routed, s, S).to(tl.int64) * T * I
+        k0 = k_lo + (it - s * KT) * BK
+        w = load_w_tile(wp, sp, rn, k0, I, 0, BN, BK, 16, CUDA, PTX)
+        xt = x_tile(ap, rt, T, k0, I, 0, BT, BK)
+        gs = tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
+        wt = tl.load(slot_w_ptr + s * T + rt, mask=tmask & routed, other=0.0)
+        wt = tl.where(routed, wt, 1.0)
+        if KT == 1:
+            out += mma(zero, w, xt, CUDA) * (NVFP4_UNIT / gs) * wt[None, :]
+        else:
+            acc = mma(acc, w, xt, CUDA)
+            last = (it - s * KT) == KT - 1
+            out += acc * tl.where(last, NVFP4_UNIT / gs, 0.0) * wt[None, :]
+            acc = tl.where(last, zero, acc)
+    if SHARED_FMT != 0:
+        ap = act_ptr + (tl.full([], 0, tl.int64) + S) * T * I  # S may arrive as a constexpr int
+        out += dot_tile(zero, ap, sw2_ptr, ss2_ptr, rn, rt, T, I, k_lo, k_lo + KT * BK, I, SHARED_FMT, 16, BT, BN,
+                        BK, CUDA, PTX)
     res = tl.trans(out)  # [BT, BN]
     ymask = tmask[:, None]
     if DSPLIT == 1:

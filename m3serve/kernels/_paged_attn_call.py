@@ -196,14 +196,21 @@ def _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, q
 
 
 def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, query_start, sel, out,
-                    workspace, *, fmt: str, sm_scale: float, max_query_len: int, num_splits: int) -> torch.Tensor:
+                    workspace, *, fmt: str, sm_scale: float, max_query_len: int, num_splits: int,
+                    tile: TileConfig | None = None) -> torch.Tensor:
     """Raw call: the split launch (grid T x Hk x num_splits) and, with num_splits > 1, the
-    combine launch (grid T x Hq). Writes and returns `out`. No host sync, no allocation."""
+    combine launch (grid T x Hq). Writes and returns `out`. No host sync, no allocation.
+    tile: a TileConfig in place of tile_config()'s choice (tile sweeps; QB and BM must match it)."""
     t_rows, hq, hk, d, p, n_seq, topk = _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens,
                                                query_start, sel, out, workspace, fmt, sm_scale, max_query_len,
                                                num_splits)
     g = hq // hk
     cfg = tile_config(g, p, max_query_len, topk > 0, fmt == "nvfp4")
+    if tile is not None:
+        if (tile.QB, tile.BM) != (cfg.QB, cfg.BM) or p % tile.BN or tile.BN & (tile.BN - 1):
+            raise ValueError(f"tile: expected QB={cfg.QB}, BM={cfg.BM} and a power-of-two BN dividing the page "
+                             f"({p}), found {tile}")
+        cfg = tile
     code = FMT_CODES[fmt]
     # fp8 travels as bytes (the interpreter has no fp8 pointers; compiled code bitcasts them back)
     kp = k_pages.view(torch.uint8) if fmt == "fp8" else k_pages

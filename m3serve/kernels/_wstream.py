@@ -71,27 +71,40 @@ def load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK
 
 
 @helper
+def x_tile(x_ptr, rm, M, k0, stride_xm, FMT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """x[rm, k0:k0+BK]^T as the [BK, BM] operand, in the column order of load_w_tile's tiles
+    (rows rm >= M read as 0)."""
+    mmask = rm[None, :] < M
+    if FMT == 0:
+        # contiguous (vectorisable) loads, then the pair-order permutation in registers:
+        # position 2a + b of each 8 holds column a + 4b (= x_cols); a gather through x_cols
+        # costs one 2-byte load per element
+        kk = k0 + tl.arange(0, BK)
+        xn = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
+        xt = xn.reshape(BK // 8, 2, 4, BM).permute(0, 2, 1, 3).reshape(BK, BM)
+    else:
+        kk = x_cols(k0, BK, FMT)
+        xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
+    return xt
+
+
+@helper
+def mma(acc, w, xt, CUDA: tl.constexpr):
+    """acc [BN, BM] += w [BN, BK] @ xt [BK, BM] (fp32 operands with ieee dots when interpreted)."""
+    if CUDA:
+        return tl.dot(w, xt, acc)
+    else:
+        return tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+
+
+@helper
 def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT: tl.constexpr,
              GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr,
              PTX: tl.constexpr):
     """acc [BN, BM] += W[rn, k_lo:k_hi] @ x[rm, k_lo:k_hi]^T (group-scaled, before alpha)."""
-    mmask = rm[None, :] < M
     for k0 in range(k_lo, k_hi, BK):
         w = load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)
-        if FMT == 0:
-            # contiguous (vectorisable) loads, then the pair-order permutation in registers:
-            # position 2a + b of each 8 holds column a + 4b (= x_cols); a gather through x_cols
-            # costs one 2-byte load per element
-            kk = k0 + tl.arange(0, BK)
-            xn = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
-            xt = xn.reshape(BK // 8, 2, 4, BM).permute(0, 2, 1, 3).reshape(BK, BM)
-        else:
-            kk = x_cols(k0, BK, FMT)
-            xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
-        if CUDA:
-            acc = tl.dot(w, xt, acc)
-        else:
-            acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+        acc = mma(acc, w, x_tile(x_ptr, rm, M, k0, stride_xm, FMT, BM, BK), CUDA)
     return acc
 
 

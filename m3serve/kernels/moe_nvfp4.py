@@ -56,6 +56,18 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     router_warps: int = 4  # the routing step holds [SP, BT, TOPK] and [BT, TOPK, E] tiles
+    DBN: int = 0  # down-projection tile over H (0: BN)
+    DBK: int = 0  # down-projection K tile (0: BK); I / DSPLIT must be a multiple
+    down_warps: int = 0  # 0: num_warps
+    down_stages: int = 0  # 0: num_stages
+
+    @property
+    def dbn(self) -> int:
+        return self.DBN or self.BN
+
+    @property
+    def dbk(self) -> int:
+        return self.DBK or self.BK
 
 
 @dataclass
@@ -89,7 +101,7 @@ def make_moe_workspace(cfg: MoEConfig, t: int, e: int, h: int, i: int, device: t
         slot_w=torch.zeros(sp, t, dtype=torch.float32, device=device),
         act=torch.empty(s + 1, t, i, dtype=torch.bfloat16, device=device),
         dpart=torch.empty(cfg.DSPLIT * cfg.BT * h if cfg.DSPLIT > 1 else 1, dtype=torch.float32, device=device),
-        dcount=torch.zeros(max(h // cfg.BN, 1), dtype=torch.int32, device=device),
+        dcount=torch.zeros(max(h // cfg.dbn, 1), dtype=torch.int32, device=device),
     )
 
 
@@ -135,8 +147,8 @@ def _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, 
     check_tensor("out", out, torch.bfloat16, (t, h), dev)
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
-    if e % cfg.RBE or h % (cfg.RBK * cfg.RSPLIT) or h % cfg.BK or h % cfg.BN or i % cfg.BN \
-            or i % (cfg.BK * cfg.DSPLIT) or e > 1024:
+    if e % cfg.RBE or h % (cfg.RBK * cfg.RSPLIT) or h % cfg.BK or h % cfg.dbn or i % cfg.BN \
+            or i % (cfg.dbk * cfg.DSPLIT) or e > 1024:
         raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit config {cfg}")
     s = n_slots(t, e)
     want = make_moe_workspace(cfg, t, e, h, i, torch.device("meta"))
@@ -187,10 +199,11 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
         x, w13.view(torch.int32), s13.view(torch.uint8), g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i,
         x.stride(0), s, float(swiglu_alpha), float(swiglu_limit), SHARED_FMT=shared_fmt, BT=cfg.BT, BN=cfg.BN,
         BK=cfg.BK, CUDA=cuda, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    moe_down[(h // cfg.BN, cfg.DSPLIT)](
+    moe_down[(h // cfg.dbn, cfg.DSPLIT)](
         ws.act, w2.view(torch.int32), s2.view(torch.uint8), g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart,
-        ws.dcount, t, h, i, s, out.stride(0), SHARED_FMT=shared_fmt, DSPLIT=cfg.DSPLIT, BT=cfg.BT, BN=cfg.BN,
-        BK=cfg.BK, CUDA=cuda, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ws.dcount, t, h, i, s, out.stride(0), SHARED_FMT=shared_fmt, DSPLIT=cfg.DSPLIT, BT=cfg.BT, BN=cfg.dbn,
+        BK=cfg.dbk, KT=i // cfg.DSPLIT // cfg.dbk, SP=sp, CUDA=cuda, PTX=ptx,
+        num_warps=cfg.down_warps or cfg.num_warps, num_stages=cfg.down_stages or cfg.num_stages)
     return out
 
 
@@ -444,12 +457,17 @@ CELLS = tuple(
     for sb in (0, 1) for i, tp in ((3072, "TP1"), (1536, "TP2")) for lo, hi in MOE_ROW_RANGES
 )
 _ICFG = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2)
+_ICFG_KT = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=1, DBK=32)
 INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(16, 256, 128, 0), why="interpreter: 1-3 tokens, 4-12 of 16 experts, NVFP4 shared",
          config={"moe": _ICFG}),
     Cell(rows=(5, 5), shape=(16, 256, 128, 0), why="interpreter: 20 picks > 16 experts: S = E slots, -1 padded",
          config={"moe": _ICFG}),
     Cell(rows=(2, 2), shape=(16, 256, 128, 1), why="interpreter: BF16 shared expert", config={"moe": _ICFG}),
+    Cell(rows=(3, 3), shape=(16, 256, 128, 0), why="interpreter: 4 down K tiles per slot (flat loop, no split)",
+         config={"moe": _ICFG_KT}),
+    Cell(rows=(2, 2), shape=(16, 256, 128, 1), why="interpreter: BF16 shared expert, 2 down K tiles per slot",
+         config={"moe": MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2, DBN=32, DBK=32)}),
 )
 
 

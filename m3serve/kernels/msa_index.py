@@ -55,6 +55,7 @@ _NEG_INF = tl.constexpr(float("-inf"))  # the same, readable inside kernels
 # Monotone int32 key of fp32 -inf (bits ^ 0x7FFFFFFF of 0xFF800000) and of "not a candidate".
 _NEG_INF_KEY = tl.constexpr(-2139095041)
 _NO_KEY = tl.constexpr(-2147483648)
+_NO_PACKED = tl.constexpr(-(2**63))  # below every packed (key, index) pair
 SEL_POISON = -99  # int32 output poison: never a block id (>= 0) nor the padding (-1)
 
 
@@ -386,12 +387,15 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
             bits = sc.to(tl.int32, bitcast=True)
             # order-preserving int32 key: equal keys <=> equal scores
             key = tl.where(cand, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), _NO_KEY)
+            # (key, BP - 1 - b) packed in one int64: one max per round picks the best score and,
+            # among equal scores, the smallest block index
+            packed = (key.to(tl.int64) << 32) | (BP - 1 - b).to(tl.int64)
             chosen = b < 0
             for _ in range(TOPK):
-                top = tl.max(key, axis=0)
-                pick = b == tl.min(tl.where(key == top, b, BP), axis=0)
-                chosen = chosen | (pick & (top > _NEG_INF_KEY))  # a -inf pick is no block
-                key = tl.where(pick, _NO_KEY, key)
+                top = tl.max(packed, axis=0)
+                pick = packed == top
+                chosen = chosen | (pick & ((top >> 32) > _NEG_INF_KEY))  # a -inf pick is no block
+                packed = tl.where(pick, _NO_PACKED, packed)
         else:
             chosen = (b <= own) & (pos >= 0)
         taken = chosen.to(tl.int32)
@@ -403,9 +407,17 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
         tl.store(row + k, tl.full([TOPKP], -1, tl.int32), mask=(k >= count) & (k < TOPK))
 
 
+def select_warps(bp: int) -> int:
+    """Warps of one (row, head) selection over bp (padded) blocks: each round is one int64 max,
+    whose cross-warp step costs a shared-memory round trip and a barrier."""
+    return 4 if bp >= 512 else 1
+
+
 def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, sel: torch.Tensor, *,
-               max_query_len: int, topk: int, block_size: int, local_blocks: int, init_blocks: int) -> torch.Tensor:
-    """Raw call: msa.select_blocks for every row of every sequence; returns `sel`."""
+               max_query_len: int, topk: int, block_size: int, local_blocks: int, init_blocks: int,
+               num_warps: int | None = None) -> torch.Tensor:
+    """Raw call: msa.select_blocks for every row of every sequence; returns `sel`.
+    num_warps: overrides select_warps() (tile sweeps)."""
     dev = scores.device if isinstance(scores, torch.Tensor) else None
     _check("scores", scores, (torch.float32,), 3, dev)
     t, hk, b = scores.shape
@@ -426,7 +438,7 @@ def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.
     _select_kernel[(s, max_query_len, hk)](
         scores, seq_lens, query_start, sel, b, scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1),
         HK=hk, BP=bp, TOPK=topk, TOPKP=triton.next_power_of_2(topk), P=block_size, LOCAL=local_blocks,
-        INIT=init_blocks, num_warps=4 if bp >= 512 else 1,
+        INIT=init_blocks, num_warps=num_warps or select_warps(bp),
     )
     return sel
 

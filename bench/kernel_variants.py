@@ -1,0 +1,257 @@
+"""Tile and schedule variants of the bandwidth-bound decode kernels, timed side by side in one run.
+
+Groups (each variant runs on the SAME inputs as its group's default, timed like bench/kernels.py: CUDA
+graph replay, 256 MB L2 flush before each replay, median of --iters; fraction of this run's copy bandwidth):
+    attn     attn.paged dense FP8 decode (batch 1 at 4k / 32k / 128k, batch 16 at 4k) and the MSA NVFP4
+             sparse attention over 16 selected blocks: key tile BN, pipeline stages, warps, split count
+    select   msa.select at 4k and 128k context: warps per (row, head)
+    moe      moe.nvfp4 at 1 / 4 / 16 tokens, NVFP4 and BF16 shared expert: gate|up tile (BN, BK, stages),
+             down tile (DBN, DBK, DSPLIT, stages)
+Checks: every attention / select variant's output is compared with its group default's (attention:
+max |diff| <= 2**-6 * max |out| + 1e-3, the two differ by summation order and one bf16 rounding;
+selection: identical); every MoE variant's output goes through moe.nvfp4's certified compare against the
+fp32 reference. A failed check is recorded ("ok": false) and the run continues.
+
+    python3 bench/kernel_variants.py [--only attn,select,moe] [--iters 30] [--out-dir DIR]   (GPU)
+Writes bench/results/kernel-variants-h200.json (and a copy under --out-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from m3serve.benchmeta import run_metadata  # noqa: E402
+from m3serve.config import preset  # noqa: E402
+from m3serve.kernels import moe_nvfp4, msa_index, paged_attention as pa  # noqa: E402
+from m3serve.kernels._paged_attn_call import TileConfig, tile_config  # noqa: E402
+from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
+
+GROUPS = ("attn", "select", "moe")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+KB = _load("kernels")
+AB = _load("attention")
+
+# (name, BN, num_stages, num_warps); QB/BM come from tile_config
+DENSE_TILES = (("n128s2w4", 128, 2, 4), ("n128s3w4", 128, 3, 4), ("n64s3w4", 64, 3, 4), ("n64s4w4", 64, 4, 4),
+               ("n128s2w8", 128, 2, 8), ("n64s3w8", 64, 3, 8))
+SPARSE_TILES = (("n64s3w4", 64, 3, 4), ("n32s4w4", 32, 4, 4), ("n64s2w4", 64, 2, 4), ("n64s3w8", 64, 3, 8),
+                ("n128s2w8", 128, 2, 8))
+SELECT_WARPS = (1, 2, 4, 8)
+# gate|up: (name, BN, BK, stages, warps); down: (name, DBN, DBK, DSPLIT, stages, warps)
+GATE_UP = (("gu64x128s3", 64, 128, 3, 4), ("gu32x128s3", 32, 128, 3, 4), ("gu64x256s3", 64, 256, 3, 4),
+           ("gu32x256s3", 32, 256, 3, 4), ("gu32x128s5", 32, 128, 5, 4), ("gu64x256s3w8", 64, 256, 3, 8))
+DOWN = (("d64x128k4s3", 64, 128, 4, 3, 4), ("d32x128k4s3", 32, 128, 4, 3, 4), ("d64x256k4s3", 64, 256, 4, 3, 4),
+        ("d64x128k8s3", 64, 128, 8, 3, 4), ("d32x256k2s3", 32, 256, 2, 3, 4), ("d64x128k2s4", 64, 128, 2, 4, 4),
+        ("d32x128k6s3", 32, 128, 6, 3, 4), ("d64x256k12s2", 64, 256, 12, 2, 4))
+
+
+class Runner:
+    def __init__(self, dev: torch.device, iters: int) -> None:
+        self.dev, self.iters = dev, iters
+        self.flush = torch.empty(KB.FLUSH_BYTES, dtype=torch.uint8, device=dev)
+        self.bw = KB.copy_bandwidth(dev)
+        self.rows: list[dict] = []
+
+    def time(self, fn) -> float:
+        replay = KB.graphed(fn)
+        return KB.time_call(replay or fn, self.iters, self.flush)
+
+    def add(self, group: str, what: str, variant: str, fn, nbytes: int, check=None, **extra) -> None:
+        rec = {"group": group, "what": what, "variant": variant, **extra}
+        try:
+            t = self.time(fn)
+            ok, why = check() if check is not None else (True, "")
+            rec.update(us=t * 1e6, bytes=nbytes, frac_copy=nbytes / t / self.bw, ok=ok, why=why)
+            print(f"{group:6s} {what:34s} {variant:16s} {t * 1e6:9.1f} us  {100 * nbytes / t / self.bw:5.1f}% copy"
+                  f"{'' if ok else '  CHECK FAILED: ' + why}", flush=True)
+        except Exception as exc:  # a variant that does not compile or run is a result too
+            rec.update(ok=False, why=f"{type(exc).__name__}: {exc}"[:400])
+            print(f"{group:6s} {what:34s} {variant:16s} ERROR {rec['why']}", flush=True)
+            traceback.print_exc(limit=2)
+            torch.cuda.synchronize()
+        self.rows.append(rec)
+
+
+def close_to(ref: torch.Tensor, got: torch.Tensor) -> tuple[bool, str]:
+    d = (got.float() - ref.float()).abs().max().item()
+    tol = 2.0 ** -6 * ref.float().abs().max().item() + 1e-3
+    return (d <= tol and bool(torch.isfinite(got.float()).all())), f"max|diff| {d:.3g} (tol {tol:.3g})"
+
+
+def attn_group(r: Runner, cache, m) -> None:
+    gen = torch.Generator(device=r.dev).manual_seed(0)
+    host = torch.Generator().manual_seed(1)
+    bench = AB.Bench({"paged_attention": pa}, cache, m, None, r.bw, gen)
+    for batch, ctx in ((1, 4096), (1, 32768), (16, 4096), (1, 131072)):
+        step = AB.make_step(m, cache.num_slots, [1] * batch, [ctx] * batch, r.dev, host)
+        q = AB._q(batch, m.hq, m.d, r.dev, gen)
+        ns0 = pa.choose_num_splits(batch, step.table.shape[1], kv_heads=m.hk)
+        nbytes = batch * ctx * m.hk * m.d * 2 + 2 * batch * m.hq * m.d * 2
+        ref = None
+        for ns in sorted({ns0, min(2 * ns0, 128), max(ns0 // 2, 1)}):
+            for name, bn, stages, warps in DENSE_TILES:
+                base = tile_config(m.hq // m.hk, m.p, 1, False, False)
+                tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages)
+                args, kw = bench._attn_args(step, m.dense, "fp8", q, None, ns)
+                out = args[10]
+                out.fill_(float("nan"))
+                fn = lambda args=args, kw=kw, tile=tile: pa.paged_attention(*args, **kw, tile=tile)  # noqa: E731
+                if ref is None:
+                    fn()
+                    ref = out.clone()
+                r.add("attn", f"dense fp8 b{batch} ctx{ctx}", f"{name}/s{ns}", fn, nbytes,
+                      lambda out=out, ref=ref: close_to(ref, out), batch=batch, context=ctx, splits=ns,
+                      default=(ns == ns0 and bn == 128 and stages == 2 and warps == 4))
+    # MSA: NVFP4 pages, 16 selected blocks per KV head (the query's own + init forced, the rest random)
+    ctx = 4096
+    step = AB.make_step(m, cache.num_slots, [1], [ctx], r.dev, host)
+    nb = step.table.shape[1] - 1
+    sel = torch.stack([torch.sort(torch.randperm(nb, generator=host)[:m.topk]).values for _ in range(m.hk)])
+    sel = sel.to(torch.int32)[None].to(r.dev)
+    q = AB._q(1, m.hq, m.d, r.dev, gen)
+    nbytes = m.topk * m.p * m.hk * (m.d + m.d // 8) + 2 * m.hq * m.d * 2  # NVFP4 K+V with E4M3 scales
+    ref = None
+    for ns in (8, 16, 32):
+        for name, bn, stages, warps in SPARSE_TILES:
+            base = tile_config(m.hq // m.hk, m.p, 1, True, True)
+            tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages)
+            args, kw = bench._attn_args(step, m.sparse, "nvfp4", q, sel, ns)
+            out = args[10]
+            out.fill_(float("nan"))
+            fn = lambda args=args, kw=kw, tile=tile: pa.paged_attention(*args, **kw, tile=tile)  # noqa: E731
+            if ref is None:
+                fn()
+                ref = out.clone()
+            r.add("attn", "msa nvfp4 top-16", f"{name}/s{ns}", fn, nbytes,
+                  lambda out=out, ref=ref: close_to(ref, out), batch=1, context=ctx, splits=ns,
+                  default=(ns == 8 and name == "n64s3w4"))
+
+
+def select_group(r: Runner, cache, m) -> None:
+    host = torch.Generator().manual_seed(2)
+    for ctx in (4096, 131072):
+        step = AB.make_step(m, cache.num_slots, [1], [ctx], r.dev, host)
+        nb = step.table.shape[1]
+        scores = torch.randn(1, m.hk, nb, generator=host).to(r.dev)
+        ref = None
+        for warps in SELECT_WARPS:
+            sel = torch.full((1, m.hk, m.topk), -7, dtype=torch.int32, device=r.dev)
+            fn = lambda sel=sel, w=warps: msa_index.msa_select(  # noqa: E731
+                scores, step.seq_lens, step.query_start, sel, max_query_len=1, topk=m.topk, block_size=m.p,
+                local_blocks=m.local_blocks, init_blocks=m.init_blocks, num_warps=w)
+            if ref is None:
+                fn()
+                ref = sel.clone()
+            r.add("select", f"msa.select ctx{ctx}", f"w{warps}", fn, nb * m.hk * 4,
+                  lambda sel=sel, ref=ref: (bool(torch.equal(sel, ref)), ""), context=ctx,
+                  default=(warps == msa_index.select_warps(1 << (nb - 1).bit_length())))
+
+
+def moe_group(r: Runner) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for shared_bf16 in (0, 1):
+        for tokens in (1, 4, 16):
+            base = moe_nvfp4.MoEConfig(BT=16)
+            cell = Cell(rows=(tokens, tokens), shape=(128, 6144, 3072, shared_bf16), why="variants",
+                        config={"moe": base})
+            case = moe_nvfp4.make_case(cell, tokens, r.dev, gen)
+            configs = [("base", base)]
+            for name, bn, bk, st, w in GATE_UP[1:]:
+                configs.append((name, replace(base, BN=bn, BK=bk, num_stages=st, num_warps=w, DBN=64, DBK=128,
+                                              down_stages=3, down_warps=4)))
+            for name, dbn, dbk, ds, st, w in DOWN[1:]:
+                configs.append((name, replace(base, DBN=dbn, DBK=dbk, DSPLIT=ds, down_stages=st, down_warps=w)))
+            nbytes = None
+            for name, cfg in configs:
+                x = case.args[0]
+                ws = moe_nvfp4.make_moe_workspace(cfg, tokens, 128, 6144, 3072, r.dev)
+                ws.act.fill_(float("nan"))
+                out = poisoned(tuple(x.shape), torch.bfloat16, r.dev)
+                args = (*case.args[:-3], out, ws, cfg)
+                c2 = Case(args=args, kwargs={}, bytes_moved=case.bytes_moved)
+                fn = lambda args=args: moe_nvfp4.moe_nvfp4(*args)  # noqa: E731
+
+                def check(c2=c2, out=out) -> tuple[bool, str]:
+                    try:
+                        ref = moe_nvfp4.moe_reference(*c2.args)
+                        moe_nvfp4.compare(out, ref, c2)
+                        return True, ""
+                    except AssertionError as exc:
+                        return False, str(exc)[:300]
+
+                if nbytes is None:
+                    fn()
+                    torch.cuda.synchronize()
+                    nbytes = KB.moe_bytes(c2)
+                r.add("moe", f"moe T{tokens} shared {'bf16' if shared_bf16 else 'nvfp4'}", name, fn, nbytes, check,
+                      tokens=tokens, shared_bf16=shared_bf16, config=cfg.__dict__, default=(name == "base"))
+            del case
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(GROUPS))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out-dir", default=None)
+    a = ap.parse_args(argv)
+    groups = [g for g in a.only.split(",") if g]
+    if any(g not in GROUPS for g in groups):
+        raise SystemExit(f"--only: expected names from {GROUPS}, found {groups}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernel_variants.py needs a CUDA GPU")
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.time()
+    r = Runner(dev, a.iters)
+    print(f"copy bandwidth {r.bw / 1e12:.3f} TB/s", flush=True)
+    if "attn" in groups or "select" in groups:
+        cfg = preset("minimax-m3")
+        gen = torch.Generator(device=dev).manual_seed(0)
+        cache, m = AB.build_cache(cfg, 16 * 32 + 2 + 1024 + 2, dev, gen)
+        if "attn" in groups:
+            attn_group(r, cache, m)
+        if "select" in groups:
+            select_group(r, cache, m)
+        del cache
+        torch.cuda.empty_cache()
+    if "moe" in groups:
+        moe_group(r)
+    meta = run_metadata()
+    doc = {**{k: meta[k] for k in ("commit", "gpu", "command", "date", "torch")},
+           "triton": __import__("triton").__version__, "copy_bandwidth_Bps": r.bw, "iters": a.iters,
+           "l2_flush_bytes": KB.FLUSH_BYTES, "wall_s": time.time() - t0, "results": r.rows}
+    text = json.dumps(doc, indent=1)
+    paths = [ROOT / "bench" / "results" / "kernel-variants-h200.json"]
+    if a.out_dir:
+        paths.append(Path(a.out_dir) / "kernel-variants-h200.json")
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
