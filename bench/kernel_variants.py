@@ -4,7 +4,8 @@ Groups (each variant runs on the SAME inputs as its group's default, timed like 
 graph replay, 256 MB L2 flush before each replay, median of --iters; fraction of this run's copy bandwidth):
     attn     attn.paged dense FP8 decode (batch 1 at 4k / 32k / 128k, batch 16 at 4k) and the MSA NVFP4
              sparse attention over 16 selected blocks: key tile BN, pipeline stages, warps, split count
-    select   msa.select at 4k and 128k context: warps per (row, head)
+    select   msa.select at 4k and 128k context: warps per (row, head), first-stage chunk width; msa.scores
+             (the indexer over bf16 index-K) at the same contexts: warps per block
     moe      moe.nvfp4 at 1 / 4 / 16 tokens, NVFP4 and BF16 shared expert: gate|up tile (BN, BK, stages),
              down tile (DBN, DBK, DSPLIT, stages)
 Checks: every attention / select variant's output is compared with its group default's (attention:
@@ -58,12 +59,14 @@ DENSE_TILES = (("n128s2w4", 128, 2, 4), ("n128s3w4", 128, 3, 4), ("n64s3w4", 64,
 SPARSE_TILES = (("n64s3w4", 64, 3, 4), ("n32s4w4", 32, 4, 4), ("n64s2w4", 64, 2, 4), ("n64s3w8", 64, 3, 8),
                 ("n128s2w8", 128, 2, 8))
 SELECT_WARPS = (1, 2, 4, 8)
+SELECT_CHUNKS = (32, 64, 128, 256)
+SCORES_WARPS = (2, 4, 8)
 # gate|up: (name, BN, BK, stages, warps); down: (name, DBN, DBK, DSPLIT, stages, warps)
-GATE_UP = (("gu64x128s3", 64, 128, 3, 4), ("gu32x128s3", 32, 128, 3, 4), ("gu64x256s3", 64, 256, 3, 4),
-           ("gu32x256s3", 32, 256, 3, 4), ("gu32x128s5", 32, 128, 5, 4), ("gu64x256s3w8", 64, 256, 3, 8))
-DOWN = (("d64x128k4s3", 64, 128, 4, 3, 4), ("d32x128k4s3", 32, 128, 4, 3, 4), ("d64x256k4s3", 64, 256, 4, 3, 4),
-        ("d64x128k8s3", 64, 128, 8, 3, 4), ("d32x256k2s3", 32, 256, 2, 3, 4), ("d64x128k2s4", 64, 128, 2, 4, 4),
-        ("d32x128k6s3", 32, 128, 6, 3, 4), ("d64x256k12s2", 64, 256, 12, 2, 4))
+GATE_UP = (("gu64x128s3", 64, 128, 3, 4), ("gu64x256s3", 64, 256, 3, 4), ("gu64x256s4", 64, 256, 4, 4),
+           ("gu64x512s2", 64, 512, 2, 4), ("gu16x256s3", 16, 256, 3, 4), ("gu128x128s3w8", 128, 128, 3, 8))
+DOWN = (("d64x128k4s3", 64, 128, 4, 3, 4), ("d64x256k12s2", 64, 256, 12, 2, 4), ("d64x128k8s3", 64, 128, 8, 3, 4),
+        ("d64x256k6s3", 64, 256, 6, 3, 4), ("d64x512k6s2", 64, 512, 6, 2, 4), ("d16x256k4s3", 16, 256, 4, 3, 4),
+        ("d128x128k8s3w8", 128, 128, 8, 3, 8))
 
 
 class Runner:
@@ -150,22 +153,38 @@ def attn_group(r: Runner, cache, m) -> None:
 
 def select_group(r: Runner, cache, m) -> None:
     host = torch.Generator().manual_seed(2)
+    gen = torch.Generator(device=r.dev).manual_seed(3)
     for ctx in (4096, 131072):
         step = AB.make_step(m, cache.num_slots, [1], [ctx], r.dev, host)
         nb = step.table.shape[1]
         scores = torch.randn(1, m.hk, nb, generator=host).to(r.dev)
-        ref = None
+        ref = msa_index.msa_select_reference(scores, step.seq_lens, step.query_start, max_query_len=1, topk=m.topk,
+                                             block_size=m.p, local_blocks=m.local_blocks, init_blocks=m.init_blocks)
         for warps in SELECT_WARPS:
-            sel = torch.full((1, m.hk, m.topk), -7, dtype=torch.int32, device=r.dev)
-            fn = lambda sel=sel, w=warps: msa_index.msa_select(  # noqa: E731
-                scores, step.seq_lens, step.query_start, sel, max_query_len=1, topk=m.topk, block_size=m.p,
-                local_blocks=m.local_blocks, init_blocks=m.init_blocks, num_warps=w)
-            if ref is None:
+            for chunk in SELECT_CHUNKS:
+                sel = torch.full((1, m.hk, m.topk), -7, dtype=torch.int32, device=r.dev)
+                fn = lambda sel=sel, w=warps, c=chunk: msa_index.msa_select(  # noqa: E731
+                    scores, step.seq_lens, step.query_start, sel, max_query_len=1, topk=m.topk, block_size=m.p,
+                    local_blocks=m.local_blocks, init_blocks=m.init_blocks, num_warps=w, chunk=c)
+                r.add("select", f"msa.select ctx{ctx}", f"w{warps}c{chunk}", fn, nb * m.hk * 4,
+                      lambda sel=sel: (bool(torch.equal(sel, ref)), "vs msa_select_reference"), context=ctx,
+                      default=(warps == msa_index.select_warps(1 << (nb - 1).bit_length())
+                               and chunk == msa_index.SELECT_CHUNK))
+        # the scorer on the bf16 index-K pages of the sparse layer
+        iq = AB._q(1, m.hk, m.di, r.dev, gen)
+        ip = cache.pages(m.sparse, "index_k")
+        out0 = None
+        for warps in SCORES_WARPS:
+            sc = torch.full((1, m.hk, nb), float("nan"), device=r.dev)
+            fn = lambda sc=sc, w=warps: msa_index.msa_block_scores(  # noqa: E731
+                iq, ip, step.table, step.seq_lens, step.query_start, sc, max_query_len=1, topk=m.topk, num_warps=w)
+            if out0 is None:
                 fn()
-                ref = sel.clone()
-            r.add("select", f"msa.select ctx{ctx}", f"w{warps}", fn, nb * m.hk * 4,
-                  lambda sel=sel, ref=ref: (bool(torch.equal(sel, ref)), ""), context=ctx,
-                  default=(warps == msa_index.select_warps(1 << (nb - 1).bit_length())))
+                out0 = sc.clone()
+            r.add("scores", f"msa.scores ctx{ctx}", f"w{warps}", fn,
+                  -(-ctx // m.p) * m.p * m.di * ip.element_size() + nb * m.hk * 4,
+                  lambda sc=sc, o=out0: (bool(torch.equal(sc, o)), "vs the w4 output"), context=ctx,
+                  default=(warps == 4))
 
 
 def moe_group(r: Runner) -> None:
@@ -204,8 +223,20 @@ def moe_group(r: Runner) -> None:
                     fn()
                     torch.cuda.synchronize()
                     nbytes = KB.moe_bytes(c2)
-                r.add("moe", f"moe T{tokens} shared {'bf16' if shared_bf16 else 'nvfp4'}", name, fn, nbytes, check,
+                what = f"moe T{tokens} shared {'bf16' if shared_bf16 else 'nvfp4'}"
+                r.add("moe", what, name, fn, nbytes, check,
                       tokens=tokens, shared_bf16=shared_bf16, config=cfg.__dict__, default=(name == "base"))
+                if name == "base":  # each launch alone, on the routing and activations the full call left
+                    e_, h_, i_ = 128, 6144, 3072
+                    touched = int((ws.slot_e >= 0).sum()) + 1
+                    # a BF16 shared expert reads 32/9 the bytes of an NVFP4 one
+                    parts = {"r": e_ * h_ * 4,
+                             "g": (touched - 1 + (32 / 9 if shared_bf16 else 1)) * 2 * i_ * h_ * 9 // 16,
+                             "d": (touched - 1 + (32 / 9 if shared_bf16 else 1)) * i_ * h_ * 9 // 16}
+                    for launch, nb in parts.items():
+                        fn1 = lambda args=args, launch=launch: moe_nvfp4.moe_nvfp4(*args, launches=launch)  # noqa: E731
+                        r.add("moe", what, f"base/{launch}", fn1, int(nb), None, tokens=tokens,
+                              shared_bf16=shared_bf16, launch=launch)
             del case
             torch.cuda.empty_cache()
 

@@ -26,7 +26,7 @@ from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
-from m3serve.targets.attention import PagedStep, split_plan
+from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
 
 log = logging.getLogger("m3serve")
 
@@ -411,7 +411,7 @@ class LLMEngine:
             s = len(chunks)
             meta = self.tables.last_extra
             dense, sparse = split_plan(int(n.sum()), self.tables.max_blocks, self.kv.spec.num_kv_heads,
-                                       self.model.cfg.index_topk_blocks)
+                                       self.model.cfg.index_topk_blocks, sparse_tiles_per_block(self.kv.spec))
             step = PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:], query_start=meta[:s + 1],
                              max_query_len=int(n.max()), num_splits=dense, num_splits_sparse=sparse)
         spans = [] if step is not None else [

@@ -39,6 +39,7 @@ from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
 
 NEG_INF = tl.constexpr(float("-inf"))
+P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 hi + lo
 
 
 @kernel
@@ -48,7 +49,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                      stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr):
     t = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,6 +106,8 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
         q = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
         if not CUDA:
             q = q.to(tl.float32)
+        if F16:
+            q, row_scale = _q_to_f16(q, qk_scale)
         acc = tl.zeros([BM, D], tl.float32)
     m_i = tl.full([BM], NEG_INF, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -134,19 +137,31 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 sc = tl.dot(q_e, tl.trans(k_e), input_precision="ieee")
                 sc = tl.dot(q_o, tl.trans(k_o), sc, input_precision="ieee")
         else:
-            k = load_dense_tile(kpage, tok, tok_ok, FMT, D, CUDA)
+            if F16:
+                k = load_fp8_tile_f16(kpage, tok, tok_ok, D)
+            else:
+                k = load_dense_tile(kpage, tok, tok_ok, FMT, D, CUDA)
             if CUDA:
                 sc = tl.dot(q, tl.trans(k))
             else:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        sc = tl.where(visible, sc * qk_scale, NEG_INF)
+        if F16:
+            sc = tl.where(visible, sc * row_scale[:, None], NEG_INF)
+        else:
+            sc = tl.where(visible, sc * qk_scale, NEG_INF)
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row that has seen no key yet
         alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(sc - m_use[:, None])
+        if F16:
+            p = tl.math.exp2(sc - (m_use[:, None] - P_SHIFT))  # p * 2**14: fp16 hi + lo keep 2**-22 of it
+        else:
+            p = tl.math.exp2(sc - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        if CUDA:
+        if F16:
+            p_hi = p.to(tl.float16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+        elif CUDA:
             p_hi = p.to(tl.bfloat16)
             p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
         if FMT == 0:
@@ -161,7 +176,10 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 acc_e = tl.dot(p, v_e, acc_e, input_precision="ieee")
                 acc_o = tl.dot(p, v_o, acc_o, input_precision="ieee")
         else:
-            v = load_dense_tile(vpage, tok, tok_ok, FMT, D, CUDA)
+            if F16:
+                v = load_fp8_tile_f16(vpage, tok, tok_ok, D)
+            else:
+                v = load_dense_tile(vpage, tok, tok_ok, FMT, D, CUDA)
             acc = acc * alpha[:, None]
             if CUDA:
                 acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
@@ -176,6 +194,29 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
     else:
         _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
                    stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+
+
+@helper
+def _q_to_f16(q, qk_scale):
+    """bf16 q [BM, D] -> (fp16 q * 2**sh, qk_scale * 2**-sh) per row, sh chosen so that the row's
+    max |q| * 2**sh lies in [2**14, 2**15): every bf16 value of the row down to 2**-28 of its max
+    is exact in fp16 (8 significant bits of 11), smaller ones round to 2**-39 of the max, and the
+    power-of-two factors cancel exactly in the scores."""
+    qf = q.to(tl.float32)
+    ebits = (tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    sh = tl.minimum(tl.maximum(tl.where(ebits == 0, 0, 141 - ebits), -126), 126)
+    up = ((sh + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
+    return (qf * up[:, None]).to(tl.float16), qk_scale * down
+
+
+@helper
+def load_fp8_tile_f16(page_ptr, tok, tok_ok, D: tl.constexpr):
+    """[BN, D] tile of an FP8 page as fp16 (exact: E4M3 is a subset of fp16), through the
+    hardware's two-values-per-instruction E4M3 -> f16x2 conversion (compiled only)."""
+    d = tl.arange(0, D)
+    x = tl.load(page_ptr + tok[:, None] * D + d[None, :], mask=tok_ok[:, None], other=0)
+    return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @helper

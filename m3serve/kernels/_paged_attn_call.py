@@ -228,7 +228,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
         n_seq, t_rows, slot_table.shape[1], qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), *scale_strides, *sel_strides,
         FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, NUM_SPLITS=num_splits,
-        CUDA=cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CUDA=cuda, F16=cuda and fmt == "fp8", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         sp = triton.next_power_of_2(num_splits)
         paged_attn_combine[(t_rows, hq)](

@@ -173,10 +173,13 @@ def check_swiglu(swiglu_alpha: float, swiglu_limit: float) -> None:
 
 def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
               routed_scaling: float, out: torch.Tensor, workspace: MoEWorkspace, config: MoEConfig,
-              swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+              swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
+              launches: str = "rgd") -> torch.Tensor:
     """Raw call: three launches on the current stream. Writes and returns `out`; the routing
     (workspace.ids / .tw / .slot_e / .slot_w) and activations (workspace.act) stay readable.
-    swiglu_alpha / swiglu_limit: the model config's SwiGLU-OAI constants (runtime kernel arguments)."""
+    swiglu_alpha / swiglu_limit: the model config's SwiGLU-OAI constants (runtime kernel arguments).
+    launches: the subset of r(outer), g(ate|up), d(own) to issue, for timing one launch alone (the
+    ones before it must have run on the same workspace and inputs)."""
     cfg = config
     check_swiglu(swiglu_alpha, swiglu_limit)
     t, h, e, i, shared_fmt = _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13,
@@ -186,24 +189,29 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
     ptx = use_ptx(x)
     s = n_slots(t, e)
     sp = ws.slot_e.numel()
-    moe_router[(e // cfg.RBE, cfg.RSPLIT)](
-        x, router_w, router_bias, ws.rpart, ws.rcount, ws.ids, ws.tw, ws.slot_e, ws.slot_w, t, h, e, x.stride(0), s,
-        float(routed_scaling), TOPK=TOPK, BT=cfg.BT, BE=cfg.RBE, BK=cfg.RBK, RSPLIT=cfg.RSPLIT,
-        EP=triton.next_power_of_2(e), SP=sp, num_warps=cfg.router_warps)
+    if set(launches) - set("rgd"):
+        raise ValueError(f"launches: expected letters of 'rgd', found {launches!r}")
+    if "r" in launches:
+        moe_router[(e // cfg.RBE, cfg.RSPLIT)](
+            x, router_w, router_bias, ws.rpart, ws.rcount, ws.ids, ws.tw, ws.slot_e, ws.slot_w, t, h, e, x.stride(0),
+            s, float(routed_scaling), TOPK=TOPK, BT=cfg.BT, BE=cfg.RBE, BK=cfg.RBK, RSPLIT=cfg.RSPLIT,
+            EP=triton.next_power_of_2(e), SP=sp, num_warps=cfg.router_warps)
     if shared_fmt == FMT_NVFP4:
         sw13, ss13, sg13 = sh_w13.view(torch.int32), sh_s13.view(torch.uint8), sh_g13
         sw2, ss2, sg2 = sh_w2.view(torch.int32), sh_s2.view(torch.uint8), sh_g2
     else:
         sw13, ss13, sg13, sw2, ss2, sg2 = sh_w13, g13, g13, sh_w2, g2, g2  # scale pointers unused
-    moe_gate_up[(s + 1, i // cfg.BN)](
-        x, w13.view(torch.int32), s13.view(torch.uint8), g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i,
-        x.stride(0), s, float(swiglu_alpha), float(swiglu_limit), SHARED_FMT=shared_fmt, BT=cfg.BT, BN=cfg.BN,
-        BK=cfg.BK, CUDA=cuda, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    moe_down[(h // cfg.dbn, cfg.DSPLIT)](
-        ws.act, w2.view(torch.int32), s2.view(torch.uint8), g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart,
-        ws.dcount, t, h, i, s, out.stride(0), SHARED_FMT=shared_fmt, DSPLIT=cfg.DSPLIT, BT=cfg.BT, BN=cfg.dbn,
-        BK=cfg.dbk, KT=i // cfg.DSPLIT // cfg.dbk, SP=sp, CUDA=cuda, PTX=ptx,
-        num_warps=cfg.down_warps or cfg.num_warps, num_stages=cfg.down_stages or cfg.num_stages)
+    if "g" in launches:
+        moe_gate_up[(s + 1, i // cfg.BN)](
+            x, w13.view(torch.int32), s13.view(torch.uint8), g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i,
+            x.stride(0), s, float(swiglu_alpha), float(swiglu_limit), SHARED_FMT=shared_fmt, BT=cfg.BT, BN=cfg.BN,
+            BK=cfg.BK, CUDA=cuda, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if "d" in launches:
+        moe_down[(h // cfg.dbn, cfg.DSPLIT)](
+            ws.act, w2.view(torch.int32), s2.view(torch.uint8), g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out,
+            ws.dpart, ws.dcount, t, h, i, s, out.stride(0), SHARED_FMT=shared_fmt, DSPLIT=cfg.DSPLIT, BT=cfg.BT,
+            BN=cfg.dbn, BK=cfg.dbk, KT=i // cfg.DSPLIT // cfg.dbk, SP=sp, CUDA=cuda, PTX=ptx,
+            num_warps=cfg.down_warps or cfg.num_warps, num_stages=cfg.down_stages or cfg.num_stages)
     return out
 
 

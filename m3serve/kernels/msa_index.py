@@ -146,8 +146,9 @@ def scores_tile(max_query_len: int, hk: int) -> tuple[int, int]:
 
 def msa_block_scores(index_q: torch.Tensor, index_pages: torch.Tensor, slot_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start: torch.Tensor, scores: torch.Tensor, *,
-                     max_query_len: int, topk: int) -> torch.Tensor:
-    """Raw call: block scores of every row of every sequence with ceil(L/P) > topk; returns `scores`."""
+                     max_query_len: int, topk: int, num_warps: int = 4) -> torch.Tensor:
+    """Raw call: block scores of every row of every sequence with ceil(L/P) > topk; returns `scores`.
+    num_warps: per program (one block's index-K page; tile sweeps)."""
     dev = index_q.device if isinstance(index_q, torch.Tensor) else None
     _check("index_q", index_q, (torch.bfloat16,), 3, dev)
     t, hk, di = index_q.shape
@@ -178,7 +179,7 @@ def msa_block_scores(index_q: torch.Tensor, index_pages: torch.Tensor, slot_tabl
         index_q.stride(0), index_q.stride(1), pages.stride(0), pages.stride(1), slot_table.stride(0),
         scores.stride(0), scores.stride(1),
         HK=hk, HKP=triton.next_power_of_2(hk), DI=di, P=p, BQ=bq, QCHUNKS=chunks, IK_FP8=fp8,
-        CUDA=is_compiled(index_q), num_warps=4,
+        CUDA=is_compiled(index_q), num_warps=num_warps,
     )
     return scores
 
@@ -362,7 +363,7 @@ def warmup_scores(device: torch.device) -> None:
 @kernel
 def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_sh, stride_ot, stride_oh,
                    HK: tl.constexpr, BP: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr, P: tl.constexpr,
-                   LOCAL: tl.constexpr, INIT: tl.constexpr):
+                   LOCAL: tl.constexpr, INIT: tl.constexpr, CW: tl.constexpr):
     s = tl.program_id(0)
     i = tl.program_id(1)
     g = tl.program_id(2)
@@ -387,15 +388,32 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
             bits = sc.to(tl.int32, bitcast=True)
             # order-preserving int32 key: equal keys <=> equal scores
             key = tl.where(cand, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), _NO_KEY)
-            # (key, BP - 1 - b) packed in one int64: one max per round picks the best score and,
-            # among equal scores, the smallest block index
+            # (key, BP - 1 - b) packed in one int64: a total order in which the larger value is the
+            # better score or, among equal scores, the smaller block index. The TOPK best blocks are
+            # those at or above the TOPK-th largest packed value `thr`, found in two stages: the
+            # TOPK best of each CW-block chunk (rounds of one max per chunk, all chunks at once),
+            # then the TOPK-th best of those NC * TOPK candidates (the overall best TOPK are among
+            # them). One chunk: the first stage's last max is `thr`.
             packed = (key.to(tl.int64) << 32) | (BP - 1 - b).to(tl.int64)
-            chosen = b < 0
-            for _ in range(TOPK):
-                top = tl.max(packed, axis=0)
-                pick = packed == top
-                chosen = chosen | (pick & ((top >> 32) > _NEG_INF_KEY))  # a -inf pick is no block
-                packed = tl.where(pick, _NO_PACKED, packed)
+            NC: tl.constexpr = BP // CW
+            if NC == 1:
+                rest = packed
+                for _ in range(TOPK):
+                    thr = tl.max(rest, axis=0)
+                    rest = tl.where(rest == thr, _NO_PACKED, rest)
+            else:
+                rest2 = tl.reshape(packed, [NC, CW])
+                kc = tl.arange(0, TOPKP)
+                cand = tl.full([NC, TOPKP], _NO_PACKED, tl.int64)
+                for r in range(TOPK):
+                    top = tl.max(rest2, axis=1)
+                    cand = tl.where(kc[None, :] == r, top[:, None], cand)
+                    rest2 = tl.where(rest2 == top[:, None], _NO_PACKED, rest2)
+                rest = tl.reshape(cand, [NC * TOPKP])
+                for _ in range(TOPK):
+                    thr = tl.max(rest, axis=0)
+                    rest = tl.where(rest == thr, _NO_PACKED, rest)
+            chosen = (packed >= thr) & ((packed >> 32) > _NEG_INF_KEY)  # a -inf (or no) score is no block
         else:
             chosen = (b <= own) & (pos >= 0)
         taken = chosen.to(tl.int32)
@@ -407,6 +425,9 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
         tl.store(row + k, tl.full([TOPKP], -1, tl.int32), mask=(k >= count) & (k < TOPK))
 
 
+SELECT_CHUNK = 128  # blocks per first-stage chunk of the selection
+
+
 def select_warps(bp: int) -> int:
     """Warps of one (row, head) selection over bp (padded) blocks: each round is one int64 max,
     whose cross-warp step costs a shared-memory round trip and a barrier."""
@@ -415,9 +436,9 @@ def select_warps(bp: int) -> int:
 
 def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, sel: torch.Tensor, *,
                max_query_len: int, topk: int, block_size: int, local_blocks: int, init_blocks: int,
-               num_warps: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """Raw call: msa.select_blocks for every row of every sequence; returns `sel`.
-    num_warps: overrides select_warps() (tile sweeps)."""
+    num_warps / chunk: override select_warps() / SELECT_CHUNK (tile sweeps; chunk a power of two)."""
     dev = scores.device if isinstance(scores, torch.Tensor) else None
     _check("scores", scores, (torch.float32,), 3, dev)
     t, hk, b = scores.shape
@@ -430,6 +451,8 @@ def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.
     _check_int("local_blocks", local_blocks, 1)
     _check_int("init_blocks", init_blocks, 0)
     _check_int("scores.shape[2] (B)", b, 1, 8192)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk: expected a power of two >= 1, found {chunk!r}")
     if hk > _MAX_GRID_YZ:
         raise ValueError(f"scores.shape[1] (Hk): expected <= {_MAX_GRID_YZ}, found {hk}")
     if s == 0 or t == 0:
@@ -438,7 +461,7 @@ def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.
     _select_kernel[(s, max_query_len, hk)](
         scores, seq_lens, query_start, sel, b, scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1),
         HK=hk, BP=bp, TOPK=topk, TOPKP=triton.next_power_of_2(topk), P=block_size, LOCAL=local_blocks,
-        INIT=init_blocks, num_warps=num_warps or select_warps(bp),
+        INIT=init_blocks, CW=min(bp, chunk or SELECT_CHUNK), num_warps=num_warps or select_warps(bp),
     )
     return sel
 
@@ -544,8 +567,18 @@ _ROWS = (((1, 48), "decode / speculative verify (query rows per sequence)"), ((4
 # (Hk, Di, P, topk, name)
 _GEOMS = ((4, 128, 128, 16, "M3 TP1"), (2, 128, 128, 16, "M3 TP2"), (2, 64, 32, 8, "embedded m3-tiny-verse"))
 
+# B = slot_table width, as the power of two the kernel pads it to: 1024 blocks = 128k tokens at P = 128;
+# embedded: max_position_embeddings 4096 / P 32 = 128
+_SELECT_B = {"M3 TP1": 1024, "M3 TP2": 1024, "embedded m3-tiny-verse": 128}
+
+
+def _rows_upto(rows: tuple[int, int], name: str, p: int) -> tuple[int, int]:
+    """A row range capped at the tokens the geometry's table holds (a prefill chunk is never longer)."""
+    return rows[0], min(rows[1], _SELECT_B[name] * p)
+
+
 SCORES_CELLS = tuple(
-    Cell(rows=rows, shape=(hk, di, p, IFMT_CODE[ifmt], topk),
+    Cell(rows=_rows_upto(rows, name, p), shape=(hk, di, p, IFMT_CODE[ifmt], topk),
          why=f"{name}, {ifmt} index-K: {rwhy}; grid (sequence, block, query tile), index-K read once per tile")
     for hk, di, p, topk, name in _GEOMS for ifmt in ("bf16", "fp8") for rows, rwhy in _ROWS
 )
@@ -557,11 +590,8 @@ SCORES_INTERP_CELLS = (
     Cell(rows=(130, 130), shape=(2, 16, 16, IFMT_CODE["bf16"], 2), config={"batch": 1, "blocks": 12},
          why="interpreter: prefill rows over two query tiles"),
 )
-# B = slot_table width, as the power of two the kernel pads it to: 1024 blocks = 128k tokens at P = 128;
-# embedded: max_position_embeddings 4096 / P 32 = 128
-_SELECT_B = {"M3 TP1": 1024, "M3 TP2": 1024, "embedded m3-tiny-verse": 128}
 SELECT_CELLS = tuple(
-    Cell(rows=rows, shape=(hk, p, topk, _SELECT_B[name]),
+    Cell(rows=_rows_upto(rows, name, p), shape=(hk, p, topk, _SELECT_B[name]),
          why=f"{name}, B <= {_SELECT_B[name]} blocks: {rwhy}; one program per (row, head), topk max/argmin rounds")
     for hk, _, p, topk, name in _GEOMS for rows, rwhy in _ROWS
 )

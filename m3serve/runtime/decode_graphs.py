@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from m3serve.model.m3 import ForwardBatch
-from m3serve.targets.attention import PagedStep, split_plan
+from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
 
 log = logging.getLogger("m3serve")
 
@@ -227,7 +227,7 @@ class DecodeGraphs:
             for bucket in sorted(self.buckets, reverse=True):
                 off = stage_offsets(bucket)
                 dense, sparse = split_plan(bucket, self.tables.max_blocks, self.kv.spec.num_kv_heads,
-                                           self.model.cfg.index_topk_blocks)
+                                           self.model.cfg.index_topk_blocks, sparse_tiles_per_block(self.kv.spec))
                 step = PagedStep(slot_table=self.tables.slot_table[:bucket],
                                  seq_lens=self.tables._dev_stage[off["seq_lens"]],
                                  query_start=torch.arange(bucket + 1, dtype=torch.int32, device=self.model.device),

@@ -47,14 +47,25 @@ class PagedStep:
         return buf
 
 
-def split_plan(query_rows: int, max_blocks: int, kv_heads: int, topk: int) -> tuple[int, int]:
+def sparse_tiles_per_block(spec) -> int:
+    """Key tiles attn.paged walks per selected block on the MSA layers of a cache spec (tile_config: NVFP4
+    pages go in half-page tiles); the most over the sparse layers' formats."""
+    from m3serve.kernels.paged_attention import tile_config
+    fmts = {spec.kv_format(i) for i in spec.sparse_layers}
+    return max((spec.page_size // tile_config(1, spec.page_size, 1, True, f == "nvfp4").BN for f in fmts), default=1)
+
+
+def split_plan(query_rows: int, max_blocks: int, kv_heads: int, topk: int,
+               sparse_tiles: int = 1) -> tuple[int, int]:
     """(dense, sparse) split-KV factors for a step of `query_rows` rows. Decode rows are rounded up to their
-    graph bucket first, so an eager step and the graph of the same bucket split (and so sum) identically."""
+    graph bucket first, so an eager step and the graph of the same bucket split (and so sum) identically.
+    MSA layers split over key tiles (topk blocks x sparse_tiles each): one tile per split is allowed, the
+    fastest on the H200 at batch 1 (bench/results/kernel-variants-h200.json)."""
     from m3serve.kernels.paged_attention import choose_num_splits
     from m3serve.runtime.decode_graphs import DEFAULT_BUCKETS, bucket_for
     rows = bucket_for(query_rows, DEFAULT_BUCKETS) or query_rows
     dense = choose_num_splits(rows, max_blocks, kv_heads=kv_heads)
-    sparse = choose_num_splits(rows, max(topk, 1), kv_heads=kv_heads, min_blocks_per_split=1)
+    sparse = choose_num_splits(rows, max(topk, 1) * sparse_tiles, kv_heads=kv_heads, min_blocks_per_split=1)
     return dense, sparse
 
 
