@@ -115,6 +115,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 CELLS = (
     Cell(rows=(1, 48), shape=(6144,), why="hidden 6144: the two norms of every decoder layer and the final norm; "
          "one program per row, so every row count uses the same compiled variant"),
+    Cell(rows=(1, 48), shape=(256,), why="embedded model hidden 256: the residual boundaries of every layer"),
 )
 INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(256,), why="interpreter: power-of-two H"),

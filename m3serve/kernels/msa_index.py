@@ -396,6 +396,7 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
             # them). One chunk: the first stage's last max is `thr`.
             packed = (key.to(tl.int64) << 32) | (BP - 1 - b).to(tl.int64)
             NC: tl.constexpr = BP // CW
+            thr = tl.full([], _NO_PACKED, tl.int64)  # loop-carried: defined before the loops
             if NC == 1:
                 rest = packed
                 for _ in range(TOPK):

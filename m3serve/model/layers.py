@@ -22,8 +22,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim, device=device))
-        # Set per model by m3serve.targets.routing.install: (norm, x) -> y, or None for the stock path.
+        # Set per model by m3serve.targets.routing.install: (norm, x) -> y and (norm, residual, delta) -> (h, y),
+        # or None for the stock path.
         self.dispatch = None
+        self.add_dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dispatch is not None:
@@ -33,6 +35,16 @@ class RMSNorm(nn.Module):
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) with h = residual + delta: a residual boundary and the norm after it (one fused
+        launch on the decode target)."""
+        if self.add_dispatch is not None:
+            out = self.add_dispatch(self, residual, delta)
+            if out is not None:
+                return out
+        h = residual + delta
+        return h, self(h)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:

@@ -149,9 +149,12 @@ class DecoderLayer(nn.Module):
         self.mlp = (MoE(cfg, tp, name) if cfg.mlp_layer_types[layer] == "moe"
                     else DenseMLP(cfg, cfg.dense_intermediate_size, tp, name))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos, sin) -> torch.Tensor:
-        h = x + self.tp.all_reduce(self.attn(self.input_norm(x), batch, cos, sin))
-        return h + self.tp.all_reduce(self.mlp(self.post_norm(h)))
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, batch: ForwardBatch, cos, sin,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream entering the layer, normed = input_norm(x) -> (the stream leaving it,
+        next_norm of it). Each residual add is done with the norm that follows it (norm.add_rms)."""
+        h, normed_h = self.post_norm.add_forward(x, self.tp.all_reduce(self.attn(normed, batch, cos, sin)))
+        return next_norm.add_forward(h, self.tp.all_reduce(self.mlp(normed_h)))
 
 
 class M3ForCausalLM(nn.Module):
@@ -177,13 +180,15 @@ class M3ForCausalLM(nn.Module):
         if any(layer.attn.prep_dispatch is None for layer in self.layers):   # attn.qk_prep computes its own
             cos, sin = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         x = self.embed(batch.input_ids).to(self.dtype)
+        normed = self.layers[0].input_norm(x)
         for i, layer in enumerate(self.layers):
             if i in batch.capture_layers:
                 batch.captured[i] = x
-            x = layer(x, batch, cos, sin)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x, normed = layer(x, normed, batch, cos, sin, next_norm)
         if self.cfg.num_hidden_layers in batch.capture_layers:
             batch.captured[self.cfg.num_hidden_layers] = x
-        return self.norm(x)
+        return normed
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[R, H] -> fp32 logits [R, V/tp] of this rank's vocabulary slice [vocab_start, vocab_start + V/tp).

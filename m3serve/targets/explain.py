@@ -76,8 +76,9 @@ def attention_placements(model, kv, table_width: int, bucket: int, query_len: in
 
 
 def module_placements(model, bucket: int) -> list[Placement]:
-    """Quantized linears and MoE layers at `bucket` rows (what routing.install's hooks will choose)."""
-    from m3serve.model.layers import Linear
+    """Quantized linears, MoE layers and decoder norms at `bucket` rows (what routing.install's hooks will
+    choose)."""
+    from m3serve.model.layers import Linear, RMSNorm
     from m3serve.model.moe import MoE
     from m3serve.targets.routing import ALL_EXPERTS_MAX
     from m3serve.model.m3 import Attention
@@ -114,6 +115,10 @@ def module_placements(model, bucket: int) -> list[Placement]:
             else:
                 out.append(Placement(name, bucket, None, f"{mod.w13.fmt} experts with {mod.w13.num_experts} "
                                      "experts: the stock loop (syncs the host: not capturable)"))
+        elif isinstance(mod, RMSNorm) and (name == "norm" or name.endswith(("input_norm", "post_norm"))):
+            # every decoder-level norm but the first follows a residual add and fuses with it
+            kind = "norm.rms" if name == "layers.0.input_norm" else "norm.add_rms"
+            out.append(_place(name, bucket, kind, bucket, (mod.weight.shape[0],)))
         elif isinstance(mod, Linear) and mod.num_experts is None:
             if id(mod) in fused_parts:
                 out.append(Placement(name, bucket, "(fused)", f"runs inside {fused_parts[id(mod)]}"))

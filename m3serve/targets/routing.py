@@ -8,7 +8,7 @@ The mode belongs to the model it is installed on (a hook per module, bound to it
 process route independently. Nothing here reads the environment.
 Routed today: quantized linears (linear.nvfp4 / linear.mxfp8 / linear.fp8, 1-48 rows) and the NVFP4 MoE
 layer (moe.nvfp4: router + routed experts + shared expert in three launches); on bf16 CUDA activations the
-decoder-level Gemma norms (norm.rms), each attention layer's q/k norms + RoPE (attn.qk_prep, one launch),
+decoder-level Gemma norms (norm.rms; norm.add_rms where a residual add precedes the norm), each attention layer's q/k norms + RoPE (attn.qk_prep, one launch),
 the dense MLPs' SwiGLU-OAI (mlp.swiglu_oai) and, in the dense all-experts MoE, the router (moe.route_small)
 and the stacked experts' activation. CPU or fp32 activations always take the stock path (byte for byte).
 Workspaces and output buffers are made once per call site and row cell, before any graph capture could
@@ -44,7 +44,9 @@ def install(model, mode: str) -> None:
         elif isinstance(mod, MoE):
             mod.dispatch = functools.partial(_moe, mode=mode) if on else None
         elif isinstance(mod, RMSNorm):
-            mod.dispatch = functools.partial(_norm, mode=mode) if on and id(mod) not in attention_norms else None
+            decoder_norm = on and id(mod) not in attention_norms
+            mod.dispatch = functools.partial(_norm, mode=mode) if decoder_norm else None
+            mod.add_dispatch = functools.partial(_add_norm, mode=mode) if decoder_norm else None
         elif isinstance(mod, Attention):
             mod.prep_dispatch = functools.partial(_qk_prep, mode=mode) if on else None
         elif isinstance(mod, DenseMLP):
@@ -124,6 +126,25 @@ def _norm(norm, x: torch.Tensor, mode: str):
     out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
     entry.raw_call(x2, norm.weight, float(norm.eps), out)
     return out.view(x.shape)
+
+
+def _add_norm(norm, residual: torch.Tensor, delta: torch.Tensor, mode: str):
+    """A residual boundary and the Gemma RMSNorm after it, (residual + delta, norm(.)), in one norm.add_rms
+    launch."""
+    h = residual.shape[-1]
+    if not (_bf16_cuda("add_norm", residual, mode) and _bf16_cuda("add_norm", delta, mode)) or residual.numel() == 0:
+        return None
+    rows = residual.numel() // h
+    entry = lookup("norm.add_rms", rows, (h,), mode)
+    if entry is None:
+        return None
+    r2, d2 = residual.reshape(rows, h), delta.reshape(rows, h)
+    r2 = r2 if r2.stride(1) == 1 else r2.contiguous()
+    d2 = d2 if d2.stride(1) == 1 else d2.contiguous()
+    h_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
+    y_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
+    entry.raw_call(d2, r2, norm.weight, float(norm.eps), h_out, y_out)
+    return h_out.view(residual.shape), y_out.view(residual.shape)
 
 
 def _qk_prep(attn, x: torch.Tensor, positions: torch.Tensor, mode: str):

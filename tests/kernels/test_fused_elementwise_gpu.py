@@ -170,6 +170,6 @@ def test_embedded_model_routed_through_the_fused_entries(rows: int, seed: int, m
         for h in hooks:
             h.remove()
     kinds = {k for k, hit in fired if hit}
-    assert {"norm.rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small"} <= kinds, kinds
+    assert {"norm.rms", "norm.add_rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small"} <= kinds, kinds
     assert torch.isfinite(got).all()
     check_routed_logits(moes, x_ref, x_got, ref, got, label=f"rows {rows}")

@@ -3,6 +3,8 @@ shape; on the GPU the stock model routed through the catalog stays within bf16 t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -106,3 +108,29 @@ def test_per_module_caches_belong_to_their_module():
     rows = routing._per_row(a, parts, 8)
     assert rows.tolist() == [2.0] * 4 + [4.0] * 4 and routing._per_row(a, parts, 8) is rows
     assert routing._per_row(b, torch.tensor([3.0]), 8).shape == ()
+
+
+def test_add_norm_hook_fuses_the_residual_boundary(monkeypatch):
+    """RMSNorm.add_forward through the norm.add_rms hook (the interpreter on CPU, with the CUDA-only gate
+    opened): h is the stock bf16 add bit for bit, y within one bf16 ulp of the stock norm of h; a shape with no
+    certified cell falls back to the stock pair in auto and raises in require."""
+    from m3serve.model.layers import RMSNorm
+    monkeypatch.setattr(routing, "_bf16_cuda", lambda where, t, mode: t.dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(256, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.2 * torch.randn(256, generator=g))
+    residual = (10 * torch.randn(3, 256, generator=g)).to(torch.bfloat16)
+    delta = (3 * torch.randn(3, 256, generator=g)).to(torch.bfloat16)
+    h_ref, y_ref = norm.add_forward(residual, delta)  # no hook: the stock pair
+    norm.add_dispatch = functools.partial(routing._add_norm, mode="require")
+    h, y = norm.add_forward(residual, delta)
+    assert torch.equal(h.view(torch.int16), h_ref.view(torch.int16))
+    assert ((y.float() - y_ref.float()).abs() <= 2.0**-7 * y_ref.float().abs() + 1e-30).all()
+    odd = RMSNorm(200, 1e-6)
+    odd.add_dispatch = functools.partial(routing._add_norm, mode="require")
+    with pytest.raises(ValueError, match="norm.add_rms"):
+        odd.add_forward(residual[:, :200].contiguous(), delta[:, :200].contiguous())
+    odd.add_dispatch = functools.partial(routing._add_norm, mode="auto")
+    h2, y2 = odd.add_forward(residual[:, :200].contiguous(), delta[:, :200].contiguous())
+    assert torch.equal(h2, residual[:, :200] + delta[:, :200]) and torch.equal(y2, odd(h2))
