@@ -59,6 +59,7 @@ from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.config import is_preset, preset  # noqa: E402
 from m3serve.kv.cache import PagedKVCache  # noqa: E402
 from m3serve.kv.spec import KVCacheSpec  # noqa: E402
+from m3serve.targets.attention import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("decode", "msa", "kv_write", "prefill", "decode_step")
 MODULES = ("m3serve.kernels.kv_write", "m3serve.kernels.msa_index", "m3serve.kernels.paged_attention",
@@ -242,7 +243,7 @@ class Bench:
             iq = _q(1, m.hk, m.di, self.dev, self.gen)
             scores = torch.empty(1, m.hk, nb, dtype=torch.float32, device=self.dev)
             sel = torch.empty(1, m.hk, m.topk, dtype=torch.int32, device=self.dev)
-            ns = pa.choose_num_splits(1, m.topk, kv_heads=m.hk)
+            _, ns = split_plan(1, nb, m.hk, m.topk, sparse_tiles_per_block(self.cache.spec))  # as the engine splits
             args, kw = self._attn_args(step, m.sparse, "nvfp4", _q(1, m.hq, m.d, self.dev, self.gen), sel, ns)
             ip = self.cache.pages(m.sparse, "index_k")
 
