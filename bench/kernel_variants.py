@@ -4,7 +4,7 @@ Groups (each variant runs on the SAME inputs as its group's default, timed like 
 graph replay, 256 MB L2 flush before each replay, median of --iters; fraction of this run's copy bandwidth):
     attn     attn.paged dense FP8 decode (batch 1 at 4k / 32k / 128k, batch 16 at 4k) and the MSA NVFP4
              sparse attention over 16 selected blocks: key tile BN, pipeline stages, warps, split count
-    select   msa.select at 4k and 128k context: warps per (row, head), first-stage chunk width; msa.scores
+    select   msa.select at 4k and 128k context: warps per (row, head); msa.scores
              (the indexer over bf16 index-K) at the same contexts: warps per block
     moe      moe.nvfp4 at 1 / 4 / 16 tokens, NVFP4 and BF16 shared expert: gate|up tile (BN, BK, stages),
              down tile (DBN, DBK, DSPLIT, stages)
@@ -59,7 +59,6 @@ DENSE_TILES = (("n128s2w4", 128, 2, 4), ("n128s3w4", 128, 3, 4), ("n64s3w4", 64,
 SPARSE_TILES = (("n64s3w4", 64, 3, 4), ("n32s4w4", 32, 4, 4), ("n64s2w4", 64, 2, 4), ("n64s3w8", 64, 3, 8),
                 ("n128s2w8", 128, 2, 8))
 SELECT_WARPS = (1, 2, 4, 8)
-SELECT_CHUNKS = (32, 64, 128, 256)
 SCORES_WARPS = (2, 4, 8)
 # gate|up: (name, BN, BK, stages, warps); down: (name, DBN, DBK, DSPLIT, stages, warps)
 GATE_UP = (("gu64x128s3", 64, 128, 3, 4), ("gu64x256s3", 64, 256, 3, 4), ("gu64x256s4", 64, 256, 4, 4),
@@ -161,15 +160,13 @@ def select_group(r: Runner, cache, m) -> None:
         ref = msa_index.msa_select_reference(scores, step.seq_lens, step.query_start, max_query_len=1, topk=m.topk,
                                              block_size=m.p, local_blocks=m.local_blocks, init_blocks=m.init_blocks)
         for warps in SELECT_WARPS:
-            for chunk in SELECT_CHUNKS:
-                sel = torch.full((1, m.hk, m.topk), -7, dtype=torch.int32, device=r.dev)
-                fn = lambda sel=sel, w=warps, c=chunk: msa_index.msa_select(  # noqa: E731
-                    scores, step.seq_lens, step.query_start, sel, max_query_len=1, topk=m.topk, block_size=m.p,
-                    local_blocks=m.local_blocks, init_blocks=m.init_blocks, num_warps=w, chunk=c)
-                r.add("select", f"msa.select ctx{ctx}", f"w{warps}c{chunk}", fn, nb * m.hk * 4,
-                      lambda sel=sel: (bool(torch.equal(sel, ref)), "vs msa_select_reference"), context=ctx,
-                      default=(warps == msa_index.select_warps(1 << (nb - 1).bit_length())
-                               and chunk == msa_index.SELECT_CHUNK))
+            sel = torch.full((1, m.hk, m.topk), -7, dtype=torch.int32, device=r.dev)
+            fn = lambda sel=sel, w=warps: msa_index.msa_select(  # noqa: E731
+                scores, step.seq_lens, step.query_start, sel, max_query_len=1, topk=m.topk, block_size=m.p,
+                local_blocks=m.local_blocks, init_blocks=m.init_blocks, num_warps=w)
+            r.add("select", f"msa.select ctx{ctx}", f"w{warps}", fn, nb * m.hk * 4,
+                  lambda sel=sel: (bool(torch.equal(sel, ref)), "vs msa_select_reference"), context=ctx,
+                  default=(warps == msa_index.select_warps(1 << (nb - 1).bit_length())))
         # the scorer on the bf16 index-K pages of the sparse layer
         iq = AB._q(1, m.hk, m.di, r.dev, gen)
         ip = cache.pages(m.sparse, "index_k")

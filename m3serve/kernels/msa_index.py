@@ -55,7 +55,6 @@ _NEG_INF = tl.constexpr(float("-inf"))  # the same, readable inside kernels
 # Monotone int32 key of fp32 -inf (bits ^ 0x7FFFFFFF of 0xFF800000) and of "not a candidate".
 _NEG_INF_KEY = tl.constexpr(-2139095041)
 _NO_KEY = tl.constexpr(-2147483648)
-_NO_PACKED = tl.constexpr(-(2**63))  # below every packed (key, index) pair
 SEL_POISON = -99  # int32 output poison: never a block id (>= 0) nor the padding (-1)
 
 
@@ -363,7 +362,7 @@ def warmup_scores(device: torch.device) -> None:
 @kernel
 def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_sh, stride_ot, stride_oh,
                    HK: tl.constexpr, BP: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr, P: tl.constexpr,
-                   LOCAL: tl.constexpr, INIT: tl.constexpr, CW: tl.constexpr):
+                   LOCAL: tl.constexpr, INIT: tl.constexpr):
     s = tl.program_id(0)
     i = tl.program_id(1)
     g = tl.program_id(2)
@@ -388,33 +387,12 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
             bits = sc.to(tl.int32, bitcast=True)
             # order-preserving int32 key: equal keys <=> equal scores
             key = tl.where(cand, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), _NO_KEY)
-            # (key, BP - 1 - b) packed in one int64: a total order in which the larger value is the
-            # better score or, among equal scores, the smaller block index. The TOPK best blocks are
-            # those at or above the TOPK-th largest packed value `thr`, found in two stages: the
-            # TOPK best of each CW-block chunk (rounds of one max per chunk, all chunks at once),
-            # then the TOPK-th best of those NC * TOPK candidates (the overall best TOPK are among
-            # them). One chunk: the first stage's last max is `thr`.
-            packed = (key.to(tl.int64) << 32) | (BP - 1 - b).to(tl.int64)
-            NC: tl.constexpr = BP // CW
-            thr = tl.full([], _NO_PACKED, tl.int64)  # loop-carried: defined before the loops
-            if NC == 1:
-                rest = packed
-                for _ in range(TOPK):
-                    thr = tl.max(rest, axis=0)
-                    rest = tl.where(rest == thr, _NO_PACKED, rest)
-            else:
-                rest2 = tl.reshape(packed, [NC, CW])
-                kc = tl.arange(0, TOPKP)
-                cand = tl.full([NC, TOPKP], _NO_PACKED, tl.int64)
-                for r in range(TOPK):
-                    top = tl.max(rest2, axis=1)
-                    cand = tl.where(kc[None, :] == r, top[:, None], cand)
-                    rest2 = tl.where(rest2 == top[:, None], _NO_PACKED, rest2)
-                rest = tl.reshape(cand, [NC * TOPKP])
-                for _ in range(TOPK):
-                    thr = tl.max(rest, axis=0)
-                    rest = tl.where(rest == thr, _NO_PACKED, rest)
-            chosen = (packed >= thr) & ((packed >> 32) > _NEG_INF_KEY)  # a -inf (or no) score is no block
+            chosen = b < 0
+            for _ in range(TOPK):
+                top = tl.max(key, axis=0)
+                pick = b == tl.min(tl.where(key == top, b, BP), axis=0)
+                chosen = chosen | (pick & (top > _NEG_INF_KEY))  # a -inf pick is no block
+                key = tl.where(pick, _NO_KEY, key)
         else:
             chosen = (b <= own) & (pos >= 0)
         taken = chosen.to(tl.int32)
@@ -426,20 +404,18 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
         tl.store(row + k, tl.full([TOPKP], -1, tl.int32), mask=(k >= count) & (k < TOPK))
 
 
-SELECT_CHUNK = 128  # blocks per first-stage chunk of the selection
-
-
 def select_warps(bp: int) -> int:
-    """Warps of one (row, head) selection over bp (padded) blocks: each round is one int64 max,
-    whose cross-warp step costs a shared-memory round trip and a barrier."""
+    """Warps of one (row, head) selection over bp (padded) blocks. A two-stage (per-chunk top-k, then
+    merge) and a packed-int64 single-reduction variant were both slower on the H200 at 1024 blocks
+    (bench/results/kernel-variants-h200.json), so each round stays a max and an argmin over all blocks."""
     return 4 if bp >= 512 else 1
 
 
 def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, sel: torch.Tensor, *,
                max_query_len: int, topk: int, block_size: int, local_blocks: int, init_blocks: int,
-               num_warps: int | None = None, chunk: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None) -> torch.Tensor:
     """Raw call: msa.select_blocks for every row of every sequence; returns `sel`.
-    num_warps / chunk: override select_warps() / SELECT_CHUNK (tile sweeps; chunk a power of two)."""
+    num_warps: overrides select_warps() (tile sweeps)."""
     dev = scores.device if isinstance(scores, torch.Tensor) else None
     _check("scores", scores, (torch.float32,), 3, dev)
     t, hk, b = scores.shape
@@ -452,8 +428,6 @@ def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.
     _check_int("local_blocks", local_blocks, 1)
     _check_int("init_blocks", init_blocks, 0)
     _check_int("scores.shape[2] (B)", b, 1, 8192)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1)):
-        raise ValueError(f"chunk: expected a power of two >= 1, found {chunk!r}")
     if hk > _MAX_GRID_YZ:
         raise ValueError(f"scores.shape[1] (Hk): expected <= {_MAX_GRID_YZ}, found {hk}")
     if s == 0 or t == 0:
@@ -462,7 +436,7 @@ def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.
     _select_kernel[(s, max_query_len, hk)](
         scores, seq_lens, query_start, sel, b, scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1),
         HK=hk, BP=bp, TOPK=topk, TOPKP=triton.next_power_of_2(topk), P=block_size, LOCAL=local_blocks,
-        INIT=init_blocks, CW=min(bp, chunk or SELECT_CHUNK), num_warps=num_warps or select_warps(bp),
+        INIT=init_blocks, num_warps=num_warps or select_warps(bp),
     )
     return sel
 

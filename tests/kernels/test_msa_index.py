@@ -96,21 +96,6 @@ def test_select_equals_select_blocks(hk, p, topk, blocks, rows, contexts, local,
     assert any(-(-c // p) > topk for c in contexts)
 
 
-@pytest.mark.parametrize("chunk", [2, 4, 8])
-@pytest.mark.parametrize("hk,p,topk,blocks,rows,contexts,local,init", [
-    (2, 4, 4, 16, 1, [64, 5, 17, 0, 40], 1, 0),
-    (3, 2, 5, 32, 2, [64, 9, 50, 0], 1, 2),
-    (2, 2, 5, 16, 16, [16, 32], 1, 0),
-])
-def test_select_two_stage_chunks_equal_select_blocks(chunk, hk, p, topk, blocks, rows, contexts, local, init) -> None:
-    """The chunked first stage (chunks narrower than topk included: a chunk then hands on all of its
-    blocks) selects exactly what select_blocks selects, ties and -inf included."""
-    gen = torch.Generator().manual_seed(p * 100 + topk + chunk)
-    case = mi.build_select_case(hk, p, topk, blocks, rows, contexts, CPU, gen, local, init)
-    out = mi.msa_select(*case.args, **case.kwargs, chunk=chunk)
-    mi.compare_select(out, mi.msa_select_reference(*case.args, **case.kwargs), case)
-
-
 def test_select_ties_between_plus_and_minus_zero() -> None:
     """-0.0 == +0.0: equal scores, so the smaller block wins (an ordering on the bits would not)."""
     gen = torch.Generator().manual_seed(2)
