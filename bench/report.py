@@ -669,6 +669,33 @@ def render_kv_ablation(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_kernel_variants(files: list[ResultFile]) -> str:
+    """Per (group, case): the default variant's time, the fastest variant that passed its check, and how many
+    variants failed their check or did not run."""
+    blocks = []
+    for rf in files:
+        cases: dict[tuple[str, str], list[dict]] = {}
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            cases.setdefault((need(r, "group", w, "str"), need(r, "what", w, "str")), []).append(
+                {"variant": need(r, "variant", w, "str"), "us": opt(r, "us", w), "frac": opt(r, "frac_copy", w),
+                 "ok": bool(r.get("ok")), "default": bool(r.get("default")), "part": "launch" in r})
+        table = []
+        for (group, what), vs in cases.items():
+            vs = [v for v in vs if not v["part"]]   # one launch of a multi-launch call is not a variant of it
+            ran = [v for v in vs if v["ok"] and v["us"] is not None]
+            base = next((v for v in vs if v["default"] and v["us"] is not None), None)
+            best = min(ran, key=lambda v: v["us"], default=None)
+            failed = sum(not v["ok"] for v in vs)
+            table.append([group, what, or_dash(base and base["us"], sig), or_dash(base and base["frac"], pct),
+                          best["variant"] if best else DASH, or_dash(best and best["us"], sig),
+                          or_dash(best and best["frac"], pct), len(vs), failed])
+        blocks.append(file_block("Kernel tile / schedule variants (default vs fastest that passed its check)",
+                                 md_table(["group", "case", "default µs", "default % copy", "fastest variant", "µs",
+                                           "% copy", "variants", "failed / not run"], table), rf, copy_bw_note(rf)))
+    return "\n\n".join(blocks)
+
+
 # Section order in the README; the generic kind comes first in recognition (below) so that a known-but-unschemaed
 # file never trips a dedicated formatter.
 KINDS = (
@@ -678,6 +705,8 @@ KINDS = (
          lambda d: _row_keys(d, "entry", "query_tokens", "us"), render_attention),
     Kind("kernels", "Kernels", ("kernels",), ("kernels-*.json",),
          lambda d: "goals" in d and _row_keys(d, "entry", "shape", "frac_copy"), render_kernels),
+    Kind("kernel_variants", "Kernel variants", (), ("kernel-variants*.json",),
+         lambda d: _row_keys(d, "group", "variant", "what"), render_kernel_variants),
     Kind("gemv_variants", "GEMV variants", ("gemv_variants",), ("gemv_variants-*.json",),
          lambda d: "summary" in d and _row_keys(d, "entry", "variant", "frac_copy"), render_gemv_variants),
     Kind("host_overhead", "Host overhead", ("host_overhead",), ("host_overhead-*.json",),
