@@ -4,13 +4,14 @@
 #                                             # the NVFP4 decode cells, the runtime (graphs, capture at real dims)
 #   bash bench/gpu_decode_target.sh measure   # bench/attention.py, bench/decode.py (embedded + minimax-m3:5),
 #                                             # step profiles, NVFP4 kernels
+#   bash bench/gpu_decode_target.sh attention # bench/attention.py with its decode-step rows (4k, 128k context)
 #   bash bench/gpu_decode_target.sh sampling  # sampled / penalised graphs: test, bench, eval graphs vs eager
 # Run from a committed tree with M3SERVE_COMMIT=$(git rev-parse --short HEAD) exported on the device (the device
 # copy carries no usable git history). Every phase has its own timeout so partial results always come back.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; L=$OUT/logs; mkdir -p "$L"
-PHASE=${1:?usage: $0 certify|measure|sampling}
+PHASE=${1:?usage: $0 certify|measure|attention|sampling}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$L/gpu.txt" 2>&1
 pyt() { timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 200 "${@:2}"; }
 case "$PHASE" in
@@ -25,7 +26,8 @@ case "$PHASE" in
     pyt 150 tests/runtime tests/targets -s > "$L/pytest-runtime.log" 2>&1; tail -4 "$L/pytest-runtime.log"
     ;;
   measure)
-    timeout 120 python3 bench/attention.py --out "$OUT/attention-h200.json" > "$L/bench-attention.log" 2>&1
+    timeout 120 python3 bench/attention.py --only decode,msa,kv_write,prefill --out "$OUT/attention-h200.json" \
+        > "$L/bench-attention.log" 2>&1
     tail -3 "$L/bench-attention.log"
     timeout 300 python3 bench/decode.py --models m3-tiny-verse,minimax-m3:5 --batch 1,8,16 --context 512 \
         --routes off,auto,target --out "$OUT/decode-target-h200.json" > "$L/bench-decode.log" 2>&1
@@ -34,6 +36,11 @@ case "$PHASE" in
         > /dev/null 2>&1
     timeout 90 python3 bench/profile_step.py --model minimax-m3:5 --batch 1 --context 512 \
         --out "$L/profile-m3_5-b1.txt" > /dev/null 2>&1
+    ;;
+  attention)
+    # every attention row plus the whole decode-step rows at 4k and 128k (a 131k-token prefill of minimax-m3:5)
+    timeout 560 python3 bench/attention.py --out "$OUT/attention-h200.json" > "$L/bench-attention.log" 2>&1
+    tail -6 "$L/bench-attention.log"
     ;;
   sampling)
     # the graphs' sampling / processed variants: equality with the eager target, cost per step, and the eval pair
@@ -46,6 +53,6 @@ case "$PHASE" in
         engine:dtype=bf16,route=auto,eager=1 --json "$OUT/eval-target-graphs-vs-eager-h200.json" > "$L/eval.log" 2>&1
     tail -3 "$L/eval.log"
     ;;
-  *) echo "usage: $0 certify|measure|sampling"; exit 2 ;;
+  *) echo "usage: $0 certify|measure|attention|sampling"; exit 2 ;;
 esac
 tar czf "$OUT/logs.tgz" -C "$OUT" logs

@@ -38,6 +38,7 @@ from m3serve.config import preset  # noqa: E402
 from m3serve.kernels import moe_nvfp4, msa_index, paged_attention as pa  # noqa: E402
 from m3serve.kernels._paged_attn_call import TileConfig, tile_config  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
+from m3serve.targets.attention import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("attn", "select", "moe")
 
@@ -101,6 +102,25 @@ def close_to(ref: torch.Tensor, got: torch.Tensor) -> tuple[bool, str]:
     return (d <= tol and bool(torch.isfinite(got.float()).all())), f"max|diff| {d:.3g} (tol {tol:.3g})"
 
 
+def attn_variants(r: Runner, bench, step, m, layer: int, fmt: str, q, sel, what: str, nbytes: int, splits, tiles,
+                  is_default, **extra) -> None:
+    """Every (split count, tile) of one attention case on the same inputs, each checked against the first."""
+    ref = None
+    for ns in splits:
+        for name, bn, stages, warps in tiles:
+            base = tile_config(m.hq // m.hk, m.p, 1, sel is not None, fmt == "nvfp4")
+            tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages)
+            args, kw = bench._attn_args(step, layer, fmt, q, sel, ns)
+            out = args[10]
+            out.fill_(float("nan"))
+            fn = lambda args=args, kw=kw, tile=tile: pa.paged_attention(*args, **kw, tile=tile)  # noqa: E731
+            if ref is None:
+                fn()
+                ref = out.clone()
+            r.add("attn", what, f"{name}/s{ns}", fn, nbytes, lambda out=out, ref=ref: close_to(ref, out), splits=ns,
+                  default=is_default(ns, name), **extra)
+
+
 def attn_group(r: Runner, cache, m) -> None:
     gen = torch.Generator(device=r.dev).manual_seed(0)
     host = torch.Generator().manual_seed(1)
@@ -110,21 +130,9 @@ def attn_group(r: Runner, cache, m) -> None:
         q = AB._q(batch, m.hq, m.d, r.dev, gen)
         ns0 = pa.choose_num_splits(batch, step.table.shape[1], kv_heads=m.hk)
         nbytes = batch * ctx * m.hk * m.d * 2 + 2 * batch * m.hq * m.d * 2
-        ref = None
-        for ns in sorted({ns0, min(2 * ns0, 128), max(ns0 // 2, 1)}):
-            for name, bn, stages, warps in DENSE_TILES:
-                base = tile_config(m.hq // m.hk, m.p, 1, False, False)
-                tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages)
-                args, kw = bench._attn_args(step, m.dense, "fp8", q, None, ns)
-                out = args[10]
-                out.fill_(float("nan"))
-                fn = lambda args=args, kw=kw, tile=tile: pa.paged_attention(*args, **kw, tile=tile)  # noqa: E731
-                if ref is None:
-                    fn()
-                    ref = out.clone()
-                r.add("attn", f"dense fp8 b{batch} ctx{ctx}", f"{name}/s{ns}", fn, nbytes,
-                      lambda out=out, ref=ref: close_to(ref, out), batch=batch, context=ctx, splits=ns,
-                      default=(ns == ns0 and bn == 128 and stages == 2 and warps == 4))
+        attn_variants(r, bench, step, m, m.dense, "fp8", q, None, f"dense fp8 b{batch} ctx{ctx}", nbytes,
+                      sorted({ns0, min(2 * ns0, 128), max(ns0 // 2, 1)}), DENSE_TILES,
+                      lambda ns, name, ns0=ns0: ns == ns0 and name == "n128s2w4", batch=batch, context=ctx)
     # MSA: NVFP4 pages, 16 selected blocks per KV head (the query's own + init forced, the rest random)
     ctx = 4096
     step = AB.make_step(m, cache.num_slots, [1], [ctx], r.dev, host)
@@ -133,21 +141,9 @@ def attn_group(r: Runner, cache, m) -> None:
     sel = sel.to(torch.int32)[None].to(r.dev)
     q = AB._q(1, m.hq, m.d, r.dev, gen)
     nbytes = m.topk * m.p * m.hk * (m.d + m.d // 8) + 2 * m.hq * m.d * 2  # NVFP4 K+V with E4M3 scales
-    ref = None
-    for ns in (8, 16, 32):
-        for name, bn, stages, warps in SPARSE_TILES:
-            base = tile_config(m.hq // m.hk, m.p, 1, True, True)
-            tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages)
-            args, kw = bench._attn_args(step, m.sparse, "nvfp4", q, sel, ns)
-            out = args[10]
-            out.fill_(float("nan"))
-            fn = lambda args=args, kw=kw, tile=tile: pa.paged_attention(*args, **kw, tile=tile)  # noqa: E731
-            if ref is None:
-                fn()
-                ref = out.clone()
-            r.add("attn", "msa nvfp4 top-16", f"{name}/s{ns}", fn, nbytes,
-                  lambda out=out, ref=ref: close_to(ref, out), batch=1, context=ctx, splits=ns,
-                  default=(ns == 8 and name == "n64s3w4"))
+    _, ns0 = split_plan(1, nb + 1, m.hk, m.topk, sparse_tiles_per_block(cache.spec))  # what the engine runs
+    attn_variants(r, bench, step, m, m.sparse, "nvfp4", q, sel, "msa nvfp4 top-16", nbytes, (8, 16, 32), SPARSE_TILES,
+                  lambda ns, name: ns == ns0 and name == "n64s3w4", batch=1, context=ctx)
 
 
 def select_group(r: Runner, cache, m) -> None:

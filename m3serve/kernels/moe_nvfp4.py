@@ -451,17 +451,25 @@ def _bt(hi: int) -> int:
     return 16 if hi <= 16 else 32 if hi <= 32 else 64
 
 
-def _moe_cfg(hi: int) -> MoEConfig:
+def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
     """Warps grow with the padded token count so that the [BN, BT] accumulators and the
-    routing tiles stay in registers (aot_check reports no spills with these)."""
+    routing tiles stay in registers (aot_check reports no spills with these). At 5-16 tokens with
+    an NVFP4 shared expert the down projection takes 256-wide K tiles over 256-wide splits with 2
+    stages: at 16 tokens 8 % faster than the 128-wide default on the H200, at 1 token 6 % slower,
+    with a BF16 shared expert 5 % slower (bench/results/kernel-variants-h200.json, d64x256k12s2 vs
+    base); the other cells were not swept and keep the default."""
     bt = _bt(hi)
-    return MoEConfig(BT=bt, num_warps=4 if bt == 16 else 8, router_warps={16: 4, 32: 8, 64: 16}[bt])
+    cfg = MoEConfig(BT=bt, num_warps=4 if bt == 16 else 8, router_warps={16: 4, 32: 8, 64: 16}[bt])
+    if lo > 4 and bt == 16 and not shared_bf16:
+        cfg = MoEConfig(BT=bt, num_warps=cfg.num_warps, router_warps=cfg.router_warps, DBK=256, DSPLIT=i // 256,
+                        down_stages=2)
+    return cfg
 
 
 CELLS = tuple(
     Cell(rows=(lo, hi), shape=(128, 6144, i, sb),
          why=f"M3 MoE layers 3-59 ({tp}: expert width {i}, {'BF16' if sb else 'NVFP4'} shared expert), {lo}-{hi} tokens",
-         config={"moe": _moe_cfg(hi)})
+         config={"moe": _moe_cfg(lo, hi, i, sb)})
     for sb in (0, 1) for i, tp in ((3072, "TP1"), (1536, "TP2")) for lo, hi in MOE_ROW_RANGES
 )
 _ICFG = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2)
