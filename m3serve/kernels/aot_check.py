@@ -13,9 +13,10 @@ every backward branch (BRA to a lower address) closes a loop spanning [target, b
 INNERMOST loops are those containing no other loop; the K loop is the innermost loop with the
 most instructions (the weight decode dominates; NOPs are not counted). One iteration of it
 handles one BN x BK weight tile (Triton does not unroll the K loop; software pipelining keeps
-one tile per iteration), i.e. BN*BK / (32*num_warps) weights per thread, so
+one tile per iteration; moe_gate_up's K step streams two, its gate and up tiles: TILES_PER_K_STEP), i.e.
+tiles*BN*BK / (32*num_warps) weights per thread, so
 
-    instructions per weight = (K-loop instructions) * 32 * num_warps / (BN * BK)
+    instructions per weight = (K-loop instructions) * 32 * num_warps / (tiles * BN * BK)
 
 (thread instructions per weight element: the unit of the H200 budget of ~5.6 per NVFP4 weight at
 70 % of copy bandwidth). With --e2m1 both, every variant is compiled with the inline-PTX NVFP4
@@ -113,13 +114,18 @@ def innermost_loops(sass: str) -> list[LoopStats]:
     return loops
 
 
-def k_loop_stats(sass: str, kwargs: dict) -> tuple[LoopStats | None, float]:
-    """(the K loop, thread instructions per weight) of one compiled variant; see the module doc."""
+# kernels whose K step streams more than one BN x BK tile (moe_gate_up: the gate and the up tile)
+TILES_PER_K_STEP = {"moe_gate_up": 2}
+
+
+def k_loop_stats(sass: str, kwargs: dict, tiles: int = 1) -> tuple[LoopStats | None, float]:
+    """(the K loop, thread instructions per weight) of one compiled variant whose K step streams `tiles`
+    BN x BK weight tiles; see the module doc."""
     loops = innermost_loops(sass)
     if not loops or "BN" not in kwargs or "BK" not in kwargs:
         return None, float("nan")
     loop = max(loops, key=lambda lp: lp.count)
-    per_thread = kwargs["BN"] * kwargs["BK"] / (32 * kwargs.get("num_warps", 4))
+    per_thread = tiles * kwargs["BN"] * kwargs["BK"] / (32 * kwargs.get("num_warps", 4))
     return loop, loop.count / per_thread
 
 
@@ -155,7 +161,7 @@ def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> 
                 if "BN" not in kwargs or "BK" not in kwargs:
                     continue  # no weight tile loop (e.g. the MoE router)
                 res = aot_compile(kern, args, kwargs, arch=arch, sass=True)
-                loop, per_w = k_loop_stats(res.sass or "", kwargs)
+                loop, per_w = k_loop_stats(res.sass or "", kwargs, TILES_PER_K_STEP.get(kern.__name__, 1))
                 base = (ename, kern.__name__, cell.why, key[1], tuple(kv for kv in key[2] if kv[0] != "PTX"))
                 info[base] = (kwargs["BN"], kwargs["BK"], kwargs.get("num_warps", 4), cell.shape, nrows)
                 rows.setdefault(base, {})[mode] = (loop, per_w, res.stack + res.local)

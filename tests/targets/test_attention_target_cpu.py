@@ -35,3 +35,22 @@ def test_target_attention_matches_stock(model, kv):
     ref = _run(model, False, kv)
     got = _run(model, True, kv)
     assert got == ref and all(len(t) == 2 for t in got)
+
+
+def test_split_plan_counts_key_tiles_on_msa_layers():
+    """MSA layers split over the key tiles attn.paged walks (NVFP4 pages in half-page tiles: 2 per block at
+    P = 128), dense layers over blocks; graph buckets and eager steps of the same size split alike."""
+    from m3serve.config import preset
+    from m3serve.kernels.paged_attention import choose_num_splits
+    from m3serve.kv.spec import KVCacheSpec
+    from m3serve.targets.attention import sparse_tiles_per_block, split_plan
+    m3 = KVCacheSpec.from_model_config(preset("minimax-m3"), kv_cache_dtype="nvfp4")
+    assert sparse_tiles_per_block(m3) == 2
+    dense, sparse = split_plan(1, 1025, 4, 16, sparse_tiles_per_block(m3))
+    assert dense == choose_num_splits(1, 1025, kv_heads=4) == 64
+    assert sparse == 32   # one 64-key tile per split at batch 1 (264 programs wanted, 32 tiles available)
+    assert split_plan(13, 1025, 4, 16, 2) == split_plan(16, 1025, 4, 16, 2)   # 13 rows run in the 16-row bucket
+    bf16 = KVCacheSpec.from_model_config(preset("minimax-m3"), kv_cache_dtype="bf16")
+    assert sparse_tiles_per_block(bf16) == 1   # whole 128-key pages
+    with pytest.raises(ValueError, match="max_blocks"):
+        split_plan(1, 0, 4, 16, 2)
