@@ -18,6 +18,8 @@ tiles*BN*BK / (32*num_warps) weights per thread, so
 
     instructions per weight = (K-loop instructions) * 32 * num_warps / (tiles * BN * BK)
 
+For attention kernels (attn.paged: no BK) one K step is a BN-key tile of K and of V, so the unit is one
+K/V value (an FP8 byte, a BF16 element, an NVFP4 nibble) and the BK column shows D.
 (thread instructions per weight element: the unit of the H200 budget of ~5.6 per NVFP4 weight at
 70 % of copy bandwidth). With --e2m1 both, every variant is compiled with the inline-PTX NVFP4
 decoder (_e2m1_ptx.PTX_E2M1 = True) and with the pure-Triton one, for a before/after table. A
@@ -122,14 +124,17 @@ def k_loop_stats(sass: str, kwargs: dict, tiles: int = 1) -> tuple[LoopStats | N
     """(the K loop, thread instructions per weight) of one compiled variant whose K step streams `tiles`
     BN x BK weight tiles; see the module doc."""
     loops = innermost_loops(sass)
-    if not loops or "BN" not in kwargs or "BK" not in kwargs:
+    if not loops or "BN" not in kwargs or ("BK" not in kwargs and "D" not in kwargs):
         return None, float("nan")
     loop = max(loops, key=lambda lp: lp.count)
-    per_thread = tiles * kwargs["BN"] * kwargs["BK"] / (32 * kwargs.get("num_warps", 4))
+    # attention (no BK): one K step is a BN-key tile of K and of V, D values per key each
+    tile = kwargs["BN"] * kwargs["BK"] if "BK" in kwargs else 2 * kwargs["BN"] * kwargs["D"]
+    per_thread = tiles * tile / (32 * kwargs.get("num_warps", 4))
     return loop, loop.count / per_thread
 
 
-_MIX_KEYS = ("LOP3", "IMAD", "SHF", "PRMT", "HMUL2", "HADD2", "FFMA", "HGMMA", "LDG", "LDS", "STS", "BAR")
+_MIX_KEYS = ("LOP3", "IMAD", "SHF", "PRMT", "HMUL2", "HADD2", "FFMA", "F2FP", "HMMA", "HGMMA", "LDG", "LDS", "LDSM", "STS",
+             "BAR")
 
 
 def _variants_with_rows(entries: list[Entry]) -> dict[tuple, tuple]:
@@ -158,12 +163,13 @@ def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> 
         for mode in modes:
             _e2m1_ptx.PTX_E2M1 = mode == "ptx"
             for key, (ename, cell, nrows, kern, args, kwargs) in _variants_with_rows(entries).items():
-                if "BN" not in kwargs or "BK" not in kwargs:
-                    continue  # no weight tile loop (e.g. the MoE router)
+                if "BN" not in kwargs or ("BK" not in kwargs and "D" not in kwargs):
+                    continue  # no weight or key tile loop (e.g. the MoE router)
                 res = aot_compile(kern, args, kwargs, arch=arch, sass=True)
                 loop, per_w = k_loop_stats(res.sass or "", kwargs, TILES_PER_K_STEP.get(kern.__name__, 1))
                 base = (ename, kern.__name__, cell.why, key[1], tuple(kv for kv in key[2] if kv[0] != "PTX"))
-                info[base] = (kwargs["BN"], kwargs["BK"], kwargs.get("num_warps", 4), cell.shape, nrows)
+                info[base] = (kwargs["BN"], kwargs.get("BK", kwargs.get("D")), kwargs.get("num_warps", 4), cell.shape,
+                              nrows)
                 rows.setdefault(base, {})[mode] = (loop, per_w, res.stack + res.local)
     finally:
         _e2m1_ptx.PTX_E2M1 = saved
