@@ -54,9 +54,10 @@ def _load(name: str):
 KB = _load("kernels")
 AB = _load("attention")
 
-# (name, BN, num_stages, num_warps); QB/BM come from tile_config
+# (name, BN, num_stages, num_warps[, PAIRS]); QB/BM come from tile_config; PAIRS: FP8 read as 16-bit pairs
 DENSE_TILES = (("n128s2w4", 128, 2, 4), ("n128s3w4", 128, 3, 4), ("n64s3w4", 64, 3, 4), ("n64s4w4", 64, 4, 4),
-               ("n128s2w8", 128, 2, 8), ("n64s3w8", 64, 3, 8))
+               ("n128s2w8", 128, 2, 8), ("n64s3w8", 64, 3, 8), ("n128s2w4p", 128, 2, 4, True),
+               ("n128s3w4p", 128, 3, 4, True), ("n64s3w4p", 64, 3, 4, True))
 SPARSE_TILES = (("n64s3w4", 64, 3, 4), ("n32s4w4", 32, 4, 4), ("n64s2w4", 64, 2, 4), ("n64s3w8", 64, 3, 8),
                 ("n128s2w8", 128, 2, 8))
 SELECT_WARPS = (1, 2, 4, 8)
@@ -107,9 +108,10 @@ def attn_variants(r: Runner, bench, step, m, layer: int, fmt: str, q, sel, what:
     """Every (split count, tile) of one attention case on the same inputs, each checked against the first."""
     ref = None
     for ns in splits:
-        for name, bn, stages, warps in tiles:
+        for name, bn, stages, warps, *pairs in tiles:
             base = tile_config(m.hq // m.hk, m.p, 1, sel is not None, fmt == "nvfp4")
-            tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages)
+            tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages,
+                              PAIRS=bool(pairs and pairs[0]))
             args, kw = bench._attn_args(step, layer, fmt, q, sel, ns)
             out = args[10]
             out.fill_(float("nan"))

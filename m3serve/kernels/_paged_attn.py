@@ -49,7 +49,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                      stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr = False):
     t = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,7 +137,9 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 sc = tl.dot(q_e, tl.trans(k_e), input_precision="ieee")
                 sc = tl.dot(q_o, tl.trans(k_o), sc, input_precision="ieee")
         else:
-            if F16:
+            if F16 and PAIRS:
+                k = load_fp8_pairs_f16(kpage, tok, tok_ok, D)
+            elif F16:
                 k = load_fp8_tile_f16(kpage, tok, tok_ok, D)
             else:
                 k = load_dense_tile(kpage, tok, tok_ok, FMT, D, CUDA)
@@ -176,7 +178,9 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 acc_e = tl.dot(p, v_e, acc_e, input_precision="ieee")
                 acc_o = tl.dot(p, v_o, acc_o, input_precision="ieee")
         else:
-            if F16:
+            if F16 and PAIRS:
+                v = load_fp8_pairs_f16(vpage, tok, tok_ok, D)
+            elif F16:
                 v = load_fp8_tile_f16(vpage, tok, tok_ok, D)
             else:
                 v = load_dense_tile(vpage, tok, tok_ok, FMT, D, CUDA)
@@ -217,6 +221,19 @@ def load_fp8_tile_f16(page_ptr, tok, tok_ok, D: tl.constexpr):
     d = tl.arange(0, D)
     x = tl.load(page_ptr + tok[:, None] * D + d[None, :], mask=tok_ok[:, None], other=0)
     return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@helper
+def load_fp8_pairs_f16(page_ptr16, tok, tok_ok, D: tl.constexpr):
+    """[BN, D] fp16 tile of an FP8 page read as 16-bit column pairs (page_ptr16: the page viewed as int16),
+    each pair converted in registers by one cvt.rn.f16x2.e4m3x2 (compiled only; exact)."""
+    DP: tl.constexpr = D // 2
+    c = tl.arange(0, DP)
+    x = tl.load(page_ptr16 + tok[:, None] * DP + c[None, :], mask=tok_ok[:, None], other=0)
+    lo, hi = tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+        "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.join(lo, hi).reshape(x.shape[0], D)
 
 
 @helper

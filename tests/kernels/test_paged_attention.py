@@ -299,3 +299,22 @@ def test_bad_arguments_name_the_tensor() -> None:
         call(11, None)
     with pytest.raises(ValueError, match=r"sm_scale: expected a positive float"):
         call(sm_scale=0.0)
+
+
+def test_tile_override_is_checked_and_pairs_need_compiled_fp8() -> None:
+    """A tile override runs like tile_config's choice when it only changes BN / stages / warps; one whose QB / BM
+    differ from the choice, or that asks for 16-bit FP8 pairs on the interpreter or on non-FP8 pages, raises."""
+    from m3serve.kernels._paged_attn_call import TileConfig, tile_config
+    pc = build_case(key("fp8", 2), 1, CPU, torch.Generator().manual_seed(21), CaseShape(batch=2, context=40))
+    a, kw = pc.case.args, pc.case.kwargs
+    hq, hk, p = a[0].shape[1], a[1].shape[1], a[1].shape[2]
+    base = tile_config(hq // hk, p, kw["max_query_len"], False, False)
+    ref = ENTRY.reference(*a, **kw)
+    a[10].fill_(float("nan"))
+    out = ENTRY.raw_call(*a, **kw, tile=TileConfig(QB=base.QB, BM=base.BM, BN=base.BN // 2, num_warps=2, num_stages=1))
+    ENTRY.compare(out, ref, pc.case)
+    with pytest.raises(ValueError, match=r"tile: expected QB="):
+        ENTRY.raw_call(*a, **kw, tile=TileConfig(QB=base.QB, BM=2 * base.BM, BN=base.BN, num_warps=4, num_stages=2))
+    with pytest.raises(ValueError, match=r"tile.PAIRS: FP8 pages on a compiled"):
+        ENTRY.raw_call(*a, **kw, tile=TileConfig(QB=base.QB, BM=base.BM, BN=base.BN, num_warps=4, num_stages=2,
+                                                 PAIRS=True))
