@@ -43,13 +43,31 @@ def _interpreted_call(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
     return f(*args, **kwargs)
 
 
+def _patched_namespaces() -> tuple:
+    """What Triton's interpreter patches while it runs: triton.language and its core, math and standard
+    modules, and the tensor class."""
+    import triton.language as tl
+    import triton.language.core as core
+    import triton.language.math as tl_math
+    import triton.language.standard as standard
+    return (tl, core, tl_math, standard, core.tensor)
+
+
 @contextlib.contextmanager
 def _interpreting() -> Iterator[None]:
     """While a CPU launch runs, nested @jit functions (ours and triton.language's own, e.g.
     tl.zeros / tl.sum, which Triton built as compiled functions because TRITON_INTERPRET was
-    unset at import) are executed by the interpreter instead of refusing to be called."""
+    unset at import) are executed by the interpreter instead of refusing to be called.
+
+    Afterwards every attribute of triton.language's namespaces that existed before is put back as it
+    was (names the interpreter adds for itself stay): Triton 3.6's
+    interpreter leaves some builtins patched after a launch whose nested device functions it ran,
+    and a kernel compiled later in the same process (aot_compile, or a GPU launch) would then build
+    with the interpreter's builtins and fail."""
     saved_call = JITFunction.__call__
     saved_patch = _interp_mod._patch_lang_tensor
+    spaces = _patched_namespaces()
+    saved = [dict(vars(ns)) for ns in spaces]
     JITFunction.__call__ = _interpreted_call  # type: ignore[method-assign]
     _interp_mod._patch_lang_tensor = _patch_lang_tensor_np2
     try:
@@ -57,6 +75,11 @@ def _interpreting() -> Iterator[None]:
     finally:
         JITFunction.__call__ = saved_call  # type: ignore[method-assign]
         _interp_mod._patch_lang_tensor = saved_patch
+        for ns, before in zip(spaces, saved):
+            now = vars(ns)
+            for name, value in before.items():
+                if now.get(name) is not value:
+                    setattr(ns, name, value)
 
 
 def _patch_lang_tensor_np2(tensor: Any, scope: Any) -> None:

@@ -25,3 +25,24 @@ def test_kernels_compile_for_sm90_without_spills(name: str) -> None:
     for _, _, r in results:
         assert r.regs > 0, f"{name}/{r.name}: cubin has no register count"
         assert r.stack == 0 and r.local == 0, f"{name}/{r.name}: spills ({r.stack} B stack) at {cell.why}"
+
+
+def test_an_interpreted_launch_leaves_triton_language_as_it_was(tmp_path, monkeypatch) -> None:
+    """A CPU (interpreted) launch must not leave triton.language's builtins patched: a kernel compiled later in the
+    same process (here norm.rms, with an empty Triton cache so it really is built) would otherwise be built with
+    the interpreter's builtins and fail."""
+    import torch
+    import triton.language as tl
+    import triton.language.core as core
+
+    before = {name: getattr(core, name) for name in ("add", "mul", "load", "program_id", "arange")}
+    before_tl = {name: getattr(tl, name) for name in ("sum", "zeros", "where")}
+    e = ENTRIES["norm.rms"]
+    cell = e.interp_cells[0]
+    case = e.make_case(cell, cell.rows[0], torch.device("cpu"), torch.Generator().manual_seed(0))
+    e.raw_call(*case.args, **case.kwargs)
+    assert {n: getattr(core, n) for n in before} == before
+    assert {n: getattr(tl, n) for n in before_tl} == before_tl
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    one = type(e)(**{**e.__dict__, "cells": (e.cells[0],)})
+    assert all(r.regs > 0 for _, _, r in aot_check.run([one], arch=90))
