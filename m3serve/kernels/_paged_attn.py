@@ -137,12 +137,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 sc = tl.dot(q_e, tl.trans(k_e), input_precision="ieee")
                 sc = tl.dot(q_o, tl.trans(k_o), sc, input_precision="ieee")
         else:
-            if F16 and PAIRS:
-                k = load_fp8_pairs_f16(kpage, tok, tok_ok, D)
-            elif F16:
-                k = load_fp8_tile_f16(kpage, tok, tok_ok, D)
-            else:
-                k = load_dense_tile(kpage, tok, tok_ok, FMT, D, CUDA)
+            k = _dense_kv_tile(kpage, tok, tok_ok, FMT, D, CUDA, F16, PAIRS)
             if CUDA:
                 sc = tl.dot(q, tl.trans(k))
             else:
@@ -178,12 +173,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 acc_e = tl.dot(p, v_e, acc_e, input_precision="ieee")
                 acc_o = tl.dot(p, v_o, acc_o, input_precision="ieee")
         else:
-            if F16 and PAIRS:
-                v = load_fp8_pairs_f16(vpage, tok, tok_ok, D)
-            elif F16:
-                v = load_fp8_tile_f16(vpage, tok, tok_ok, D)
-            else:
-                v = load_dense_tile(vpage, tok, tok_ok, FMT, D, CUDA)
+            v = _dense_kv_tile(vpage, tok, tok_ok, FMT, D, CUDA, F16, PAIRS)
             acc = acc * alpha[:, None]
             if CUDA:
                 acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
@@ -221,6 +211,19 @@ def load_fp8_tile_f16(page_ptr, tok, tok_ok, D: tl.constexpr):
     d = tl.arange(0, D)
     x = tl.load(page_ptr + tok[:, None] * D + d[None, :], mask=tok_ok[:, None], other=0)
     return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@helper
+def _dense_kv_tile(page_ptr, tok, tok_ok, FMT: tl.constexpr, D: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr,
+                   PAIRS: tl.constexpr):
+    """[BN, D] K or V tile of a BF16 / FP32 / FP8 page as the MMA operand: fp16 for FP8 pages when compiled
+    (F16; PAIRS: read as 16-bit column pairs), else load_dense_tile's bf16 (fp32 values when interpreted)."""
+    if F16 and PAIRS:
+        return load_fp8_pairs_f16(page_ptr, tok, tok_ok, D)
+    elif F16:
+        return load_fp8_tile_f16(page_ptr, tok, tok_ok, D)
+    else:
+        return load_dense_tile(page_ptr, tok, tok_ok, FMT, D, CUDA)
 
 
 @helper
