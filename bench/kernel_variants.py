@@ -178,7 +178,7 @@ def select_group(r: Runner, cache, m) -> None:
                 out0 = sc.clone()
             r.add("scores", f"msa.scores ctx{ctx}", f"w{warps}", fn,
                   -(-ctx // m.p) * m.p * m.di * ip.element_size() + nb * m.hk * 4,
-                  lambda sc=sc, o=out0: (bool(torch.equal(sc, o)), "vs the w4 output"), context=ctx,
+                  lambda sc=sc, o=out0: (bool(torch.equal(sc, o)), f"vs the w{SCORES_WARPS[0]} output"), context=ctx,
                   default=(warps == 4))
 
 

@@ -61,6 +61,7 @@ class LLMEngine:
             self.kv = PagedKVCache.from_budget(spec, device=dev, gpu_memory_utilization=config.gpu_memory_utilization)
         page = self.kv.page_size
         capacity = self.kv.num_slots * page
+        self.sparse_tiles = sparse_tiles_per_block(spec)   # split_plan's key tiles per MSA block (fixed per cache)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // page)
         self._make_tables(self.max_blocks_per_seq)
@@ -411,7 +412,7 @@ class LLMEngine:
             s = len(chunks)
             meta = self.tables.last_extra
             dense, sparse = split_plan(int(n.sum()), self.tables.max_blocks, self.kv.spec.num_kv_heads,
-                                       self.model.cfg.index_topk_blocks, sparse_tiles_per_block(self.kv.spec))
+                                       self.model.cfg.index_topk_blocks, self.sparse_tiles)
             step = PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:], query_start=meta[:s + 1],
                              max_query_len=int(n.max()), num_splits=dense, num_splits_sparse=sparse)
         spans = [] if step is not None else [

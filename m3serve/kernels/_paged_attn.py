@@ -25,7 +25,11 @@ last sequence's queries) gets zeros. With NS = 1 the split kernel normalises and
 itself; otherwise paged_attn_combine sums the splits in the fixed order 0..NS-1 (no atomics).
 
 p.v: p is split into p_hi = bf16(p) and p_lo = bf16(p - p_hi) (both exact MMA operands), and
-two dots accumulate in fp32: p_hi + p_lo is within 2**-18 |p| of p. NVFP4 tiles come as two
+two dots accumulate in fp32: p_hi + p_lo is within 2**-18 |p| of p. FP8 pages, compiled (F16): K and V
+are converted exactly to fp16 (the hardware E4M3 -> f16x2 cvt), q is scaled per row by a power of two
+into fp16 (_q_to_f16), and p is carried as p * 2**14 in fp16 hi + lo (within 2**-22 p + 2**-39); l and
+acc carry the same 2**14, so out = acc / l and the split combine are unchanged. PAIRS (sweep-only)
+reads FP8 pages as 16-bit column pairs, one cvt per pair. NVFP4 tiles come as two
 column halves in the order of _kv_tiles.nvfp4_columns, so q is loaded in that order, q.k is the
 sum of two half dots, and each half of the output is stored to its own columns.
 """

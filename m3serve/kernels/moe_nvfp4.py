@@ -23,7 +23,7 @@ Shape legend: x [T, H] bf16; router_w [E, H] fp32/bf16; bias [E] fp32;
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -461,8 +461,7 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
     bt = _bt(hi)
     cfg = MoEConfig(BT=bt, num_warps=4 if bt == 16 else 8, router_warps={16: 4, 32: 8, 64: 16}[bt])
     if lo > 4 and bt == 16 and not shared_bf16:
-        cfg = MoEConfig(BT=bt, num_warps=cfg.num_warps, router_warps=cfg.router_warps, DBK=256, DSPLIT=i // 256,
-                        down_stages=2)
+        cfg = replace(cfg, DBK=256, DSPLIT=i // 256, down_stages=2)
     return cfg
 
 

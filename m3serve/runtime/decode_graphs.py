@@ -224,10 +224,11 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
+            sparse_tiles = sparse_tiles_per_block(self.kv.spec)
             for bucket in sorted(self.buckets, reverse=True):
                 off = stage_offsets(bucket)
                 dense, sparse = split_plan(bucket, self.tables.max_blocks, self.kv.spec.num_kv_heads,
-                                           self.model.cfg.index_topk_blocks, sparse_tiles_per_block(self.kv.spec))
+                                           self.model.cfg.index_topk_blocks, sparse_tiles)
                 step = PagedStep(slot_table=self.tables.slot_table[:bucket],
                                  seq_lens=self.tables._dev_stage[off["seq_lens"]],
                                  query_start=torch.arange(bucket + 1, dtype=torch.int32, device=self.model.device),

@@ -86,3 +86,27 @@ def test_compiled_kv_decoding_is_bitwise_equal_to_cache_read(fmt: str) -> None:
 
 def test_warmup_compiles_every_cell() -> None:
     ENTRY.warmup(_dev())
+
+
+@pytest.mark.parametrize("bn,stages", [(128, 2), (64, 3)])
+def test_fp8_pages_read_as_pairs_match_the_reference(bn: int, stages: int) -> None:
+    """The sweep-only TileConfig.PAIRS path (FP8 pages read as 16-bit pairs, one cvt per pair in registers) on
+    the dense FP8 cells, decode and multi-token rows, against the fp32 reference band and the fp64 attention."""
+    from m3serve.kernels._paged_attn_call import TileConfig, tile_config
+    dev = _dev()
+    fp8 = [c for c in CELLS if c.shape[0] == 2 and c.shape[-1] == 0]   # FP8 pages, dense
+    assert fp8, "no dense FP8 cell"
+    for k, cell in enumerate(fp8):
+        for rows in sorted({cell.rows[0], min(cell.rows[1], 4)}):
+            pc = build_case(cell.shape, rows, dev, torch.Generator().manual_seed(77 + k),
+                            CaseShape(batch=3, context=min(5000, 64 * cell.shape[4])))
+            q, pages = pc.case.args[0], pc.case.args[1]
+            base = tile_config(q.shape[1] // pages.shape[1], pages.shape[2], pc.case.kwargs["max_query_len"], False)
+            tile = TileConfig(QB=base.QB, BM=base.BM, BN=min(bn, base.BN), num_warps=base.num_warps, num_stages=stages,
+                              PAIRS=True)
+            pc.case.args[10].fill_(float("nan"))
+            out = ENTRY.raw_call(*pc.case.args, **pc.case.kwargs, tile=tile)
+            torch.cuda.synchronize()
+            ref = ENTRY.reference(*pc.case.args, **pc.case.kwargs)
+            ENTRY.compare(out, ref, pc.case)
+            tight_check(out, attention_fp64(pc.case), ref)
