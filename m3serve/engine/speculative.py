@@ -41,7 +41,7 @@ import logging
 import numpy as np
 import torch
 
-from m3serve.engine.engine import EngineConfig, LLMEngine
+from m3serve.engine.engine import EngineConfig, LLMEngine, _last_token
 from m3serve.engine.request import Request
 from m3serve.engine.sampler import processed_probs, top_logprobs
 from m3serve.engine.spec_batch import pack_spans, pack_verify
@@ -80,18 +80,62 @@ class SpeculativeEngine(LLMEngine):
         self.drafter = drafter.to(device=model.device, dtype=model.dtype).attach_target(model).eval()
         super().__init__(model, config, tokenizer)
         k = self.spec.num_speculative_tokens
-        cap = step_token_capacity(config, k)
-        self.tables = DeviceBlockTables(self.blocks, model.device, index_scale=1, kv_offset=1, max_tokens=cap)
-        self.view = self.kv.draft_view(self.blocks)
-        # The view's own device tables (its sub-page geometry), sized like the verify step's.
-        self.view.tables = DeviceBlockTables(self.blocks, model.device, self.view.index_scale, self.view.kv_offset,
-                                             max_tokens=cap)
         self.runner = SpecRunner(model, self.drafter)
+        self.spec_steps = None           # m3serve.runtime.spec_graphs.SpecSteps (enable_target)
+        self.graph_steps = 0             # steps that ran as SpecSteps
         self.rng = DeviceRNG(config.seed, model.device)
         self.capture = self.runner.capture
         self._state: dict[int, SpecState] = {}
         self._totals = SpecState.empty(k)
         self._forced_step: dict[int, int] = {}
+
+    def _make_tables(self, width: int) -> None:
+        """The base allocator and scheduler, with device tables sized for verify steps (K more tokens per
+        sequence) and the draft view over the same allocator (its own device tables: sub-page geometry)."""
+        super()._make_tables(width)
+        cap = step_token_capacity(self.config, self.spec.num_speculative_tokens)
+        dev = self.model.device
+        self.tables = DeviceBlockTables(self.blocks, dev, index_scale=1, kv_offset=1, max_tokens=cap)
+        self.view = self.kv.draft_view(self.blocks)
+        self.view.tables = DeviceBlockTables(self.blocks, dev, self.view.index_scale, self.view.kv_offset,
+                                             max_tokens=cap)
+
+    def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto") -> bool:
+        """Speculative steps on the decode target: a step in which every request decodes greedily (no logprobs,
+        no logits processing) from K drafts runs as one fixed-shape device program per batch bucket
+        (m3serve.runtime.spec_graphs: verify, acceptance and the K draft passes, attention through the
+        paged-cache kernels), replayed as a CUDA graph unless graphs=False. Every other step (prefill, sampled
+        requests, the last tokens before max_model_len) takes the eager path below, which is exact too.
+        auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
+        outside the certified cells; require: raises naming them."""
+        from m3serve.runtime.decode_graphs import buckets_up_to
+        from m3serve.runtime.spec_graphs import SpecSteps
+        from m3serve.targets.explain import uncertified_attention, uncertified_draft_attention
+        m = self.model
+        if m.device.type != "cuda" and graphs:
+            raise ValueError(f"decode target: CUDA graphs need a CUDA model, found {m.device}")
+        if m.dtype != torch.bfloat16 or m.tp.size != 1:
+            raise ValueError(f"speculative decode target: needs a bf16 model at TP 1, found {m.dtype} at TP "
+                             f"{m.tp.size}")
+        if self.requests:
+            raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
+        k = self.spec.num_speculative_tokens
+        buckets = buckets or buckets_up_to(self.config.max_num_seqs)
+        buckets = tuple(b for b in buckets if b * (k + 1) <= self.tables.max_tokens)
+        width = self._certified_table_width()
+        if width != self.tables.max_blocks:
+            self._make_tables(width)
+        missing = (uncertified_attention(m, self.kv, width, buckets, query_len=k + 1)
+                   + uncertified_draft_attention(self.drafter, self.kv, buckets, k))
+        if missing:
+            why = "; ".join(p.line() for p in missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")
+            if mode == "require":
+                raise ValueError(f"route='require': speculative attention outside the certified cells: {why}")
+            log.warning("speculative decode target off (attention outside the certified cells): %s", why)
+            return False
+        self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs)
+        self.spec_steps.capture()
+        return True
 
     def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
         """The base cache plus the shared Eagle3 draft layer (K/V sub-pages in every slot). The drafter is
@@ -151,6 +195,9 @@ class SpeculativeEngine(LLMEngine):
         chunks = self.scheduler.schedule()
         if not chunks:
             return self._unschedulable()
+        reqs = self._target_step_requests(chunks)
+        if reqs is not None:
+            return self._target_step(reqs)
         with torch.inference_mode():
             items = self._plan(chunks)
             sampled = [it for it in items if it.sample]
@@ -160,6 +207,63 @@ class SpeculativeEngine(LLMEngine):
             out = self._commit(items, sampled, emitted, head)
             self._draft(items)
         return out
+
+    # ------------------------------------------------------------------ the decode target's step
+    def _target_step_requests(self, chunks) -> list[Request] | None:
+        """The requests of `chunks` when the step can run as SpecSteps: every chunk a greedy decode (no logprobs,
+        no logits processing) holding K drafts made for its current state, in a bucket, with room for the
+        step's writes (positions < num_computed + 2K, pages allocated here). None: take the eager path."""
+        ss = self.spec_steps
+        if ss is None or ss.bucket_for(len(chunks)) is None:
+            return None
+        k = self.spec.num_speculative_tokens
+        reqs = []
+        for c in chunks:
+            r = c.request
+            st = self._state.get(r.request_id)
+            if (c.num_tokens != 1 or not c.reaches_end or st is None or len(st.drafts) != k
+                    or st.anchor != r.num_tokens or st.preemptions != r.num_preemptions or not r.params.greedy
+                    or r.params.logprobs is not None or r.logits_processing
+                    or r.num_computed + 2 * k > self.max_model_len):
+                return None
+            reqs.append(r)
+        if not all(self.blocks.append_slots(r.request_id, r.num_computed + 2 * k) for r in reqs):
+            return None
+        return reqs
+
+    def _target_step(self, reqs: list[Request]) -> list[Request]:
+        """One SpecSteps step: verify, accept and draft on the device; the host appends what each request emits."""
+        k = self.spec.num_speculative_tokens
+        forced = None
+        if self.spec.forced_acceptance is not None:
+            forced = []
+            for r in reqs:
+                step = self._forced_step.get(r.request_id, 0)
+                self._forced_step[r.request_id] = step + 1
+                forced.append(min(forced_accepts(step, self.spec.forced_acceptance - 1.0), k))
+        launched = self.spec_steps.run([r.request_id for r in reqs], [_last_token(r) for r in reqs],
+                                       [self._state[r.request_id].drafts for r in reqs],
+                                       [r.num_computed for r in reqs], forced)
+        res = self.spec_steps.fetch(launched)
+        self.graph_steps += 1
+        for r, toks, drafts in zip(reqs, res.emitted, res.drafts):
+            st = self._state[r.request_id]
+            a = len(toks) - 1
+            r.num_computed += 1 + a
+            self._record(st, k, a)
+            for tok in toks:
+                r.output_token_ids.append(tok)
+                self._check_stop(r, tok)
+                if r.is_finished:
+                    break
+            if r.is_finished:
+                st.drop_drafts()
+            else:
+                if self.blocks.has_uncommitted_full_pages(r.request_id, r.num_computed):
+                    self.blocks.commit_full_pages(r.request_id, r.all_token_ids[:r.num_computed])
+                st.drafts, st.q, st.anchor = drafts, None, r.num_tokens
+            r.spec_metrics = st.metrics()
+        return reqs
 
     @staticmethod
     def _target_mode(sampled: list[StepItem]) -> int:

@@ -338,13 +338,20 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft layer pass over a packed step. batch: m3serve.model.m3.ForwardBatch whose input_ids are the
-        draft input tokens and whose kv is the cache's DraftKVView (or None: each span is a whole sequence).
+        draft input tokens and whose kv is the cache's DraftKVView (or None: each span is a whole sequence); with
+        batch.step (a PagedStep over slot tables) the view's layer runs through the paged-cache kernels instead.
         hidden [T, H]: fused target states or the previous draft step's output. Returns (normed [T, H] for the
         head, r2 [T, H] for the next step)."""
         layer = self.midlayer
         q, k, v, residual = layer.project(self.embed(batch.input_ids), hidden, batch.positions)
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         view = batch.kv
+        if batch.step is not None:   # the decode target: the draft layer's pages through the paged-cache kernels
+            from m3serve.targets.attention import paged_layer_attention
+            out = paged_layer_attention(view.layer, layer.self_attn.scale, q, k, v, batch.slot_mapping, view.cache,
+                                        batch.step)
+            r2 = layer.finish(out, residual)
+            return self.norm(r2), r2
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if view is not None:
             view.write(batch.slot_mapping, k, v)
         for s in batch.seqs:

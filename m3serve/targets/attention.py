@@ -71,25 +71,36 @@ def split_plan(query_rows: int, max_blocks: int, kv_heads: int, topk: int,
 
 def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,
                       slot_mapping: Tensor, kv, step: PagedStep) -> Tensor:
-    """q [T, Hq, D], k/v [T, Hk, D], iq [T, Hk, Di] / ik [T, Di] (sparse layers) -> [T, Hq, D] bf16."""
+    """A target attention layer: q [T, Hq, D], k/v [T, Hk, D], iq [T, Hk, Di] / ik [T, Di] (sparse layers)
+    -> [T, Hq, D] bf16."""
+    return paged_layer_attention(attn.layer, attn.scale, q, k, v, slot_mapping, kv, step,
+                                 msa_cfg=attn.cfg if attn.sparse else None, iq=iq, ik=ik)
+
+
+def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor, kv,
+                          step: PagedStep, msa_cfg=None, iq: Tensor | None = None, ik: Tensor | None = None
+                          ) -> Tensor:
+    """Cache layer `layer` of `kv` (a target layer, or the Eagle3 draft layer): write this step's K/V, then
+    attend. msa_cfg (the model config) makes it an MSA layer: iq / ik feed the indexer."""
     from m3serve.kernels.kv_write import write_layer
     from m3serve.kernels.paged_attention import make_workspace, paged_attention
 
-    layer, cfg = attn.layer, attn.cfg
+    sparse = msa_cfg is not None
     t, hq, d = q.shape
     hk = k.shape[1]
     write_layer(kv, layer, slot_mapping, k, v, ik)
     fmt = kv.spec.kv_format(layer)
     kp, vp = kv.pages(layer, "k"), kv.pages(layer, "v")
     out = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
-    if not attn.sparse and step.max_query_len > DECODE_MAX_QUERY:
+    if not sparse and step.max_query_len > DECODE_MAX_QUERY:
         from m3serve.kernels.prefill_attention import prefill_attention
         prefill_attention(q, kp, vp, step.slot_table, step.seq_lens, step.query_start, out,
-                          sm_scale=attn.scale, max_query_len=step.max_query_len)
+                          sm_scale=scale, max_query_len=step.max_query_len)
         return out
     sel = None
-    if attn.sparse:
+    if sparse:
         from m3serve.kernels.msa_index import msa_block_scores, msa_select
+        cfg = msa_cfg
         b = step.slot_table.shape[1]
         topk = cfg.index_topk_blocks
         scores = step.scratch(("msa.scores", t, hk, b),
@@ -102,9 +113,9 @@ def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, 
                    block_size=cfg.index_block_size, local_blocks=cfg.index_local_blocks,
                    init_blocks=cfg.index_init_blocks)
     scales = (kv.pages(layer, "k_scale"), kv.pages(layer, "v_scale")) if fmt == "nvfp4" else (None, None)
-    splits = step.num_splits_sparse if attn.sparse else step.num_splits
+    splits = step.num_splits_sparse if sparse else step.num_splits
     ws = step.scratch(("attn.paged", t, hq, d, splits), lambda: make_workspace(t, hq, d, splits, q.device))
     paged_attention(q, kp, vp, *scales, kv.kv_global_scale[layer] if fmt == "nvfp4" else None, step.slot_table,
-                    step.seq_lens, step.query_start, sel, out, ws, fmt=fmt, sm_scale=attn.scale,
+                    step.seq_lens, step.query_start, sel, out, ws, fmt=fmt, sm_scale=scale,
                     max_query_len=step.max_query_len, num_splits=splits)
     return out

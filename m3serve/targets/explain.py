@@ -137,6 +137,38 @@ def explain(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Place
     return out
 
 
-def uncertified_attention(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Placement]:
-    """The attention placements of a decode step that would not run a certified cell (empty = all certified)."""
-    return [p for b in buckets for p in attention_placements(model, kv, table_width, b) if p.entry is None]
+def draft_attention_placements(drafter, kv, bucket: int, query_len: int) -> list[Placement]:
+    """kv.write / attn.paged of the Eagle3 draft layer (a dense layer of the same cache) for `bucket` sequences
+    with `query_len` query tokens each: K+1 in the first draft pass of a speculative step, 1 in the others."""
+    from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
+    from m3serve.kernels.paged_attention import FMT_CODES
+
+    spec, c = kv.spec, drafter.cfg
+    i = spec.draft_layer
+    fmt, hk, p = spec.kv_format(i), spec.kv_heads(i), spec.page_size
+    name = f"draft layer {i}"
+    out = [_place(f"{name} [kv.write]", bucket, "kv.write", bucket * query_len,
+                  (hk, c.head_dim, p, 0, FMT_CODE[fmt], NO_INDEX))]
+    if fmt not in FMT_CODES:
+        out.append(Placement(f"{name} [attn.paged]", bucket, None,
+                             f"attn.paged: KV stored as {fmt}; the kernel reads {sorted(FMT_CODES)}"))
+    else:
+        out.append(_place(f"{name} [attn.paged]", bucket, "attn.paged", query_len,
+                          (FMT_CODES[fmt], c.num_attention_heads, hk, c.head_dim, p, 0)))
+    return out
+
+
+def uncertified_attention(model, kv, table_width: int, buckets: tuple[int, ...], query_len: int = 1
+                          ) -> list[Placement]:
+    """The attention placements of a step with `query_len` query tokens per sequence (1: decode; K+1: a
+    speculative verify) that would not run a certified cell (empty = all certified)."""
+    return [p for b in buckets for p in attention_placements(model, kv, table_width, b, query_len)
+            if p.entry is None]
+
+
+def uncertified_draft_attention(drafter, kv, buckets: tuple[int, ...], k: int) -> list[Placement]:
+    """The draft layer's placements of a speculative step (pass 1: K+1 rows per sequence; passes 2..K: 1) that
+    would not run a certified cell."""
+    lens = (k + 1, 1) if k > 1 else (k + 1,)
+    return [p for b in buckets for q in lens for p in draft_attention_placements(drafter, kv, b, q)
+            if p.entry is None]

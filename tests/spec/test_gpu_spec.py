@@ -73,3 +73,36 @@ def test_bf16_forced_acceptance_smoke():
     assert all(len(r.output_token_ids) == 64 for r in reqs)
     st = eng.stats()["spec_decode"]
     assert abs(st["acceptance_length"] - 2.78) <= len(reqs) / st["verify_steps"]
+
+
+def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
+    """The embedded model with its trained drafter: SpecSteps replayed as CUDA graphs, the same program run
+    eagerly, and the plain decode target (DecodeGraphs) give the same greedy tokens; most steps run as graphs."""
+    import os
+    from m3serve import LLM
+    from m3serve.llm import DEFAULT_MODEL_DIR
+    from m3serve.tokenizer import chat_token_ids
+    import json
+    llm = LLM(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_bytes=256 << 20, max_num_seqs=4)
+    assert llm.engine.graphs is not None
+    items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:6]
+    ps = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+
+    def run(eng):
+        reqs = [eng.add_request(p, params) for p in ps]
+        while eng.has_work():
+            eng.step()
+        assert eng.blocks.num_free_slots() == eng.kv.num_slots
+        return [list(r.output_token_ids) for r in reqs]
+
+    ref = run(llm.engine)
+    outs = {}
+    for graphs in (True, False):
+        eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
+        assert eng.enable_target(graphs=graphs, mode="require")
+        outs[graphs] = run(eng)
+        st = eng.stats()["spec_decode"]
+        assert eng.graph_steps > st["verify_steps"] / 2 and st["acceptance_length"] > 2.0
+    assert outs[True] == outs[False] == ref

@@ -1,0 +1,132 @@
+"""The decode target with and without Eagle3 speculation, side by side in one run, per user at a fixed batch.
+
+Both engines share one model (bf16, routed, CUDA graphs): the plain one replays DecodeGraphs, the speculative one
+SpecSteps (verify + greedy acceptance + K draft passes per graph). Decode speed per user = output tokens after the
+first one / the time after the first step (the prompt's prefill and the first drafts are excluded, the same way
+for both engines); each configuration runs once untimed first (compilation, allocator).
+
+    embedded model (m3-tiny-verse): its trained drafter, real acceptance on held-out chat questions; greedy outputs
+                                    are compared token for token with the plain target's (identical_to_plain)
+    minimax-m3:N (random weights):  a random drafter with FORCED acceptance (--forced-al, the seed's 2.78): the
+                                    drafts are accepted by count, so outputs are not the plain ones (null)
+
+    python bench/spec_target.py --models m3-tiny-verse,minimax-m3:5 --batch 1 --out bench/results/spec-target-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from m3serve import LLM, SamplingParams  # noqa: E402
+from m3serve.benchmeta import run_metadata  # noqa: E402
+from m3serve.engine.engine import EngineConfig  # noqa: E402
+from m3serve.engine.speculative import SpeculativeEngine  # noqa: E402
+from m3serve.llm import DEFAULT_MODEL_DIR  # noqa: E402
+from m3serve.tokenizer import chat_token_ids  # noqa: E402
+
+
+def chat_prompts(llm, n: int) -> list[list[int]]:
+    items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:n]
+    return [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
+
+
+def random_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def decode(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """(tokens per second per user after the first step, outputs) for one batch run to completion."""
+    reqs = [engine.add_request(p, params) for p in prompts]
+    engine.step()                                   # prefill (+ first drafts): not timed
+    torch.cuda.synchronize()
+    first = [len(r.output_token_ids) for r in reqs]
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    made = [len(r.output_token_ids) - f for r, f in zip(reqs, first)]
+    return sum(made) / len(reqs) / dt, [list(r.output_token_ids) for r in reqs]
+
+
+def bench_model(name: str, batches: list[int], args) -> list[dict]:
+    tiny = name == "m3-tiny-verse"
+    kw = dict(dtype="bfloat16", route="auto", kv_cache_bytes=2 << 30, max_num_seqs=max(batches),
+              max_model_len=args.context + 2 * args.max_tokens + 64)
+    if tiny:
+        llm = LLM(DEFAULT_MODEL_DIR, **kw)
+        spec_cfg = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": args.k}
+        forced = None
+    else:
+        llm = LLM(name, random_weights=True, quantization=args.quantization, **kw)
+        forced = args.forced_al
+        spec_cfg = {"method": "eagle3", "model": None, "num_speculative_tokens": args.k, "forced_acceptance": forced}
+    plain = llm.engine
+    cfg = EngineConfig(**{f: getattr(plain.config, f) for f in plain.config.__dataclass_fields__})
+    spec = SpeculativeEngine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
+    if not spec.enable_target(graphs=True, mode="require"):
+        raise SystemExit(f"{name}: the speculative target is off")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=not tiny)
+    rows = []
+    for b in batches:
+        ps = chat_prompts(llm, b) if tiny else random_prompts(llm.model.cfg.vocab_size, b, args.context)
+        got = {}
+        for mode, eng in (("plain", plain), ("spec", spec)):
+            decode(eng, ps, params)                                  # warm-up
+            if mode == "spec":
+                spec.reset_spec_stats()
+            tps, outs = decode(eng, ps, params)
+            got[mode] = outs
+            st = spec.stats()["spec_decode"] if mode == "spec" else None
+            rows.append({"model": name, "mode": mode, "batch": b, "k": args.k if mode == "spec" else 0,
+                         "forced_al": forced if mode == "spec" else None,
+                         "acceptance_length": st["acceptance_length"] if st else None,
+                         "tokens_per_s_per_user": tps, "context": None if tiny else args.context,
+                         "graph_steps": spec.graph_steps if mode == "spec" else None,
+                         "identical_to_plain": None})
+            print(json.dumps(rows[-1]), flush=True)
+        same = got["spec"] == got["plain"] if forced is None else None
+        for r in rows[-2:]:
+            r["identical_to_plain"] = same
+        rows[-1]["speedup_vs_plain"] = rows[-1]["tokens_per_s_per_user"] / rows[-2]["tokens_per_s_per_user"]
+        print(f"{name} b{b}: spec {rows[-1]['tokens_per_s_per_user']:.0f} vs plain "
+              f"{rows[-2]['tokens_per_s_per_user']:.0f} tok/s/user = {rows[-1]['speedup_vs_plain']:.2f}x, "
+              f"AL {rows[-1]['acceptance_length']}, identical {same}", flush=True)
+    del spec, llm
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="m3-tiny-verse,minimax-m3:5")
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of the random-weight models")
+    ap.add_argument("--forced-al", type=float, default=2.78)
+    ap.add_argument("--quantization", default="nvfp4")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec-target-h200.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/spec_target.py: needs a CUDA GPU (the decode target's graphs)")
+    batches = [int(x) for x in args.batch.split(",")]
+    out = {"bench": "spec_target", **run_metadata(), "k": args.k, "max_tokens": args.max_tokens, "results": []}
+    for name in args.models.split(","):
+        out["results"] += bench_model(name, batches, args)
+        with open(args.out, "w") as f:                        # saved after each model
+            json.dump(out, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

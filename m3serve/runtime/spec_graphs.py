@@ -1,0 +1,256 @@
+"""Eagle3 speculative decode steps on the decode target: verify, greedy acceptance and the K draft passes as ONE
+fixed-shape device program per batch bucket, replayed as a CUDA graph (or run eagerly: CPU, enforce_eager).
+
+One step of a bucket of S sequences, each holding n tokens of KV (num_computed), its last token x (position n)
+and K drafts d_1..d_K (positions n+1..n+K), T = S(K+1) packed rows, row (i, j) at position n_i + j:
+
+    host   pack [rows | change | token seq T | positions T | token ids T, seq lens S, forced S | changed rows]
+           into one pinned buffer (DeviceBlockTables.stage, padded to the bucket); ONE H2D copy
+    device table rows -> slot table, token slots (expand_staged, captured)
+           verify: the target over [x, d_1..d_K] per sequence (attention through the paged-cache kernels,
+                   causal within the K+1 rows), capturing the drafter's residual streams; t = argmax per row
+           accept: a = the longest prefix with d_j = t_{j-1} (or the staged forced count, benchmarks);
+                   emitted e_j = d_{j+1} for j < a, e_a = t_a                        (spec_verify.py's proof)
+           draft pass 1: the draft layer over all T rows, row (i, j) fed (e_j, fused target state of row j)
+                   at position n+j; row a of each sequence proposes d'_1 from its state h
+           draft passes 2..K: one row per sequence at position c+j-2 (c = n+a+1) fed (d'_{j-1}, h) -> d'_j
+    D2H    [e_0..e_K | a+1 | d'_1..d'_K] per row (int64), then an event
+
+Why pass 1 may run all K+1 rows: rows j > a saw a rejected token, so their draft K/V (positions n+a+1..n+K) is
+garbage, but every such position is rewritten before anything reads it: passes 2..K rewrite n+a+1..n+a+K-1 in
+order (pass j reads only positions <= its own), and the next step's pass 1 rewrites everything from its n' =
+n+a+1 on. The same holds for the target K/V of rejected rows (the next verify rewrites them), so accepted K/V
+stays where verify wrote it and no token is ever moved. Positions written this step lie below n + 2K: the host
+allocates pages for n + 2K tokens before staging.
+
+Shape legend: S bucket (sequences), K drafts per sequence, T = S(K+1) verify rows, V target vocab, H hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m3serve.model.m3 import ForwardBatch
+from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+
+log = logging.getLogger("m3serve")
+
+
+@dataclass
+class SpecLaunched:
+    """A spec step whose results may not have arrived on the host yet."""
+    bucket: int
+    n: int                           # real rows (the first n of the bucket)
+    host: torch.Tensor               # [bucket, 2K+2] int64: emitted K+1 | number emitted | next drafts K
+    done: object                     # event recorded after the D2H copy (None: eager CPU, already there)
+
+
+@dataclass
+class SpecResult:
+    emitted: list[list[int]]         # per real row: the tokens this step emits (a accepted drafts + 1)
+    drafts: list[list[int]]          # per real row: K drafts for the next step
+
+
+class SpecSteps:
+    """The fixed-shape speculative step of each bucket; `graphs=True` captures one CUDA graph per bucket.
+
+    model: the target (bf16, TP 1, routed); drafter: its Eagle3Drafter; view: the cache's DraftKVView (its
+    layer is the draft layer of the same slots the target tables address); tables: the engine's
+    DeviceBlockTables of slot ids, sized for the buckets' T rows."""
+
+    def __init__(self, model, drafter, view, tables, k: int, buckets: tuple[int, ...], graphs: bool = True):
+        if k < 1:
+            raise ValueError(f"k: expected >= 1 speculative tokens, found {k}")
+        self.model, self.drafter, self.view, self.tables, self.k = model, drafter, view, tables, k
+        self.kv = view.cache
+        self.buckets = tuple(sorted(buckets))
+        if not self.buckets or self.buckets[-1] > tables.manager.max_seqs:
+            raise ValueError(f"buckets: expected sizes in [1, max_num_seqs = {tables.manager.max_seqs}], "
+                             f"found {buckets}")
+        if self.buckets[-1] * (k + 1) > tables.max_tokens:
+            raise ValueError(f"buckets: {self.buckets[-1]} x {k + 1} verify rows exceed the tables' "
+                             f"max_tokens = {tables.max_tokens}")
+        self.graphs = graphs
+        if graphs and model.device.type != "cuda":
+            raise ValueError(f"SpecSteps: CUDA graphs need a CUDA model, found {model.device}")
+        self.capture_ids = tuple(drafter.cfg.capture_layers)
+        dev = model.device
+        self._offsets: dict[int, tuple[int, ...]] = {}
+        self._steps: dict[int, tuple[PagedStep, PagedStep]] = {}
+        self._graph: dict[int, torch.cuda.CUDAGraph] = {}
+        self._result: dict[int, torch.Tensor] = {}
+        top = self.buckets[-1]
+        pin = dev.type == "cuda"
+        self._ring = [torch.empty(top, 2 * k + 2, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
+        self._next = 0
+        self.replays = 0
+        self._query_start = {b: torch.arange(0, b * (k + 1) + 1, k + 1, dtype=torch.int32, device=dev)
+                             for b in self.buckets}
+        self._one_each = {b: torch.arange(b + 1, dtype=torch.int32, device=dev) for b in self.buckets}
+
+    def bucket_for(self, batch: int) -> int | None:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    # ------------------------------------------------------------------ host: stage one step
+    def stage(self, bucket: int, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]],
+              positions: list[int], forced: list[int] | None = None) -> None:
+        """Pack one padded step: row i verifies [last_tokens[i], *drafts[i]] (K drafts) from positions[i] (its
+        num_computed). forced[i] >= 0: accept that many drafts (forced-acceptance benchmarks), else verify."""
+        k, s, n = self.k, bucket, len(seq_ids)
+        if any(len(d) != k for d in drafts) or len(drafts) != n or len(last_tokens) != n or len(positions) != n:
+            raise ValueError(f"drafts: expected {n} rows of exactly K = {k} drafts with one last token and position "
+                             f"each, found {[len(d) for d in drafts][:8]}")
+        t = s * (k + 1)
+        pos0 = np.zeros(s, dtype=np.int64)
+        pos0[:n] = positions
+        positions_t = (pos0[:, None] + np.arange(k + 1)).reshape(-1)
+        tsi = np.repeat(np.arange(s), k + 1)
+        extra = np.zeros(t + 2 * s, dtype=np.int32)
+        ids = extra[:t].reshape(s, k + 1)
+        if n:
+            ids[:n, 0] = last_tokens
+            ids[:n, 1:] = drafts
+        extra[t:t + n] = pos0[:n] + k + 1
+        extra[t + s:] = -1
+        if forced is not None:
+            extra[t + s:t + s + n] = forced
+        got_s, got_t, offsets = self.tables.stage(seq_ids, tsi, positions_t, extra=extra, pad_to=s)
+        if self._offsets.setdefault(bucket, offsets) != offsets or (got_s, got_t) != (s, t):
+            raise AssertionError(f"bucket {bucket}: staged layout {(got_s, got_t, offsets)} differs from the "
+                                 f"captured one {self._offsets[bucket]}")
+
+    # ------------------------------------------------------------------ device: the step program
+    def _plans(self, bucket: int) -> tuple[PagedStep, PagedStep]:
+        """(verify step, draft-pass step) metadata of a bucket; the draft passes' seq_lens are filled per pass."""
+        if bucket not in self._steps:
+            k, s, t = self.k, bucket, bucket * (self.k + 1)
+            off = self._offsets[bucket]
+            stage = self.tables._dev_stage
+            extra = off[3] + t
+            spec, cfg = self.kv.spec, self.model.cfg
+            tiles = sparse_tiles_per_block(spec)
+            b = self.tables.max_blocks
+            dense, sparse = split_plan(t, b, spec.num_kv_heads, cfg.index_topk_blocks, tiles)
+            verify = PagedStep(slot_table=self.tables.slot_table[:s], seq_lens=stage[extra + t:extra + t + s],
+                               query_start=self._query_start[s], max_query_len=k + 1, num_splits=dense,
+                               num_splits_sparse=sparse)
+            ddense, _ = split_plan(s, b, spec.kv_heads(self.view.layer), 0)
+            lens = torch.zeros(s, dtype=torch.int32, device=self.model.device)
+            draft = PagedStep(slot_table=self.tables.slot_table[:s], seq_lens=lens, query_start=self._one_each[s],
+                              max_query_len=1, num_splits=ddense, num_splits_sparse=ddense)
+            self._steps[bucket] = (verify, draft)
+        return self._steps[bucket]
+
+    def _program(self, bucket: int) -> torch.Tensor:
+        """The whole step on the device from the staged buffer -> [S, 2K+2] int64 (see the module docstring)."""
+        k, s = self.k, bucket
+        t = s * (k + 1)
+        off = self._offsets[bucket]
+        _, _, slot_mapping = self.tables.expand_staged(s, t, off)
+        stage = self.tables._dev_stage
+        extra = off[3] + t
+        ids = stage[extra:extra + t].long()
+        positions = stage[off[3]:off[3] + t].long()
+        seq_lens = stage[extra + t:extra + t + s]
+        forced = stage[extra + t + s:extra + t + 2 * s].long()
+        verify, draft = self._plans(bucket)
+        m, d = self.model, self.drafter
+
+        batch = ForwardBatch(input_ids=ids, positions=positions, seqs=[], slot_mapping=slot_mapping, kv=self.kv,
+                             step=verify, capture_layers=self.capture_ids)
+        h = m.hidden(batch)
+        fused = d.fuse([batch.captured[i] for i in d.cfg.capture_layers])
+        target = m.logits(h).argmax(-1).view(s, k + 1)                       # t_j
+        given = ids.view(s, k + 1)[:, 1:]                                    # d_1..d_K
+        a = (given == target[:, :k]).long().cumprod(dim=1).sum(dim=1)        # longest matching prefix
+        a = torch.where(forced >= 0, forced.clamp(max=k), a)
+        j = torch.arange(k + 1, device=ids.device)
+        emitted = torch.where(j < a[:, None], torch.cat((given, given[:, :1]), dim=1), target)
+
+        # draft pass 1: every verify row, fed the token that follows it
+        dbatch = ForwardBatch(input_ids=emitted.reshape(-1), positions=positions, seqs=[], slot_mapping=slot_mapping,
+                              kv=self.view, step=verify)
+        normed, r2 = d(dbatch, fused)
+        last = torch.arange(s, device=ids.device) * (k + 1) + a              # row a of each sequence
+        h_d = r2[last]
+        proposals = [self._greedy(normed[last])]
+        live = seq_lens > 0
+        page = self.kv.page_size
+        rows = torch.arange(s, device=ids.device)
+        pos = positions.view(s, k + 1)[:, 0] + a + 1                         # c = n + a + 1
+        for step_j in range(2, k + 1):
+            p = pos + step_j - 2
+            slots = draft.slot_table[rows, p // page].long()
+            mapping = torch.where(live, slots * page + p % page, -1)
+            draft.seq_lens.copy_(torch.where(live, p + 1, 0))
+            pbatch = ForwardBatch(input_ids=proposals[-1], positions=p, seqs=[], slot_mapping=mapping, kv=self.view,
+                                  step=draft)
+            normed, h_d = d(pbatch, h_d)
+            proposals.append(self._greedy(normed))
+        return torch.cat((emitted, (a + 1)[:, None], torch.stack(proposals, dim=1)), dim=1)
+
+    def _greedy(self, normed: torch.Tensor) -> torch.Tensor:
+        d = self.drafter
+        return d.to_target_ids(d.logits(normed).argmax(-1))
+
+    # ------------------------------------------------------------------ capture / replay
+    def capture(self) -> None:
+        """Capture every bucket, largest first, each after an eager warm-up (Triton compiles on first call, which
+        capture forbids). Warm-up and capture run padding rows only: nothing is read or written in the cache."""
+        if not self.graphs:
+            return
+        dev = self.model.device
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for bucket in sorted(self.buckets, reverse=True):
+                self.stage(bucket, [], [], [], [])
+                self._program(bucket)
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._result[bucket] = self._program(bucket)
+                self._graph[bucket] = graph
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+        log.info("speculative graphs (K = %d) captured for buckets %s", self.k, self.buckets)
+
+    def run(self, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]], positions: list[int],
+            forced: list[int] | None = None) -> SpecLaunched:
+        """Stage, then replay (or run eagerly) one step, and queue the copy of its results to the host."""
+        bucket = self.bucket_for(len(seq_ids))
+        if bucket is None:
+            raise ValueError(f"seq_ids: {len(seq_ids)} sequences; the largest bucket is {self.buckets[-1]}")
+        self.stage(bucket, seq_ids, last_tokens, drafts, positions, forced)
+        if self.graphs:
+            self._graph[bucket].replay()
+            result = self._result[bucket]
+        else:
+            with torch.inference_mode():
+                result = self._program(bucket)
+        self.replays += 1
+        host, done = self._ring[self._next], self._events[self._next]
+        self._next ^= 1
+        host[:bucket].copy_(result, non_blocking=done is not None)
+        if done is not None:
+            done.record()
+        return SpecLaunched(bucket, len(seq_ids), host, done)
+
+    def fetch(self, launched: SpecLaunched) -> SpecResult:
+        if launched.done is not None:
+            launched.done.synchronize()
+        k = self.k
+        rows = launched.host[:launched.n].tolist()
+        return SpecResult(emitted=[r[:r[k + 1]] for r in rows], drafts=[r[k + 2:] for r in rows])
+
+
+__all__ = ["SpecSteps", "SpecLaunched", "SpecResult"]

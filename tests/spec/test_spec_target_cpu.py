@@ -1,0 +1,102 @@
+"""The speculative decode target's step program (m3serve.runtime.spec_graphs.SpecSteps, run eagerly: graphs=False)
+on CPU under the Triton interpreter, against the eager speculative engine (stock attention, host verification):
+
+- greedy: the same tokens as the eager engine (both are exact greedy decoding);
+- forced acceptance (every accepted count 0..K occurs): the same tokens and the same per-position acceptance as
+  the eager engine in forced mode. Forced outputs are the drafts themselves, so this checks that the device's
+  draft passes (pass 1 over all K+1 verify rows, passes 2..K at positions that depend on the device's accepted
+  count) propose exactly what the eager draft loop proposes, step after step.
+
+tiny preset, random bf16 weights, a random drafter; the attention kernels differ from stock by summation order only
+and at this size no argmax is near a tie (checked: the same tokens come out)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3serve.engine.engine import EngineConfig
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.model.loader import load_model
+from m3serve.runtime.spec_graphs import SpecSteps
+from tests.spec.specutil import spec_cfg
+
+PROMPTS = ([5, 17, 99, 230, 7, 44, 81, 12, 9, 300, 41, 200, 6], list(range(20, 58)))
+MAX_TOKENS = (12, 9)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, seed=2)
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=128)
+
+
+def _run(eng) -> tuple[list[list[int]], list]:
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+            for p, m in zip(PROMPTS, MAX_TOKENS)]
+    while eng.has_work():
+        eng.step()
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots      # every page came back
+    return [list(r.output_token_ids) for r in reqs], reqs
+
+
+def _spec(model, target: bool, **kw) -> SpeculativeEngine:
+    """The tiny preset's shapes lie outside the GPU-certified cells (enable_target would refuse them: see the last
+    test), so the step program is attached directly; the interpreter runs the same kernels either way."""
+    eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3, **kw))
+    if target:
+        eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False)
+    return eng
+
+
+def test_greedy_equals_the_eager_engine(model):
+    """Both are exact greedy decoding (the eager engine's own tests compare it with plain greedy)."""
+    ref, _ = _run(_spec(model, False))
+    eng = _spec(model, True)
+    got, _ = _run(eng)
+    assert got == ref
+    assert eng.graph_steps >= 3 and eng.spec_steps.replays == eng.graph_steps
+
+
+def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model):
+    eager = _spec(model, False, forced_acceptance=3.5)
+    ref, ref_reqs = _run(eager)
+    eng = _spec(model, True, forced_acceptance=3.5)
+    got, reqs = _run(eng)
+    assert got == ref
+    assert eng.graph_steps >= 3
+    per_pos = eng.stats()["spec_decode"]["accepted_per_position"]
+    assert per_pos == eager.stats()["spec_decode"]["accepted_per_position"]
+    assert 0 < per_pos[-1] < per_pos[0]          # 2 and 3 = K drafts accepted both occurred
+
+
+def test_sampled_requests_take_the_eager_path(model):
+    eng = _spec(model, True)
+    r = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.8, seed=3))
+    while eng.has_work():
+        eng.step()
+    assert len(r.output_token_ids) == 5 and eng.graph_steps == 0
+
+
+def test_require_raises_outside_the_certified_cells(model):
+    eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3))
+    with pytest.raises(ValueError, match=r"route='require': speculative attention outside the certified cells"):
+        eng.enable_target(graphs=False, buckets=(1,), mode="require")
+    assert not eng.enable_target(graphs=False, buckets=(1,), mode="auto") and eng.spec_steps is None
+
+
+def test_embedded_model_and_drafter_lie_in_certified_cells():
+    """The embedded model with its trained drafter: every verify (K+1 rows) and draft-pass placement is certified,
+    so `require` builds the step program (nothing runs here)."""
+    from m3serve.llm import DEFAULT_MODEL_DIR
+    import os
+    m = load_model(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.bfloat16)
+    eng = SpeculativeEngine(m, EngineConfig(kv_cache_bytes=4 << 20, max_num_seqs=8, max_num_batched_tokens=64),
+                            speculative_config={"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"),
+                                                "num_speculative_tokens": 3})
+    assert eng.enable_target(graphs=False, mode="require")
+    assert eng.spec_steps.buckets == (1, 2, 4, 8) and eng.spec_steps.k == 3
