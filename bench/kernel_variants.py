@@ -3,8 +3,7 @@
 Groups (each variant runs on the SAME inputs as its group's default, timed like bench/kernels.py: CUDA
 graph replay, 256 MB L2 flush before each replay, median of --iters; fraction of this run's copy bandwidth):
     attn     attn.paged dense FP8 decode (batch 1 at 4k / 32k / 128k, batch 16 at 4k) and the MSA NVFP4
-             sparse attention over 16 selected blocks: key tile BN, pipeline stages, warps, split count; dense
-             also with TileConfig.PREFETCH (variants named *f)
+             sparse attention over 16 selected blocks: key tile BN, pipeline stages, warps, split count
     select   msa.select at 4k and 128k context: warps per (row, head); msa.scores
              (the indexer over bf16 index-K) at the same contexts: warps per block
     moe      moe.nvfp4 at 1 / 4 / 16 tokens, NVFP4 and BF16 shared expert: gate|up tile (BN, BK, stages),
@@ -55,13 +54,10 @@ def _load(name: str):
 KB = _load("kernels")
 AB = _load("attention")
 
-# (name, BN, num_stages, num_warps[, PREFETCH]); QB/BM come from tile_config; PREFETCH ("f"): the next key tile's
-# slot id and raw K/V loaded into registers before the current tile's math, at 1 stage (Triton's own pipeliner
-# out of the way; 2 stages compiles to the same SASS, one variant confirms it). aot SASS: n128 at 4 warps spills
-# the prefetched tile (255 registers + 792 B stack), 8 warps does not (190 registers)
+# (name, BN, num_stages, num_warps[, PAIRS]); QB/BM come from tile_config; PAIRS: FP8 read as 16-bit pairs
 DENSE_TILES = (("n128s2w4", 128, 2, 4), ("n128s3w4", 128, 3, 4), ("n64s3w4", 64, 3, 4), ("n64s4w4", 64, 4, 4),
-               ("n128s2w8", 128, 2, 8), ("n64s3w8", 64, 3, 8), ("n128s1w4f", 128, 1, 4, True),
-               ("n128s2w4f", 128, 2, 4, True), ("n64s1w4f", 64, 1, 4, True), ("n128s1w8f", 128, 1, 8, True))
+               ("n128s2w8", 128, 2, 8), ("n64s3w8", 64, 3, 8), ("n128s2w4p", 128, 2, 4, True),
+               ("n128s3w4p", 128, 3, 4, True), ("n64s3w4p", 64, 3, 4, True))
 SPARSE_TILES = (("n64s3w4", 64, 3, 4), ("n32s4w4", 32, 4, 4), ("n64s2w4", 64, 2, 4), ("n64s3w8", 64, 3, 8),
                 ("n128s2w8", 128, 2, 8))
 SELECT_WARPS = (1, 2, 4, 8)
@@ -112,10 +108,10 @@ def attn_variants(r: Runner, bench, step, m, layer: int, fmt: str, q, sel, what:
     """Every (split count, tile) of one attention case on the same inputs, each checked against the first."""
     ref = None
     for ns in splits:
-        for name, bn, stages, warps, *prefetch in tiles:
+        for name, bn, stages, warps, *pairs in tiles:
             base = tile_config(m.hq // m.hk, m.p, 1, sel is not None, fmt == "nvfp4")
             tile = TileConfig(QB=base.QB, BM=base.BM, BN=bn, num_warps=warps, num_stages=stages,
-                              PREFETCH=bool(prefetch and prefetch[0]))
+                              PAIRS=bool(pairs and pairs[0]))
             args, kw = bench._attn_args(step, layer, fmt, q, sel, ns)
             out = args[10]
             out.fill_(float("nan"))

@@ -28,25 +28,19 @@ p.v: p is split into p_hi = bf16(p) and p_lo = bf16(p - p_hi) (both exact MMA op
 two dots accumulate in fp32: p_hi + p_lo is within 2**-18 |p| of p. FP8 pages, compiled (F16): K and V
 are converted exactly to fp16 (the hardware E4M3 -> f16x2 cvt), q is scaled per row by a power of two
 into fp16 (_q_to_f16), and p is carried as p * 2**14 in fp16 hi + lo (within 2**-22 p + 2**-39); l and
-acc carry the same 2**14, so out = acc / l and the split combine are unchanged. NVFP4 tiles come as two
+acc carry the same 2**14, so out = acc / l and the split combine are unchanged. PAIRS (sweep-only)
+reads FP8 pages as 16-bit column pairs, one cvt per pair. NVFP4 tiles come as two
 column halves in the order of _kv_tiles.nvfp4_columns, so q is loaded in that order, q.k is the
 sum of two half dots, and each half of the output is stored to its own columns.
-
-PREFETCH (sweep-only, dense pages): software pipelining in registers. Each iteration first issues the
-loads of the next key tile (its slot id, then its raw K and V bytes, which depend on the slot), then
-computes on the current tile, whose raw bytes the previous iteration loaded, so a tile's dependent
-slot -> K/V load chain is in flight during the math of the tile before it. The raw bytes are converted
-to the MMA operand at use, by the same operations as the default path (_kv_operand vs load_dense_tile /
-load_fp8_tile_f16): the output is bit-identical.
 """
 
 from __future__ import annotations
 
 import triton.language as tl
 
-from m3serve.kernels._decode import e4m3_to_f32, to_bf16
+from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import helper, kernel
-from m3serve.kernels._kv_tiles import _rounded, e4m3_to_bf16, load_dense_tile, load_nvfp4_tile, nvfp4_columns
+from m3serve.kernels._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
 
 NEG_INF = tl.constexpr(float("-inf"))
 P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 hi + lo
@@ -59,7 +53,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                      stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PREFETCH: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr):
     t = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,30 +116,21 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
     m_i = tl.full([BM], NEG_INF, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
 
-    if PREFETCH:  # dense pages only (checked by the raw call): tile lo's raw K and V
-        k_raw, v_raw = _dense_tile_bytes(k_ptr, v_ptr, slot_ptr, s, kh, lo, hi, B, last, stride_ks, stride_kh,
-                                         stride_vs, stride_vh, P, BN, D)
     for it in range(lo, hi):
         if TOPK == 0:
             blk = it // TPP
         else:
             blk = tl.load(sel_ptr + t * stride_selt + kh * stride_selh + it // TPP)
         blk_ok = (blk >= 0) & (blk < B)
-        if PREFETCH:
-            # the next tile's loads go out before this tile's math, which then hides their latency
-            k_next, v_next = _dense_tile_bytes(k_ptr, v_ptr, slot_ptr, s, kh, it + 1, hi, B, last, stride_ks,
-                                               stride_kh, stride_vs, stride_vh, P, BN, D)
-        else:
-            slot = tl.load(slot_ptr + s * B + blk, mask=blk_ok, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + s * B + blk, mask=blk_ok, other=0).to(tl.int64)
         tok = (it % TPP) * BN + tl.arange(0, BN)
         key = blk * P + tok
         # Tokens past the block's last query are never seen: read them as 0 (their stale bytes
         # may hold anything, NaN included, and 0 * NaN would reach the output through p.v).
         tok_ok = blk_ok & (key <= last)
         visible = tok_ok[None, :] & (key[None, :] <= pos[:, None])
-        if not PREFETCH:
-            kpage = k_ptr + slot * stride_ks + kh * stride_kh
-            vpage = v_ptr + slot * stride_vs + kh * stride_vh
+        kpage = k_ptr + slot * stride_ks + kh * stride_kh
+        vpage = v_ptr + slot * stride_vs + kh * stride_vh
         if FMT == 0:
             k_e, k_o = load_nvfp4_tile(kpage, ks_ptr + slot * stride_kss + kh * stride_ksh, gs_k, tok, tok_ok,
                                        False, D, BN, CUDA)
@@ -156,10 +141,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 sc = tl.dot(q_e, tl.trans(k_e), input_precision="ieee")
                 sc = tl.dot(q_o, tl.trans(k_o), sc, input_precision="ieee")
         else:
-            if PREFETCH:
-                k = _kv_operand(k_raw, FMT, CUDA, F16)
-            else:
-                k = _dense_kv_tile(kpage, tok, tok_ok, FMT, D, CUDA, F16)
+            k = _dense_kv_tile(kpage, tok, tok_ok, FMT, D, CUDA, F16, PAIRS)
             if CUDA:
                 sc = tl.dot(q, tl.trans(k))
             else:
@@ -195,18 +177,12 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                 acc_e = tl.dot(p, v_e, acc_e, input_precision="ieee")
                 acc_o = tl.dot(p, v_o, acc_o, input_precision="ieee")
         else:
-            if PREFETCH:
-                v = _kv_operand(v_raw, FMT, CUDA, F16)
-            else:
-                v = _dense_kv_tile(vpage, tok, tok_ok, FMT, D, CUDA, F16)
+            v = _dense_kv_tile(vpage, tok, tok_ok, FMT, D, CUDA, F16, PAIRS)
             acc = acc * alpha[:, None]
             if CUDA:
                 acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
             else:
                 acc = tl.dot(p, v, acc, input_precision="ieee")
-        if PREFETCH:
-            k_raw = k_next
-            v_raw = v_next
 
     if FMT == 0:
         _store_out(acc_e, m_i, l_i, col_e, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
@@ -242,46 +218,29 @@ def load_fp8_tile_f16(page_ptr, tok, tok_ok, D: tl.constexpr):
 
 
 @helper
-def _dense_kv_tile(page_ptr, tok, tok_ok, FMT: tl.constexpr, D: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr):
+def _dense_kv_tile(page_ptr, tok, tok_ok, FMT: tl.constexpr, D: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr,
+                   PAIRS: tl.constexpr):
     """[BN, D] K or V tile of a BF16 / FP32 / FP8 page as the MMA operand: fp16 for FP8 pages when compiled
-    (F16), else load_dense_tile's bf16 (fp32 values when interpreted)."""
-    if F16:
+    (F16; PAIRS: read as 16-bit column pairs), else load_dense_tile's bf16 (fp32 values when interpreted)."""
+    if F16 and PAIRS:
+        return load_fp8_pairs_f16(page_ptr, tok, tok_ok, D)
+    elif F16:
         return load_fp8_tile_f16(page_ptr, tok, tok_ok, D)
     else:
         return load_dense_tile(page_ptr, tok, tok_ok, FMT, D, CUDA)
 
 
 @helper
-def _dense_tile_bytes(k_ptr, v_ptr, slot_ptr, s, kh, it, hi, B, last, stride_ks, stride_kh, stride_vs, stride_vh,
-                      P: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    """Raw K and V [BN, D] of dense key tile `it` of sequence s (PREFETCH), unconverted; the same masks as the
-    default path's loads, and everything masked off (no memory touched, zeros) when it >= hi."""
-    TPP: tl.constexpr = P // BN
-    blk = it // TPP
-    live = (it < hi) & (blk >= 0) & (blk < B)
-    slot = tl.load(slot_ptr + s * B + blk, mask=live, other=0).to(tl.int64)
-    tok = (it % TPP) * BN + tl.arange(0, BN)
-    tok_ok = live & (blk * P + tok <= last)
-    ptrs = tok[:, None] * D + tl.arange(0, D)[None, :]
-    k = tl.load(k_ptr + slot * stride_ks + kh * stride_kh + ptrs, mask=tok_ok[:, None], other=0)
-    v = tl.load(v_ptr + slot * stride_vs + kh * stride_vh + ptrs, mask=tok_ok[:, None], other=0)
-    return k, v
-
-
-@helper
-def _kv_operand(x, FMT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr):
-    """A raw dense tile (_dense_tile_bytes) as the MMA operand, by the same operations as _dense_kv_tile's
-    decoders (load_fp8_tile_f16, load_dense_tile), so PREFETCH changes when bytes load, not what they become."""
-    if F16:
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    elif FMT == 3:  # BF16
-        return x if CUDA else x.to(tl.float32)
-    elif FMT == 4:  # FP32
-        return _rounded(x, CUDA)
-    elif CUDA:  # FP8 (F16 covers every compiled FP8 launch; kept to mirror load_dense_tile)
-        return e4m3_to_bf16(x)
-    else:
-        return e4m3_to_f32(x, CUDA)
+def load_fp8_pairs_f16(page_ptr16, tok, tok_ok, D: tl.constexpr):
+    """[BN, D] fp16 tile of an FP8 page read as 16-bit column pairs (page_ptr16: the page viewed as int16),
+    each pair converted in registers by one cvt.rn.f16x2.e4m3x2 (compiled only; exact)."""
+    DP: tl.constexpr = D // 2
+    c = tl.arange(0, DP)
+    x = tl.load(page_ptr16 + tok[:, None] * DP + c[None, :], mask=tok_ok[:, None], other=0)
+    lo, hi = tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+        "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.join(lo, hi).reshape(x.shape[0], D)
 
 
 @helper

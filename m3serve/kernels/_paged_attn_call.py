@@ -90,10 +90,9 @@ class TileConfig:
     BN: int  # keys per tile (divides the page)
     num_warps: int
     num_stages: int
-    # Dense pages only, sweep-only (tile_config never sets it): load the next key tile's slot id and raw K/V
-    # into registers before computing on the current one (explicit software pipelining across the dependent
-    # slot -> K/V loads; the output is bit-identical to the default path's)
-    PREFETCH: bool = False
+    # FP8 pages only, compiled only: read K/V as 16-bit column pairs and convert each pair in registers
+    # (an experiment for tile sweeps: fewer shared-memory loads and registers in the SASS; not yet timed)
+    PAIRS: bool = False
 
 
 def tile_config(g: int, p: int, max_query_len: int, sparse: bool, nvfp4: bool = False) -> TileConfig:
@@ -215,13 +214,14 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
             raise ValueError(f"tile: expected QB={cfg.QB}, BM={cfg.BM} and a power-of-two BN dividing the page "
                              f"({p}), found {tile}")
         cfg = tile
-    if cfg.PREFETCH and (topk > 0 or fmt == "nvfp4"):
-        raise ValueError(f"tile.PREFETCH: dense attention (sel None) on bf16 / fp32 / fp8 pages only, found fmt "
-                         f"{fmt!r} and {'sel with topk ' + str(topk) if topk else 'sel None'}")
+    if cfg.PAIRS and not (fmt == "fp8" and is_compiled(q)):
+        raise ValueError(f"tile.PAIRS: FP8 pages on a compiled (CUDA) launch only, found fmt {fmt!r} on "
+                         f"{q.device.type}")
     code = FMT_CODES[fmt]
     # fp8 travels as bytes (the interpreter has no fp8 pointers; compiled code bitcasts them back)
-    kp = k_pages.view(torch.uint8) if fmt == "fp8" else k_pages
-    vp = v_pages.view(torch.uint8) if fmt == "fp8" else v_pages
+    pair = torch.int16 if cfg.PAIRS else torch.uint8
+    kp = k_pages.view(pair) if fmt == "fp8" else k_pages
+    vp = v_pages.view(pair) if fmt == "fp8" else v_pages
     ks = k_scale.view(torch.uint8) if fmt == "nvfp4" else kp  # unused pointers otherwise
     vs = v_scale.view(torch.uint8) if fmt == "nvfp4" else vp
     gs = kv_gs if fmt == "nvfp4" else seq_lens
@@ -235,7 +235,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
         n_seq, t_rows, slot_table.shape[1], qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), *scale_strides, *sel_strides,
         FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, NUM_SPLITS=num_splits,
-        CUDA=cuda, F16=cuda and fmt == "fp8", PREFETCH=cfg.PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         sp = triton.next_power_of_2(num_splits)
         paged_attn_combine[(t_rows, hq)](

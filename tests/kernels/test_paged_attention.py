@@ -9,8 +9,6 @@ an fp64 attention under a tight band (one bf16 rounding + 2**-12 vbar, see tight
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import triton.language as tl
@@ -18,7 +16,6 @@ import triton.language as tl
 from m3serve.kernels import paged_attention as PA
 from m3serve.kernels._jit import is_compiled, kernel
 from m3serve.kernels._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
-from m3serve.kernels._paged_attn_call import TileConfig, tile_config
 from m3serve.kernels._paged_attn_case import CaseShape, build_case, resample_step
 from m3serve.kernels._paged_attn_ref import AttnReference, gather_tokens
 from m3serve.kernels.catalog import assert_band
@@ -66,13 +63,6 @@ def attention_fp64(case) -> torch.Tensor:
         pr = torch.softmax(sc.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
         out[qs[s]:qs[s + 1]] = torch.einsum("nhgl,lhd->nhgd", pr, v).reshape(n, hq, d)
     return out
-
-
-def poison_outputs(args) -> None:
-    """NaN into out and the split workspace of a case's args: a run must write every element it is read for."""
-    args[10].fill_(float("nan"))
-    args[11].acc.fill_(float("nan"))
-    args[11].ml.fill_(float("nan"))
 
 
 def tight_check(out: torch.Tensor, exact: torch.Tensor, ref: AttnReference) -> None:
@@ -311,52 +301,20 @@ def test_bad_arguments_name_the_tensor() -> None:
         call(sm_scale=0.0)
 
 
-def _default_tile(pc) -> TileConfig:
-    a, kw = pc.case.args, pc.case.kwargs
-    hq, hk, p = a[0].shape[1], a[1].shape[1], a[1].shape[2]
-    return tile_config(hq // hk, p, kw["max_query_len"], a[9] is not None, kw["fmt"] == "nvfp4")
-
-
-def test_tile_override_is_checked_and_prefetch_needs_dense_pages() -> None:
+def test_tile_override_is_checked_and_pairs_need_compiled_fp8() -> None:
     """A tile override runs like tile_config's choice when it only changes BN / stages / warps; one whose QB / BM
-    differ from the choice, or that asks for PREFETCH on sparse (sel) attention or on NVFP4 pages, raises."""
+    differ from the choice, or that asks for 16-bit FP8 pairs on the interpreter or on non-FP8 pages, raises."""
+    from m3serve.kernels._paged_attn_call import TileConfig, tile_config
     pc = build_case(key("fp8", 2), 1, CPU, torch.Generator().manual_seed(21), CaseShape(batch=2, context=40))
     a, kw = pc.case.args, pc.case.kwargs
-    base = _default_tile(pc)
+    hq, hk, p = a[0].shape[1], a[1].shape[1], a[1].shape[2]
+    base = tile_config(hq // hk, p, kw["max_query_len"], False, False)
     ref = ENTRY.reference(*a, **kw)
     a[10].fill_(float("nan"))
-    out = ENTRY.raw_call(*a, **kw, tile=replace(base, BN=base.BN // 2, num_warps=2, num_stages=1))
+    out = ENTRY.raw_call(*a, **kw, tile=TileConfig(QB=base.QB, BM=base.BM, BN=base.BN // 2, num_warps=2, num_stages=1))
     ENTRY.compare(out, ref, pc.case)
     with pytest.raises(ValueError, match=r"tile: expected QB="):
-        ENTRY.raw_call(*a, **kw, tile=replace(base, BM=2 * base.BM))
-    with pytest.raises(ValueError, match=r"tile.PREFETCH: dense attention \(sel None\) .* found fmt 'fp8' and sel"):
-        ENTRY.raw_call(*a, **kw, tile=replace(base, PREFETCH=True))
-    nv = build_case(key("nvfp4"), 1, CPU, torch.Generator().manual_seed(22), CaseShape(batch=1, context=20))
-    with pytest.raises(ValueError, match=r"tile.PREFETCH: .* found fmt 'nvfp4' and sel None"):
-        ENTRY.raw_call(*nv.case.args, **nv.case.kwargs, tile=replace(_default_tile(nv), PREFETCH=True))
-
-
-# (fmt, query rows, splits); the longest sequence has 77 keys: 5 whole-page (BN 16) or 10 half-page (BN 8) tiles
-PREFETCH = [("bf16", 1, 1), ("bf16", 3, 2), ("fp8", 1, 3), ("fp8", 2, 1), ("fp32", 1, 2)]
-
-
-@pytest.mark.parametrize("fmt,rows,splits", PREFETCH, ids=[f"{f}-n{r}-s{s}" for f, r, s in PREFETCH])
-def test_prefetch_equals_the_default_path_bitwise(fmt: str, rows: int, splits: int) -> None:
-    """TileConfig.PREFETCH (the next key tile's slot id and raw K/V loaded before the current tile's math, converted
-    at use by the same operations) changes when bytes are loaded, not what is computed: its output equals the
-    default path's bit for bit, at whole-page tiles and at half-page tiles (page crossings inside a split, the
-    slot id of the next tile changing or not), on contexts that are not a multiple of the tile, with the outputs
-    and split workspaces poisoned with NaN before each run; and it is inside the entry's band."""
-    pc = build_case(key(fmt), rows, CPU, torch.Generator().manual_seed(300 + 10 * rows + splits),
-                    CaseShape(batch=3, context=77, num_splits=splits))
-    a, kw = pc.case.args, pc.case.kwargs
-    base = _default_tile(pc)
-    for bn in (base.BN, base.BN // 2):
-        tile = replace(base, BN=bn)
-        poison_outputs(a)
-        want = ENTRY.raw_call(*a, **kw, tile=tile).clone()
-        poison_outputs(a)
-        got = ENTRY.raw_call(*a, **kw, tile=replace(tile, PREFETCH=True))
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
-            f"BN {bn}: {int((got.view(torch.int16) != want.view(torch.int16)).sum())} outputs differ"
-    ENTRY.compare(got, ENTRY.reference(*a, **kw), pc.case)
+        ENTRY.raw_call(*a, **kw, tile=TileConfig(QB=base.QB, BM=2 * base.BM, BN=base.BN, num_warps=4, num_stages=2))
+    with pytest.raises(ValueError, match=r"tile.PAIRS: FP8 pages on a compiled"):
+        ENTRY.raw_call(*a, **kw, tile=TileConfig(QB=base.QB, BM=base.BM, BN=base.BN, num_warps=4, num_stages=2,
+                                                 PAIRS=True))

@@ -104,5 +104,5 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
         assert eng.enable_target(graphs=graphs, mode="require")
         outs[graphs] = run(eng)
         st = eng.stats()["spec_decode"]
-        assert eng.graph_steps > st["verify_steps"] / 2 and st["acceptance_length"] > 2.0
+        assert eng.graph_steps >= 10 and st["acceptance_length"] > 2.0   # verify_steps counts requests
     assert outs[True] == outs[False] == ref
