@@ -343,7 +343,8 @@ def render_decode(files: list[ResultFile]) -> str:
 def render_attention(files: list[ResultFile]) -> str:
     blocks = []
     for rf in files:
-        rows = rows_of(rf)
+        steps = opt(rf.data, "decode_step", rf.name, "list")
+        rows = rows_of(rf) if rf.data.get("results") or not steps else []   # a decode-step-only run has no rows
         has_tflops = any(r.get("tflops") is not None for r in rows)
         parsed = []
         for i, r in enumerate(rows):
@@ -356,8 +357,7 @@ def render_attention(files: list[ResultFile]) -> str:
         headers += ["TFLOP/s"] if has_tflops else []
         table = [[e, b, c, q, sig(us), pct(f)] + ([or_dash(t, sig)] if has_tflops else [])
                  for e, b, c, q, us, f, t in parsed]
-        text = md_table(headers, table)
-        steps = opt(rf.data, "decode_step", rf.name, "list")
+        text = md_table(headers, table) if rows else ""
         if steps:
             step_rows = []
             for i, r in enumerate(steps):
@@ -365,8 +365,8 @@ def render_attention(files: list[ResultFile]) -> str:
                 step_rows.append((need(r, "model", w, "str"), need(r, "context", w, "int"),
                                   need(r, "batch", w, "int"), need(r, "median_s", w)))
             step_rows.sort()
-            text += "\n\n" + md_table(["model", "context", "batch", "decode ms/step"],
-                                      [[m, c, b, ms(s)] for m, c, b, s in step_rows])
+            text += ("\n\n" if text else "") + md_table(["model", "context", "batch", "decode ms/step"],
+                                                       [[m, c, b, ms(s)] for m, c, b, s in step_rows])
         blocks.append(file_block("Attention kernels", text, rf, copy_bw_note(rf)))
     return "\n\n".join(blocks)
 
@@ -702,7 +702,8 @@ KINDS = (
     Kind("decode", "Decode step", ("decode",), ("decode-*.json",),
          lambda d: _row_keys(d, "route", "median_s", "batch"), render_decode),
     Kind("attention", "Attention", ("attention",), ("attention-*.json",),
-         lambda d: _row_keys(d, "entry", "query_tokens", "us"), render_attention),
+         lambda d: _row_keys(d, "entry", "query_tokens", "us") or (bool(d.get("decode_step"))
+                                                                   and d.get("results") == []), render_attention),
     Kind("kernels", "Kernels", ("kernels",), ("kernels-*.json",),
          lambda d: "goals" in d and _row_keys(d, "entry", "shape", "frac_copy"), render_kernels),
     Kind("kernel_variants", "Kernel variants", (), ("kernel-variants*.json",),

@@ -83,6 +83,7 @@ class SpeculativeEngine(LLMEngine):
         self.runner = SpecRunner(model, self.drafter)
         self.spec_steps = None           # m3serve.runtime.spec_graphs.SpecSteps (enable_target)
         self.graph_steps = 0             # steps that ran as SpecSteps
+        self.overlapped_steps = 0        # of them, launched before the previous one was read back
         self.rng = DeviceRNG(config.seed, model.device)
         self.capture = self.runner.capture
         self._state: dict[int, SpecState] = {}
@@ -194,10 +195,15 @@ class SpeculativeEngine(LLMEngine):
     def step(self) -> list[Request]:
         chunks = self.scheduler.schedule()
         if not chunks:
-            return self._unschedulable()
+            return self._resolve_inflight() + self._unschedulable()
         reqs = self._target_step_requests(chunks)
         if reqs is not None:
             return self._target_step(reqs)
+        done = self._resolve_inflight()       # the eager step needs every token on the host
+        if done:
+            chunks = [c for c in chunks if not c.request.is_finished]
+            if not chunks:
+                return done
         with torch.inference_mode():
             items = self._plan(chunks)
             sampled = [it for it in items if it.sample]
@@ -206,34 +212,49 @@ class SpeculativeEngine(LLMEngine):
             emitted = self._verify(sampled, head) if sampled else []
             out = self._commit(items, sampled, emitted, head)
             self._draft(items)
-        return out
+        return done + out
 
     # ------------------------------------------------------------------ the decode target's step
+    def _in_flight(self) -> dict[int, int]:
+        """request id -> its preemption count at launch, for the requests of the SpecSteps step in flight."""
+        return self._inflight[2] if self._inflight is not None else {}
+
     def _target_step_requests(self, chunks) -> list[Request] | None:
         """The requests of `chunks` when the step can run as SpecSteps: every chunk a greedy decode (no logprobs,
-        no logits processing) holding K drafts made for its current state, in a bucket, with room for the
-        step's writes (positions < num_computed + 2K, pages allocated here). None: take the eager path."""
+        no logits processing) holding K drafts for its current state, or in the step in flight (whose outputs
+        the device keeps for this one), in a bucket, with room for the step's writes (pages allocated here).
+        None: take the eager path (which first reads back the step in flight)."""
         ss = self.spec_steps
         if ss is None or ss.bucket_for(len(chunks)) is None:
             return None
         k = self.spec.num_speculative_tokens
-        reqs = []
+        flight = self._in_flight()
+        reqs, reach = [], []
         for c in chunks:
             r = c.request
             st = self._state.get(r.request_id)
-            if (c.num_tokens != 1 or not c.reaches_end or st is None or len(st.drafts) != k
-                    or st.anchor != r.num_tokens or st.preemptions != r.num_preemptions or not r.params.greedy
-                    or r.params.logprobs is not None or r.logits_processing
-                    or r.num_computed + 2 * k > self.max_model_len):
+            moving = flight.get(r.request_id) == r.num_preemptions
+            ready = moving or (st is not None and len(st.drafts) == k and st.anchor == r.num_tokens
+                               and st.preemptions == r.num_preemptions)
+            # writes stay below n + 2K, n = num_computed after the step in flight (at most K + 1 more)
+            end = r.num_computed + (k + 1 if moving else 0) + 2 * k
+            if (c.num_tokens != 1 or not c.reaches_end or not ready or not r.params.greedy
+                    or r.params.logprobs is not None or r.logits_processing or end > self.max_model_len):
                 return None
             reqs.append(r)
-        if not all(self.blocks.append_slots(r.request_id, r.num_computed + 2 * k) for r in reqs):
+            reach.append(end)
+        if self.overlap and any(r.request_id not in flight for r in reqs) and flight:
+            return None          # a new row's staged state and the flight's device state: read the flight first
+        if not all(self.blocks.append_slots(r.request_id, e) for r, e in zip(reqs, reach)):
             return None
         return reqs
 
     def _target_step(self, reqs: list[Request]) -> list[Request]:
-        """One SpecSteps step: verify, accept and draft on the device; the host appends what each request emits."""
+        """One SpecSteps step. With overlap (the default) it is launched before the step in flight is read back:
+        a request in that step takes its state from the device, and the requests that step finishes are
+        returned now, while the GPU runs this one. Without overlap it is launched and read back at once."""
         k = self.spec.num_speculative_tokens
+        flight = self._in_flight()
         forced = None
         if self.spec.forced_acceptance is not None:
             forced = []
@@ -241,13 +262,31 @@ class SpeculativeEngine(LLMEngine):
                 step = self._forced_step.get(r.request_id, 0)
                 self._forced_step[r.request_id] = step + 1
                 forced.append(min(forced_accepts(step, self.spec.forced_acceptance - 1.0), k))
-        launched = self.spec_steps.run([r.request_id for r in reqs], [_last_token(r) for r in reqs],
-                                       [self._state[r.request_id].drafts for r in reqs],
-                                       [r.num_computed for r in reqs], forced)
-        res = self.spec_steps.fetch(launched)
+        moving = [flight.get(r.request_id) == r.num_preemptions for r in reqs]
+        launched = self.spec_steps.run(
+            [r.request_id for r in reqs], [0 if m else _last_token(r) for r, m in zip(reqs, moving)],
+            [[] if m else self._state[r.request_id].drafts for r, m in zip(reqs, moving)],
+            [-1 if m else r.num_computed for r, m in zip(reqs, moving)], forced)
         self.graph_steps += 1
+        self.overlapped_steps += any(moving)
+        prev, self._inflight = self._inflight, (launched, reqs, {r.request_id: r.num_preemptions for r in reqs})
+        if not self.overlap:
+            return self._resolve(prev) + self._resolve_inflight()
+        return self._resolve(prev)
+
+    def _resolve(self, inflight) -> list[Request]:
+        """Read back a SpecSteps step: each request that is still running as it was launched (not finished,
+        aborted or preempted since) appends what it emitted; the others' results are dropped."""
+        if inflight is None:
+            return []
+        launched, reqs, preemptions = inflight
+        res = self.spec_steps.fetch(launched)
+        k = self.spec.num_speculative_tokens
+        out = []
         for r, toks, drafts in zip(reqs, res.emitted, res.drafts):
-            st = self._state[r.request_id]
+            if r.is_finished or not r.allocated or r.num_preemptions != preemptions[r.request_id]:
+                continue
+            st = self._st(r)
             a = len(toks) - 1
             r.num_computed += 1 + a
             self._record(st, k, a)
@@ -263,7 +302,8 @@ class SpeculativeEngine(LLMEngine):
                     self.blocks.commit_full_pages(r.request_id, r.all_token_ids[:r.num_computed])
                 st.drafts, st.q, st.anchor = drafts, None, r.num_tokens
             r.spec_metrics = st.metrics()
-        return reqs
+            out.append(r)
+        return out
 
     @staticmethod
     def _target_mode(sampled: list[StepItem]) -> int:

@@ -4,9 +4,13 @@ fixed-shape device program per batch bucket, replayed as a CUDA graph (or run ea
 One step of a bucket of S sequences, each holding n tokens of KV (num_computed), its last token x (position n)
 and K drafts d_1..d_K (positions n+1..n+K), T = S(K+1) packed rows, row (i, j) at position n_i + j:
 
-    host   pack [rows | change | token seq T | positions T | token ids T, seq lens S, forced S | changed rows]
-           into one pinned buffer (DeviceBlockTables.stage, padded to the bucket); ONE H2D copy
-    device table rows -> slot table, token slots (expand_staged, captured)
+    host   pack [rows | change | token seq T | positions T | token ids T, seq lens S, forced S, n S | changed
+           rows] into one pinned buffer (DeviceBlockTables.stage, padded to the bucket); ONE H2D copy. A row
+           staged with n = -1 takes n, x and its drafts from the device instead: what the previous step of the
+           same table row left there (so the host may launch step m+1 before it has read step m: the engine's
+           overlap loop)
+    device [n, x, d] per row (staged or from the device) -> positions and sequence lengths into the stage;
+           table rows -> slot table, token slots (expand_staged, captured)
            verify: the target over [x, d_1..d_K] per sequence (attention through the paged-cache kernels,
                    causal within the K+1 rows), capturing the drafter's residual streams; t = argmax per row
            accept: a = the longest prefix with d_j = t_{j-1} (or the staged forced count, benchmarks);
@@ -14,6 +18,7 @@ and K drafts d_1..d_K (positions n+1..n+K), T = S(K+1) packed rows, row (i, j) a
            draft pass 1: the draft layer over all T rows, row (i, j) fed (e_j, fused target state of row j)
                    at position n+j; row a of each sequence proposes d'_1 from its state h
            draft passes 2..K: one row per sequence at position c+j-2 (c = n+a+1) fed (d'_{j-1}, h) -> d'_j
+           the device keeps per table row: n' = n + a + 1 and [e_a, d'_1..d'_K] (the next step's inputs)
     D2H    [e_0..e_K | a+1 | d'_1..d'_K] per row (int64), then an event
 
 Why pass 1 may run all K+1 rows: rows j > a saw a rejected token, so their draft K/V (positions n+a+1..n+K) is
@@ -92,6 +97,10 @@ class SpecSteps:
         self._query_start = {b: torch.arange(0, b * (k + 1) + 1, k + 1, dtype=torch.int32, device=dev)
                              for b in self.buckets}
         self._one_each = {b: torch.arange(b + 1, dtype=torch.int32, device=dev) for b in self.buckets}
+        # What each block-table row's last step left for its next one (the padding row included).
+        rows = tables.manager.max_seqs + 1
+        self.next_pos = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.next_ids = torch.zeros(rows, k + 1, dtype=torch.int64, device=dev)
 
     def bucket_for(self, batch: int) -> int | None:
         for b in self.buckets:
@@ -103,25 +112,31 @@ class SpecSteps:
     def stage(self, bucket: int, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]],
               positions: list[int], forced: list[int] | None = None) -> None:
         """Pack one padded step: row i verifies [last_tokens[i], *drafts[i]] (K drafts) from positions[i] (its
-        num_computed). forced[i] >= 0: accept that many drafts (forced-acceptance benchmarks), else verify."""
+        num_computed); positions[i] = -1: all three come from the device (what the row's previous step left;
+        last_tokens[i] and drafts[i] are then ignored). forced[i] >= 0: accept that many drafts (forced-
+        acceptance benchmarks), else verify."""
         k, s, n = self.k, bucket, len(seq_ids)
-        if any(len(d) != k for d in drafts) or len(drafts) != n or len(last_tokens) != n or len(positions) != n:
+        if len(drafts) != n or len(last_tokens) != n or len(positions) != n or any(
+                len(d) != k for d, p in zip(drafts, positions) if p >= 0):
             raise ValueError(f"drafts: expected {n} rows of exactly K = {k} drafts with one last token and position "
                              f"each, found {[len(d) for d in drafts][:8]}")
         t = s * (k + 1)
         pos0 = np.zeros(s, dtype=np.int64)
         pos0[:n] = positions
-        positions_t = (pos0[:, None] + np.arange(k + 1)).reshape(-1)
+        staged = pos0 >= 0
+        # placeholder positions for device rows: the program writes the real ones before expanding the tables
+        positions_t = (np.where(staged, pos0, 0)[:, None] + np.arange(k + 1)).reshape(-1)
         tsi = np.repeat(np.arange(s), k + 1)
-        extra = np.zeros(t + 2 * s, dtype=np.int32)
+        extra = np.zeros(t + 3 * s, dtype=np.int32)
         ids = extra[:t].reshape(s, k + 1)
-        if n:
-            ids[:n, 0] = last_tokens
-            ids[:n, 1:] = drafts
-        extra[t:t + n] = pos0[:n] + k + 1
-        extra[t + s:] = -1
+        for i in np.flatnonzero(staged[:n]):
+            ids[i, 0] = last_tokens[i]
+            ids[i, 1:] = drafts[i]
+        extra[t:t + n] = np.where(staged[:n], pos0[:n] + k + 1, 0)
+        extra[t + s:t + 2 * s] = -1
         if forced is not None:
             extra[t + s:t + s + n] = forced
+        extra[t + 2 * s:] = pos0
         got_s, got_t, offsets = self.tables.stage(seq_ids, tsi, positions_t, extra=extra, pad_to=s)
         if self._offsets.setdefault(bucket, offsets) != offsets or (got_s, got_t) != (s, t):
             raise AssertionError(f"bucket {bucket}: staged layout {(got_s, got_t, offsets)} differs from the "
@@ -154,13 +169,20 @@ class SpecSteps:
         k, s = self.k, bucket
         t = s * (k + 1)
         off = self._offsets[bucket]
-        _, _, slot_mapping = self.tables.expand_staged(s, t, off)
         stage = self.tables._dev_stage
         extra = off[3] + t
-        ids = stage[extra:extra + t].long()
-        positions = stage[off[3]:off[3] + t].long()
+        rows = stage[:s].long()
         seq_lens = stage[extra + t:extra + t + s]
         forced = stage[extra + t + s:extra + t + 2 * s].long()
+        staged_pos = stage[extra + t + 2 * s:extra + t + 3 * s].long()
+        from_device = staged_pos < 0
+        pos0 = torch.where(from_device, self.next_pos[rows], staged_pos)
+        ids = torch.where(from_device[:, None], self.next_ids[rows], stage[extra:extra + t].long().view(s, k + 1))
+        ids = ids.reshape(-1)
+        positions = (pos0[:, None] + torch.arange(k + 1, device=ids.device)).reshape(-1)
+        stage[off[3]:off[3] + t].copy_(positions)                           # what expand_staged reads
+        seq_lens.copy_(torch.where(from_device, pos0 + k + 1, seq_lens.long()))
+        _, _, slot_mapping = self.tables.expand_staged(s, t, off)
         verify, draft = self._plans(bucket)
         m, d = self.model, self.drafter
 
@@ -184,18 +206,21 @@ class SpecSteps:
         proposals = [self._greedy(normed[last])]
         live = seq_lens > 0
         page = self.kv.page_size
-        rows = torch.arange(s, device=ids.device)
-        pos = positions.view(s, k + 1)[:, 0] + a + 1                         # c = n + a + 1
+        batch_rows = torch.arange(s, device=ids.device)
+        pos = pos0 + a + 1                                                   # c = n + a + 1
         for step_j in range(2, k + 1):
             p = pos + step_j - 2
-            slots = draft.slot_table[rows, p // page].long()
+            slots = draft.slot_table[batch_rows, p // page].long()
             mapping = torch.where(live, slots * page + p % page, -1)
             draft.seq_lens.copy_(torch.where(live, p + 1, 0))
             pbatch = ForwardBatch(input_ids=proposals[-1], positions=p, seqs=[], slot_mapping=mapping, kv=self.view,
                                   step=draft)
             normed, h_d = d(pbatch, h_d)
             proposals.append(self._greedy(normed))
-        return torch.cat((emitted, (a + 1)[:, None], torch.stack(proposals, dim=1)), dim=1)
+        drafted = torch.stack(proposals, dim=1)
+        self.next_pos.index_copy_(0, rows, pos)              # padded rows all land on the padding row
+        self.next_ids.index_copy_(0, rows, torch.cat((emitted.gather(1, a[:, None]), drafted), dim=1))
+        return torch.cat((emitted, (a + 1)[:, None], drafted), dim=1)
 
     def _greedy(self, normed: torch.Tensor) -> torch.Tensor:
         d = self.drafter

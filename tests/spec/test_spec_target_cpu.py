@@ -62,16 +62,41 @@ def test_greedy_equals_the_eager_engine(model):
     assert eng.graph_steps >= 3 and eng.spec_steps.replays == eng.graph_steps
 
 
-def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model):
+@pytest.fixture(scope="module")
+def forced_reference(model):
     eager = _spec(model, False, forced_acceptance=3.5)
-    ref, ref_reqs = _run(eager)
+    out, _ = _run(eager)
+    return out, eager.stats()["spec_decode"]["accepted_per_position"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, forced_reference, overlap):
+    """overlap: each step is launched before the previous one is read back, its rows' n, x and drafts taken
+    from the device."""
+    ref, ref_per_pos = forced_reference
     eng = _spec(model, True, forced_acceptance=3.5)
+    eng.overlap = overlap
     got, reqs = _run(eng)
     assert got == ref
-    assert eng.graph_steps >= 3
+    assert eng.graph_steps >= 3 and (eng.overlapped_steps >= 2 if overlap else eng.overlapped_steps == 0)
     per_pos = eng.stats()["spec_decode"]["accepted_per_position"]
-    assert per_pos == eager.stats()["spec_decode"]["accepted_per_position"]
+    assert per_pos == ref_per_pos
     assert 0 < per_pos[-1] < per_pos[0]          # 2 and 3 = K drafts accepted both occurred
+
+
+def test_abort_while_a_step_is_in_flight(model, forced_reference):
+    """An aborted request's in-flight results are dropped; the other request is unaffected; no page leaks."""
+    ref, _ = forced_reference
+    eng = _spec(model, True, forced_acceptance=3.5)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+            for p, m in zip(PROMPTS, MAX_TOKENS)]
+    while eng._inflight is None:
+        eng.step()
+    eng.abort(reqs[1].request_id)
+    while eng.has_work():
+        eng.step()
+    assert list(reqs[0].output_token_ids) == ref[0] and reqs[1].is_finished
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots
 
 
 def test_sampled_requests_take_the_eager_path(model):
