@@ -1,7 +1,9 @@
 """Where a decode step's GPU time goes: torch-profiler kernel table of the decode target (CUDA graphs) at one
-batch size on the embedded model or a preset.
+batch size on the embedded model or a preset; --spec K profiles Eagle3 speculative steps instead (SpecSteps
+graphs: the embedded model's trained drafter, or a random drafter with forced acceptance --forced-al on a preset).
 
     python bench/profile_step.py --model m3-tiny-verse --batch 1 --context 256 --out FILE.txt
+    python bench/profile_step.py --model m3-tiny-verse --spec 3 --out FILE.txt
 """
 
 from __future__ import annotations
@@ -23,15 +25,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--spec", type=int, default=0, help="K > 0: speculative steps with K drafts")
+    ap.add_argument("--forced-al", type=float, default=2.78, help="--spec on a preset: forced acceptance length")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     embedded = args.model == "m3-tiny-verse"
+    spec = None
+    if args.spec:
+        from m3serve.llm import DEFAULT_MODEL_DIR
+        spec = {"method": "eagle3", "num_speculative_tokens": args.spec,
+                "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3") if embedded else None}
+        if not embedded:
+            spec["forced_acceptance"] = args.forced_al
+    room = (args.spec + 1) * (args.steps + 12) + 3 * args.spec
     llm = LLM(None if embedded else args.model, device="cuda", dtype="bfloat16", random_weights=not embedded,
               quantization=None if embedded else "nvfp4", kv_cache_dtype="auto" if embedded else "nvfp4",
-              max_num_seqs=args.batch, max_model_len=args.context + 64 + args.steps, gpu_memory_utilization=0.85)
+              max_num_seqs=args.batch, max_model_len=args.context + 64 + args.steps + room,
+              gpu_memory_utilization=0.85, speculative_config=spec)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=(args.steps + 40) * (args.spec + 1), temperature=0.0, ignore_eos=True)
     for _ in range(args.batch):
         eng.add_request(torch.randint(3, llm.model.cfg.vocab_size, (args.context,), generator=g).tolist(), sp)
     for _ in range(8):
@@ -57,7 +70,8 @@ def main() -> None:
         meta = run_metadata()
         with open(args.out, "w") as f:
             f.write(f"# command: {meta['command']}\n# commit: {meta['commit']} · gpu: {meta['gpu']} · date: {meta['date']}\n"
-                    f"model {args.model} batch {args.batch} context {args.context} steps {args.steps}\n{table}\n")
+                    f"model {args.model} batch {args.batch} context {args.context} steps {args.steps} spec K {args.spec}\n"
+                    f"{table}\n")
 
 
 if __name__ == "__main__":
