@@ -134,6 +134,8 @@ class SpeculativeEngine(LLMEngine):
                 raise ValueError(f"route='require': speculative attention outside the certified cells: {why}")
             log.warning("speculative decode target off (attention outside the certified cells): %s", why)
             return False
+        from m3serve.targets.routing import install_drafter, mode_of
+        install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
         self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs)
         self.spec_steps.capture()
         return True

@@ -201,8 +201,14 @@ class LlamaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # Set by m3serve.targets.routing.install_drafter: (norm, x) -> y through norm.rms, or None (stock).
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dispatch is not None:
+            y = self.dispatch(self, x)
+            if y is not None:
+                return y
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
@@ -218,6 +224,19 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.hk * d, bias=False)
         self.o_proj = nn.Linear(self.hq * d, h, bias=False)
         self.scale = d ** -0.5
+        self.qkv_weight: torch.Tensor | None = None    # fuse_projections(): q|k|v rows, one GEMM
+
+    def fuse_projections(self) -> None:
+        """One [Hq*D + 2*Hk*D, 2H] weight for q|k|v (the decode target: one GEMM instead of three); the three
+        Linears keep row views of it, so nothing is stored twice."""
+        if self.qkv_weight is not None:
+            return
+        w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).detach()
+        n_q, n_k = self.q_proj.out_features, self.k_proj.out_features
+        self.q_proj.weight = nn.Parameter(w[:n_q], requires_grad=False)
+        self.k_proj.weight = nn.Parameter(w[n_q:n_q + n_k], requires_grad=False)
+        self.v_proj.weight = nn.Parameter(w[n_q + n_k:], requires_grad=False)
+        self.qkv_weight = w
 
 
 class Eagle3MLP(nn.Module):
@@ -226,8 +245,22 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None   # fuse_projections(): gate|up rows, one GEMM
+
+    def fuse_projections(self) -> None:
+        """gate|up as one GEMM (the Linears keep row views of the concatenation)."""
+        if self.gate_up_weight is not None:
+            return
+        w = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+        i = self.gate_proj.out_features
+        self.gate_proj.weight = nn.Parameter(w[:i], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[i:], requires_grad=False)
+        self.gate_up_weight = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -250,9 +283,13 @@ class Eagle3Layer(nn.Module):
         residual = hn if self.cfg.norm_before_residual else hidden
         x2 = torch.cat((self.input_layernorm(emb), hn), dim=-1)
         lead = x2.shape[:-1]
-        q = a.q_proj(x2).view(*lead, a.hq, a.d)
-        k = a.k_proj(x2).view(*lead, a.hk, a.d)
-        v = a.v_proj(x2).view(*lead, a.hk, a.d)
+        if a.qkv_weight is not None:
+            q, k, v = F.linear(x2, a.qkv_weight).split((a.hq * a.d, a.hk * a.d, a.hk * a.d), dim=-1)
+            q, k, v = q.reshape(*lead, a.hq, a.d), k.reshape(*lead, a.hk, a.d), v.reshape(*lead, a.hk, a.d)
+        else:
+            q = a.q_proj(x2).view(*lead, a.hq, a.d)
+            k = a.k_proj(x2).view(*lead, a.hk, a.d)
+            v = a.v_proj(x2).view(*lead, a.hk, a.d)
         cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
 

@@ -54,6 +54,33 @@ def install(model, mode: str) -> None:
     model.route_mode = mode
 
 
+def install_drafter(drafter, mode: str) -> None:
+    """Route an Eagle3 drafter's Llama norms (y = x * rsqrt(mean(x^2) + eps) * w) through norm.rms, which applies
+    (1 + w'): w' = w - 1 in fp32, kept only where 1 + w' gives back w exactly (every bf16 w of magnitude
+    2**-16 .. 2**16), so the product is the stock one; other norms stay stock. Also joins the drafter's q|k|v and
+    gate|up projections into one GEMM each (mode off: the norms go back to stock, the joined weights stay)."""
+    from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
+    if mode not in MODES:
+        raise ValueError(f"route mode: expected one of {MODES}, found {mode!r}")
+    for mod in drafter.modules():
+        if isinstance(mod, LlamaRMSNorm):
+            mod.dispatch = None
+            if mode == "off":
+                continue
+            w = mod.weight.detach().float()
+            shifted = w - 1.0
+            if torch.equal(1.0 + shifted, w):
+                mod.gemma_weight = shifted.contiguous()
+                mod.dispatch = functools.partial(_llama_norm, mode=mode)
+        elif isinstance(mod, (Eagle3Attention, Eagle3MLP)) and mode != "off":
+            mod.fuse_projections()
+
+
+def _llama_norm(norm, x: torch.Tensor, mode: str):
+    """A drafter's Llama RMSNorm as norm.rms with its exact Gemma-form weight (install_drafter)."""
+    return _norm_rows("drafter norm", x, norm.gemma_weight, norm.eps, mode)
+
+
 def mode_of(model) -> str:
     return getattr(model, "route_mode", "off")
 
@@ -113,8 +140,13 @@ def _bf16_cuda(where: str, t: torch.Tensor, mode: str) -> bool:
 
 def _norm(norm, x: torch.Tensor, mode: str):
     """Gemma RMSNorm of [..., H] rows (norm.rms)."""
+    return _norm_rows("norm", x, norm.weight, norm.eps, mode)
+
+
+def _norm_rows(where: str, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
+    """x [..., H] through norm.rms with Gemma weight `weight` (1 + weight applied), or None (stock)."""
     h = x.shape[-1]
-    if not _bf16_cuda("norm", x, mode) or x.numel() == 0:
+    if not _bf16_cuda(where, x, mode) or x.numel() == 0:
         return None
     rows = x.numel() // h
     entry = lookup("norm.rms", rows, (h,), mode)
@@ -124,7 +156,7 @@ def _norm(norm, x: torch.Tensor, mode: str):
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
-    entry.raw_call(x2, norm.weight, float(norm.eps), out)
+    entry.raw_call(x2, weight, float(eps), out)
     return out.view(x.shape)
 
 

@@ -106,3 +106,26 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
         st = eng.stats()["spec_decode"]
         assert eng.graph_steps >= 10 and st["acceptance_length"] > 2.0   # verify_steps counts requests
     assert outs[True] == outs[False] == ref
+
+
+def test_routed_drafter_norm_matches_the_stock_llama_norm():
+    """install_drafter's norm.rms route of a Llama norm vs the stock fp32 formula, on fresh random rows: within
+    one bf16 ulp plus H fp32 ulps (norm.rms's band: the mean's summation order and rsqrt rounding differ)."""
+    from m3serve.kernels.catalog import BF16_REL, FP32_U
+    from m3serve.model.eagle3 import LlamaRMSNorm
+    from m3serve.targets.routing import install_drafter
+    g = torch.Generator().manual_seed(7)
+    norm = LlamaRMSNorm(256, 1e-6)
+    norm.weight.data = 1.0 + 0.3 * torch.randn(256, generator=g)
+    norm = norm.to("cuda", torch.bfloat16)
+    holder = torch.nn.Sequential(norm)
+    install_drafter(holder, "require")
+    assert norm.dispatch is not None
+    x = (torch.randn(13, 256, generator=g) * 3).to("cuda", torch.bfloat16)
+    got = norm(x)
+    xf = x.float()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()
+    band = (BF16_REL + 256 * FP32_U) * ref.abs() + 1e-30
+    assert ((got.float() - ref).abs() <= band).all()
+    norm.dispatch = None
+    assert (norm(x).float() - got.float()).abs().max() <= band.max()

@@ -125,3 +125,31 @@ def test_embedded_model_and_drafter_lie_in_certified_cells():
                                                 "num_speculative_tokens": 3})
     assert eng.enable_target(graphs=False, mode="require")
     assert eng.spec_steps.buckets == (1, 2, 4, 8) and eng.spec_steps.k == 3
+
+
+def test_install_drafter_routes_exact_norms_and_joins_projections():
+    """install_drafter: a Llama norm goes to norm.rms only when 1 + (w - 1) == w exactly in fp32 (a weight of
+    2**-30 does not survive the shift: that norm stays stock); q|k|v and gate|up become one GEMM each, the
+    Linears keep views of the joined weight, and the layer's output is unchanged (fp32: the same dot products)."""
+    from m3serve.config import preset
+    from m3serve.model.eagle3 import random_drafter
+    from m3serve.targets.routing import install_drafter
+    d = random_drafter(preset("tiny"), seed=3)
+    d.norm.weight.data[5] = 2.0 ** -30
+    layer = d.midlayer
+    emb, hidden = torch.randn(5, d.cfg.hidden_size), torch.randn(5, d.cfg.hidden_size)
+    pos = torch.arange(5)
+    before = layer.project(emb, hidden, pos)
+    mlp_before = layer.mlp(hidden)
+    install_drafter(d, "auto")
+    assert d.norm.dispatch is None
+    assert layer.input_layernorm.dispatch is not None and torch.equal(
+        1.0 + layer.input_layernorm.gemma_weight, layer.input_layernorm.weight.float())
+    assert layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+    assert layer.self_attn.k_proj.weight.data_ptr() == layer.self_attn.qkv_weight[layer.self_attn.q_proj.out_features:].data_ptr()
+    after = layer.project(emb, hidden, pos)
+    for x, y in zip(before, after):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.mlp(hidden), mlp_before, rtol=1e-5, atol=1e-6)
+    install_drafter(d, "off")
+    assert all(getattr(m, "dispatch", None) is None for m in d.modules())
