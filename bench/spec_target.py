@@ -10,7 +10,7 @@ for both engines); each configuration runs once untimed first (compilation, allo
     minimax-m3:N (random weights):  a random drafter with FORCED acceptance (--forced-al, the seed's 2.78): the
                                     drafts are accepted by count, so outputs are not the plain ones (null)
 
-    python bench/spec_target.py --models m3-tiny-verse,minimax-m3:5 --batch 1 --out bench/results/spec-target-h200.json
+    python bench/spec_target.py --models m3-tiny-verse,minimax-m3:5 --batch 1,4 --k 3 --out bench/results/spec-target-h200.json
 """
 
 from __future__ import annotations
@@ -43,65 +43,77 @@ def random_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
     return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def decode(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
-    """(tokens per second per user after the first step, outputs) for one batch run to completion."""
-    reqs = [engine.add_request(p, params) for p in prompts]
-    engine.step()                                   # prefill (+ first drafts): not timed
-    torch.cuda.synchronize()
-    first = [len(r.output_token_ids) for r in reqs]
-    t = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    made = [len(r.output_token_ids) - f for r, f in zip(reqs, first)]
-    return sum(made) / len(reqs) / dt, [list(r.output_token_ids) for r in reqs]
+def decode(engine, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple[float, list[list[int]]]:
+    """(tokens per second per user after each group's first step, outputs): the prompts run in groups of
+    `batch`, one group after the other; per-user tokens and decode time are summed over the groups."""
+    per_user, seconds, outs = 0.0, 0.0, []
+    for g in range(0, len(prompts), batch):
+        reqs = [engine.add_request(p, params) for p in prompts[g:g + batch]]
+        engine.step()                                   # prefill (+ first drafts): not timed
+        torch.cuda.synchronize()
+        first = [len(r.output_token_ids) for r in reqs]
+        t = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - t
+        per_user += sum(len(r.output_token_ids) - f for r, f in zip(reqs, first)) / len(reqs)
+        outs += [list(r.output_token_ids) for r in reqs]
+    return per_user / seconds, outs
 
 
-def bench_model(name: str, batches: list[int], args) -> list[dict]:
+def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict]:
     tiny = name == "m3-tiny-verse"
     kw = dict(dtype="bfloat16", route="auto", kv_cache_bytes=2 << 30, max_num_seqs=max(batches),
               max_model_len=args.context + 2 * args.max_tokens + 64)
     if tiny:
         llm = LLM(DEFAULT_MODEL_DIR, **kw)
-        spec_cfg = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": args.k}
         forced = None
     else:
         llm = LLM(name, random_weights=True, quantization=args.quantization, **kw)
         forced = args.forced_al
-        spec_cfg = {"method": "eagle3", "model": None, "num_speculative_tokens": args.k, "forced_acceptance": forced}
     plain = llm.engine
     cfg = EngineConfig(**{f: getattr(plain.config, f) for f in plain.config.__dataclass_fields__})
-    spec = SpeculativeEngine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
-    if not spec.enable_target(graphs=True, mode="require"):
-        raise SystemExit(f"{name}: the speculative target is off")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=not tiny)
+    engines = [("plain", 0, plain)]
+    for k in ks:
+        spec_cfg = {"method": "eagle3", "num_speculative_tokens": k,
+                    "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3") if tiny else None}
+        if forced is not None:
+            spec_cfg["forced_acceptance"] = forced
+        spec = SpeculativeEngine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
+        if not spec.enable_target(graphs=True, mode="require"):
+            raise SystemExit(f"{name}: the speculative target is off")
+        engines.append(("spec", k, spec))
     rows = []
     for b in batches:
-        ps = chat_prompts(llm, b) if tiny else random_prompts(llm.model.cfg.vocab_size, b, args.context)
-        got = {}
-        for mode, eng in (("plain", plain), ("spec", spec)):
-            decode(eng, ps, params)                                  # warm-up
+        n = args.groups * b
+        ps = chat_prompts(llm, n) if tiny else random_prompts(llm.model.cfg.vocab_size, n, args.context)
+        got, base = {}, None
+        for mode, k, eng in engines:
+            decode(eng, ps[:b], params, b)                            # warm-up
             if mode == "spec":
-                spec.reset_spec_stats()
-            tps, outs = decode(eng, ps, params)
-            got[mode] = outs
-            st = spec.stats()["spec_decode"] if mode == "spec" else None
-            rows.append({"model": name, "mode": mode, "batch": b, "k": args.k if mode == "spec" else 0,
-                         "forced_al": forced if mode == "spec" else None,
-                         "acceptance_length": st["acceptance_length"] if st else None,
-                         "tokens_per_s_per_user": tps, "context": None if tiny else args.context,
-                         "graph_steps": spec.graph_steps if mode == "spec" else None,
-                         "identical_to_plain": None})
-            print(json.dumps(rows[-1]), flush=True)
-        same = got["spec"] == got["plain"] if forced is None else None
-        for r in rows[-2:]:
-            r["identical_to_plain"] = same
-        rows[-1]["speedup_vs_plain"] = rows[-1]["tokens_per_s_per_user"] / rows[-2]["tokens_per_s_per_user"]
-        print(f"{name} b{b}: spec {rows[-1]['tokens_per_s_per_user']:.0f} vs plain "
-              f"{rows[-2]['tokens_per_s_per_user']:.0f} tok/s/user = {rows[-1]['speedup_vs_plain']:.2f}x, "
-              f"AL {rows[-1]['acceptance_length']}, identical {same}", flush=True)
-    del spec, llm
+                eng.reset_spec_stats()
+                steps0 = eng.graph_steps
+            tps, outs = decode(eng, ps, params, b)
+            got[k] = outs
+            st = eng.stats()["spec_decode"] if mode == "spec" else None
+            row = {"model": name, "mode": mode, "batch": b, "k": k, "prompts": n,
+                   "forced_al": forced if mode == "spec" else None,
+                   "acceptance_length": st["acceptance_length"] if st else None,
+                   "tokens_per_s_per_user": tps, "context": None if tiny else args.context,
+                   "graph_steps": eng.graph_steps - steps0 if mode == "spec" else None,
+                   "identical_to_plain": None}
+            if mode == "plain":
+                base = tps
+            else:
+                row["speedup_vs_plain"] = tps / base
+                row["identical_to_plain"] = got[k] == got[0] if forced is None else None
+                print(f"{name} b{b} K={k}: spec {tps:.0f} vs plain {base:.0f} tok/s/user = {tps / base:.2f}x, "
+                      f"AL {row['acceptance_length']}, identical {row['identical_to_plain']}", flush=True)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    del engines, llm
     torch.cuda.empty_cache()
     return rows
 
@@ -110,7 +122,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="m3-tiny-verse,minimax-m3:5")
     ap.add_argument("--batch", default="1")
-    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--k", default="3", help="comma-separated draft counts (one speculative engine each)")
+    ap.add_argument("--groups", type=int, default=4, help="prompt groups of `batch` run one after the other")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of the random-weight models")
     ap.add_argument("--forced-al", type=float, default=2.78)
@@ -120,9 +133,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/spec_target.py: needs a CUDA GPU (the decode target's graphs)")
     batches = [int(x) for x in args.batch.split(",")]
-    out = {"bench": "spec_target", **run_metadata(), "k": args.k, "max_tokens": args.max_tokens, "results": []}
+    ks = [int(x) for x in args.k.split(",")]
+    out = {"bench": "spec_target", **run_metadata(), "max_tokens": args.max_tokens, "results": []}
     for name in args.models.split(","):
-        out["results"] += bench_model(name, batches, args)
+        out["results"] += bench_model(name, batches, ks, args)
         with open(args.out, "w") as f:                        # saved after each model
             json.dump(out, f, indent=2)
     print(f"wrote {args.out}")

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from m3serve.config import M3Config
 from m3serve.model import msa
-from m3serve.model.layers import apply_rope, rope_cos_sin
+from m3serve.model.layers import apply_rope, rope_cos_sin, rope_inv_freq
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -274,6 +274,7 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = LlamaRMSNorm(h, cfg.rms_norm_eps)
         self.mlp = Eagle3MLP(cfg)
+        self._inv_freq: torch.Tensor | None = None     # RoPE frequencies, computed once per device
 
     def project(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """emb, hidden [..., T, H], positions [..., T] -> q [.., T, Hq, D], k/v [.., T, Hk, D] (RoPE applied),
@@ -290,7 +291,9 @@ class Eagle3Layer(nn.Module):
             q = a.q_proj(x2).view(*lead, a.hq, a.d)
             k = a.k_proj(x2).view(*lead, a.hk, a.d)
             v = a.v_proj(x2).view(*lead, a.hk, a.d)
-        cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, positions.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, self._inv_freq)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

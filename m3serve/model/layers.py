@@ -54,9 +54,12 @@ def rope_inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin [*, rotary_dim] for NeoX (rotate-half) RoPE over the first rotary_dim channels."""
-    inv_freq = rope_inv_freq(rotary_dim, theta, positions.device)
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, inv_freq: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [*, rotary_dim] for NeoX (rotate-half) RoPE over the first rotary_dim channels. inv_freq:
+    rope_inv_freq's result when the caller keeps it (saves its four launches per call)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(rotary_dim, theta, positions.device)
     freqs = positions.float().unsqueeze(-1) * inv_freq                               # [*, rd/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
