@@ -33,7 +33,10 @@ Schema legend (the fields each formatter reads; [x] optional):
                      total_tokens_per_s_per_gpu, ttft_ms: {p50, p90}, itl_ms: {p50, p90}, interactivity_x90}]}
     eval_kv         eval-*.json: {n, order: [A, B], configs: {A|B: {exact_match_strict, correct_strict}},
                      paired: {strict: {b, c, p_value}}, [agreement: {tokens}, agreement_unit]}
-    generic         server-hardening*.json, spec-target*.json: every top-level scalar field, key: value
+    spec_target     {"bench": "spec_target", results: [{model, mode, batch, k, forced_al, acceptance_length,
+                     tokens_per_s_per_user, [speedup_vs_plain], identical_to_plain}]}
+    spec_divergence {"bench": "spec_divergence", batch, prompts, runs: [{overlap, differing_prompts, diffs: [{gap}]}]}
+    generic         server-hardening*.json: every top-level scalar field, key: value
 Rounding: times and rates to 3 significant digits (integers kept whole above 100), speedups to 2, percentages
 to integers (one significant digit below 1 %) except task accuracy (one decimal), p-values to 2 significant digits.
 """
@@ -548,6 +551,48 @@ def render_spec_decode(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_spec_target(files: list[ResultFile]) -> str:
+    """bench/spec_target.py: the plain decode target vs SpecSteps graphs per model, batch and K, per user."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            mode = need(r, "mode", w, "str")
+            forced = opt(r, "forced_al", w)
+            al = opt(r, "acceptance_length", w)
+            table.append((need(r, "model", w, "str"), need(r, "batch", w, "int"), need(r, "k", w, "int"), mode,
+                          sig(need(r, "tokens_per_s_per_user", w)),
+                          times(need(r, "speedup_vs_plain", w)) if mode == "spec" else DASH,
+                          or_dash(al, sig) + (f" (forced {sig(forced)})" if forced is not None else ""),
+                          yes_no(opt(r, "identical_to_plain", w, "bool")) if mode == "spec" and forced is None
+                          else DASH))
+        table.sort(key=lambda row: row[:3])
+        headers = ["model", "batch", "K", "mode", "tok/s per user", "× vs plain", "acceptance length",
+                   "greedy output identical"]
+        blocks.append(file_block("Eagle3 on the decode target (SpecSteps graphs) vs the plain decode target",
+                                 md_table(headers, [list(r) for r in table]), rf))
+    return "\n\n".join(blocks)
+
+
+def render_spec_divergence(files: list[ResultFile]) -> str:
+    """bench/spec_divergence.py: prompts whose speculative and plain greedy outputs part, and the target's top-2
+    logit gap where they do."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, run in enumerate(need(rf.data, "runs", rf.name, "list")):
+            w = f"{rf.name}.runs[{i}]"
+            gaps = [sig(need(d, "gap", f"{w}.diffs[{j}]")) for j, d in enumerate(need(run, "diffs", w, "list"))]
+            table.append([yes_no(need(run, "overlap", w, "bool")), need(run, "differing_prompts", w, "int"),
+                          ", ".join(gaps) or DASH])
+        caption = (f"Speculative vs plain greedy on the decode target: batch {need(rf.data, 'batch', rf.name, 'int')}, "
+                   f"{need(rf.data, 'prompts', rf.name, 'int')} prompts")
+        blocks.append(file_block(caption, md_table(["overlap loop", "prompts that differ",
+                                                    "top-1 - top-2 logit gap at the first difference"], table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_serve(files: list[ResultFile]) -> str:
     blocks = []
     for rf in files:
@@ -716,6 +761,10 @@ KINDS = (
          lambda d: {"tp1", "tp2", "decode_speedup_tp2_over_tp1"} <= d.keys(), render_tp),
     Kind("spec_decode", "Speculative decoding", ("spec_decode",), ("spec-decode-*.json",),
          lambda d: _row_keys(d, "plain_tok_s", "spec_tok_s"), render_spec_decode),
+    Kind("spec_target", "Speculative decoding on the decode target", ("spec_target",), ("spec-target-*.json",),
+         lambda d: _row_keys(d, "mode", "tokens_per_s_per_user", "k"), render_spec_target),
+    Kind("spec_divergence", "Speculative vs plain greedy", ("spec_divergence",), ("spec-divergence-*.json",),
+         lambda d: isinstance(d.get("runs"), list), render_spec_divergence),
     Kind("serve", "Serving", ("serve",), ("serve-*.json",),
          lambda d: "meta" in d and _row_keys(d, "concurrency", "itl_ms"), render_serve),
     Kind("sampler_host", "Sampler cost per step", ("sampler_host",), ("sampler_host-*.json",),
@@ -724,7 +773,7 @@ KINDS = (
          lambda d: "plans" in d, render_kv_ablation),
     Kind("eval_kv", "Accuracy of two configurations (KV formats, stock vs target)", (), ("eval-*.json",),
          lambda d: {"configs", "paired", "order"} <= d.keys(), render_eval_kv),
-    Kind("generic", "Other results", (), ("server-hardening*.json", "spec-target*.json"),
+    Kind("generic", "Other results", (), ("server-hardening*.json",),
          lambda d: False, render_generic),
 )
 KIND_BY_NAME = {k.name: k for k in KINDS}

@@ -338,9 +338,9 @@ def test_generic_files_list_their_top_level_scalars(report, tmp_path):
     write(tmp_path, "server-hardening-cpu.json", {"zeta": 0.123456, "alpha": True, "nested": {"x": 1},
                                                   "rows": [1, 2], "name": "limits", "none": None,
                                                   "command": "pytest tests/server"})
-    write(tmp_path, "spec-target-h200.json", {"bench": "spec_decode", "speedup": 2.5, "gpu": "NVIDIA H200"})
+    write(tmp_path, "server-hardening-h200.json", {"bench": "spec_decode", "speedup": 2.5, "gpu": "NVIDIA H200"})
     out = report.render_report(tmp_path)
-    blocks = out.split("**server-hardening-cpu.json")[1].split("**spec-target-h200.json")
+    blocks = out.split("**server-hardening-cpu.json")[1].split("**server-hardening-h200.json")
     assert table_rows(blocks[0], "field") == [["`alpha`", "yes"], ["`command`", "pytest tests/server"],
                                               ["`name`", "limits"], ["`none`", "None"], ["`zeta`", "0.1235"]]
     # a "bench" key naming a known kind does not send this file to that kind's formatter
@@ -444,3 +444,17 @@ def test_real_readme_matches_the_real_results(report):
     block = report.render_report(report.RESULTS_DIR)
     assert "unrendered results" not in block, block.rsplit("\n", 1)[-1]
     assert report.block_diff((ROOT / "README.md").read_text(), block, "README.md") == ""
+
+
+def test_spec_target_rows(report, tmp_path):
+    base = {"model": "m", "batch": 1, "forced_al": None, "acceptance_length": None, "identical_to_plain": None}
+    write(tmp_path, "spec-target-h200.json", {"bench": "spec_target", "commit": "abc", "gpu": "NVIDIA H200",
+          "results": [{**base, "mode": "plain", "k": 0, "tokens_per_s_per_user": 1000.0},
+                      {**base, "mode": "spec", "k": 3, "tokens_per_s_per_user": 1500.0, "speedup_vs_plain": 1.5,
+                       "acceptance_length": 3.5, "identical_to_plain": True},
+                      {**base, "mode": "spec", "k": 3, "batch": 4, "tokens_per_s_per_user": 800.0,
+                       "speedup_vs_plain": 0.8, "acceptance_length": 2.76, "forced_al": 2.78}]})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "model") == [["m", "1", "0", "plain", "1000", "—", "—", "—"],
+                                        ["m", "1", "3", "spec", "1500", "1.5×", "3.50", "yes"],
+                                        ["m", "4", "3", "spec", "800", "0.80×", "2.76 (forced 2.78)", "—"]]
