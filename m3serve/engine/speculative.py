@@ -110,7 +110,7 @@ class SpeculativeEngine(LLMEngine):
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
         from m3serve.runtime.decode_graphs import buckets_up_to
-        from m3serve.runtime.spec_graphs import SpecSteps
+        from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
         from m3serve.targets.explain import uncertified_attention, uncertified_draft_attention
         m = self.model
         if m.device.type != "cuda" and graphs:
@@ -122,7 +122,8 @@ class SpeculativeEngine(LLMEngine):
             raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
         k = self.spec.num_speculative_tokens
         buckets = buckets or buckets_up_to(self.config.max_num_seqs)
-        buckets = tuple(b for b in buckets if b * (k + 1) <= self.tables.max_tokens)
+        # bucket 1 always stays: K <= 16 and the tables hold max_num_batched_tokens + K per sequence
+        buckets = tuple(b for b in buckets if b * (k + 1) <= min(self.tables.max_tokens, MAX_ROWS))
         width = self._certified_table_width()
         if width != self.tables.max_blocks:
             self._make_tables(width)

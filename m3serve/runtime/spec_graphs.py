@@ -44,6 +44,11 @@ from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_p
 
 log = logging.getLogger("m3serve")
 
+# Verify rows per step (S(K+1)) the graphs take: the decode cells' row range (moe.nvfp4 and the norms certify
+# 1-48 tokens; outside it the stock MoE loop syncs the host, which capture forbids). Larger batches take the
+# eager speculative step.
+MAX_ROWS = 48
+
 
 @dataclass
 class SpecLaunched:
@@ -278,4 +283,4 @@ class SpecSteps:
         return SpecResult(emitted=[r[:r[k + 1]] for r in rows], drafts=[r[k + 2:] for r in rows])
 
 
-__all__ = ["SpecSteps", "SpecLaunched", "SpecResult"]
+__all__ = ["SpecSteps", "SpecLaunched", "SpecResult", "MAX_ROWS"]
