@@ -110,11 +110,7 @@ class LLMEngine:
         if width != self.tables.max_blocks:
             self._make_tables(width)
         missing = uncertified_attention(self.model, self.kv, self.tables.max_blocks, buckets)
-        if missing:
-            why = "; ".join(p.line() for p in missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")
-            if mode == "require":
-                raise ValueError(f"route='require': attention outside the certified cells: {why}")
-            log.warning("decode target off (attention outside the certified cells): %s", why)
+        if not self._all_certified(missing, "attention", "decode target", mode):
             return False
         self.target_attention = True
         if graphs:
@@ -122,6 +118,17 @@ class LLMEngine:
             self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties)
             self.graphs.capture()
         return True
+
+    @staticmethod
+    def _all_certified(missing: list, what: str, target: str, mode: str) -> bool:
+        """True when no placement is missing; else `require` raises naming them and `auto` logs them."""
+        if not missing:
+            return True
+        why = "; ".join(p.line() for p in missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")
+        if mode == "require":
+            raise ValueError(f"route='require': {what} outside the certified cells: {why}")
+        log.warning("%s off (%s outside the certified cells): %s", target, what, why)
+        return False
 
     def _certified_table_width(self) -> int:
         """msa.select compiles per block-table width (padded to a power of two) and is certified at the model's

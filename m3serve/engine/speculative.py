@@ -129,11 +129,7 @@ class SpeculativeEngine(LLMEngine):
             self._make_tables(width)
         missing = (uncertified_attention(m, self.kv, width, buckets, query_len=k + 1)
                    + uncertified_draft_attention(self.drafter, self.kv, buckets, k))
-        if missing:
-            why = "; ".join(p.line() for p in missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")
-            if mode == "require":
-                raise ValueError(f"route='require': speculative attention outside the certified cells: {why}")
-            log.warning("speculative decode target off (attention outside the certified cells): %s", why)
+        if not self._all_certified(missing, "speculative attention", "speculative decode target", mode):
             return False
         from m3serve.targets.routing import install_drafter, mode_of
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
