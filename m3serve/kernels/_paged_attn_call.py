@@ -91,7 +91,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     # FP8 pages only, compiled only: read K/V as 16-bit column pairs and convert each pair in registers
-    # (an experiment for tile sweeps: fewer shared-memory loads and registers in the SASS; not yet timed)
+    # (sweep-only: fewer shared-memory loads in the SASS, but no faster on the H200; docs/kernels.md)
     PAIRS: bool = False
 
 
