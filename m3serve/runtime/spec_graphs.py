@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from m3serve.model.m3 import ForwardBatch
+from m3serve.runtime.decode_graphs import bucket_for
 from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
 
 log = logging.getLogger("m3serve")
@@ -53,7 +54,6 @@ MAX_ROWS = 48
 @dataclass
 class SpecLaunched:
     """A spec step whose results may not have arrived on the host yet."""
-    bucket: int
     n: int                           # real rows (the first n of the bucket)
     host: torch.Tensor               # [bucket, 2K+2] int64: emitted K+1 | number emitted | next drafts K
     done: object                     # event recorded after the D2H copy (None: eager CPU, already there)
@@ -108,10 +108,7 @@ class SpecSteps:
         self.next_ids = torch.zeros(rows, k + 1, dtype=torch.int64, device=dev)
 
     def bucket_for(self, batch: int) -> int | None:
-        for b in self.buckets:
-            if b >= batch:
-                return b
-        return None
+        return bucket_for(batch, self.buckets)
 
     # ------------------------------------------------------------------ host: stage one step
     def stage(self, bucket: int, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]],
@@ -273,7 +270,7 @@ class SpecSteps:
         host[:bucket].copy_(result, non_blocking=done is not None)
         if done is not None:
             done.record()
-        return SpecLaunched(bucket, len(seq_ids), host, done)
+        return SpecLaunched(len(seq_ids), host, done)
 
     def fetch(self, launched: SpecLaunched) -> SpecResult:
         if launched.done is not None:

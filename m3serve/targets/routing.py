@@ -56,8 +56,8 @@ def install(model, mode: str) -> None:
 
 def install_drafter(drafter, mode: str) -> None:
     """Route an Eagle3 drafter's Llama norms (y = x * rsqrt(mean(x^2) + eps) * w) through norm.rms, which applies
-    (1 + w'): w' = w - 1 in fp32, kept only where 1 + w' gives back w exactly (every bf16 w of magnitude
-    2**-16 .. 2**16), so the product is the stock one; other norms stay stock. Also joins the drafter's q|k|v and
+    (1 + w'): w' = w - 1 in fp32, kept only where 1 + w' gives back w exactly for every element, so the product
+    is the stock one; other norms stay stock. Also joins the drafter's q|k|v and
     gate|up projections into one GEMM each (mode off: the norms go back to stock, the joined weights stay)."""
     from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
     if mode not in MODES:
