@@ -111,7 +111,7 @@ class SpeculativeEngine(LLMEngine):
         outside the certified cells; require: raises naming them."""
         from m3serve.runtime.decode_graphs import buckets_up_to
         from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
-        from m3serve.targets.explain import uncertified_attention, uncertified_draft_attention
+        from m3serve.targets.explain import spec_step_placements, uncertified_attention, uncertified_draft_attention
         m = self.model
         if m.device.type != "cuda" and graphs:
             raise ValueError(f"decode target: CUDA graphs need a CUDA model, found {m.device}")
@@ -128,7 +128,8 @@ class SpeculativeEngine(LLMEngine):
         if width != self.tables.max_blocks:
             self._make_tables(width)
         missing = (uncertified_attention(m, self.kv, width, buckets, query_len=k + 1)
-                   + uncertified_draft_attention(self.drafter, self.kv, buckets, k))
+                   + uncertified_draft_attention(self.drafter, self.kv, buckets, k)
+                   + [p for p in spec_step_placements(buckets, k) if p.entry is None])
         if not self._all_certified(missing, "speculative attention", "speculative decode target", mode):
             return False
         from m3serve.targets.routing import install_drafter, mode_of

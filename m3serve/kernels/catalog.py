@@ -41,6 +41,7 @@ ENTRY_MODULES = (
     "m3serve.kernels.paged_attention",
     "m3serve.kernels.prefill_attention",
     "m3serve.kernels.rms_norm", "m3serve.kernels.qk_prep", "m3serve.kernels.swiglu", "m3serve.kernels.route_small",
+    "m3serve.kernels.spec_step",
 )
 
 

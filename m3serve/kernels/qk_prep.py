@@ -15,6 +15,9 @@ bf16 band; theta**x in Triton (exp2/log2) is not torch's powf bit for bit. The p
 single fp32 multiply on both sides, so the angles are bit-identical; cos/sin are computed in-kernel
 (_rope.cos_sin_f32, within 2.5 fp32 ulp of torch's) - a [max_pos, rd] table would be 256 MB for M3.
 
+Also entry attn.rope: the same kernel without the norms (NORM = False), the Eagle3 draft layer's q/k RoPE
+(Llama attention has no per-head norms), apply_rope on the projections as they are.
+
 Shape legend (T tokens; Hq / Hk query / KV heads on this rank; D head dim; Di index head dim; rd rotary dim):
     q            [T, Hq*D]   bf16 (unit column stride)        q_out   [T, Hq, D]  bf16 contiguous
     k            [T, Hk*D]   bf16                             k_out   [T, Hk, D]
@@ -46,22 +49,27 @@ ENABLED = True  # the one switch: False sends attn.qk_prep calls down the stock 
 
 @helper
 def _norm_rope_head(src, w_ptr, dst, pos, inv_freq_ptr, eps, DIM: tl.constexpr, RD: tl.constexpr,
-                    BLOCK: tl.constexpr, CUDA: tl.constexpr):
+                    BLOCK: tl.constexpr, CUDA: tl.constexpr, NORM: tl.constexpr):
     """One head: Gemma RMSNorm rounded to bf16 (as the stock path stores it), then rotate-half RoPE on
     channels < RD. The rotation partner of channel c is loaded and normalised by this same program with
-    the same inverse rms, so both sides of a pair see identical bf16 values."""
+    the same inverse rms, so both sides of a pair see identical bf16 values. NORM = False: RoPE of the
+    head as loaded (attn.rope)."""
     HALF: tl.constexpr = RD // 2
     cols = tl.arange(0, BLOCK)
     mask = cols < DIM
     rot = cols < RD
     partner = tl.where(cols < HALF, cols + HALF, cols - HALF)
     xf = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = rms_inverse(xf, DIM, eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    xn = to_bf16((xf * inv) * (1.0 + w), CUDA).to(tl.float32)
     xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-    xpn = to_bf16((xp * inv) * (1.0 + wp), CUDA).to(tl.float32)
+    if NORM:
+        inv = rms_inverse(xf, DIM, eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        xn = to_bf16((xf * inv) * (1.0 + w), CUDA).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        xpn = to_bf16((xp * inv) * (1.0 + wp), CUDA).to(tl.float32)
+    else:
+        xn = xf
+        xpn = xp
     freq = tl.load(inv_freq_ptr + cols % HALF, mask=rot, other=0.0)
     cos, sin = cos_sin_f32(pos * freq)
     sign = tl.where(cols < HALF, -1.0, 1.0)
@@ -73,24 +81,24 @@ def _norm_rope_head(src, w_ptr, dst, pos, inv_freq_ptr, eps, DIM: tl.constexpr, 
 def _qk_prep_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, pos_ptr, wq_ptr, wk_ptr, wiq_ptr, wik_ptr, inv_freq_ptr,
                     qo_ptr, ko_ptr, iqo_ptr, iko_ptr, stride_q, stride_k, stride_iq, stride_ik, eps,
                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, RD: tl.constexpr,
-                    BLOCK: tl.constexpr, CUDA: tl.constexpr):
+                    BLOCK: tl.constexpr, CUDA: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.float32)  # round to nearest, as torch's positions.float()
     if h < HQ:
         _norm_rope_head(q_ptr + t * stride_q + h * D, wq_ptr, qo_ptr + (t * HQ + h) * D, pos, inv_freq_ptr,
-                        eps, D, RD, BLOCK, CUDA)
+                        eps, D, RD, BLOCK, CUDA, NORM)
     elif h < HQ + HK:
         hk = h - HQ
         _norm_rope_head(k_ptr + t * stride_k + hk * D, wk_ptr, ko_ptr + (t * HK + hk) * D, pos, inv_freq_ptr,
-                        eps, D, RD, BLOCK, CUDA)
+                        eps, D, RD, BLOCK, CUDA, NORM)
     elif h < HQ + 2 * HK:
         hi = h - HQ - HK
         _norm_rope_head(iq_ptr + t * stride_iq + hi * DI, wiq_ptr, iqo_ptr + (t * HK + hi) * DI, pos,
-                        inv_freq_ptr, eps, DI, RD, BLOCK, CUDA)
+                        inv_freq_ptr, eps, DI, RD, BLOCK, CUDA, NORM)
     else:
         _norm_rope_head(ik_ptr + t * stride_ik, wik_ptr, iko_ptr + t * DI, pos, inv_freq_ptr, eps, DI, RD,
-                        BLOCK, CUDA)
+                        BLOCK, CUDA, NORM)
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, width: int, device: torch.device) -> None:
@@ -176,7 +184,8 @@ def qk_prep(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_norm_w:
     _qk_prep_kernel[(t, heads)](
         q, k, iq_, ik_, positions, q_norm_w, k_norm_w, wiq, wik, inv_freq, q_out, k_out, iqo, iko,
         q.stride(0), k.stride(0), iq_.stride(0), ik_.stride(0), eps,
-        HQ=hq, HK=hk, D=d, DI=di, RD=rd, BLOCK=block, CUDA=is_compiled(q), num_warps=1 if block <= 128 else 2)
+        HQ=hq, HK=hk, D=d, DI=di, RD=rd, BLOCK=block, CUDA=is_compiled(q), NORM=True,
+        num_warps=1 if block <= 128 else 2)
     return q_out, k_out, iq_out, ik_out
 
 
@@ -325,9 +334,137 @@ def warmup(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# --- attn.rope: RoPE alone (the Eagle3 drafter's Llama attention has no per-head norms) -----------------------
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, q_out: torch.Tensor,
+         k_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw call of attn.rope: q [T, Hq*D], k [T, Hk*D] (unit column stride, any row stride: views of a fused
+    q|k|v GEMM) -> q_out [T, Hq, D], k_out [T, Hk, D] with rotate-half RoPE on channels < rd (2 * inv_freq's
+    length), apply_rope's maths in one launch."""
+    if q_out is None or q_out.dim() != 3 or k_out is None or k_out.dim() != 3:
+        raise ValueError(f"q_out / k_out: expected [T, heads, D], found "
+                         f"{None if q_out is None else tuple(q_out.shape)} / {None if k_out is None else tuple(k_out.shape)}")
+    t, hq, d = q_out.shape
+    hk = k_out.shape[1]
+    dev = q_out.device
+    _check_out("q_out", q_out, (t, hq, d), dev)
+    _check_out("k_out", k_out, (t, hk, d), dev)
+    _check_rows("q", q, t, hq * d, dev)
+    _check_rows("k", k, t, hk * d, dev)
+    check_tensor("positions", positions, shape=(t,), device=dev)
+    if positions.dtype not in (torch.int64, torch.int32) or not positions.is_contiguous():
+        raise TypeError(f"positions: expected contiguous torch.int64 or torch.int32, found {positions.dtype} "
+                        f"strides {tuple(positions.stride())}")
+    check_tensor("inv_freq", inv_freq, torch.float32, device=dev)
+    if inv_freq.dim() != 1 or not inv_freq.is_contiguous() or not 1 <= 2 * inv_freq.shape[0] <= d:
+        raise ValueError(f"inv_freq: expected a contiguous [rd/2] with 2 <= rd <= D = {d}, found shape "
+                         f"{tuple(inv_freq.shape)}")
+    if t == 0:
+        return q_out, k_out
+    block = triton.next_power_of_2(d)
+    # the norm-weight and index pointers are never dereferenced (NORM = False, DI = 0)
+    _qk_prep_kernel[(t, hq + hk)](
+        q, k, q, q, positions, q, q, q, q, inv_freq, q_out, k_out, q_out, q_out, q.stride(0), k.stride(0),
+        q.stride(0), q.stride(0), 1e-6, HQ=hq, HK=hk, D=d, DI=0, RD=2 * inv_freq.shape[0], BLOCK=block,
+        CUDA=is_compiled(q), NORM=False, num_warps=1 if block <= 128 else 2)
+    return q_out, k_out
+
+
+class RopeReference(NamedTuple):
+    """fp32 rotated q, k before the bf16 cast; per element |x c| + |x' s| and |x| + |x'| (0 past rd)."""
+    outs: tuple
+    rot_mag: tuple
+    pair_mag: tuple
+
+
+def rope_reference(q, k, positions, inv_freq, q_out=None, k_out=None) -> RopeReference:
+    """The Eagle3 layer's stock q/k RoPE (layers.apply_rope with rope_cos_sin's cos/sin) in fp32."""
+    d = q_out.shape[-1] if q_out is not None else None
+    rd = 2 * inv_freq.shape[0]
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    outs, rots, pairs = [], [], []
+    for x, heads in ((q, q.shape[1] // d), (k, k.shape[1] // d)):
+        xf = x.float().view(x.shape[0], heads, d)
+        outs.append(apply_rope(xf, cos, sin))
+        xr = xf[..., :rd]
+        partner = torch.cat((xr[..., rd // 2:], xr[..., : rd // 2]), dim=-1)
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        zeros = torch.zeros_like(xf[..., rd:])
+        rots.append(torch.cat(((xr * c).abs() + (partner * s).abs(), zeros), dim=-1))
+        pairs.append(torch.cat((xr.abs() + partner.abs(), zeros), dim=-1))
+    return RopeReference(tuple(outs), tuple(rots), tuple(pairs))
+
+
+def rope_stock(q, k, positions, inv_freq, q_out=None, k_out=None):
+    return tuple(o.to(torch.bfloat16) for o in rope_reference(q, k, positions, inv_freq, q_out, k_out).outs)
+
+
+def rope_compare(out, ref: RopeReference, case: Case) -> None:
+    """Per element, |out - ref| <= 2**-7 |ref| + 4u pair + 4u |ref| (u = 2**-24): one bf16 rounding that may
+    land on the other side of a boundary; cos/sin within 2.5 fp32 ulp of torch's plus the FMA contraction of
+    x c + x' s (4u of |x| + |x'|); the rotation's own fp32 roundings. The inputs are bf16 values read
+    exactly on both sides: nothing else differs."""
+    for name, o, r, pair in zip(("q", "k"), out, ref.outs, ref.pair_mag):
+        if tuple(o.shape) != tuple(r.shape):
+            raise AssertionError(f"attn.rope {name}: shape {tuple(o.shape)}, reference {tuple(r.shape)}")
+        band = BF16_REL * r.abs() + 4 * FP32_U * pair + 4 * FP32_U * r.abs() + 1e-30
+        assert_band(f"attn.rope {name}", o, r, band)
+
+
+def rope_make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
+    hq, hk, d, rd = cell.shape
+    theta, max_pos = cell.config["theta"], cell.config["max_position"]
+    width = (hq + 2 * hk) * d
+
+    if gen is None:
+        qkv = torch.ones(rows, width, dtype=torch.bfloat16, device=device)
+        pos = torch.zeros(rows, dtype=torch.int64, device=device)
+    else:
+        # one fused q|k|v GEMM output (q and k are strided views of it), scales over three orders of magnitude
+        qkv = torch.randn(rows, width, generator=gen) * torch.exp(2.0 * torch.randn(1, width, generator=gen))
+        qkv = qkv.to(device=device, dtype=torch.bfloat16)
+        pos = torch.randint(0, max_pos, (rows,), generator=gen)
+        pos[0] = max_pos - 1
+        if rows > 1:
+            pos[1] = 0
+        pos = pos.to(device)
+    q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d]
+    args = (q, k, pos, rope_inv_freq(rd, theta, device), poisoned((rows, hq, d), torch.bfloat16, device),
+            poisoned((rows, hk, d), torch.bfloat16, device))
+    return Case(args=args, kwargs={}, bytes_moved=rows * (hq + hk) * d * 2 * 2)
+
+
+ROPE_CELLS = (
+    Cell(rows=(1, 48), shape=(64, 4, 128, 128), config=M3,
+         why="M3 Eagle3 draft layer (GQA head): 64 q / 4 kv heads, D = 128, full rotary, the target's theta"),
+    Cell(rows=(1, 48), shape=(64, 64, 128, 128), config=M3, why="M3 Eagle3 draft layer (MHA head)"),
+    Cell(rows=(1, 48), shape=(4, 2, 64, 64), config=TINY, why="embedded model's Eagle3 draft layer"),
+)
+ROPE_INTERP_CELLS = (
+    Cell(rows=(1, 3), shape=(2, 1, 16, 16), config=TINY, why="interpreter: full rotary"),
+    Cell(rows=(2, 2), shape=(3, 1, 32, 16), config=M3, why="interpreter: partial rotary at M3 theta and positions"),
+)
+
+
+def rope_warmup(device: torch.device) -> None:
+    for c in ROPE_CELLS:
+        rope(*rope_make_case(c, c.rows[1], device, None).args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+ROPE_ENTRY = Entry(
+    name="attn.rope", kind="attn.rope", raw_call=rope, reference=rope_reference, compare=rope_compare,
+    make_case=rope_make_case, cells=ROPE_CELLS, interp_cells=ROPE_INTERP_CELLS, warmup=rope_warmup,
+    enabled=lambda: ENABLED, stock=rope_stock,
+)
+
 ENTRY = Entry(
     name="attn.qk_prep", kind="attn.qk_prep", raw_call=qk_prep, reference=qk_prep_reference, compare=compare,
     make_case=make_case, cells=CELLS, interp_cells=INTERP_CELLS, warmup=warmup, enabled=lambda: ENABLED,
     stock=qk_prep_stock,
 )
-ENTRIES = (ENTRY,)
+ENTRIES = (ENTRY, ROPE_ENTRY)

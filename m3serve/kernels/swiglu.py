@@ -3,7 +3,8 @@
     out = bf16( clamp(g, max=L) * sigmoid(alpha * clamp(g, max=L)) * (clamp(u, -L, L) + 1) )      fp32 inside
 
 the stock m3serve.model.layers.swiglu_oai followed by the callers' .to(bf16) (DenseMLP, the dense
-all-experts MoE), in one launch instead of eight.
+all-experts MoE), in one launch instead of eight. Also entry mlp.silu_mul: the Llama MLP gate of the Eagle3
+draft layer, bf16(bf16(silu(g)) * u) as the stock F.silu(gate) * up rounds it, in one launch instead of two.
 
 Shape legend (E stacked groups: 1 for a dense MLP, the expert count for the all-experts MoE; T tokens):
     gate_up  [E, T, 2I]  bf16, contiguous (gate columns [0, I), up columns [I, 2I))
@@ -125,9 +126,104 @@ def warmup(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# --- mlp.silu_mul: the Llama MLP's gate (the Eagle3 drafter), stock F.silu(gate) * up in bf16 --------------
+
+
+@kernel
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    base = gu_ptr + row.to(tl.int64) * (2 * I)
+    g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(base + I + cols, mask=mask, other=0.0).to(tl.float32)
+    # the stock path rounds twice: F.silu's bf16 output, then the bf16 product
+    s = to_bf16(tl.div_rn(g, 1.0 + tl.exp(-g)), CUDA).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * I + cols, to_bf16(s * u, CUDA), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Raw call of mlp.silu_mul: gate_up [E, T, 2I] bf16 contiguous -> out [E, T, I] = silu(gate) * up. Writes
+    and returns out."""
+    check_tensor("gate_up", gate_up, torch.bfloat16)
+    if gate_up.dim() != 3 or gate_up.shape[2] % 2 or not gate_up.is_contiguous():
+        raise ValueError(f"gate_up: expected a contiguous [E, T, 2I], found shape {tuple(gate_up.shape)} strides "
+                         f"{tuple(gate_up.stride())}")
+    e, t, two_i = gate_up.shape
+    i = two_i // 2
+    check_tensor("out", out, torch.bfloat16, (e, t, i), gate_up.device)
+    if not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous tensor, found strides {tuple(out.stride())}")
+    if e * t == 0:
+        return out
+    block = min(triton.next_power_of_2(i), MAX_BLOCK)
+    _silu_mul_kernel[(e * t, triton.cdiv(i, block))](gate_up, out, i, BLOCK=block, CUDA=is_compiled(gate_up),
+                                                     num_warps=4 if block >= 512 else 1)
+    return out
+
+
+def silu_mul_reference(gate_up, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 product before the final bf16 cast, |silu(g)| * |u| in fp32): silu in fp32, rounded to bf16 as
+    F.silu on bf16 stores it, times up."""
+    i = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :i].float(), gate_up[..., i:].float()
+    silu = g * torch.sigmoid(g)
+    prod = silu.to(torch.bfloat16).float() * u
+    return prod, (silu * u).abs()
+
+
+def silu_mul_stock(gate_up, out=None) -> torch.Tensor:
+    i = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[..., :i]) * gate_up[..., i:]
+
+
+def silu_mul_compare(out: torch.Tensor, ref, case: Case) -> None:
+    """|out - ref| <= 2**-7 (|ref| + |silu(g) u|) + 8u |silu(g) u|: the final bf16 rounding (one ulp: it may
+    land on the other side of a boundary); silu's own bf16 rounding, which may go the other way when the two
+    fp32 silu values (exp / division order) straddle a boundary (one bf16 ulp of silu, times |u|); the fp32
+    silu differences themselves (exp within 4u, the division and the 1 + e: 8u)."""
+    prod, mag = ref
+    band = BF16_REL * (prod.abs() + mag) + 8.0 * FP32_U * mag + 1e-30
+    assert_band("mlp.silu_mul", out, prod, band)
+
+
+def silu_mul_make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
+    e, i = cell.shape
+    if gen is None:
+        gu = torch.zeros(e, rows, 2 * i, dtype=torch.bfloat16, device=device)
+    else:
+        gu = torch.randn(e, rows, 2 * i, generator=gen) * torch.exp(torch.randn(e, rows, 1, generator=gen))
+        gu = (3.0 * gu).to(device=device, dtype=torch.bfloat16)
+    return Case(args=(gu, poisoned((e, rows, i), torch.bfloat16, device)), kwargs={}, bytes_moved=e * rows * i * 2 * 3)
+
+
+SILU_CELLS = (
+    Cell(rows=(1, 48), shape=(1, 12288), why="M3 Eagle3 draft layer MLP (Eagle3Config.for_target: the target's "
+                                              "dense intermediate size)"),
+    Cell(rows=(1, 48), shape=(1, 512), why="embedded model's Eagle3 draft layer MLP (intermediate 512)"),
+)
+SILU_INTERP_CELLS = (
+    Cell(rows=(1, 2), shape=(1, 64), why="interpreter: one group, power-of-two I"),
+    Cell(rows=(3, 3), shape=(1, 40), why="interpreter: masked tail"),
+)
+
+
+def silu_mul_warmup(device: torch.device) -> None:
+    for c in SILU_CELLS:
+        silu_mul(*silu_mul_make_case(c, c.rows[1], device, None).args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+SILU_ENTRY = Entry(
+    name="mlp.silu_mul", kind="mlp.silu_mul", raw_call=silu_mul, reference=silu_mul_reference,
+    compare=silu_mul_compare, make_case=silu_mul_make_case, cells=SILU_CELLS, interp_cells=SILU_INTERP_CELLS,
+    warmup=silu_mul_warmup, enabled=lambda: ENABLED, stock=silu_mul_stock,
+)
+
 ENTRY = Entry(
     name="mlp.swiglu_oai", kind="mlp.swiglu_oai", raw_call=swiglu_oai, reference=swiglu_oai_reference,
     compare=compare, make_case=make_case, cells=CELLS, interp_cells=INTERP_CELLS, warmup=warmup,
     enabled=lambda: ENABLED, stock=swiglu_oai_stock,
 )
-ENTRIES = (ENTRY,)
+ENTRIES = (ENTRY, SILU_ENTRY)

@@ -201,8 +201,10 @@ class LlamaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        # Set by m3serve.targets.routing.install_drafter: (norm, x) -> y through norm.rms, or None (stock).
+        # Set by m3serve.targets.routing.install_drafter: (norm, x) -> y through norm.rms and (norm, residual,
+        # delta) -> (h, y) through norm.add_rms, or None (stock).
         self.dispatch = None
+        self.add_dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dispatch is not None:
@@ -212,6 +214,15 @@ class LlamaRMSNorm(nn.Module):
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) with h = residual + delta (one launch on the decode target)."""
+        if self.add_dispatch is not None:
+            out = self.add_dispatch(self, residual, delta)
+            if out is not None:
+                return out
+        h = residual + delta
+        return h, self(h)
 
 
 class Eagle3Attention(nn.Module):
@@ -225,6 +236,9 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.hq * d, h, bias=False)
         self.scale = d ** -0.5
         self.qkv_weight: torch.Tensor | None = None    # fuse_projections(): q|k|v rows, one GEMM
+        # Set by m3serve.targets.routing.install_drafter: (attn, q, k, positions, inv_freq) -> (q, k) with RoPE
+        # applied through attn.rope, or None (stock).
+        self.rope_dispatch = None
 
     def fuse_projections(self) -> None:
         """One [Hq*D + 2*Hk*D, 2H] weight for q|k|v (the decode target: one GEMM instead of three); the three
@@ -246,6 +260,9 @@ class Eagle3MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None   # fuse_projections(): gate|up rows, one GEMM
+        # Set by m3serve.targets.routing.install_drafter: (mlp, gate_up [T, 2I]) -> silu(gate) * up through
+        # mlp.silu_mul, or None (stock).
+        self.act_dispatch = None
 
     def fuse_projections(self) -> None:
         """gate|up as one GEMM (the Linears keep row views of the concatenation)."""
@@ -259,8 +276,12 @@ class Eagle3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gate_up = F.linear(x, self.gate_up_weight)
+            act = self.act_dispatch(self, gate_up) if self.act_dispatch is not None else None
+            if act is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            return self.down_proj(act)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -293,13 +314,21 @@ class Eagle3Layer(nn.Module):
             v = a.v_proj(x2).view(*lead, a.hk, a.d)
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, positions.device)
+        if a.rope_dispatch is not None:
+            routed = a.rope_dispatch(a, q, k, positions, self._inv_freq)
+            if routed is not None:
+                return routed[0], routed[1], v, residual
         cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, self._inv_freq)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
 
-    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attn [.., T, Hq, D] -> the layer's output r2 [.., T, H] (pre final norm)."""
-        r1 = residual + self.self_attn.o_proj(attn.reshape(*attn.shape[:-2], -1).to(residual.dtype))
-        return r1 + self.mlp(self.post_attention_layernorm(r1))
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor, final_norm: LlamaRMSNorm
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [.., T, Hq, D] -> (final_norm(r2), r2), r2 [.., T, H] the layer's output. Each residual add is done
+        with the norm after it (one norm.add_rms launch each on the decode target)."""
+        r1, n1 = self.post_attention_layernorm.add_forward(
+            residual, self.self_attn.o_proj(attn.reshape(*attn.shape[:-2], -1).to(residual.dtype)))
+        r2, normed = final_norm.add_forward(r1, self.mlp(n1))
+        return normed, r2
 
 
 class Eagle3Drafter(nn.Module):
@@ -389,8 +418,7 @@ class Eagle3Drafter(nn.Module):
             from m3serve.targets.attention import paged_layer_attention
             out = paged_layer_attention(view.layer, layer.self_attn.scale, q, k, v, batch.slot_mapping, view.cache,
                                         batch.step)
-            r2 = layer.finish(out, residual)
-            return self.norm(r2), r2
+            return layer.finish(out, residual, self.norm)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if view is not None:
             view.write(batch.slot_mapping, k, v)
@@ -405,8 +433,7 @@ class Eagle3Drafter(nn.Module):
                 keys, values = k[rows], v[rows]
             out[rows] = msa.attend(q[rows][None], keys[None], values[None], batch.positions[rows][None],
                                    layer.self_attn.scale)[0]
-        r2 = layer.finish(out, residual)
-        return self.norm(r2), r2
+        return layer.finish(out, residual, self.norm)
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -9,16 +9,17 @@ and K drafts d_1..d_K (positions n+1..n+K), T = S(K+1) packed rows, row (i, j) a
            staged with n = -1 takes n, x and its drafts from the device instead: what the previous step of the
            same table row left there (so the host may launch step m+1 before it has read step m: the engine's
            overlap loop)
-    device [n, x, d] per row (staged or from the device) -> positions and sequence lengths into the stage;
-           table rows -> slot table, token slots (expand_staged, captured)
+    device spec.inputs: [n, x, d] per row (staged or from the device) -> positions, sequence lengths (into the
+           stage) and verify ids; table rows -> slot table, token slots (expand_staged); all captured
            verify: the target over [x, d_1..d_K] per sequence (attention through the paged-cache kernels,
                    causal within the K+1 rows), capturing the drafter's residual streams; t = argmax per row
-           accept: a = the longest prefix with d_j = t_{j-1} (or the staged forced count, benchmarks);
-                   emitted e_j = d_{j+1} for j < a, e_a = t_a                        (spec_verify.py's proof)
+           spec.accept: a = the longest prefix with d_j = t_{j-1} (or the staged forced count, benchmarks);
+                   emitted e_j = d_{j+1} for j < a, e_a = t_a (spec_verify.py's proof); n' = n + a + 1 kept
+                   per table row; each later draft pass's position, token slot and key count
            draft pass 1: the draft layer over all T rows, row (i, j) fed (e_j, fused target state of row j)
                    at position n+j; row a of each sequence proposes d'_1 from its state h
            draft passes 2..K: one row per sequence at position c+j-2 (c = n+a+1) fed (d'_{j-1}, h) -> d'_j
-           the device keeps per table row: n' = n + a + 1 and [e_a, d'_1..d'_K] (the next step's inputs)
+           spec.commit: the device keeps per table row [e_a, d'_1..d'_K] (the next step's inputs)
     D2H    [e_0..e_K | a+1 | d'_1..d'_K] per row (int64), then an event
 
 Why pass 1 may run all K+1 rows: rows j > a saw a rejected token, so their draft K/V (positions n+a+1..n+K) is
@@ -60,6 +61,30 @@ class SpecLaunched:
 
 
 @dataclass
+class StepBuffers:
+    """A bucket's persistent device outputs (stable addresses for the graph; S sequences, K drafts)."""
+    ids: torch.Tensor                # [T] int64 verify inputs x, d_1..d_K per sequence
+    positions: torch.Tensor          # [T] int64
+    pos0: torch.Tensor               # [S] int64 n
+    emitted: torch.Tensor            # [S, K+1] int64 e_0..e_K (draft pass 1's inputs)
+    last: torch.Tensor               # [S] int64 verify row a of each sequence
+    draft_pos: torch.Tensor          # [K-1, S] int64 position of draft pass j+2
+    draft_map: torch.Tensor          # [K-1, S] int64 its token slot (-1: padding)
+    draft_lens: torch.Tensor         # [K-1, S] int32 its key count (0: padding)
+    drafted: torch.Tensor            # [K, S] int64 d'_1..d'_K
+    result: torch.Tensor             # [S, 2K+2] int64 e_0..e_K | a+1 | d'_1..d'_K
+
+    @classmethod
+    def make(cls, s: int, k: int, device) -> StepBuffers:
+        def i64(*shape):
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+        return cls(ids=i64(s * (k + 1)), positions=i64(s * (k + 1)), pos0=i64(s), emitted=i64(s, k + 1), last=i64(s),
+                   draft_pos=i64(k - 1, s), draft_map=i64(k - 1, s),
+                   draft_lens=torch.zeros(k - 1, s, dtype=torch.int32, device=device), drafted=i64(k, s),
+                   result=i64(s, 2 * k + 2))
+
+
+@dataclass
 class SpecResult:
     emitted: list[list[int]]         # per real row: the tokens this step emits (a accepted drafts + 1)
     drafts: list[list[int]]          # per real row: K drafts for the next step
@@ -84,13 +109,18 @@ class SpecSteps:
         if self.buckets[-1] * (k + 1) > tables.max_tokens:
             raise ValueError(f"buckets: {self.buckets[-1]} x {k + 1} verify rows exceed the tables' "
                              f"max_tokens = {tables.max_tokens}")
+        from m3serve.targets.explain import spec_step_placements
+        off = [p.line() for p in spec_step_placements(self.buckets, k) if p.entry is None]
+        if off:
+            raise ValueError(f"SpecSteps: the step's bookkeeping launches are not certified: {off[:3]}")
         self.graphs = graphs
         if graphs and model.device.type != "cuda":
             raise ValueError(f"SpecSteps: CUDA graphs need a CUDA model, found {model.device}")
         self.capture_ids = tuple(drafter.cfg.capture_layers)
         dev = model.device
         self._offsets: dict[int, tuple[int, ...]] = {}
-        self._steps: dict[int, tuple[PagedStep, PagedStep]] = {}
+        self._steps: dict[int, tuple[PagedStep, list[PagedStep]]] = {}
+        self._bufs: dict[int, StepBuffers] = {}
         self._graph: dict[int, torch.cuda.CUDAGraph] = {}
         self._result: dict[int, torch.Tensor] = {}
         top = self.buckets[-1]
@@ -145,8 +175,9 @@ class SpecSteps:
                                  f"captured one {self._offsets[bucket]}")
 
     # ------------------------------------------------------------------ device: the step program
-    def _plans(self, bucket: int) -> tuple[PagedStep, PagedStep]:
-        """(verify step, draft-pass step) metadata of a bucket; the draft passes' seq_lens are filled per pass."""
+    def _plans(self, bucket: int) -> tuple[PagedStep, list[PagedStep]]:
+        """(verify step, one step per draft pass 2..K) metadata of a bucket; the draft passes' key counts are
+        rows of spec.accept's output, so no pass copies anything before it runs."""
         if bucket not in self._steps:
             k, s, t = self.k, bucket, bucket * (self.k + 1)
             off = self._offsets[bucket]
@@ -160,73 +191,69 @@ class SpecSteps:
                                query_start=self._query_start[s], max_query_len=k + 1, num_splits=dense,
                                num_splits_sparse=sparse)
             ddense, _ = split_plan(s, b, spec.kv_heads(self.view.layer), 0)
-            lens = torch.zeros(s, dtype=torch.int32, device=self.model.device)
-            draft = PagedStep(slot_table=self.tables.slot_table[:s], seq_lens=lens, query_start=self._one_each[s],
-                              max_query_len=1, num_splits=ddense, num_splits_sparse=ddense)
-            self._steps[bucket] = (verify, draft)
+            shared: dict = {}                     # the passes run one after the other: one attention workspace
+            lens = self._buffers(bucket).draft_lens
+            passes = [PagedStep(slot_table=self.tables.slot_table[:s], seq_lens=lens[j], query_start=self._one_each[s],
+                                max_query_len=1, num_splits=ddense, num_splits_sparse=ddense, workspaces=shared)
+                      for j in range(k - 1)]
+            self._steps[bucket] = (verify, passes)
         return self._steps[bucket]
+
+    def _buffers(self, bucket: int) -> StepBuffers:
+        if bucket not in self._bufs:
+            self._bufs[bucket] = StepBuffers.make(bucket, self.k, self.model.device)
+        return self._bufs[bucket]
 
     def _program(self, bucket: int) -> torch.Tensor:
         """The whole step on the device from the staged buffer -> [S, 2K+2] int64 (see the module docstring)."""
+        from m3serve.kernels.spec_step import spec_accept, spec_commit, spec_inputs
         k, s = self.k, bucket
         t = s * (k + 1)
         off = self._offsets[bucket]
         stage = self.tables._dev_stage
         extra = off[3] + t
-        rows = stage[:s].long()
-        seq_lens = stage[extra + t:extra + t + s]
-        forced = stage[extra + t + s:extra + t + 2 * s].long()
-        staged_pos = stage[extra + t + 2 * s:extra + t + 3 * s].long()
-        from_device = staged_pos < 0
-        pos0 = torch.where(from_device, self.next_pos[rows], staged_pos)
-        ids = torch.where(from_device[:, None], self.next_ids[rows], stage[extra:extra + t].long().view(s, k + 1))
-        ids = ids.reshape(-1)
-        positions = (pos0[:, None] + torch.arange(k + 1, device=ids.device)).reshape(-1)
-        stage[off[3]:off[3] + t].copy_(positions)                           # what expand_staged reads
-        seq_lens.copy_(torch.where(from_device, pos0 + k + 1, seq_lens.long()))
+        rows, seq_lens = stage[:s], stage[extra + t:extra + t + s]
+        forced, staged_pos = stage[extra + t + s:extra + t + 2 * s], stage[extra + t + 2 * s:extra + t + 3 * s]
+        buf = self._buffers(bucket)
+        spec_inputs(rows, stage[extra:extra + t], seq_lens, staged_pos, self.next_pos, self.next_ids, buf.ids,
+                    buf.positions, stage[off[3]:off[3] + t], seq_lens, buf.pos0)
         _, _, slot_mapping = self.tables.expand_staged(s, t, off)
-        verify, draft = self._plans(bucket)
+        verify, passes = self._plans(bucket)
         m, d = self.model, self.drafter
 
-        batch = ForwardBatch(input_ids=ids, positions=positions, seqs=[], slot_mapping=slot_mapping, kv=self.kv,
-                             step=verify, capture_layers=self.capture_ids)
+        batch = ForwardBatch(input_ids=buf.ids, positions=buf.positions, seqs=[], slot_mapping=slot_mapping,
+                             kv=self.kv, step=verify, capture_layers=self.capture_ids)
         h = m.hidden(batch)
         fused = d.fuse([batch.captured[i] for i in d.cfg.capture_layers])
-        target = m.logits(h).argmax(-1).view(s, k + 1)                       # t_j
-        given = ids.view(s, k + 1)[:, 1:]                                    # d_1..d_K
-        a = (given == target[:, :k]).long().cumprod(dim=1).sum(dim=1)        # longest matching prefix
-        a = torch.where(forced >= 0, forced.clamp(max=k), a)
-        j = torch.arange(k + 1, device=ids.device)
-        emitted = torch.where(j < a[:, None], torch.cat((given, given[:, :1]), dim=1), target)
+        target = m.logits(h).argmax(-1)                                      # t_j, [T]
+        spec_accept(buf.ids.view(s, k + 1), target.view(s, k + 1), forced, buf.pos0, seq_lens, rows,
+                    self.tables.slot_table[:s], self.kv.page_size, self.next_pos, buf.emitted, buf.last,
+                    buf.draft_pos, buf.draft_map, buf.draft_lens, buf.result)
 
-        # draft pass 1: every verify row, fed the token that follows it
-        dbatch = ForwardBatch(input_ids=emitted.reshape(-1), positions=positions, seqs=[], slot_mapping=slot_mapping,
-                              kv=self.view, step=verify)
+        # draft pass 1: every verify row, fed the token that follows it; row a of each sequence proposes d'_1
+        dbatch = ForwardBatch(input_ids=buf.emitted.view(-1), positions=buf.positions, seqs=[],
+                              slot_mapping=slot_mapping, kv=self.view, step=verify)
         normed, r2 = d(dbatch, fused)
-        last = torch.arange(s, device=ids.device) * (k + 1) + a              # row a of each sequence
-        h_d = r2[last]
-        proposals = [self._greedy(normed[last])]
-        live = seq_lens > 0
-        page = self.kv.page_size
-        batch_rows = torch.arange(s, device=ids.device)
-        pos = pos0 + a + 1                                                   # c = n + a + 1
-        for step_j in range(2, k + 1):
-            p = pos + step_j - 2
-            slots = draft.slot_table[batch_rows, p // page].long()
-            mapping = torch.where(live, slots * page + p % page, -1)
-            draft.seq_lens.copy_(torch.where(live, p + 1, 0))
-            pbatch = ForwardBatch(input_ids=proposals[-1], positions=p, seqs=[], slot_mapping=mapping, kv=self.view,
-                                  step=draft)
+        h_d = r2[buf.last]
+        self._propose(normed[buf.last], buf.drafted[0])
+        for j, step in enumerate(passes):      # passes 2..K: one row per sequence at c + j (spec.accept)
+            pbatch = ForwardBatch(input_ids=buf.drafted[j], positions=buf.draft_pos[j], seqs=[],
+                                  slot_mapping=buf.draft_map[j], kv=self.view, step=step)
             normed, h_d = d(pbatch, h_d)
-            proposals.append(self._greedy(normed))
-        drafted = torch.stack(proposals, dim=1)
-        self.next_pos.index_copy_(0, rows, pos)              # padded rows all land on the padding row
-        self.next_ids.index_copy_(0, rows, torch.cat((emitted.gather(1, a[:, None]), drafted), dim=1))
-        return torch.cat((emitted, (a + 1)[:, None], drafted), dim=1)
+            self._propose(normed, buf.drafted[j + 1])
+        spec_commit(buf.result, buf.drafted, rows, self.next_ids)
+        return buf.result
 
-    def _greedy(self, normed: torch.Tensor) -> torch.Tensor:
+    def _propose(self, normed: torch.Tensor, out: torch.Tensor) -> None:
+        """Greedy draft ids (target vocabulary) of final-normed draft states [S, H] into out [S]. The argmax reads
+        the head's bf16 logits as they are (the fp32 copy Eagle3Drafter.logits makes holds the same values)."""
         d = self.drafter
-        return d.to_target_ids(d.logits(normed).argmax(-1))
+        logits = d.lm_head(normed) if d.lm_head is not None else self.model.lm_head(normed.to(self.model.dtype))
+        if d.d2t is None:
+            torch.argmax(logits, dim=-1, out=out)
+        else:
+            ids = logits.argmax(-1)
+            torch.add(ids, d.d2t[ids], out=out)
 
     # ------------------------------------------------------------------ capture / replay
     def capture(self) -> None:

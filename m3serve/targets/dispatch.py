@@ -45,6 +45,13 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "attn.qk_prep": (((1, 48), "attn.qk_prep"),),
     "mlp.swiglu_oai": (((1, 48), "mlp.swiglu_oai"),),
     "moe.route_small": (((1, 48), "moe.route_small"),),
+    # the Eagle3 draft layer on the target (rows = tokens of the pass)
+    "attn.rope": (((1, 48), "attn.rope"),),
+    "mlp.silu_mul": (((1, 48), "mlp.silu_mul"),),
+    # a speculative step's bookkeeping (rows = sequences of the bucket; shape = (K,))
+    "spec.inputs": (((1, 48), "spec.inputs"),),
+    "spec.accept": (((1, 48), "spec.accept"),),
+    "spec.commit": (((1, 48), "spec.commit"),),
 }
 
 

@@ -158,6 +158,12 @@ def draft_attention_placements(drafter, kv, bucket: int, query_len: int) -> list
     return out
 
 
+def spec_step_placements(buckets: tuple[int, ...], k: int) -> list[Placement]:
+    """The speculative step's bookkeeping launches (spec.inputs / spec.accept / spec.commit) per bucket."""
+    return [_place(f"speculative step [{name}]", b, name, b, (k,)) for b in buckets
+            for name in ("spec.inputs", "spec.accept", "spec.commit")]
+
+
 def uncertified_attention(model, kv, table_width: int, buckets: tuple[int, ...], query_len: int = 1
                           ) -> list[Placement]:
     """The attention placements of a step with `query_len` query tokens per sequence (1: decode; K+1: a

@@ -55,30 +55,79 @@ def install(model, mode: str) -> None:
 
 
 def install_drafter(drafter, mode: str) -> None:
-    """Route an Eagle3 drafter's Llama norms (y = x * rsqrt(mean(x^2) + eps) * w) through norm.rms, which applies
-    (1 + w'): w' = w - 1 in fp32, kept only where 1 + w' gives back w exactly for every element, so the product
-    is the stock one; other norms stay stock. Also joins the drafter's q|k|v and
-    gate|up projections into one GEMM each (mode off: the norms go back to stock, the joined weights stay)."""
+    """Route an Eagle3 drafter's pieces on the decode target:
+    - its Llama norms (y = x * rsqrt(mean(x^2) + eps) * w), alone or with the residual add before them, through
+      norm.rms / norm.add_rms, which apply (1 + w'): w' = w - 1 in fp32, kept only where 1 + w' gives back w
+      exactly for every element, so the product is the stock one; other norms stay stock;
+    - the q/k RoPE through attn.rope and the MLP's silu(gate) * up through mlp.silu_mul;
+    - q|k|v and gate|up joined into one GEMM each.
+    mode off: every hook goes back to stock (the joined weights stay)."""
     from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
     if mode not in MODES:
         raise ValueError(f"route mode: expected one of {MODES}, found {mode!r}")
+    on = mode != "off"
     for mod in drafter.modules():
         if isinstance(mod, LlamaRMSNorm):
-            mod.dispatch = None
-            if mode == "off":
+            mod.dispatch = mod.add_dispatch = None
+            if not on:
                 continue
             w = mod.weight.detach().float()
             shifted = w - 1.0
             if torch.equal(1.0 + shifted, w):
                 mod.gemma_weight = shifted.contiguous()
                 mod.dispatch = functools.partial(_llama_norm, mode=mode)
-        elif isinstance(mod, (Eagle3Attention, Eagle3MLP)) and mode != "off":
-            mod.fuse_projections()
+                mod.add_dispatch = functools.partial(_llama_add_norm, mode=mode)
+        elif isinstance(mod, Eagle3Attention):
+            mod.rope_dispatch = functools.partial(_drafter_rope, mode=mode) if on else None
+            if on:
+                mod.fuse_projections()
+        elif isinstance(mod, Eagle3MLP):
+            mod.act_dispatch = functools.partial(_silu_mul, mode=mode) if on else None
+            if on:
+                mod.fuse_projections()
 
 
 def _llama_norm(norm, x: torch.Tensor, mode: str):
     """A drafter's Llama RMSNorm as norm.rms with its exact Gemma-form weight (install_drafter)."""
     return _norm_rows("drafter norm", x, norm.gemma_weight, norm.eps, mode)
+
+
+def _llama_add_norm(norm, residual: torch.Tensor, delta: torch.Tensor, mode: str):
+    """A drafter's residual add and the Llama RMSNorm after it as norm.add_rms (its exact Gemma-form weight)."""
+    return _add_rows("drafter add_norm", residual, delta, norm.gemma_weight, norm.eps, mode)
+
+
+def _drafter_rope(attn, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  mode: str):
+    """The draft layer's q/k RoPE in one attn.rope launch: q [T, Hq, D], k [T, Hk, D] (views of the joined q|k|v
+    GEMM) -> (q, k) rotated, or None (stock)."""
+    if not (_bf16_cuda("drafter rope", q, mode) and _bf16_cuda("drafter rope", k, mode)) or q.dim() != 3 \
+            or q.shape[0] == 0:
+        return None
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    entry = lookup("attn.rope", t, (hq, hk, d, 2 * inv_freq.shape[0]), mode)
+    if entry is None:
+        return None
+    q2, k2 = q.reshape(t, hq * d), k.reshape(t, hk * d)
+    if q2.stride(1) != 1 or k2.stride(1) != 1:
+        return None
+    q_out = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
+    k_out = torch.empty(t, hk, d, dtype=torch.bfloat16, device=q.device)
+    return entry.raw_call(q2, k2, positions.contiguous(), inv_freq, q_out, k_out)
+
+
+def _silu_mul(mlp, gate_up: torch.Tensor, mode: str):
+    """The draft layer MLP's silu(gate) * up, [T, 2I] -> bf16 [T, I] (mlp.silu_mul), or None (stock)."""
+    if not _bf16_cuda("drafter mlp activation", gate_up, mode) or gate_up.dim() != 2 or gate_up.numel() == 0:
+        return None
+    rows, two_i = gate_up.shape
+    entry = lookup("mlp.silu_mul", rows, (1, two_i // 2), mode)
+    if entry is None:
+        return None
+    out = torch.empty(1, rows, two_i // 2, dtype=torch.bfloat16, device=gate_up.device)
+    entry.raw_call(gate_up.contiguous().view(1, rows, two_i), out)
+    return out.view(rows, two_i // 2)
 
 
 def mode_of(model) -> str:
@@ -163,8 +212,13 @@ def _norm_rows(where: str, x: torch.Tensor, weight: torch.Tensor, eps: float, mo
 def _add_norm(norm, residual: torch.Tensor, delta: torch.Tensor, mode: str):
     """A residual boundary and the Gemma RMSNorm after it, (residual + delta, norm(.)), in one norm.add_rms
     launch."""
+    return _add_rows("add_norm", residual, delta, norm.weight, norm.eps, mode)
+
+
+def _add_rows(where: str, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
+    """(residual + delta, Gemma RMSNorm of it with `weight`) through norm.add_rms, or None (stock)."""
     h = residual.shape[-1]
-    if not (_bf16_cuda("add_norm", residual, mode) and _bf16_cuda("add_norm", delta, mode)) or residual.numel() == 0:
+    if not (_bf16_cuda(where, residual, mode) and _bf16_cuda(where, delta, mode)) or residual.numel() == 0:
         return None
     rows = residual.numel() // h
     entry = lookup("norm.add_rms", rows, (h,), mode)
@@ -175,7 +229,7 @@ def _add_norm(norm, residual: torch.Tensor, delta: torch.Tensor, mode: str):
     d2 = d2 if d2.stride(1) == 1 else d2.contiguous()
     h_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
     y_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
-    entry.raw_call(d2, r2, norm.weight, float(norm.eps), h_out, y_out)
+    entry.raw_call(d2, r2, weight, float(eps), h_out, y_out)
     return h_out.view(residual.shape), y_out.view(residual.shape)
 
 

@@ -112,8 +112,8 @@ def ttt_logits(drafter: Eagle3Drafter, tokens: torch.Tensor, fused: torch.Tensor
         ks.append(k)
         vs.append(v)
         o = _ttt_attention(q, ks, vs, layer.self_attn.scale, causal)
-        hidden = layer.finish(o, residual)
-        out.append(drafter.logits(drafter.norm(hidden)))
+        normed, hidden = layer.finish(o, residual, drafter.norm)
+        out.append(drafter.logits(normed))
     return out
 
 

@@ -20,7 +20,8 @@ def test_entries_are_complete() -> None:
     assert set(ENTRIES) == {"linear.nvfp4", "linear.mxfp8", "linear.fp8", "qkv.nvfp4", "qkv.mxfp8", "qkv.fp8",
                             "norm.add_rms", "head.bf16", "head.head12", "moe.nvfp4",
                             "kv.write", "msa.scores", "msa.select", "attn.paged", "attn.prefill",
-                            "norm.rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small"}
+                            "norm.rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small",
+                            "attn.rope", "mlp.silu_mul", "spec.inputs", "spec.accept", "spec.commit"}
     for name, e in ENTRIES.items():
         assert e.cells and e.interp_cells, name
         assert e.archs == ("sm_90",)

@@ -129,3 +129,45 @@ def test_routed_drafter_norm_matches_the_stock_llama_norm():
     assert ((got.float() - ref).abs() <= band).all()
     norm.dispatch = None
     assert (norm(x).float() - got.float()).abs().max() <= band.max()
+
+
+def test_routed_drafter_layer_matches_the_stock_layer():
+    """install_drafter's attn.rope, mlp.silu_mul and norm.add_rms hooks inside the embedded drafter's layer vs
+    the same layer stock, on fresh random rows: q/k inside attn.rope's band of the stock fp32 rotation; the layer
+    output r2 and its final norm within 2 bf16 ulps + 2**-8 of the row's largest value: the routed norms may round
+    an element one ulp the other way (norm.rms's band), which the MLP's GEMMs carry into every output as at most
+    ~2**-8 of the row's scale; a mis-wired hook moves values by O(1) of it."""
+    import os
+    from m3serve.kernels.qk_prep import rope_compare, rope_reference
+    from m3serve.llm import DEFAULT_MODEL_DIR
+    from m3serve.model.eagle3 import load_drafter
+    from m3serve.model.layers import rope_inv_freq
+    from m3serve.targets.routing import install_drafter
+    d = load_drafter(os.path.join(DEFAULT_MODEL_DIR, "eagle3"), dtype=torch.bfloat16, device="cuda")
+    layer = d.midlayer
+    g = torch.Generator().manual_seed(11)
+    t, h = 9, d.cfg.hidden_size
+    emb, hidden = [(torch.randn(t, h, generator=g) * 2).to("cuda", torch.bfloat16) for _ in range(2)]
+    pos = torch.randint(0, 4000, (t,), generator=g).to("cuda")
+    attn = (torch.randn(t, d.cfg.num_attention_heads, d.cfg.head_dim, generator=g)).to("cuda", torch.bfloat16)
+    install_drafter(d, "off")
+    layer.self_attn.fuse_projections()
+    layer.mlp.fuse_projections()
+    q0, k0, _, res0 = layer.project(emb, hidden, pos)
+    n0, r0 = layer.finish(attn, res0, d.norm)
+    install_drafter(d, "require")
+    assert layer.self_attn.rope_dispatch is not None and layer.mlp.act_dispatch is not None
+    assert layer.post_attention_layernorm.add_dispatch is not None
+    q1, k1, _, res1 = layer.project(emb, hidden, pos)
+    n1, r1 = layer.finish(attn, res1, d.norm)
+    # the stock rotation's input: the joined GEMM's q, k before RoPE (the same GEMM on both sides)
+    a = layer.self_attn
+    x2 = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(hidden)), dim=-1)
+    qkv = torch.nn.functional.linear(x2, a.qkv_weight)
+    inv = rope_inv_freq(d.cfg.rotary_dim, d.cfg.rope_theta, pos.device)
+    ref = rope_reference(qkv[:, :a.hq * a.d], qkv[:, a.hq * a.d:(a.hq + a.hk) * a.d], pos, inv, q1, k1)
+    rope_compare((q1, k1), ref, None)
+    assert torch.equal(res0, res1)
+    for got, want in ((r1, r0), (n1, n0)):
+        scale = want.float().abs().amax(dim=-1, keepdim=True)
+        assert ((got.float() - want.float()).abs() <= 2 * 2.0 ** -7 * want.float().abs() + 2.0 ** -8 * scale).all()
