@@ -72,4 +72,31 @@ def sample_categorical(weights: torch.Tensor, rng: DeviceRNG, keys: torch.Tensor
     return (weights.float() / e).argmax(-1)
 
 
-__all__ = ["DeviceRNG", "mix32", "sample_categorical"]
+# Keyed (stateless) draws for the speculative step on the target: a draw is a hash of (request key, index of the
+# token it concerns, purpose), the same scheme as the decode graphs' sampling (sampler.row_seed), so a captured
+# graph needs no RNG state and a request's draws do not depend on its batch or its step boundaries. Distinct
+# purposes at one index are independent streams; a purpose is drawn at most once per (key, index) in any
+# emitted decision (an index is drafted again only after its earlier draws were discarded unused).
+TAG_ACCEPT, TAG_TARGET, TAG_DRAFT = 1, 2, 3
+
+
+def keyed_seeds(keys: torch.Tensor, counters: torch.Tensor, tag: int) -> torch.Tensor:
+    """int64 seeds in [0, 2^32) of (keys, counters) broadcast together, in the stream `tag` (1..127)."""
+    from m3serve.engine.sampler import row_seed
+    return row_seed(keys ^ (tag << 56), counters)
+
+
+def keyed_uniform(keys: torch.Tensor, counters: torch.Tensor, tag: int) -> torch.Tensor:
+    """fp32 uniforms in [0, 1 - 2^-24] (multiples of 2^-24), one per broadcast (key, counter)."""
+    return (mix32(keyed_seeds(keys, counters, tag)) >> 8).float() * 2.0 ** -24
+
+
+def keyed_categorical(weights: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor, tag: int) -> torch.Tensor:
+    """weights [R, V] >= 0 (unnormalised) -> int64 [R] ~ weights / sum, by the exponential race with Exp(1)
+    noise keyed by (keys [R], counters [R], tag)."""
+    from m3serve.engine.sampler import noise_from_seeds
+    return (weights.float() / noise_from_seeds(keyed_seeds(keys, counters, tag), weights.shape[1])).argmax(-1)
+
+
+__all__ = ["DeviceRNG", "mix32", "sample_categorical", "keyed_seeds", "keyed_uniform", "keyed_categorical",
+           "TAG_ACCEPT", "TAG_TARGET", "TAG_DRAFT"]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.spec_rng import DeviceRNG, sample_categorical
+from m3serve.engine.spec_rng import TAG_ACCEPT, TAG_TARGET, DeviceRNG, keyed_categorical, keyed_uniform, sample_categorical
 
 
 def verify_greedy(target_ids: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
@@ -91,6 +91,32 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, num_d
     return tokens, a + 1
 
 
+def accept_keyed(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, forced: torch.Tensor, keys: torch.Tensor,
+                 first_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection sampling above with keyed draws (the speculative step on the target: no RNG state in the
+    graph). p [R, K+1, V], q [R, K, V], drafts [R, K] (all K verified), forced [R] (>= 0: accept that many,
+    clamped to K, then draw the target's token from p_a: benchmarks), keys [R], first_index [R] the sequence
+    index of d_1. u_i is keyed (key, index of d_i, TAG_ACCEPT); the token after the accepted prefix is keyed
+    (key, its index, TAG_TARGET). Returns (a [R] accepted drafts, y [R] the token emitted after them)."""
+    r, k1, v = p.shape
+    k = k1 - 1
+    if q.shape != (r, k, v) or drafts.shape != (r, k) or forced.shape != (r,) or k < 1:
+        raise ValueError(f"q/drafts/forced: expected [{r}, {k}, {v}] / [{r}, {k}] / [{r}] with K >= 1, found "
+                         f"{tuple(q.shape)} / {tuple(drafts.shape)} / {tuple(forced.shape)}")
+    rows = torch.arange(r, device=p.device)
+    j = torch.arange(k, device=p.device)
+    u = keyed_uniform(keys[:, None], first_index[:, None] + j, TAG_ACCEPT)       # u_i ~ U[0, 1)
+    d = drafts.unsqueeze(-1)
+    accept = u * q.gather(-1, d).squeeze(-1) < p[:, :k].gather(-1, d).squeeze(-1)
+    a = accept.long().cumprod(dim=1).sum(dim=1)
+    a = torch.where(forced >= 0, forced.long().clamp(max=k), a)
+    p_a = p[rows, a]
+    residual = (p_a - q[rows, a.clamp(max=k - 1)]).clamp_min(0.0)
+    use_residual = (a < k) & (forced < 0) & (residual.sum(-1) > 0)               # else the bonus / forced p_a
+    weights = torch.where(use_residual[:, None], residual, p_a)
+    return a, keyed_categorical(weights, keys, first_index + a, TAG_TARGET)
+
+
 def forced_accepts(step: int, mean_accepted: float, scale: int = 1_000_000) -> int:
     """Drafts accepted at a request's `step`-th verify step so that the running mean is `mean_accepted`:
     floor((step+1) f) - floor(step f), in integer arithmetic (f quantised to 1/scale)."""
@@ -98,4 +124,4 @@ def forced_accepts(step: int, mean_accepted: float, scale: int = 1_000_000) -> i
     return ((step + 1) * f) // scale - (step * f) // scale
 
 
-__all__ = ["verify_greedy", "verify_sampled", "forced_accepts"]
+__all__ = ["verify_greedy", "verify_sampled", "accept_keyed", "forced_accepts"]

@@ -82,6 +82,7 @@ class SpeculativeEngine(LLMEngine):
         k = self.spec.num_speculative_tokens
         self.runner = SpecRunner(model, self.drafter)
         self.spec_steps = None           # m3serve.runtime.spec_graphs.SpecSteps (enable_target)
+        self._flight_sampled = False     # the SpecSteps step in flight ran the sampled variant
         self.graph_steps = 0             # steps that ran as SpecSteps
         self.overlapped_steps = 0        # of them, launched before the previous one was read back
         self.rng = DeviceRNG(config.seed, model.device)
@@ -101,12 +102,16 @@ class SpeculativeEngine(LLMEngine):
         self.view.tables = DeviceBlockTables(self.blocks, dev, self.view.index_scale, self.view.kv_offset,
                                              max_tokens=cap)
 
-    def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto") -> bool:
-        """Speculative steps on the decode target: a step in which every request decodes greedily (no logprobs,
-        no logits processing) from K drafts runs as one fixed-shape device program per batch bucket
+    def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto",
+                      sampling: bool = True) -> bool:
+        """Speculative steps on the decode target: a step in which every request decodes (no logprobs, no logits
+        processing) from K drafts runs as one fixed-shape device program per batch bucket
         (m3serve.runtime.spec_graphs: verify, acceptance and the K draft passes, attention through the
-        paged-cache kernels), replayed as a CUDA graph unless graphs=False. Every other step (prefill, sampled
-        requests, the last tokens before max_model_len) takes the eager path below, which is exact too.
+        paged-cache kernels), replayed as a CUDA graph unless graphs=False: greedy steps by the greedy rule, a
+        step with a sampled request (temperature, top-k, top-p) by rejection sampling (sampling=True: a second
+        graph per bucket and the drafts' distributions kept on the device, max_num_seqs x K x V fp32). Every
+        other step (prefill, logprobs, penalties, the last tokens before max_model_len) takes the eager path
+        below, which is exact too.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
         from m3serve.runtime.decode_graphs import buckets_up_to
@@ -134,7 +139,8 @@ class SpeculativeEngine(LLMEngine):
             return False
         from m3serve.targets.routing import install_drafter, mode_of
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
-        self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs)
+        self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs,
+                                    sampling=sampling)
         self.spec_steps.capture()
         return True
 
@@ -220,13 +226,17 @@ class SpeculativeEngine(LLMEngine):
         return self._inflight[2] if self._inflight is not None else {}
 
     def _target_step_requests(self, chunks) -> list[Request] | None:
-        """The requests of `chunks` when the step can run as SpecSteps: every chunk a greedy decode (no logprobs,
-        no logits processing) holding K drafts for its current state, or in the step in flight (whose outputs
-        the device keeps for this one), in a bucket, with room for the step's writes (pages allocated here).
-        None: take the eager path (which first reads back the step in flight)."""
+        """The requests of `chunks` when the step can run as SpecSteps: every chunk a decode (greedy, or sampled
+        when the graphs have the sampled variant; no logprobs, no logits processing) holding K drafts for its
+        current state, or in the step in flight (whose outputs the device keeps for this one), in a bucket, with
+        room for the step's writes (pages allocated here). None: take the eager path (which first reads back
+        the step in flight)."""
         ss = self.spec_steps
         if ss is None or ss.bucket_for(len(chunks)) is None:
             return None
+        sampled = any(not c.request.params.greedy for c in chunks)
+        if sampled and (not ss.sampling or (self._inflight is not None and not self._flight_sampled)):
+            return None          # no sampled variant; or the flight's rows kept no draft distributions
         k = self.spec.num_speculative_tokens
         flight = self._in_flight()
         reqs, reach = [], []
@@ -238,7 +248,7 @@ class SpeculativeEngine(LLMEngine):
                                and st.preemptions == r.num_preemptions)
             # writes stay below n + 2K, n = num_computed after the step in flight (at most K + 1 more)
             end = r.num_computed + (k + 1 if moving else 0) + 2 * k
-            if (c.num_tokens != 1 or not c.reaches_end or not ready or not r.params.greedy
+            if (c.num_tokens != 1 or not c.reaches_end or not ready
                     or r.params.logprobs is not None or r.logits_processing or end > self.max_model_len):
                 return None
             reqs.append(r)
@@ -263,10 +273,17 @@ class SpeculativeEngine(LLMEngine):
                 self._forced_step[r.request_id] = step + 1
                 forced.append(min(forced_accepts(step, self.spec.forced_acceptance - 1.0), k))
         moving = [flight.get(r.request_id) == r.num_preemptions for r in reqs]
+        sampling = q = None
+        if any(not r.params.greedy for r in reqs):
+            from m3serve.runtime.decode_graphs import sampling_row
+            p = [r.params for r in reqs]
+            sampling = [sampling_row(x.temperature, x.top_k, x.top_p, self._key(r)) for x, r in zip(p, reqs)]
+            q = [None if m else self._state[r.request_id].q for r, m in zip(reqs, moving)]
         launched = self.spec_steps.run(
             [r.request_id for r in reqs], [0 if m else _last_token(r) for r, m in zip(reqs, moving)],
             [[] if m else self._state[r.request_id].drafts for r, m in zip(reqs, moving)],
-            [-1 if m else r.num_computed for r, m in zip(reqs, moving)], forced)
+            [-1 if m else r.num_computed for r, m in zip(reqs, moving)], forced, sampling, q)
+        self._flight_sampled = sampling is not None
         self.graph_steps += 1
         self.overlapped_steps += any(moving)
         prev, self._inflight = self._inflight, (launched, reqs, {r.request_id: r.num_preemptions for r in reqs})
@@ -300,7 +317,10 @@ class SpeculativeEngine(LLMEngine):
             else:
                 if self.blocks.has_uncommitted_full_pages(r.request_id, r.num_computed):
                     self.blocks.commit_full_pages(r.request_id, r.all_token_ids[:r.num_computed])
-                st.drafts, st.q, st.anchor = drafts, None, r.num_tokens
+                # a sampled request's draft distributions stay on the device (a view of its table row: the eager
+                # path reads it only after resolving every step in flight, so it is this step's)
+                st.drafts, st.anchor = drafts, r.num_tokens
+                st.q = None if r.params.greedy else self.spec_steps.q_of(r.request_id)
             r.spec_metrics = st.metrics()
             out.append(r)
         return out

@@ -29,6 +29,13 @@ n+a+1 on. The same holds for the target K/V of rejected rows (the next verify re
 stays where verify wrote it and no token is ever moved. Positions written this step lie below n + 2K: the host
 allocates pages for n + 2K tokens before staging.
 
+Sampled rows (the second variant of each bucket, SpecSteps(sampling=True)): the staged payload also carries each
+row's temperature, top-k, top-p and key; verify turns the target's logits into p (processed_rows, greedy rows
+one-hot) and accepts by rejection sampling against the drafts' distributions q kept per table row (next_q), with
+draws keyed by (request key, token index, purpose) instead of a stateful RNG (spec_verify.accept_keyed, its
+proof in spec_verify's docstring); the draft passes sample d'_j from their processed distributions and keep
+them in next_q for the next step. Greedy rows inside a sampled step reduce to the greedy rule exactly.
+
 Shape legend: S bucket (sequences), K drafts per sequence, T = S(K+1) verify rows, V target vocab, H hidden.
 """
 
@@ -73,15 +80,18 @@ class StepBuffers:
     draft_lens: torch.Tensor         # [K-1, S] int32 its key count (0: padding)
     drafted: torch.Tensor            # [K, S] int64 d'_1..d'_K
     result: torch.Tensor             # [S, 2K+2] int64 e_0..e_K | a+1 | d'_1..d'_K
+    accepted: torch.Tensor           # [S] int32 a (sampled variant)
+    q: torch.Tensor | None           # [S, K, V] fp32 the drafts' distributions (sampled variant)
 
     @classmethod
-    def make(cls, s: int, k: int, device) -> StepBuffers:
+    def make(cls, s: int, k: int, device, vocab: int | None) -> StepBuffers:
         def i64(*shape):
             return torch.zeros(shape, dtype=torch.int64, device=device)
         return cls(ids=i64(s * (k + 1)), positions=i64(s * (k + 1)), pos0=i64(s), emitted=i64(s, k + 1), last=i64(s),
                    draft_pos=i64(k - 1, s), draft_map=i64(k - 1, s),
                    draft_lens=torch.zeros(k - 1, s, dtype=torch.int32, device=device), drafted=i64(k, s),
-                   result=i64(s, 2 * k + 2))
+                   result=i64(s, 2 * k + 2), accepted=torch.zeros(s, dtype=torch.int32, device=device),
+                   q=None if vocab is None else torch.zeros(s, k, vocab, dtype=torch.float32, device=device))
 
 
 @dataclass
@@ -97,7 +107,8 @@ class SpecSteps:
     layer is the draft layer of the same slots the target tables address); tables: the engine's
     DeviceBlockTables of slot ids, sized for the buckets' T rows."""
 
-    def __init__(self, model, drafter, view, tables, k: int, buckets: tuple[int, ...], graphs: bool = True):
+    def __init__(self, model, drafter, view, tables, k: int, buckets: tuple[int, ...], graphs: bool = True,
+                 sampling: bool = False):
         if k < 1:
             raise ValueError(f"k: expected >= 1 speculative tokens, found {k}")
         self.model, self.drafter, self.view, self.tables, self.k = model, drafter, view, tables, k
@@ -136,22 +147,33 @@ class SpecSteps:
         rows = tables.manager.max_seqs + 1
         self.next_pos = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.next_ids = torch.zeros(rows, k + 1, dtype=torch.int64, device=dev)
+        # sampling: a second variant per bucket verifies by rejection sampling; the drafts' distributions q of
+        # each table row stay here between steps ([R, K, V] fp32, V the target vocabulary)
+        self.sampling = sampling
+        self.next_q = torch.zeros(rows, k, model.cfg.vocab_size, dtype=torch.float32, device=dev) if sampling else None
+        self.sampled_replays = 0
 
     def bucket_for(self, batch: int) -> int | None:
         return bucket_for(batch, self.buckets)
 
     # ------------------------------------------------------------------ host: stage one step
     def stage(self, bucket: int, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]],
-              positions: list[int], forced: list[int] | None = None) -> None:
+              positions: list[int], forced: list[int] | None = None, sampling: list | None = None) -> None:
         """Pack one padded step: row i verifies [last_tokens[i], *drafts[i]] (K drafts) from positions[i] (its
         num_computed); positions[i] = -1: all three come from the device (what the row's previous step left;
         last_tokens[i] and drafts[i] are then ignored). forced[i] >= 0: accept that many drafts (forced-
-        acceptance benchmarks), else verify."""
+        acceptance benchmarks), else verify. sampling: one decode_graphs.sampling_row per row (the sampled
+        variant's temperature, top-k, top-p and key); None stages greedy rows.
+        Payload after the positions: [ids T | seq lens S | forced S | n S | temperature, top_k, top_p, key_lo,
+        key_hi: S each]."""
+        from m3serve.runtime.decode_graphs import _ONE_BITS
         k, s, n = self.k, bucket, len(seq_ids)
         if len(drafts) != n or len(last_tokens) != n or len(positions) != n or any(
                 len(d) != k for d, p in zip(drafts, positions) if p >= 0):
             raise ValueError(f"drafts: expected {n} rows of exactly K = {k} drafts with one last token and position "
                              f"each, found {[len(d) for d in drafts][:8]}")
+        if sampling is not None and len(sampling) != n:
+            raise ValueError(f"sampling: expected one row per sequence ({n}), found {len(sampling)}")
         t = s * (k + 1)
         pos0 = np.zeros(s, dtype=np.int64)
         pos0[:n] = positions
@@ -159,7 +181,7 @@ class SpecSteps:
         # placeholder positions for device rows: the program writes the real ones before expanding the tables
         positions_t = (np.where(staged, pos0, 0)[:, None] + np.arange(k + 1)).reshape(-1)
         tsi = np.repeat(np.arange(s), k + 1)
-        extra = np.zeros(t + 3 * s, dtype=np.int32)
+        extra = np.zeros(t + 8 * s, dtype=np.int32)
         ids = extra[:t].reshape(s, k + 1)
         for i in np.flatnonzero(staged[:n]):
             ids[i, 0] = last_tokens[i]
@@ -168,11 +190,29 @@ class SpecSteps:
         extra[t + s:t + 2 * s] = -1
         if forced is not None:
             extra[t + s:t + s + n] = forced
-        extra[t + 2 * s:] = pos0
+        extra[t + 2 * s:t + 3 * s] = pos0
+        params = extra[t + 3 * s:].reshape(5, s)          # temperature 0 = greedy, top_p 1.0 for every other row
+        params[2] = _ONE_BITS
+        if sampling is not None:
+            params[:, :n] = np.array(sampling, dtype=np.int32).reshape(n, 5).T
         got_s, got_t, offsets = self.tables.stage(seq_ids, tsi, positions_t, extra=extra, pad_to=s)
         if self._offsets.setdefault(bucket, offsets) != offsets or (got_s, got_t) != (s, t):
             raise AssertionError(f"bucket {bucket}: staged layout {(got_s, got_t, offsets)} differs from the "
                                  f"captured one {self._offsets[bucket]}")
+
+    def _sampling_params(self, bucket: int, vocab: int) -> tuple[torch.Tensor, ...]:
+        """The staged sampling payload of a bucket -> (temperature, top_k, top_p, greedy, keys) [S] on the device
+        (the decode graphs' conventions: decode_graphs.staged_sampling)."""
+        k, s = self.k, bucket
+        t = s * (k + 1)
+        base = self._offsets[bucket][3] + t + t + 3 * s
+        stage = self.tables._dev_stage
+        temp_raw = stage[base:base + s].view(torch.float32)
+        greedy = temp_raw == 0
+        k_raw = stage[base + s:base + 2 * s].long()
+        keys = (stage[base + 4 * s:base + 5 * s].long() << 32) | (stage[base + 3 * s:base + 4 * s].long() & 0xFFFFFFFF)
+        return (torch.where(greedy, 1.0, temp_raw), torch.where((k_raw > 0) & (k_raw < vocab), k_raw, vocab),
+                stage[base + 2 * s:base + 3 * s].view(torch.float32), greedy, keys)
 
     # ------------------------------------------------------------------ device: the step program
     def _plans(self, bucket: int) -> tuple[PagedStep, list[PagedStep]]:
@@ -201,11 +241,15 @@ class SpecSteps:
 
     def _buffers(self, bucket: int) -> StepBuffers:
         if bucket not in self._bufs:
-            self._bufs[bucket] = StepBuffers.make(bucket, self.k, self.model.device)
+            self._bufs[bucket] = StepBuffers.make(bucket, self.k, self.model.device,
+                                                  self.model.cfg.vocab_size if self.sampling else None)
         return self._bufs[bucket]
 
-    def _program(self, bucket: int) -> torch.Tensor:
-        """The whole step on the device from the staged buffer -> [S, 2K+2] int64 (see the module docstring)."""
+    def _program(self, bucket: int, sampled: bool = False) -> torch.Tensor:
+        """The whole step on the device from the staged buffer -> [S, 2K+2] int64 (see the module docstring).
+        sampled: the rejection-sampling variant (module docstring: "Sampled rows")."""
+        from m3serve.engine.sampler import processed_rows
+        from m3serve.engine.spec_verify import accept_keyed
         from m3serve.kernels.spec_step import spec_accept, spec_commit, spec_inputs
         k, s = self.k, bucket
         t = s * (k + 1)
@@ -225,8 +269,19 @@ class SpecSteps:
                              kv=self.kv, step=verify, capture_layers=self.capture_ids)
         h = m.hidden(batch)
         fused = d.fuse([batch.captured[i] for i in d.cfg.capture_layers])
-        target = m.logits(h).argmax(-1)                                      # t_j, [T]
-        spec_accept(buf.ids.view(s, k + 1), target.view(s, k + 1), forced, buf.pos0, seq_lens, rows,
+        logits = m.logits(h)                                                 # [T, V] fp32
+        if sampled:
+            v = logits.shape[1]
+            temp, top_k, top_p, greedy, keys = params = self._sampling_params(bucket, v)
+            per_row = [x.repeat_interleave(k + 1) for x in (temp, top_k, top_p, greedy)]
+            p = processed_rows(logits, *per_row).view(s, k + 1, v)
+            a, y = accept_keyed(p, self.next_q[rows.long()], buf.ids.view(s, k + 1)[:, 1:], forced, keys,
+                                buf.pos0 + 1)
+            buf.accepted.copy_(a)                          # spec.accept takes a as the "forced" count, y as t_a
+            accepted, target = buf.accepted, y[:, None].expand(s, k + 1).contiguous()
+        else:
+            accepted, target = forced, logits.argmax(-1).view(s, k + 1)     # t_j
+        spec_accept(buf.ids.view(s, k + 1), target, accepted, buf.pos0, seq_lens, rows,
                     self.tables.slot_table[:s], self.kv.page_size, self.next_pos, buf.emitted, buf.last,
                     buf.draft_pos, buf.draft_map, buf.draft_lens, buf.result)
 
@@ -235,30 +290,50 @@ class SpecSteps:
                               slot_mapping=slot_mapping, kv=self.view, step=verify)
         normed, r2 = d(dbatch, fused)
         h_d = r2[buf.last]
-        self._propose(normed[buf.last], buf.drafted[0])
+        # sampled: d'_j sits at sequence index c + j (c = n + a + 1, the index of e_a): its draw's counter
+        index = buf.pos0 + buf.accepted + 2 if sampled else None
+        self._propose(normed[buf.last], 0, buf, params if sampled else None, index)
         for j, step in enumerate(passes):      # passes 2..K: one row per sequence at c + j (spec.accept)
             pbatch = ForwardBatch(input_ids=buf.drafted[j], positions=buf.draft_pos[j], seqs=[],
                                   slot_mapping=buf.draft_map[j], kv=self.view, step=step)
             normed, h_d = d(pbatch, h_d)
-            self._propose(normed, buf.drafted[j + 1])
+            self._propose(normed, j + 1, buf, params if sampled else None, None if index is None else index + j + 1)
         spec_commit(buf.result, buf.drafted, rows, self.next_ids)
+        if sampled:
+            self.next_q.index_copy_(0, rows.long(), buf.q)                    # padded rows: the padding row
         return buf.result
 
-    def _propose(self, normed: torch.Tensor, out: torch.Tensor) -> None:
-        """Greedy draft ids (target vocabulary) of final-normed draft states [S, H] into out [S]. The argmax reads
-        the head's bf16 logits as they are (the fp32 copy Eagle3Drafter.logits makes holds the same values)."""
-        d = self.drafter
-        logits = d.lm_head(normed) if d.lm_head is not None else self.model.lm_head(normed.to(self.model.dtype))
-        if d.d2t is None:
-            torch.argmax(logits, dim=-1, out=out)
-        else:
-            ids = logits.argmax(-1)
-            torch.add(ids, d.d2t[ids], out=out)
+    def _propose(self, normed: torch.Tensor, j: int, buf: StepBuffers, params, index: torch.Tensor | None) -> None:
+        """Draft d'_{j+1} (target vocabulary) of final-normed draft states [S, H] into buf.drafted[j]: greedy (the
+        argmax reads the head's bf16 logits as they are: the fp32 copy Eagle3Drafter.logits makes holds the same
+        values), or sampled from the rows' processed draft distribution q, kept in buf.q[:, j] for the next
+        step's verification (keyed draw: stream TAG_DRAFT at sequence index `index`)."""
+        d, out = self.drafter, buf.drafted[j]
+        if params is None:
+            logits = d.lm_head(normed) if d.lm_head is not None else self.model.lm_head(normed.to(self.model.dtype))
+            if d.d2t is None:
+                torch.argmax(logits, dim=-1, out=out)
+            else:
+                ids = logits.argmax(-1)
+                torch.add(ids, d.d2t[ids], out=out)
+            return
+        from m3serve.engine.sampler import processed_rows
+        from m3serve.engine.spec_rng import TAG_DRAFT, keyed_categorical
+        temp, top_k, top_p, greedy, keys = params
+        logits = d.logits(normed)                                            # [S, Vd] fp32
+        vd = logits.shape[1]
+        q = d.to_target_probs(processed_rows(logits, temp, top_k.clamp(max=vd), top_p, greedy))
+        buf.q[:, j].copy_(q)
+        out.copy_(keyed_categorical(q, keys, index, TAG_DRAFT))
 
     # ------------------------------------------------------------------ capture / replay
+    def _variants(self) -> tuple[bool, ...]:
+        return (False, True) if self.sampling else (False,)
+
     def capture(self) -> None:
-        """Capture every bucket, largest first, each after an eager warm-up (Triton compiles on first call, which
-        capture forbids). Warm-up and capture run padding rows only: nothing is read or written in the cache."""
+        """Capture every bucket (and variant), largest first, each after an eager warm-up (Triton compiles on first
+        call, which capture forbids). Warm-up and capture run padding rows only: nothing is read or written in
+        the cache."""
         if not self.graphs:
             return
         dev = self.model.device
@@ -267,37 +342,70 @@ class SpecSteps:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for bucket in sorted(self.buckets, reverse=True):
-                self.stage(bucket, [], [], [], [])
-                self._program(bucket)
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._result[bucket] = self._program(bucket)
-                self._graph[bucket] = graph
+                for sampled in self._variants():
+                    self.stage(bucket, [], [], [], [])
+                    self._program(bucket, sampled)
+                    torch.cuda.synchronize(dev)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._result[bucket, sampled] = self._program(bucket, sampled)
+                    self._graph[bucket, sampled] = graph
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
-        log.info("speculative graphs (K = %d) captured for buckets %s", self.k, self.buckets)
+        log.info("speculative graphs (K = %d) captured for buckets %s%s", self.k, self.buckets,
+                 " (greedy and sampled)" if self.sampling else "")
 
     def run(self, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]], positions: list[int],
-            forced: list[int] | None = None) -> SpecLaunched:
-        """Stage, then replay (or run eagerly) one step, and queue the copy of its results to the host."""
+            forced: list[int] | None = None, sampling: list | None = None,
+            q: list[torch.Tensor | None] | None = None) -> SpecLaunched:
+        """Stage, then replay (or run eagerly) one step, and queue the copy of its results to the host.
+        sampling (one decode_graphs.sampling_row per row): the rejection-sampling variant; then q gives, per row
+        staged from the host, its drafts' distributions [K, V] (None: greedy drafts, one-hot)."""
         bucket = self.bucket_for(len(seq_ids))
         if bucket is None:
             raise ValueError(f"seq_ids: {len(seq_ids)} sequences; the largest bucket is {self.buckets[-1]}")
-        self.stage(bucket, seq_ids, last_tokens, drafts, positions, forced)
+        sampled = sampling is not None
+        if sampled and not self.sampling:
+            raise ValueError("sampling: these speculative graphs were built without the sampled variant")
+        self.stage(bucket, seq_ids, last_tokens, drafts, positions, forced, sampling)
+        if sampled:
+            self._stage_q(seq_ids, drafts, positions, q)
         if self.graphs:
-            self._graph[bucket].replay()
-            result = self._result[bucket]
+            self._graph[bucket, sampled].replay()
+            result = self._result[bucket, sampled]
         else:
             with torch.inference_mode():
-                result = self._program(bucket)
+                result = self._program(bucket, sampled)
         self.replays += 1
+        self.sampled_replays += sampled
         host, done = self._ring[self._next], self._events[self._next]
         self._next ^= 1
         host[:bucket].copy_(result, non_blocking=done is not None)
         if done is not None:
             done.record()
         return SpecLaunched(len(seq_ids), host, done)
+
+    def _stage_q(self, seq_ids: list[int], drafts: list[list[int]], positions: list[int],
+                 q: list[torch.Tensor | None] | None) -> None:
+        """The drafts' distributions of the rows staged from the host into their table rows of next_q (rows taken
+        from the device keep what their previous sampled step left there)."""
+        rows = self.tables.manager.rows_of(seq_ids)
+        with torch.inference_mode():
+            for i, (row, pos) in enumerate(zip(rows.tolist(), positions)):
+                if pos < 0:
+                    continue
+                dst = self.next_q[row]
+                qi = None if q is None else q[i]
+                if qi is None:
+                    dst.zero_()
+                    dst.scatter_(1, torch.tensor(drafts[i], device=dst.device).view(-1, 1), 1.0)
+                else:
+                    dst.copy_(qi)
+
+    def q_of(self, seq_id: int) -> torch.Tensor:
+        """[K, V] the distributions of the drafts a sequence's last sampled step left (a view: valid until that
+        table row's next sampled step)."""
+        return self.next_q[int(self.tables.manager.rows_of([seq_id])[0])]
 
     def fetch(self, launched: SpecLaunched) -> SpecResult:
         if launched.done is not None:

@@ -171,3 +171,55 @@ def test_routed_drafter_layer_matches_the_stock_layer():
     for got, want in ((r1, r0), (n1, n0)):
         scale = want.float().abs().amax(dim=-1, keepdim=True)
         assert ((got.float() - want.float()).abs() <= 2 * 2.0 ** -7 * want.float().abs() + 2.0 ** -8 * scale).all()
+
+
+def _two_sample_pvalue(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Chi-square test of homogeneity of two samples of token ids (categories with fewer than 10 pooled draws
+    merged into one)."""
+    n = int(max(a.max(), b.max())) + 1
+    ca, cb = torch.bincount(a, minlength=n).double(), torch.bincount(b, minlength=n).double()
+    small = (ca + cb) < 10
+    ca = torch.cat((ca[~small], ca[small].sum().view(1)))
+    cb = torch.cat((cb[~small], cb[small].sum().view(1)))
+    keep = (ca + cb) > 0
+    ca, cb = ca[keep], cb[keep]
+    tot = ca + cb
+    ea, eb = tot * ca.sum() / tot.sum(), tot * cb.sum() / tot.sum()
+    stat = (((ca - ea) ** 2 / ea) + ((cb - eb) ** 2 / eb)).sum()
+    df = int(tot.numel()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def test_sampled_spec_graphs_match_the_plain_target_distribution():
+    """The embedded model, one chat prompt, 3000 requests with their own seeds (temperature 1, top-k 8), through
+    the plain decode target and through the speculative target's sampled graphs: the 2nd and 3rd output tokens
+    (drawn by the graphs' rejection sampling: the 1st comes from the prefill) have the same distribution in both
+    (two-sample chi-square, p > 1e-3; a wrong acceptance rule, e.g. accepting every draft, fails it)."""
+    import json
+    import os
+    from m3serve import LLM
+    from m3serve.llm import DEFAULT_MODEL_DIR
+    from m3serve.tokenizer import chat_token_ids
+    llm = LLM(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_bytes=256 << 20, max_num_seqs=8)
+    item = json.loads(open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl")).readline())
+    prompt = chat_token_ids(llm.tokenizer, [{"role": "user", "content": item["question"]}])
+    n = 3000
+
+    def run(eng):
+        outs = []
+        for g in range(0, n, 8):
+            reqs = [eng.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=8, seed=1000 + i,
+                                                           ignore_eos=True)) for i in range(g, g + 8)]
+            while eng.has_work():
+                eng.step()
+            outs += [list(r.output_token_ids) for r in reqs]
+        return torch.tensor(outs)
+
+    plain = run(llm.engine)
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
+    assert eng.enable_target(graphs=True, mode="require")
+    got = run(eng)
+    assert eng.spec_steps.sampled_replays >= n // 8
+    for j in (1, 2):
+        assert _two_sample_pvalue(plain[:, j], got[:, j]) > 1e-3, f"output token {j}"

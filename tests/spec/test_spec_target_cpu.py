@@ -53,9 +53,14 @@ def _spec(model, target: bool, **kw) -> SpeculativeEngine:
     return eng
 
 
-def test_greedy_equals_the_eager_engine(model):
+@pytest.fixture(scope="module")
+def greedy_reference(model):
+    return _run(_spec(model, False))[0]
+
+
+def test_greedy_equals_the_eager_engine(model, greedy_reference):
     """Both are exact greedy decoding (the eager engine's own tests compare it with plain greedy)."""
-    ref, _ = _run(_spec(model, False))
+    ref = greedy_reference
     eng = _spec(model, True)
     got, _ = _run(eng)
     assert got == ref
@@ -99,12 +104,41 @@ def test_abort_while_a_step_is_in_flight(model, forced_reference):
     assert eng.blocks.num_free_slots() == eng.kv.num_slots
 
 
-def test_sampled_requests_take_the_eager_path(model):
+def test_sampled_requests_take_the_eager_path_without_the_sampled_variant(model):
     eng = _spec(model, True)
     r = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.8, seed=3))
     while eng.has_work():
         eng.step()
     assert len(r.output_token_ids) == 5 and eng.graph_steps == 0
+
+
+def _mixed(model, overlap: bool) -> tuple[list[list[int]], SpeculativeEngine]:
+    eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3))
+    eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False, sampling=True)
+    eng.overlap = overlap
+    params = [SamplingParams(max_tokens=MAX_TOKENS[0], temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=MAX_TOKENS[1] + 4, temperature=0.9, top_p=0.95, top_k=40, seed=5,
+                             ignore_eos=True)]
+    reqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    while eng.has_work():
+        eng.step()
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots
+    return [list(r.output_token_ids) for r in reqs], eng
+
+
+def test_sampled_variant_keeps_greedy_rows_exact_and_is_reproducible(model, greedy_reference):
+    """A greedy and a sampled request share SpecSteps' sampled variant: the greedy one's tokens equal the eager
+    engine's greedy tokens (greedy rows reduce to the prefix rule exactly), the sampled one gets all its tokens,
+    every step after the prefill runs on the target, and the same seed draws the same tokens with and without
+    the overlap loop (keyed draws: nothing depends on step boundaries or launch order). That the sampled tokens
+    follow the target's distribution is the keyed acceptance's chi-square test (tests/spec/test_verify.py) and
+    the GPU test of the graphs."""
+    (greedy, sampled), eng = _mixed(model, overlap=True)
+    assert greedy == greedy_reference[0]
+    assert len(sampled) == MAX_TOKENS[1] + 4
+    assert eng.spec_steps.sampled_replays >= 2 and eng.spec_steps.sampled_replays == eng.graph_steps
+    assert eng.overlapped_steps >= 1
+    assert _mixed(model, overlap=False)[0] == [greedy, sampled]
 
 
 def test_require_raises_outside_the_certified_cells(model):

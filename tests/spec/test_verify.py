@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from m3serve.engine.spec_rng import DeviceRNG, sample_categorical
-from m3serve.engine.spec_verify import forced_accepts, verify_greedy, verify_sampled
+from m3serve.engine.spec_verify import accept_keyed, forced_accepts, verify_greedy, verify_sampled
 
 K, V = 3, 8
 R = 200_000          # rows per run: >= 1e5 draws for every chi-square below (fewer for the deep positions)
@@ -132,6 +132,57 @@ def test_sampled_verify_accepts_everything_when_q_equals_p():
     assert bool((n == K + 1).all())          # u * q(d) < p(d) = q(d) holds for every u < 1
     assert torch.equal(tokens[:, :K], drafts)
     assert chi2_pvalue(tokens[:, K], p1[K]) > P_MIN      # the bonus token
+
+
+# ---------------------------------------------------------------------- sampled, keyed draws (the target's graphs)
+def _keyed(p1: torch.Tensor, q1: torch.Tensor, drafts: torch.Tensor, seed: int, forced=None):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, 2 ** 62, (R,), generator=g)
+    first = torch.randint(1, 100_000, (R,), generator=g)
+    forced = torch.full((R,), -1, dtype=torch.int32) if forced is None else forced
+    a, y = accept_keyed(p1.expand(R, K + 1, V).contiguous(), q1.expand(R, K, V).contiguous(), drafts, forced, keys,
+                        first)
+    tokens = torch.cat((drafts, drafts.new_zeros(R, 1)), dim=1)
+    tokens[torch.arange(R), a] = y
+    # the same keys and indices give the same draws (a graph replay is reproducible)
+    a2, y2 = accept_keyed(p1.expand(R, K + 1, V).contiguous(), q1.expand(R, K, V).contiguous(), drafts, forced, keys,
+                          first)
+    assert torch.equal(a, a2) and torch.equal(y, y2)
+    return tokens, a + 1
+
+
+def test_keyed_accept_preserves_target_distribution():
+    """accept_keyed (the graphs' form: draws keyed by request and token index) passes the same chi-square
+    checks as verify_sampled, general and one-hot q."""
+    g = torch.Generator().manual_seed(12)
+    p1 = torch.stack([_dist(g), _dist(g, zeros=2), _dist(g), _dist(g, zeros=1)])
+    q1 = torch.stack([_dist(g), _dist(g, zeros=1), _dist(g)])
+    drafts = torch.stack([torch.multinomial(q1[i], R, replacement=True, generator=g) for i in range(K)], 1)
+    for q, d, seed in ((q1, drafts, 13), (torch.zeros(K, V).scatter_(1, p1[:K].argmax(-1, keepdim=True), 1.0),
+                                          p1[:K].argmax(-1).expand(R, K).contiguous(), 14)):
+        tokens, n = _keyed(p1, q, d, seed)
+        assert chi2_pvalue(tokens[:, 0], p1[0]) > P_MIN
+        for j in range(1, K + 1):
+            rows = n >= j + 1
+            assert int(rows.sum()) > 5_000
+            assert chi2_pvalue(tokens[rows, j], p1[j]) > P_MIN, f"position {j}"
+        if q is q1:
+            alpha = float(torch.minimum(p1[0], q1[0]).sum())
+            rate = float((n >= 2).double().mean())
+            assert abs(rate - alpha) < 5 * (alpha * (1 - alpha) / R) ** 0.5
+
+
+def test_keyed_accept_forced_count_then_a_target_draw():
+    g = torch.Generator().manual_seed(15)
+    p1 = torch.stack([_dist(g) for _ in range(K + 1)])
+    q1 = torch.stack([_dist(g) for _ in range(K)])
+    drafts = torch.randint(0, V, (R, K), generator=g)
+    forced = torch.randint(0, K + 3, (R,), generator=g).int()
+    tokens, n = _keyed(p1, q1, drafts, 16, forced)
+    assert torch.equal(n - 1, forced.long().clamp(max=K))
+    for a in range(K + 1):
+        rows = n == a + 1
+        assert chi2_pvalue(tokens[rows, a], p1[a]) > P_MIN, f"forced {a}"
 
 
 def test_chi2_rejects_a_wrong_sampler():
