@@ -6,7 +6,8 @@ first one / the time after the first step (the prompt's prefill and the first dr
 for both engines); each configuration runs once untimed first (compilation, allocator).
 
     embedded model (m3-tiny-verse): its trained drafter, real acceptance on held-out chat questions; greedy outputs
-                                    are compared token for token with the plain target's (identical_to_plain)
+                                    are compared token for token with the plain target's (identical_to_plain);
+                                    --temperature > 0 samples (both engines on their sampling graphs)
     minimax-m3:N (random weights):  a random drafter with FORCED acceptance (--forced-al, the seed's 2.78): the
                                     drafts are accepted by count, so outputs are not the plain ones (null)
 
@@ -74,7 +75,9 @@ def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict
         forced = args.forced_al
     plain = llm.engine
     cfg = EngineConfig(**{f: getattr(plain.config, f) for f in plain.config.__dataclass_fields__})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=not tiny)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            ignore_eos=not tiny)
+    greedy = args.temperature == 0
     engines = [("plain", 0, plain)]
     for k in ks:
         spec_cfg = {"method": "eagle3", "num_speculative_tokens": k,
@@ -103,12 +106,12 @@ def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict
                    "acceptance_length": st["acceptance_length"] if st else None,
                    "tokens_per_s_per_user": tps, "context": None if tiny else args.context,
                    "graph_steps": eng.graph_steps - steps0 if mode == "spec" else None,
-                   "identical_to_plain": None}
+                   "temperature": args.temperature, "top_p": args.top_p, "identical_to_plain": None}
             if mode == "plain":
                 base = tps
             else:
                 row["speedup_vs_plain"] = tps / base
-                row["identical_to_plain"] = got[k] == got[0] if forced is None else None
+                row["identical_to_plain"] = got[k] == got[0] if forced is None and greedy else None
                 print(f"{name} b{b} K={k}: spec {tps:.0f} vs plain {base:.0f} tok/s/user = {tps / base:.2f}x, "
                       f"AL {row['acceptance_length']}, identical {row['identical_to_plain']}", flush=True)
             rows.append(row)
@@ -128,6 +131,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of the random-weight models")
     ap.add_argument("--forced-al", type=float, default=2.78)
     ap.add_argument("--quantization", default="nvfp4")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled requests (the speculative target's rejection-sampling graphs; one seed per "
+                         "request, outputs not comparable token for token)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec-target-h200.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
