@@ -63,3 +63,28 @@ def test_tp2_nccl_worker_killed_idle_and_in_step():
         llm.generate(_prompts(8, seed=1), long, use_tqdm=False)
     assert time.monotonic() - t0 < 30
     llm.shutdown()
+
+
+def test_tp2_nccl_speculative_greedy_equals_tp1_on_the_embedded_model():
+    """Eagle3 (the embedded model's trained drafter, K = 3) at TP2 through NCCL vs TP1 on one GPU, fp32 with TF32
+    off: token-identical greedy outputs over 8 held-out chat questions and the same acceptance counts (the
+    drafter is replicated, so both propose the same drafts; TP only reorders sums, ~1e-7, far below the gap
+    between the top two logits)."""
+    import json
+    from m3serve.llm import DEFAULT_MODEL_DIR
+    from m3serve.tokenizer import chat_token_ids
+    torch.backends.cuda.matmul.allow_tf32 = False
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    one = LLM(DEFAULT_MODEL_DIR, speculative_config=spec, **KW)
+    items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:8]
+    prompts = [{"prompt_token_ids": chat_token_ids(one.tokenizer, [{"role": "user", "content": it["question"]}])}
+               for it in items]
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    st1 = one.engine.stats()["spec_decode"]
+    assert st1["acceptance_length"] > 2.0
+    with LLM(DEFAULT_MODEL_DIR, speculative_config=spec, tensor_parallel_size=2, **KW) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        st2 = two.engine.stats()["spec_decode"]
+    assert got == want
+    assert (st2["verify_steps"], st2["accepted_tokens"]) == (st1["verify_steps"], st1["accepted_tokens"])
