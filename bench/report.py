@@ -570,7 +570,9 @@ def render_spec_target(files: list[ResultFile]) -> str:
         table.sort(key=lambda row: row[:3])
         headers = ["model", "batch", "K", "mode", "tok/s per user", "× vs plain", "acceptance length",
                    "greedy output identical"]
-        blocks.append(file_block("Eagle3 on the decode target (SpecSteps graphs) vs the plain decode target",
+        temps = {opt(r, "temperature", f"{rf.name}.results[{i}]") for i, r in enumerate(rows_of(rf))} - {None, 0.0}
+        how = f"sampled at temperature {', '.join(sig(t) for t in sorted(temps))}" if temps else "greedy"
+        blocks.append(file_block(f"Eagle3 on the decode target (SpecSteps graphs) vs the plain decode target, {how}",
                                  md_table(headers, [list(r) for r in table]), rf))
     return "\n\n".join(blocks)
 

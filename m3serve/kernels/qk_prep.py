@@ -123,14 +123,8 @@ def _check_weight(name: str, w: torch.Tensor, dim: int, device: torch.device) ->
         raise ValueError(f"{name}: expected a contiguous tensor, found strides {tuple(w.stride())}")
 
 
-def qk_prep(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_norm_w: torch.Tensor,
-            k_norm_w: torch.Tensor, inv_freq: torch.Tensor, eps: float, q_out: torch.Tensor, k_out: torch.Tensor,
-            iq: torch.Tensor | None = None, ik: torch.Tensor | None = None, iq_norm_w: torch.Tensor | None = None,
-            ik_norm_w: torch.Tensor | None = None, iq_out: torch.Tensor | None = None,
-            ik_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                          torch.Tensor | None]:
-    """Raw call. Writes and returns (q_out, k_out, iq_out, ik_out); the index tensors are all given (MSA
-    layer) or all None."""
+def _check_q_k(q, k, positions, inv_freq, q_out, k_out) -> tuple[int, int, int, int, int]:
+    """The q/k/positions/inv_freq/outputs checks attn.qk_prep and attn.rope share -> (T, Hq, Hk, D, rd)."""
     if q_out is None or q_out.dim() != 3:
         raise ValueError(f"q_out: expected [T, Hq, D], found {None if q_out is None else tuple(q_out.shape)}")
     if k_out is None or k_out.dim() != 3:
@@ -151,7 +145,19 @@ def qk_prep(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_norm_w:
     if inv_freq.dim() != 1 or not inv_freq.is_contiguous() or not 1 <= 2 * inv_freq.shape[0] <= d:
         raise ValueError(f"inv_freq: expected a contiguous [rd/2] with 2 <= rd <= D = {d}, found shape "
                          f"{tuple(inv_freq.shape)}")
-    rd = 2 * inv_freq.shape[0]
+    return t, hq, hk, d, 2 * inv_freq.shape[0]
+
+
+def qk_prep(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_norm_w: torch.Tensor,
+            k_norm_w: torch.Tensor, inv_freq: torch.Tensor, eps: float, q_out: torch.Tensor, k_out: torch.Tensor,
+            iq: torch.Tensor | None = None, ik: torch.Tensor | None = None, iq_norm_w: torch.Tensor | None = None,
+            ik_norm_w: torch.Tensor | None = None, iq_out: torch.Tensor | None = None,
+            ik_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                          torch.Tensor | None]:
+    """Raw call. Writes and returns (q_out, k_out, iq_out, ik_out); the index tensors are all given (MSA
+    layer) or all None."""
+    t, hq, hk, d, rd = _check_q_k(q, k, positions, inv_freq, q_out, k_out)
+    dev = q_out.device
     _check_weight("q_norm_w", q_norm_w, d, dev)
     _check_weight("k_norm_w", k_norm_w, d, dev)
     index = (iq, ik, iq_norm_w, ik_norm_w, iq_out, ik_out)
@@ -342,31 +348,14 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
     """Raw call of attn.rope: q [T, Hq*D], k [T, Hk*D] (unit column stride, any row stride: views of a fused
     q|k|v GEMM) -> q_out [T, Hq, D], k_out [T, Hk, D] with rotate-half RoPE on channels < rd (2 * inv_freq's
     length), apply_rope's maths in one launch."""
-    if q_out is None or q_out.dim() != 3 or k_out is None or k_out.dim() != 3:
-        raise ValueError(f"q_out / k_out: expected [T, heads, D], found "
-                         f"{None if q_out is None else tuple(q_out.shape)} / {None if k_out is None else tuple(k_out.shape)}")
-    t, hq, d = q_out.shape
-    hk = k_out.shape[1]
-    dev = q_out.device
-    _check_out("q_out", q_out, (t, hq, d), dev)
-    _check_out("k_out", k_out, (t, hk, d), dev)
-    _check_rows("q", q, t, hq * d, dev)
-    _check_rows("k", k, t, hk * d, dev)
-    check_tensor("positions", positions, shape=(t,), device=dev)
-    if positions.dtype not in (torch.int64, torch.int32) or not positions.is_contiguous():
-        raise TypeError(f"positions: expected contiguous torch.int64 or torch.int32, found {positions.dtype} "
-                        f"strides {tuple(positions.stride())}")
-    check_tensor("inv_freq", inv_freq, torch.float32, device=dev)
-    if inv_freq.dim() != 1 or not inv_freq.is_contiguous() or not 1 <= 2 * inv_freq.shape[0] <= d:
-        raise ValueError(f"inv_freq: expected a contiguous [rd/2] with 2 <= rd <= D = {d}, found shape "
-                         f"{tuple(inv_freq.shape)}")
+    t, hq, hk, d, rd = _check_q_k(q, k, positions, inv_freq, q_out, k_out)
     if t == 0:
         return q_out, k_out
     block = triton.next_power_of_2(d)
     # the norm-weight and index pointers are never dereferenced (NORM = False, DI = 0)
     _qk_prep_kernel[(t, hq + hk)](
         q, k, q, q, positions, q, q, q, q, inv_freq, q_out, k_out, q_out, q_out, q.stride(0), k.stride(0),
-        q.stride(0), q.stride(0), 1e-6, HQ=hq, HK=hk, D=d, DI=0, RD=2 * inv_freq.shape[0], BLOCK=block,
+        q.stride(0), q.stride(0), 1e-6, HQ=hq, HK=hk, D=d, DI=0, RD=rd, BLOCK=block,
         CUDA=is_compiled(q), NORM=False, num_warps=1 if block <= 128 else 2)
     return q_out, k_out
 

@@ -119,11 +119,17 @@ INTERP_CELLS = (
 )
 
 
-def warmup(device: torch.device) -> None:
-    for c in CELLS:
-        swiglu_oai(*make_case(c, c.rows[1], device, None).args)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _warmup(cells, make, call):
+    """An entry's warmup: one call per cell at its largest row count."""
+    def warm(device: torch.device) -> None:
+        for c in cells:
+            call(*make(c, c.rows[1], device, None).args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return warm
+
+
+warmup = _warmup(CELLS, make_case, swiglu_oai)
 
 
 # --- mlp.silu_mul: the Llama MLP's gate (the Eagle3 drafter), stock F.silu(gate) * up in bf16 --------------
@@ -208,11 +214,7 @@ SILU_INTERP_CELLS = (
 )
 
 
-def silu_mul_warmup(device: torch.device) -> None:
-    for c in SILU_CELLS:
-        silu_mul(*silu_mul_make_case(c, c.rows[1], device, None).args)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+silu_mul_warmup = _warmup(SILU_CELLS, silu_mul_make_case, silu_mul)
 
 
 SILU_ENTRY = Entry(

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from m3serve.config import M3Config
 from m3serve.model import msa
-from m3serve.model.layers import apply_rope, rope_cos_sin, rope_inv_freq
+from m3serve.model.layers import add_then_norm, apply_rope, rope_cos_sin, rope_inv_freq
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -217,12 +217,7 @@ class LlamaRMSNorm(nn.Module):
 
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) with h = residual + delta (one launch on the decode target)."""
-        if self.add_dispatch is not None:
-            out = self.add_dispatch(self, residual, delta)
-            if out is not None:
-                return out
-        h = residual + delta
-        return h, self(h)
+        return add_then_norm(self, residual, delta)
 
 
 class Eagle3Attention(nn.Module):

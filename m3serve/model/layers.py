@@ -39,12 +39,18 @@ class RMSNorm(nn.Module):
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) with h = residual + delta: a residual boundary and the norm after it (one fused
         launch on the decode target)."""
-        if self.add_dispatch is not None:
-            out = self.add_dispatch(self, residual, delta)
-            if out is not None:
-                return out
-        h = residual + delta
-        return h, self(h)
+        return add_then_norm(self, residual, delta)
+
+
+def add_then_norm(norm: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, norm(h)), h = residual + delta, through the norm's add_dispatch hook when it serves (one launch on the
+    decode target), else stock. Shared by the target's Gemma norms and the drafter's Llama norms."""
+    if norm.add_dispatch is not None:
+        out = norm.add_dispatch(norm, residual, delta)
+        if out is not None:
+            return out
+    h = residual + delta
+    return h, norm(h)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
