@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--spec", type=int, default=0, help="K > 0: speculative steps with K drafts")
     ap.add_argument("--forced-al", type=float, default=2.78, help="--spec on a preset: forced acceptance length")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled requests (the sampling graphs)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     embedded = args.model == "m3-tiny-verse"
@@ -44,7 +46,8 @@ def main() -> None:
               gpu_memory_utilization=0.85, speculative_config=spec)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_tokens=(args.steps + 40) * (args.spec + 1), temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=(args.steps + 40) * (args.spec + 1), temperature=args.temperature,
+                        top_p=args.top_p, ignore_eos=True)
     for _ in range(args.batch):
         eng.add_request(torch.randint(3, llm.model.cfg.vocab_size, (args.context,), generator=g).tolist(), sp)
     for _ in range(8):
@@ -70,7 +73,8 @@ def main() -> None:
         meta = run_metadata()
         with open(args.out, "w") as f:
             f.write(f"# command: {meta['command']}\n# commit: {meta['commit']} · gpu: {meta['gpu']} · date: {meta['date']}\n"
-                    f"model {args.model} batch {args.batch} context {args.context} steps {args.steps} spec K {args.spec}\n"
+                    f"model {args.model} batch {args.batch} context {args.context} steps {args.steps} spec K {args.spec} "
+                    f"temperature {args.temperature} top-p {args.top_p}\n"
                     f"{table}\n")
 
 
