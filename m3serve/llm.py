@@ -93,7 +93,7 @@ class LLM:
             self.engine = SpeculativeEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer,
                                             speculative_config=speculative_config)
             self._apply_kv_scales(model, kv_scales)
-            self._enable_target(enforce_eager)   # greedy decode steps as SpecSteps graphs (spec_graphs.py)
+            self._enable_target(enforce_eager)   # decode steps as SpecSteps graphs (spec_graphs.py)
 
     def _resolve_kv_fp8_layers(self, model: str, kv_scales: str | None, kv_fp8_layers, kv_cache_dtype: str
                                ) -> tuple[int, ...]:

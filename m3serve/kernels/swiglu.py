@@ -30,24 +30,30 @@ MAX_BLOCK = 1024  # columns per program: wide rows (I = 12288) spread over sever
 
 
 @kernel
-def _swiglu_kernel(gu_ptr, out_ptr, I, alpha, limit, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+def _gate_kernel(gu_ptr, out_ptr, I, alpha, limit, OAI: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+    """OAI: SwiGLU-OAI (mlp.swiglu_oai); else the Llama gate bf16(bf16(silu(g)) * u) (mlp.silu_mul)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     base = gu_ptr + row.to(tl.int64) * (2 * I)
     g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + I + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch.clamp keeps NaN; fmin/fmax would replace it
-    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-    # IEEE division: tl.sigmoid and a plain `/` compile to the approximate div.full.f32
-    sig = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), 1.0 + tl.exp(-(alpha * g)))
-    y = g * sig * (u + 1.0)
+    if OAI:
+        # torch.clamp keeps NaN; fmin/fmax would replace it
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
+        # IEEE division: tl.sigmoid and a plain `/` compile to the approximate div.full.f32
+        sig = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), 1.0 + tl.exp(-(alpha * g)))
+        y = g * sig * (u + 1.0)
+    else:
+        # the stock path rounds twice: F.silu's bf16 output, then the bf16 product
+        y = to_bf16(tl.div_rn(g, 1.0 + tl.exp(-g)), CUDA).to(tl.float32) * u
     tl.store(out_ptr + row.to(tl.int64) * I + cols, to_bf16(y, CUDA), mask=mask)
 
 
-def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float, out: torch.Tensor) -> torch.Tensor:
-    """Raw call. Writes and returns out."""
+def _launch_gate(gate_up: torch.Tensor, out: torch.Tensor, alpha: float, limit: float, oai: bool) -> torch.Tensor:
+    """The checks and launch both gate entries share: gate_up [E, T, 2I] bf16 contiguous -> out [E, T, I]."""
     check_tensor("gate_up", gate_up, torch.bfloat16)
     if gate_up.dim() != 3 or gate_up.shape[2] % 2:
         raise ValueError(f"gate_up: expected [E, T, 2I], found shape {tuple(gate_up.shape)}")
@@ -58,15 +64,20 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float, out: torch.Ten
     check_tensor("out", out, torch.bfloat16, (e, t, i), gate_up.device)
     if not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous tensor, found strides {tuple(out.stride())}")
-    for name, v in (("alpha", alpha), ("limit", limit)):
-        if not isinstance(v, float) or not v > 0:
-            raise ValueError(f"{name}: expected a positive float, found {v!r}")
     if e * t == 0:
         return out
     block = min(triton.next_power_of_2(i), MAX_BLOCK)
-    _swiglu_kernel[(e * t, triton.cdiv(i, block))](gate_up, out, i, alpha, limit, BLOCK=block,
-                                                   CUDA=is_compiled(gate_up), num_warps=4 if block >= 512 else 1)
+    _gate_kernel[(e * t, triton.cdiv(i, block))](gate_up, out, i, alpha, limit, OAI=oai, BLOCK=block,
+                                                 CUDA=is_compiled(gate_up), num_warps=4 if block >= 512 else 1)
     return out
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float, out: torch.Tensor) -> torch.Tensor:
+    """Raw call. Writes and returns out."""
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        if not isinstance(v, float) or not v > 0:
+            raise ValueError(f"{name}: expected a positive float, found {v!r}")
+    return _launch_gate(gate_up, out, alpha, limit, oai=True)
 
 
 def swiglu_oai_reference(gate_up, alpha, limit, out=None) -> torch.Tensor:
@@ -135,37 +146,10 @@ warmup = _warmup(CELLS, make_case, swiglu_oai)
 # --- mlp.silu_mul: the Llama MLP's gate (the Eagle3 drafter), stock F.silu(gate) * up in bf16 --------------
 
 
-@kernel
-def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, CUDA: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
-    base = gu_ptr + row.to(tl.int64) * (2 * I)
-    g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(base + I + cols, mask=mask, other=0.0).to(tl.float32)
-    # the stock path rounds twice: F.silu's bf16 output, then the bf16 product
-    s = to_bf16(tl.div_rn(g, 1.0 + tl.exp(-g)), CUDA).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * I + cols, to_bf16(s * u, CUDA), mask=mask)
-
-
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Raw call of mlp.silu_mul: gate_up [E, T, 2I] bf16 contiguous -> out [E, T, I] = silu(gate) * up. Writes
     and returns out."""
-    check_tensor("gate_up", gate_up, torch.bfloat16)
-    if gate_up.dim() != 3 or gate_up.shape[2] % 2 or not gate_up.is_contiguous():
-        raise ValueError(f"gate_up: expected a contiguous [E, T, 2I], found shape {tuple(gate_up.shape)} strides "
-                         f"{tuple(gate_up.stride())}")
-    e, t, two_i = gate_up.shape
-    i = two_i // 2
-    check_tensor("out", out, torch.bfloat16, (e, t, i), gate_up.device)
-    if not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous tensor, found strides {tuple(out.stride())}")
-    if e * t == 0:
-        return out
-    block = min(triton.next_power_of_2(i), MAX_BLOCK)
-    _silu_mul_kernel[(e * t, triton.cdiv(i, block))](gate_up, out, i, BLOCK=block, CUDA=is_compiled(gate_up),
-                                                     num_warps=4 if block >= 512 else 1)
-    return out
+    return _launch_gate(gate_up, out, 1.0, 1.0, oai=False)
 
 
 def silu_mul_reference(gate_up, out=None) -> tuple[torch.Tensor, torch.Tensor]:

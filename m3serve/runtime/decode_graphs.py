@@ -113,15 +113,22 @@ def staged_sampling(stage: torch.Tensor, bucket: int, vocab: int) -> tuple[torch
     """The device view of pack_decode's sampling payload -> sample_rows' arguments (temperature, top_k, top_p,
     greedy, keys, counters) for a bucket; pure tensor ops on the staged int32 buffer (graph-safe)."""
     off = stage_offsets(bucket)
-    temp_raw = stage[off["temperature"]].view(torch.float32)
-    greedy = temp_raw == 0
-    temperature = torch.where(greedy, 1.0, temp_raw)
-    k_raw = stage[off["top_k"]].long()
-    top_k = torch.where((k_raw > 0) & (k_raw < vocab), k_raw, vocab)
-    top_p = stage[off["top_p"]].view(torch.float32)
-    keys = (stage[off["key_hi"]].long() << 32) | (stage[off["key_lo"]].long() & 0xFFFFFFFF)
     counters = stage[off["positions"]].long() + 1          # the index of the token being drawn
-    return temperature, top_k, top_p, greedy, keys, counters
+    return sampling_tensors(*(stage[off[name]] for name in SAMPLING_FIELDS), vocab) + (counters,)
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "key_lo", "key_hi")   # a sampling_row, in order
+
+
+def sampling_tensors(temp_bits: torch.Tensor, top_k: torch.Tensor, top_p_bits: torch.Tensor, key_lo: torch.Tensor,
+                     key_hi: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Staged sampling_row fields (int32 [S] device views) -> (temperature, top_k, top_p, greedy, keys) as
+    processed_rows / sample_rows take them; graph-safe tensor ops (the decode and speculative graphs)."""
+    temp_raw = temp_bits.view(torch.float32)
+    greedy = temp_raw == 0
+    k_raw = top_k.long()
+    return (torch.where(greedy, 1.0, temp_raw), torch.where((k_raw > 0) & (k_raw < vocab), k_raw, vocab),
+            top_p_bits.view(torch.float32), greedy, (key_hi.long() << 32) | (key_lo.long() & 0xFFFFFFFF))
 
 
 @dataclass

@@ -201,18 +201,12 @@ class SpecSteps:
                                  f"captured one {self._offsets[bucket]}")
 
     def _sampling_params(self, bucket: int, vocab: int) -> tuple[torch.Tensor, ...]:
-        """The staged sampling payload of a bucket -> (temperature, top_k, top_p, greedy, keys) [S] on the device
-        (the decode graphs' conventions: decode_graphs.staged_sampling)."""
-        k, s = self.k, bucket
-        t = s * (k + 1)
+        """The staged sampling payload of a bucket -> (temperature, top_k, top_p, greedy, keys) [S] on the device."""
+        from m3serve.runtime.decode_graphs import sampling_tensors
+        s, t = bucket, bucket * (self.k + 1)
         base = self._offsets[bucket][3] + t + t + 3 * s
         stage = self.tables._dev_stage
-        temp_raw = stage[base:base + s].view(torch.float32)
-        greedy = temp_raw == 0
-        k_raw = stage[base + s:base + 2 * s].long()
-        keys = (stage[base + 4 * s:base + 5 * s].long() << 32) | (stage[base + 3 * s:base + 4 * s].long() & 0xFFFFFFFF)
-        return (torch.where(greedy, 1.0, temp_raw), torch.where((k_raw > 0) & (k_raw < vocab), k_raw, vocab),
-                stage[base + 2 * s:base + 3 * s].view(torch.float32), greedy, keys)
+        return sampling_tensors(*(stage[base + i * s:base + (i + 1) * s] for i in range(5)), vocab)
 
     # ------------------------------------------------------------------ device: the step program
     def _plans(self, bucket: int) -> tuple[PagedStep, list[PagedStep]]:
