@@ -1,4 +1,5 @@
-"""Decode GEMV variants (m3serve/kernels/_gemv.py) vs the certified tensor-core cell, 1-4 rows.
+"""Decode GEMV variants vs the certified cell: the CUDA-core GEMV (m3serve/kernels/_gemv.py, rows 1-4) and the
+register-operand MMA GEMV (m3serve/kernels/_mma_gemv.py, rows 1-8).
 
 For linear.nvfp4 and linear.mxfp8, each real (N, K) shape and rows 1, 2, 4: the entry's current
 cell config ("cell") and each GEMV config below run on the SAME fresh random inputs through the
@@ -7,6 +8,9 @@ compare (a failure is reported and the run continues), then timed like bench/ker
 graph replay, 256 MB L2 flush before each replay, median of --iters) and reported as GB/s over
 the bytes the call must move and as a fraction of this run's device-to-device copy bandwidth.
 "det" says whether the last timed replay reproduced the first output bit for bit.
+With --seq, each variant is also timed as decode runs it: R launches back to back in one CUDA graph, each
+on its own copy of the weights (R copies >= 512 MB, so nothing stays in the 60 MB L2), reported per launch
+as us_seq / frac_copy_seq.
 
 Usage:
     python3 bench/gemv_variants.py [--iters 20] [--budget-s 210] [--out-dir DIR]   (GPU; ~2-4 min)
@@ -36,10 +40,13 @@ sys.path.insert(0, str(ROOT))
 from m3serve.kernels import _linear as L  # noqa: E402
 from m3serve.kernels import linear_mxfp8, linear_nvfp4  # noqa: E402
 from m3serve.kernels._gemv import GemvConfig, gemv_split  # noqa: E402
+from m3serve.kernels._mma_gemv import MmaGemvConfig, mma_split  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
 
-SHAPES = ((9856, 6144), (8192, 6144), (6144, 8192), (24576, 6144), (6144, 12288), (6144, 3072), (512, 6144))
-ROWS = (1, 2, 4)
+# every M3 linear shape with N or K >= 6144 (TP1 and TP2), the 512/256-wide k/v projections being fused away
+SHAPES = ((9856, 6144), (4992, 6144), (8192, 6144), (4096, 6144), (6144, 8192), (6144, 4096), (24576, 6144),
+          (12288, 6144), (6144, 12288), (6144, 6144), (3072, 6144), (6144, 3072), (6144, 1536))
+ROWS = (1, 4, 8)
 ENTRIES = (linear_nvfp4.ENTRY, linear_mxfp8.ENTRY)
 # (name, BN, BK, num_warps, target programs, PREFETCH, num_stages); SPLIT follows from the target
 GEMV_GRID = (
@@ -48,6 +55,15 @@ GEMV_GRID = (
     ("g64x256w8", 64, 256, 8, 264, True, 1),
     ("g32x256w4p1k", 32, 256, 4, 1056, True, 1),
     ("g32x256w4s3", 32, 256, 4, 528, False, 3),  # no manual prefetch: does the pipeliner do it?
+)
+# (name, RP, num_warps, target CTAs, minimum K steps per CTA); SPLIT follows from the target
+MMA_GRID = (
+    ("m2w4c396", 2, 4, 396, 2),
+    ("m2w4c264", 2, 4, 264, 2),
+    ("m2w4c792", 2, 4, 792, 2),
+    ("m1w4c528", 1, 4, 528, 2),
+    ("m2w8c264", 2, 8, 264, 2),
+    ("m1w8c396", 1, 8, 396, 2),
 )
 SMOKE_SHAPES = ((64, 512), (32, 256))
 SMOKE_GRID = (("s16x64", 16, 64, 2, 8, True, 1), ("s32x128np", 32, 128, 4, 4, False, 1))
@@ -61,11 +77,17 @@ def _load_kernels_bench():
     return mod
 
 
-def variants(n: int, k: int, rows: int, cell_cfg, grid) -> list[tuple[str, object]]:
+def variants(n: int, k: int, rows: int, cell_cfg, grid, mma_grid=()) -> list[tuple[str, object]]:
     bm = 1 if rows <= 1 else 2 if rows <= 2 else 4
     out: list[tuple[str, object]] = [("cell", cell_cfg)] if cell_cfg is not None else []
+    for name, rp, warps, ctas, steps in mma_grid:
+        bn = 16 * rp * warps
+        if n % bn or k % 256:
+            continue
+        split = mma_split(n, k, bn, ctas, steps)
+        out.append((f"{name}/s{split}", MmaGemvConfig(SPLIT=split, RP=rp, num_warps=warps)))
     for name, bn, bk, warps, programs, prefetch, stages in grid:
-        if n % bn or k % bk or k // bk < 2:
+        if rows > 4 or n % bn or k % bk or k // bk < 2:
             continue
         split = gemv_split(n, k, bn, bk, programs)
         out.append((f"{name}/s{split}", GemvConfig(BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=warps,
@@ -84,11 +106,52 @@ def cfg_dict(cfg) -> dict:
     return {"type": type(cfg).__name__, **cfg.__dict__}
 
 
+def weight_copies(case: Case, budget: int = 512 << 20, most: int = 16) -> list[tuple]:
+    """Copies of the case's weight tensors (everything between x and out) filling >= `budget` bytes."""
+    weights = case.args[1:-3]
+    nbytes = sum(t.numel() * t.element_size() for t in weights if isinstance(t, torch.Tensor))
+    r = max(2, min(most, -(-budget // max(nbytes, 1))))
+    return [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in weights) for _ in range(r)]
+
+
+def time_in_sequence(e, case: Case, copies: list[tuple], iters: int) -> float:
+    """Seconds per launch of len(copies) launches back to back in one CUDA graph, each on its own weights."""
+    x, out, ws, cfg = case.args[0], case.args[-3], case.args[-2], case.args[-1]
+
+    def body() -> None:
+        for wts in copies:
+            e.raw_call(x, *wts, out, ws, cfg)
+
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return times[len(times) // 2] / len(copies)
+
+
 def run(a: argparse.Namespace) -> dict:
     cpu = a.cpu_smoke
     dev = torch.device("cpu" if cpu else "cuda")
     kb = None if cpu else _load_kernels_bench()
-    shapes, grid = (SMOKE_SHAPES, SMOKE_GRID) if cpu else (SHAPES, GEMV_GRID)
+    shapes, grid = (SMOKE_SHAPES, SMOKE_GRID) if cpu else (SHAPES, GEMV_GRID if a.gemv else ())
+    mma_grid = () if cpu else MMA_GRID
+    shapes = [sh for sh in shapes if not a.shapes or f"{sh[0]}x{sh[1]}" in a.shapes.split(",")]
+    rows_list = [int(r) for r in a.rows.split(",")] if a.rows else (ROWS if not cpu else (1, 2, 4))
     t0 = time.time()
     bw = None
     flush = None
@@ -99,9 +162,10 @@ def run(a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     results: list[dict] = []
     skipped: list[str] = []
-    for e in ENTRIES:
+    entries = [e for e in ENTRIES if not a.entries or e.name in a.entries.split(",")]
+    for e in entries:
         for n, k in shapes:
-            for rows in ROWS:
+            for rows in rows_list:
                 cell = e.cell_for(rows, (n, k))
                 cell_cfg = cell.config["gemm"] if cell is not None else None
                 if cpu:  # tiny shapes have no certified cell: exercise the tensor-core path at a small tile
@@ -110,7 +174,8 @@ def run(a: argparse.Namespace) -> dict:
                 base = e.make_case(Cell(rows=(rows, rows), shape=(n, k), why="bench", config={"gemm": base_cfg}),
                                    rows, dev, gen)
                 ref = e.reference(*base.args)
-                for vname, cfg in variants(n, k, rows, cell_cfg, grid):
+                copies = weight_copies(base) if (a.seq and not cpu) else None
+                for vname, cfg in variants(n, k, rows, cell_cfg, grid, mma_grid):
                     tag = f"{e.name} {(n, k)} rows {rows} {vname}"
                     if time.time() - t0 > a.budget_s:
                         skipped.append(tag)
@@ -132,6 +197,10 @@ def run(a: argparse.Namespace) -> dict:
                                        GBps=case.bytes_moved / t / 1e9, frac_copy=case.bytes_moved / t / bw)
                             rec["det"] = bool(torch.equal(case.args[-3], out))
                             rec["counters_zero"] = bool((case.args[-2].count == 0).all())
+                            if copies is not None:
+                                ts = time_in_sequence(e, case, copies, max(5, a.iters // 2))
+                                rec.update(us_seq=ts * 1e6, frac_copy_seq=case.bytes_moved / ts / bw,
+                                           seq_launches=len(copies))
                         else:
                             rec["det"] = bool(torch.equal(e.raw_call(*case.args), out))
                     except Exception as exc:  # report, keep going: one bad variant must not end the run
@@ -145,12 +214,16 @@ def run(a: argparse.Namespace) -> dict:
                             + ("FAIL " + rec["error"][:160] if not rec["ok"] else
                                f"ok  interpreted in {rec['first_call_s']:.2f} s  det={rec['det']}" if cpu else
                                f"ok  {rec.get('us', float('nan')):8.1f} us  {rec.get('GBps', float('nan')):7.0f} GB/s  "
-                               f"{100 * rec.get('frac_copy', float('nan')):5.1f}% copy  det={rec['det']}"))
+                               f"{100 * rec.get('frac_copy', float('nan')):5.1f}% copy  det={rec['det']}"
+                               + (f"  seq {rec['us_seq']:7.1f} us {100 * rec['frac_copy_seq']:5.1f}%"
+                                  if "us_seq" in rec else "")))
                     print(line, flush=True)
-                del base, ref
+                del base, ref, copies
                 if not cpu:
                     torch.cuda.empty_cache()
+    from m3serve.benchmeta import git_commit
     doc = {"gpu": "cpu-interpreter" if cpu else torch.cuda.get_device_name(dev), "command": " ".join(sys.argv),
+           "git_commit": git_commit(),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": bw, "iters": a.iters,
            "wall_s": time.time() - t0, "results": results, "skipped": skipped, "summary": summarize(results)}
@@ -190,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=210.0, help="stop starting new variants after this")
     ap.add_argument("--out-dir", default=os.environ.get("OUT"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the Triton interpreter")
+    ap.add_argument("--seq", action="store_true", help="also time each variant back to back in one graph")
+    ap.add_argument("--gemv", action="store_true", help="also run the CUDA-core GEMV grid (rows <= 4)")
+    ap.add_argument("--shapes", default="", help="comma list NxK (default: all)")
+    ap.add_argument("--rows", default="", help="comma list (default 1,4,8)")
+    ap.add_argument("--entries", default="", help="comma list of entry names (default: linear.nvfp4,linear.mxfp8)")
     a = ap.parse_args(argv)
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("no CUDA device: use --cpu-smoke", file=sys.stderr)

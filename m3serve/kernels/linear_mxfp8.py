@@ -16,6 +16,8 @@ import torch
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_MXFP8
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
+from m3serve.kernels._jit import is_compiled
+from m3serve.kernels._mma_gemv import MmaGemvConfig, interpreted_config, launch_mma_gemv
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
 from m3serve.quant.mxfp8 import dequantize_mxfp8
@@ -46,13 +48,21 @@ def _one(device: torch.device) -> torch.Tensor:
 
 
 def mxfp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                 workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig) -> torch.Tensor:
+                 workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig | MmaGemvConfig) -> torch.Tensor:
     """Raw call. Writes and returns `out`. A GemvConfig selects the decode GEMV (_gemv.py)."""
     n, k = q.shape
     check_mxfp8_weight(q, scale, n, k)
     if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (_gemv.py), same contract
         return launch_gemv(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
                            fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k, cfg=config)
+    if isinstance(config, MmaGemvConfig):  # register-operand MMA GEMV for 1-8 rows (_mma_gemv.py)
+        if is_compiled(x):
+            if q.data_ptr() % 16:
+                raise ValueError(f"q: the MMA GEMV reads 16-byte vectors; expected a 16-byte aligned base, found "
+                                 f"address % 16 = {q.data_ptr() % 16}")
+            return launch_mma_gemv(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
+                                   fmt=FMT_MXFP8, alpha_mode=0, n=n, k=k, cfg=config)
+        config = interpreted_config(config)  # CPU: the same tiles through the interpreted _wstream kernel
     return L.launch_gemm(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
                          fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k, cfg=config)
 

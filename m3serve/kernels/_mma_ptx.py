@@ -1,0 +1,328 @@
+"""PTX text of the register-operand MMA GEMV (_mma_gemv.py): each block is one thread's whole share of one
+step, so what data a lane holds is fixed here, by %laneid and %tid, and never by Triton's layouts.
+
+Shape legend (one CTA, one K step of 128 columns):
+    warp w = %tid.x / 32, lane L = %laneid, g = L / 4 (the MMA's group), c = L % 4 (thread in group)
+    row pair p = 0..RP-1: rows rA = 16 * (RP * w + p) + g and rB = rA + 8 of the CTA's BN = 16 * RP * warps
+    columns: lane c holds k0 + 32c .. k0 + 32c + 31 of each of its rows, and the same 32 columns of x
+    x token: min(g, M - 1); D columns of tokens >= M are computed from a repeated row and never stored
+
+mma.sync.m16n8k16 (bf16 in, fp32 accumulate) fragments, per lane (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
+    A regs a0 = (row g, k 2c..2c+1), a1 = (row g+8, same k), a2 = (row g, k 2c+8..2c+9), a3 = (row g+8, same k)
+    B regs b0 = (k 2c..2c+1, column g), b1 = (k 2c+8..2c+9, column g)
+    D regs d0, d1 = (row g, columns 2c, 2c+1), d2, d3 = (row g+8, columns 2c, 2c+1)
+Within one MMA the 16 "k" of the instruction may stand for any 16 real columns, as long as A and B name the
+same ones: each lane feeds its own columns, in the same order, to its A and B registers. A row pair's D
+holds y[rows rA, rB; tokens 0..7] spread over the 32 lanes.
+
+NVFP4 (8 nibbles a word; the decode of _e2m1_ptx: register j of a word = columns (j, j+4), scaled exactly):
+    word q (q = 0..3) of a lane's 16 bytes = columns 8q .. 8q+7 of its 32
+    MMA (q, h), h = 0, 1:  a0/a1 = rA/rB register 2h of word q  (columns 8q+2h, 8q+2h+4)
+                           a2/a3 = rA/rB register 2h+1           (columns 8q+2h+1, 8q+2h+5)
+                           b0 = (x[8q+2h], x[8q+2h+4]), b1 = (x[8q+2h+1], x[8q+2h+5])  (one PRMT each)
+    group scales (E4M3, one per 16 columns): lane c's columns are groups 2c, 2c+1 of the step: one u16 per row
+MXFP8 (4 E4M3 bytes a word, natural pairs; one E8M0 scale per 32 columns = one byte per row and lane):
+    word i (i = 0..7) of a lane's 32 bytes = columns 4i .. 4i+3
+    MMA i: a0/a1 = (columns 4i, 4i+1) of rA/rB, a2/a3 = (4i+2, 4i+3); b0 = x pair 2i, b1 = x pair 2i+1
+
+Each builder returns (text, constraints) for tl.inline_asm_elementwise with pack=2: every operand group has
+an even count (2 elements of a [64 * warps] tensor per thread, one tensor per 2 registers); a scalar input
+is a broadcast tensor whose 2 operands are the same value, and only the first is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FMT_NVFP4 = 0
+FMT_MXFP8 = 1
+
+X_REGS = 16  # 32 bf16 columns of x per lane and step
+_E2M1_MASK = "0x81C081C0"  # sign bits 15 / 31, e e m bits 8..6 / 24..22 (see _e2m1_ptx)
+_TWO_118 = "0f7A800000"  # 2**118 as an fp32 immediate
+_TWO_8 = "0f43800000"  # 2**8: the NVFP4 unit of _decode, undone in the epilogue
+
+
+def word_regs(fmt: int, rp: int) -> int:
+    """Weight registers one thread loads per step: 16 (NVFP4) / 32 (MXFP8) bytes per row, 2 rows per pair."""
+    return rp * (8 if fmt == FMT_NVFP4 else 16)
+
+
+def scale_regs(rp: int) -> int:
+    """One register per row pair (both rows' scale bits), rounded up to the pack of 2."""
+    return rp + (rp % 2)
+
+
+def acc_regs(rp: int) -> int:
+    return 4 * rp
+
+
+@dataclass
+class _Operands:
+    """Numbers the operands: outputs first, then inputs, each group a run of consecutive $n."""
+
+    outs: list
+    ins: list
+
+    def __init__(self) -> None:
+        self.outs, self.ins, self._names = [], [], {}
+
+    def out(self, name: str, count: int, cons: str) -> None:
+        self.outs.append((name, count, cons))
+
+    def inp(self, name: str, count: int, cons: str) -> None:
+        self.ins.append((name, count, cons))
+
+    def build(self) -> tuple[dict[str, list[str]], str]:
+        regs: dict[str, list[str]] = {}
+        cons: list[str] = []
+        n = 0
+        for group, prefix in ((self.outs, "="), (self.ins, "")):
+            for name, count, c in group:
+                if count % 2:
+                    raise ValueError(f"operand group {name}: count {count} is odd (pack=2 needs pairs)")
+                regs[name] = [f"${n + i}" for i in range(count)]
+                cons += [prefix + c] * count
+                n += count
+        return regs, ",".join(cons)
+
+
+def _lane_prologue(rp: int) -> str:
+    """lane, g, c and the thread's first CTA-relative row r0 = 16 * RP * warp + g."""
+    return f"""mov.u32 lane, %laneid;
+mov.u32 tid, %tid.x;
+shr.u32 warp, tid, 5;
+shr.u32 g, lane, 2;
+and.b32 c, lane, 3;
+mad.lo.u32 r0, warp, {16 * rp}, g;"""
+
+
+def load_asm(fmt: int, rp: int) -> tuple[str, str]:
+    """One step's loads: weight words, scale bits and x of this thread, for the step at byte offsets already
+    folded into the base addresses (wk, sk, xk)."""
+    o = _Operands()
+    nw, ns = word_regs(fmt, rp), scale_regs(rp)
+    o.out("W", nw, "r")
+    o.out("X", X_REGS, "r")
+    o.out("S", ns, "r")
+    for name, c in (("wk", "l"), ("sk", "l"), ("xk", "l"), ("sw", "r"), ("ss", "r"), ("sx", "r"), ("mm", "r")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    wk, sk, xk, sw, ss, sx, mm = (r[n][0] for n in ("wk", "sk", "xk", "sw", "ss", "sx", "mm"))
+    row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, t, cb;", ".reg .b64 wa, sa, xa, o64, w8, s8;",
+         ".reg .b16 hA, hB;", _lane_prologue(rp)]
+    # weights: wk + r0 * sw + row_bytes * c; row (p, h) lies (2p + h) * 8 rows further
+    s.append(f"""mul.wide.u32 o64, r0, {sw};
+add.s64 wa, {wk}, o64;
+mul.lo.u32 cb, c, {row_bytes};
+cvt.u64.u32 o64, cb;
+add.s64 wa, wa, o64;
+mul.wide.u32 w8, {sw}, 8;""")
+    # scales: NVFP4 groups 2c, 2c+1 (2 bytes at 2c); MXFP8 group c (1 byte at c)
+    s.append(f"""mul.wide.u32 o64, r0, {ss};
+add.s64 sa, {sk}, o64;
+{'shl.b32 cb, c, 1;' if fmt == FMT_NVFP4 else 'mov.b32 cb, c;'}
+cvt.u64.u32 o64, cb;
+add.s64 sa, sa, o64;
+mul.wide.u32 s8, {ss}, 8;""")
+    W = r["W"]
+    per_row = row_bytes // 4
+    for p in range(rp):
+        for h in range(2):
+            base = (2 * p + h) * per_row
+            regs = W[base:base + per_row]
+            for v in range(per_row // 4):
+                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs[4 * v:4 * v + 4])}}}, [wa+{16 * v}];")
+            if fmt == FMT_NVFP4:
+                s.append(f"ld.global.nc.L1::no_allocate.u16 {'hA' if h == 0 else 'hB'}, [sa];")
+            else:
+                s.append(f"ld.global.nc.L1::no_allocate.u8 {'hA' if h == 0 else 'hB'}, [sa];")
+            s.append("add.s64 wa, wa, w8;\nadd.s64 sa, sa, s8;")
+        S = r["S"][p]
+        if fmt == FMT_NVFP4:
+            s.append(f"mov.b32 {S}, {{hA, hB}};")
+        else:
+            s.append(f"cvt.u32.u16 t, hA;\ncvt.u32.u16 cb, hB;\nshl.b32 cb, cb, 8;\nor.b32 {S}, t, cb;")
+    if ns > rp:
+        s.append(f"mov.b32 {r['S'][rp]}, 0;")
+    # x: xk + min(g, M - 1) * sx + 64 * c
+    X = r["X"]
+    s.append(f"""min.u32 t, g, {mm};
+mul.wide.u32 o64, t, {sx};
+add.s64 xa, {xk}, o64;
+shl.b32 cb, c, 6;
+cvt.u64.u32 o64, cb;
+add.s64 xa, xa, o64;""")
+    for v in range(4):
+        s.append(f"ld.global.nc.v4.b32 {{{', '.join(X[4 * v:4 * v + 4])}}}, [xa+{16 * v}];")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+def _nvfp4_scales(src: str, half: int, out0: str, out1: str) -> str:
+    """16 bits of two E4M3 group scales (groups 2c, 2c+1) -> bf16x2 registers (s, s) of each, times 2**118
+    (exact: see _e2m1_ptx)."""
+    return f"""mov.b32 {{sl, sh}}, {src};
+cvt.rn.f16x2.e4m3x2 sf, {'sl' if half == 0 else 'sh'};
+mov.b32 {{fl, fh}}, sf;
+cvt.f32.f16 g0, fl;
+cvt.f32.f16 g1, fh;
+mul.f32 g0, g0, {_TWO_118};
+mul.f32 g1, g1, {_TWO_118};
+cvt.rn.bf16x2.f32 tb, g1, g0;
+prmt.b32 {out0}, tb, tb, 0x1010;
+prmt.b32 {out1}, tb, tb, 0x3232;"""
+
+
+def _nvfp4_word(src: str, dst: list[str], sc: str) -> str:
+    """One word of 8 nibbles -> 4 bf16x2 registers, register j = columns (j, j + 4), times the scale."""
+    d0, d1, d2, d3 = dst
+    return f"""and.b32 {d0}, {src}, 0x000F000F;
+mul.lo.u32 {d0}, {d0}, 0x1040;
+and.b32 {d0}, {d0}, {_E2M1_MASK};
+and.b32 {d1}, {src}, 0x00F000F0;
+mul.lo.u32 {d1}, {d1}, 0x104;
+and.b32 {d1}, {d1}, {_E2M1_MASK};
+shr.u32 tq, {src}, 8;
+and.b32 {d2}, tq, 0x000F000F;
+mul.lo.u32 {d2}, {d2}, 0x1040;
+and.b32 {d2}, {d2}, {_E2M1_MASK};
+and.b32 {d3}, tq, 0x00F000F0;
+mul.lo.u32 {d3}, {d3}, 0x104;
+and.b32 {d3}, {d3}, {_E2M1_MASK};
+mul.rn.bf16x2 {d0}, {d0}, {sc};
+mul.rn.bf16x2 {d1}, {d1}, {sc};
+mul.rn.bf16x2 {d2}, {d2}, {sc};
+mul.rn.bf16x2 {d3}, {d3}, {sc};"""
+
+
+def _mxfp8_word(src: str, dst: list[str], sc: str) -> str:
+    """One word of 4 E4M3 bytes -> 2 bf16x2 registers (columns (0, 1) and (2, 3)) times 2**(s - 127): the
+    hardware E4M3 -> f16 conversion is exact, f16 -> f32 -> bf16 too (E4M3 has 4 significant bits), and
+    the bf16 product has at most 4 significant bits (exact unless it leaves bf16's range, see _mma_gemv)."""
+    d0, d1 = dst
+    return f"""mov.b32 {{sl, sh}}, {src};
+cvt.rn.f16x2.e4m3x2 sf, sl;
+mov.b32 {{fl, fh}}, sf;
+cvt.f32.f16 g0, fl;
+cvt.f32.f16 g1, fh;
+cvt.rn.bf16x2.f32 {d0}, g1, g0;
+cvt.rn.f16x2.e4m3x2 sf, sh;
+mov.b32 {{fl, fh}}, sf;
+cvt.f32.f16 g0, fl;
+cvt.f32.f16 g1, fh;
+cvt.rn.bf16x2.f32 {d1}, g1, g0;
+mul.rn.bf16x2 {d0}, {d0}, {sc};
+mul.rn.bf16x2 {d1}, {d1}, {sc};"""
+
+
+def _e8m0_bf16x2(src: str, shift: int, out: str) -> str:
+    """The E8M0 byte at bit `shift` of src -> (s, s) as bf16x2: 2**(s - 127) = bits s << 7, with 0 -> the
+    subnormal 2**-127 and 255 -> NaN (as _decode.e8m0_to_bf16)."""
+    return f"""shr.u32 t0, {src}, {shift};
+and.b32 t0, t0, 0xFF;
+setp.eq.u32 pz, t0, 0;
+setp.eq.u32 pn, t0, 255;
+shl.b32 t0, t0, 7;
+selp.b32 t0, 0x40, t0, pz;
+selp.b32 t0, 0x7FC0, t0, pn;
+prmt.b32 {out}, t0, t0, 0x1010;"""
+
+
+def _mma(acc: list[str], a: list[str], b: list[str]) -> str:
+    return (f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{', '.join(acc)}}}, {{{', '.join(a)}}}, "
+            f"{{{', '.join(b)}}}, {{{', '.join(acc)}}};")
+
+
+def compute_asm(fmt: int, rp: int) -> tuple[str, str]:
+    """acc += this thread's share of one step: decode its words, build the B fragments from x, 8 MMAs per
+    row pair (per 16 NVFP4 / MXFP8 columns of the lane: 4 x 2 or 8)."""
+    o = _Operands()
+    na, nw, ns = acc_regs(rp), word_regs(fmt, rp), scale_regs(rp)
+    o.out("A", na, "f")
+    o.inp("Ai", na, "f")
+    o.inp("W", nw, "r")
+    o.inp("X", X_REGS, "r")
+    o.inp("S", ns, "r")
+    r, cons = o.build()
+    A, Ai, W, X, S = r["A"], r["Ai"], r["W"], r["X"], r["S"]
+    s = ["{", ".reg .b32 tq, sf, tb, sA0, sA1, sB0, sB1, t0;", ".reg .b16 sl, sh, fl, fh;", ".reg .f32 g0, g1;",
+         ".reg .pred pz, pn;",
+         ".reg .b32 DA<16>, DB<16>, P<16>;"]
+    s += [f"mov.f32 {A[i]}, {Ai[i]};" for i in range(na)]
+    if fmt == FMT_NVFP4:
+        # B fragments: P[4q + 2h + e], e = 0: (x[8q+2h], x[8q+2h+4]) low halves, e = 1: the high halves
+        for q in range(4):
+            for h in range(2):
+                lo, hi = X[4 * q + h], X[4 * q + h + 2]
+                s.append(f"prmt.b32 P{4 * q + 2 * h}, {lo}, {hi}, 0x5410;\nprmt.b32 P{4 * q + 2 * h + 1}, {lo}, {hi}, 0x7632;")
+        for p in range(rp):
+            s.append(_nvfp4_scales(S[p], 0, "sA0", "sA1"))
+            s.append(_nvfp4_scales(S[p], 1, "sB0", "sB1"))
+            for q in range(4):
+                s.append(_nvfp4_word(W[8 * p + q], [f"DA{4 * q + j}" for j in range(4)], "sA0" if q < 2 else "sA1"))
+                s.append(_nvfp4_word(W[8 * p + 4 + q], [f"DB{4 * q + j}" for j in range(4)], "sB0" if q < 2 else "sB1"))
+            acc = A[4 * p:4 * p + 4]
+            for q in range(4):
+                for h in range(2):
+                    a = [f"DA{4 * q + 2 * h}", f"DB{4 * q + 2 * h}", f"DA{4 * q + 2 * h + 1}", f"DB{4 * q + 2 * h + 1}"]
+                    s.append(_mma(acc, a, [f"P{4 * q + 2 * h}", f"P{4 * q + 2 * h + 1}"]))
+    else:
+        for p in range(rp):
+            # E8M0 bytes of rA (bits 0..7) and rB (bits 8..15) -> bf16 2**(s - 127) = bits s << 7 (s >= 1)
+            for src_shift, out in ((0, "sA0"), (8, "sB0")):
+                s.append(_e8m0_bf16x2(S[p], src_shift, out))
+            for i in range(8):
+                s.append(_mxfp8_word(W[16 * p + i], [f"DA{2 * i}", f"DA{2 * i + 1}"], "sA0"))
+                s.append(_mxfp8_word(W[16 * p + 8 + i], [f"DB{2 * i}", f"DB{2 * i + 1}"], "sB0"))
+            acc = A[4 * p:4 * p + 4]
+            for i in range(8):
+                s.append(_mma(acc, [f"DA{2 * i}", f"DB{2 * i}", f"DA{2 * i + 1}", f"DB{2 * i + 1}"],
+                              [X[2 * i], X[2 * i + 1]]))
+    s.append("}")
+    return "\n".join(s), cons
+
+
+MODE_FINAL = 0  # bf16 y with the row epilogue (SPLIT == 1)
+MODE_PARTIAL = 1  # fp32 split-K partials, summed by the last arrival in Triton
+
+
+def store_asm(rp: int, mode: int, alpha: int) -> tuple[str, str]:
+    """Write this thread's accumulators: y[t, n] = bf16(epilogue(acc)) (MODE_FINAL) or part[t, n] = acc
+    (MODE_PARTIAL), for tokens t < M. alpha: 0 none, 1 multiply by alpha[n], 2 acc * 2**8 / alpha[n] (the
+    NVFP4 ENCODE global scale; division correctly rounded)."""
+    o = _Operands()
+    o.out("dummy", 2, "r")
+    o.inp("A", acc_regs(rp), "f")
+    for name, c in (("ya", "l"), ("n0", "r"), ("m", "r"), ("rs", "r"), ("aa", "l"), ("ast", "r")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    A = r["A"]
+    ya, n0, m, rs, aa, ast = (r[n][0] for n in ("ya", "n0", "m", "rs", "aa", "ast"))
+    esize = 2 if mode == MODE_FINAL else 4
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, n, t, idx;", ".reg .b64 a64, o64;", ".reg .f32 al, v;",
+         ".reg .b16 hv;", ".reg .pred pr;", _lane_prologue(rp)]
+    for p in range(rp):
+        for h in range(2):
+            s.append(f"add.u32 n, {n0}, r0;\nadd.u32 n, n, {16 * p + 8 * h};")
+            if mode == MODE_FINAL and alpha:
+                s.append(f"mul.wide.u32 o64, n, {ast};\nshl.b64 o64, o64, 2;\nadd.s64 a64, {aa}, o64;\n"
+                         "ld.global.nc.f32 al, [a64];")
+            for e in range(2):
+                s.append(f"shl.b32 t, c, 1;\nadd.u32 t, t, {e};\nsetp.lt.u32 pr, t, {m};\n"
+                         f"mad.lo.u32 idx, t, {rs}, n;\nmul.wide.u32 o64, idx, {esize};\nadd.s64 a64, {ya}, o64;")
+                val = A[4 * p + 2 * h + e]
+                if mode == MODE_FINAL:
+                    if alpha == 2:
+                        s.append(f"mul.f32 v, {val}, {_TWO_8};\ndiv.rn.f32 v, v, al;")
+                    elif alpha == 1:
+                        s.append(f"mul.f32 v, {val}, al;")
+                    else:
+                        s.append(f"mov.f32 v, {val};")
+                    s.append("cvt.rn.bf16.f32 hv, v;\n@pr st.global.b16 [a64], hv;")
+                else:
+                    s.append(f"@pr st.global.cg.f32 [a64], {val};")
+    s.append(f"mov.b32 {r['dummy'][0]}, 0;\nmov.b32 {r['dummy'][1]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
