@@ -56,14 +56,16 @@ GEMV_GRID = (
     ("g32x256w4p1k", 32, 256, 4, 1056, True, 1),
     ("g32x256w4s3", 32, 256, 4, 528, False, 3),  # no manual prefetch: does the pipeliner do it?
 )
-# (name, RP, num_warps, target CTAs, minimum K steps per CTA); SPLIT follows from the target
+# (name, RP, num_warps, STAGES, target CTAs); SPLIT follows from the target (>= 2 K steps per CTA)
 MMA_GRID = (
-    ("m2w4c396", 2, 4, 396, 2),
-    ("m2w4c264", 2, 4, 264, 2),
-    ("m2w4c792", 2, 4, 792, 2),
-    ("m1w4c528", 1, 4, 528, 2),
-    ("m2w8c264", 2, 8, 264, 2),
-    ("m1w8c396", 1, 8, 396, 2),
+    ("m2w4s3c396", 2, 4, 3, 396),
+    ("m2w4s6c264", 2, 4, 6, 264),
+    ("m2w4s6c396", 2, 4, 6, 396),
+    ("m2w8s3c264", 2, 8, 3, 264),
+    ("m1w8s5c264", 1, 8, 5, 264),
+    ("m1w4s5c528", 1, 4, 5, 528),
+    ("m1w4s6c264", 1, 4, 6, 264),
+    ("m1w8s3c396", 1, 8, 3, 396),
 )
 SMOKE_SHAPES = ((64, 512), (32, 256))
 SMOKE_GRID = (("s16x64", 16, 64, 2, 8, True, 1), ("s32x128np", 32, 128, 4, 4, False, 1))
@@ -77,15 +79,19 @@ def _load_kernels_bench():
     return mod
 
 
-def variants(n: int, k: int, rows: int, cell_cfg, grid, mma_grid=()) -> list[tuple[str, object]]:
+def variants(n: int, k: int, rows: int, cell_cfg, grid, mma_grid=(), fmt: int = 0) -> list[tuple[str, object]]:
     bm = 1 if rows <= 1 else 2 if rows <= 2 else 4
     out: list[tuple[str, object]] = [("cell", cell_cfg)] if cell_cfg is not None else []
-    for name, rp, warps, ctas, steps in mma_grid:
+    for name, rp, warps, stages, ctas in mma_grid:
         bn = 16 * rp * warps
+        cfg = MmaGemvConfig(SPLIT=mma_split(n, k, bn, ctas), RP=rp, num_warps=warps, STAGES=stages)
+        try:
+            cfg.check_format(fmt)
+        except ValueError:
+            continue
         if n % bn or k % 256:
             continue
-        split = mma_split(n, k, bn, ctas, steps)
-        out.append((f"{name}/s{split}", MmaGemvConfig(SPLIT=split, RP=rp, num_warps=warps)))
+        out.append((f"{name}/s{cfg.SPLIT}", cfg))
     for name, bn, bk, warps, programs, prefetch, stages in grid:
         if rows > 4 or n % bn or k % bk or k // bk < 2:
             continue
@@ -175,7 +181,8 @@ def run(a: argparse.Namespace) -> dict:
                                    rows, dev, gen)
                 ref = e.reference(*base.args)
                 copies = weight_copies(base) if (a.seq and not cpu) else None
-                for vname, cfg in variants(n, k, rows, cell_cfg, grid, mma_grid):
+                fmt = 0 if e.name == "linear.nvfp4" else 1
+                for vname, cfg in variants(n, k, rows, cell_cfg, grid, mma_grid, fmt):
                     tag = f"{e.name} {(n, k)} rows {rows} {vname}"
                     if time.time() - t0 > a.budget_s:
                         skipped.append(tag)

@@ -48,6 +48,7 @@ from m3serve.kernels._wstream import apply_alpha
 MMA_ROWS = 8  # tokens one launch serves: the N of mma.m16n8k16
 STEP = 128  # K columns per step (4 lanes x 32)
 RPS = (1, 2)
+MAX_SMEM_ROWS = 128  # 64 KB
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class MmaGemvConfig:
     SPLIT: int
     RP: int = 2  # row pairs per thread
     num_warps: int = 4
+    STAGES: int = 4  # steps of weights in flight per thread (cp.async into shared memory)
     BM: int = MMA_ROWS
     BK: int = STEP
 
@@ -67,6 +69,8 @@ class MmaGemvConfig:
             raise ValueError(f"MmaGemvConfig.num_warps: expected 1, 2, 4 or 8, found {self.num_warps}")
         if self.SPLIT < 1 or self.SPLIT & (self.SPLIT - 1):
             raise ValueError(f"MmaGemvConfig.SPLIT: expected a power of two, found {self.SPLIT}")
+        if not 2 <= self.STAGES <= 8:
+            raise ValueError(f"MmaGemvConfig.STAGES: expected 2..8, found {self.STAGES}")
         if self.BM != MMA_ROWS or self.BK != STEP:
             raise ValueError(f"MmaGemvConfig: BM and BK are fixed at {MMA_ROWS} and {STEP}, found {self.BM}, {self.BK}")
 
@@ -74,28 +78,47 @@ class MmaGemvConfig:
     def BN(self) -> int:
         return 16 * self.RP * self.num_warps
 
+    def smem_rows(self, fmt: int) -> int:
+        """reserve_smem's ROWS: the stages' bytes / 512, rounded up to a power of two (Triton caps a layout
+        conversion's scratch at 64 KB, so that is the most a config may use)."""
+        need = P.smem_bytes(fmt, self.RP, self.num_warps, self.STAGES)
+        rows = 16
+        while rows * 512 < need:
+            rows *= 2
+        if rows > MAX_SMEM_ROWS:
+            raise ValueError(f"MmaGemvConfig: {self.STAGES} stages of {self.RP} row pairs x {self.num_warps} warps "
+                             f"need {need} bytes of shared memory; at most {MAX_SMEM_ROWS * 512} can be reserved")
+        return rows
+
+    def check_format(self, fmt: int) -> None:
+        """Raise unless this config compiles for `fmt` without spills (MXFP8 holds twice the words per row)."""
+        if fmt == P.FMT_MXFP8 and self.RP > 1:
+            raise ValueError(f"MmaGemvConfig.RP: MXFP8 serves RP=1 only (RP=2 spills registers), found {self.RP}")
+        self.smem_rows(fmt)
+
 
 def _c(text_cons: tuple[str, str]) -> tuple[tl.constexpr, tl.constexpr]:
     return tl.constexpr(text_cons[0]), tl.constexpr(text_cons[1])
 
 
-def _n_tensors(*counts: int) -> tl.constexpr:
-    return tl.constexpr(sum(counts) // 2)
-
-
 # jit code reads module globals only as constexprs, by name: one per variant
-_LD_N1, _LD_N1_C = _c(P.load_asm(P.FMT_NVFP4, 1))
-_LD_N2, _LD_N2_C = _c(P.load_asm(P.FMT_NVFP4, 2))
-_LD_M1, _LD_M1_C = _c(P.load_asm(P.FMT_MXFP8, 1))
-_LD_M2, _LD_M2_C = _c(P.load_asm(P.FMT_MXFP8, 2))
-_NLD_N1 = _n_tensors(P.word_regs(0, 1), P.X_REGS, P.scale_regs(1))
-_NLD_N2 = _n_tensors(P.word_regs(0, 2), P.X_REGS, P.scale_regs(2))
-_NLD_M1 = _n_tensors(P.word_regs(1, 1), P.X_REGS, P.scale_regs(1))
-_NLD_M2 = _n_tensors(P.word_regs(1, 2), P.X_REGS, P.scale_regs(2))
+_IS_N1, _IS_N1_C = _c(P.issue_asm(P.FMT_NVFP4, 1))
+_IS_N2, _IS_N2_C = _c(P.issue_asm(P.FMT_NVFP4, 2))
+_IS_M1, _IS_M1_C = _c(P.issue_asm(P.FMT_MXFP8, 1))
+_IS_M2, _IS_M2_C = _c(P.issue_asm(P.FMT_MXFP8, 2))
 _MM_N1, _MM_N1_C = _c(P.compute_asm(P.FMT_NVFP4, 1))
 _MM_N2, _MM_N2_C = _c(P.compute_asm(P.FMT_NVFP4, 2))
 _MM_M1, _MM_M1_C = _c(P.compute_asm(P.FMT_MXFP8, 1))
 _MM_M2, _MM_M2_C = _c(P.compute_asm(P.FMT_MXFP8, 2))
+_XL, _XL_C = _c(P.xload_asm())
+_NX = tl.constexpr(P.X_REGS // 2)
+_W1, _W_C = _c(P.wait_asm(1))
+_W2, _ = _c(P.wait_asm(2))
+_W3, _ = _c(P.wait_asm(3))
+_W4, _ = _c(P.wait_asm(4))
+_W5, _ = _c(P.wait_asm(5))
+_W6, _ = _c(P.wait_asm(6))
+_W7, _ = _c(P.wait_asm(7))
 _ST_P1, _ST_P1_C = _c(P.store_asm(1, P.MODE_PARTIAL, 0))
 _ST_P2, _ST_P2_C = _c(P.store_asm(2, P.MODE_PARTIAL, 0))
 _ST_F1A0, _ST_F1A0_C = _c(P.store_asm(1, P.MODE_FINAL, 0))
@@ -104,39 +127,64 @@ _ST_F1A2, _ST_F1A2_C = _c(P.store_asm(1, P.MODE_FINAL, 2))
 _ST_F2A0, _ST_F2A0_C = _c(P.store_asm(2, P.MODE_FINAL, 0))
 _ST_F2A1, _ST_F2A1_C = _c(P.store_asm(2, P.MODE_FINAL, 1))
 _ST_F2A2, _ST_F2A2_C = _c(P.store_asm(2, P.MODE_FINAL, 2))
+MAX_STAGES = 8
 
 
 @helper
-def load_step(wk, sk, xk, sw, ss, sx, mm, FMT: tl.constexpr, RP: tl.constexpr):
-    """One step's raw registers (words, x, scale bits) of this thread, as a tuple of opaque [T] int32."""
-    args = (wk, sk, xk, sw, ss, sx, mm)
+def issue_step(wk, sk, sw, ss, soff, nt, FMT: tl.constexpr, RP: tl.constexpr):
+    """cp.async of one step's weight and scale bytes into the stage at byte offset soff (one commit group)."""
+    args = (wk, sk, sw, ss, soff, nt)
     if FMT == 0:
         if RP == 1:
-            return tl.inline_asm_elementwise(_LD_N1, _LD_N1_C, args, dtype=(tl.int32,) * _NLD_N1, is_pure=False, pack=2)
+            return tl.inline_asm_elementwise(_IS_N1, _IS_N1_C, args, dtype=tl.int32, is_pure=False, pack=2)
         else:
-            return tl.inline_asm_elementwise(_LD_N2, _LD_N2_C, args, dtype=(tl.int32,) * _NLD_N2, is_pure=False, pack=2)
+            return tl.inline_asm_elementwise(_IS_N2, _IS_N2_C, args, dtype=tl.int32, is_pure=False, pack=2)
     else:
         if RP == 1:
-            return tl.inline_asm_elementwise(_LD_M1, _LD_M1_C, args, dtype=(tl.int32,) * _NLD_M1, is_pure=False, pack=2)
+            return tl.inline_asm_elementwise(_IS_M1, _IS_M1_C, args, dtype=tl.int32, is_pure=False, pack=2)
         else:
-            return tl.inline_asm_elementwise(_LD_M2, _LD_M2_C, args, dtype=(tl.int32,) * _NLD_M2, is_pure=False, pack=2)
+            return tl.inline_asm_elementwise(_IS_M2, _IS_M2_C, args, dtype=tl.int32, is_pure=False, pack=2)
 
 
 @helper
-def mma_step(acc, st, FMT: tl.constexpr, RP: tl.constexpr):
-    """acc (2 * RP opaque [T] fp32) += the step whose registers load_step returned."""
-    args = acc + st
+def load_x(xk, sx, mm):
+    return tl.inline_asm_elementwise(_XL, _XL_C, (xk, sx, mm), dtype=(tl.int32,) * _NX, is_pure=False, pack=2)
+
+
+@helper
+def wait_stage(dep, STAGES: tl.constexpr):
+    """cp.async.wait_group STAGES - 1: the oldest stage in flight has landed (dep orders it after the issue)."""
+    if STAGES == 2:
+        return tl.inline_asm_elementwise(_W1, _W_C, (dep,), dtype=tl.int32, is_pure=False, pack=2)
+    elif STAGES == 3:
+        return tl.inline_asm_elementwise(_W2, _W_C, (dep,), dtype=tl.int32, is_pure=False, pack=2)
+    elif STAGES == 4:
+        return tl.inline_asm_elementwise(_W3, _W_C, (dep,), dtype=tl.int32, is_pure=False, pack=2)
+    elif STAGES == 5:
+        return tl.inline_asm_elementwise(_W4, _W_C, (dep,), dtype=tl.int32, is_pure=False, pack=2)
+    elif STAGES == 6:
+        return tl.inline_asm_elementwise(_W5, _W_C, (dep,), dtype=tl.int32, is_pure=False, pack=2)
+    elif STAGES == 7:
+        return tl.inline_asm_elementwise(_W6, _W_C, (dep,), dtype=tl.int32, is_pure=False, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_W7, _W_C, (dep,), dtype=tl.int32, is_pure=False, pack=2)
+
+
+@helper
+def mma_step(acc, xs, soff, nt, FMT: tl.constexpr, RP: tl.constexpr):
+    """acc (2 * RP opaque [T] fp32) += the step in the stage at soff, with x registers xs."""
+    args = acc + xs + (soff, nt)
     n: tl.constexpr = 2 * RP
     if FMT == 0:
         if RP == 1:
-            return tl.inline_asm_elementwise(_MM_N1, _MM_N1_C, args, dtype=(tl.float32,) * n, is_pure=True, pack=2)
+            return tl.inline_asm_elementwise(_MM_N1, _MM_N1_C, args, dtype=(tl.float32,) * n, is_pure=False, pack=2)
         else:
-            return tl.inline_asm_elementwise(_MM_N2, _MM_N2_C, args, dtype=(tl.float32,) * n, is_pure=True, pack=2)
+            return tl.inline_asm_elementwise(_MM_N2, _MM_N2_C, args, dtype=(tl.float32,) * n, is_pure=False, pack=2)
     else:
         if RP == 1:
-            return tl.inline_asm_elementwise(_MM_M1, _MM_M1_C, args, dtype=(tl.float32,) * n, is_pure=True, pack=2)
+            return tl.inline_asm_elementwise(_MM_M1, _MM_M1_C, args, dtype=(tl.float32,) * n, is_pure=False, pack=2)
         else:
-            return tl.inline_asm_elementwise(_MM_M2, _MM_M2_C, args, dtype=(tl.float32,) * n, is_pure=True, pack=2)
+            return tl.inline_asm_elementwise(_MM_M2, _MM_M2_C, args, dtype=(tl.float32,) * n, is_pure=False, pack=2)
 
 
 @helper
@@ -165,22 +213,37 @@ def store_acc(acc, ya, n0, m, rs, aa, ast, RP: tl.constexpr, PARTIAL: tl.constex
 
 
 @helper
-def step_addrs(w_row, s_row, x_base, k0, FMT: tl.constexpr):
-    """Byte addresses of column k0 in the CTA's first weight row, its scale row, and x's row 0."""
+def step_addrs(w_row, s_row, k0, FMT: tl.constexpr):
+    """Byte addresses of column k0 in the CTA's first weight row and its scale row."""
     if FMT == 0:
-        return w_row + k0 // 2, s_row + k0 // 16, x_base + k0 * 2
+        return w_row + k0 // 2, s_row + k0 // 16
     else:
-        return w_row + k0, s_row + k0 // 32, x_base + k0 * 2
+        return w_row + k0, s_row + k0 // 32
+
+
+@helper
+def reserve_smem(ptr, N, ROWS: tl.constexpr):
+    """Never runs (N >= 0): the dead transpose makes Triton reserve ROWS * 512 bytes of dynamic shared memory
+    (its layout-conversion scratch, at offset 0 of global_smem), which the cp.async stages use; nothing else
+    in the kernel touches shared memory (checked at compile time by tests/kernels/test_mma_gemv.py)."""
+    if N < 0:
+        offs = tl.arange(0, ROWS)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        offs_t = tl.arange(0, 128)[:, None] * ROWS + tl.arange(0, ROWS)[None, :]
+        tl.store(ptr + offs_t, tl.trans(tl.load(ptr + offs)))
 
 
 @kernel
 def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xb, stride_ym, stride_wb,
              stride_sb, alpha_stride, SPLIT, FMT: tl.constexpr, ALPHA: tl.constexpr, SPLITK: tl.constexpr,
-             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr):
+             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, SMEM_ROWS: tl.constexpr):
     """Strides ending in b are in bytes; stride_ym and alpha_stride in elements. SPLIT is a runtime value
-    (one compiled variant serves every split count); SPLITK = SPLIT > 1 selects the partial-sum epilogue."""
+    (one compiled variant serves every split count); SPLITK = SPLIT > 1 selects the partial-sum epilogue.
+    STAGES steps of weights are in flight per thread (cp.async into private shared-memory chunks)."""
     T: tl.constexpr = 64 * NW
+    NT: tl.constexpr = 32 * NW
     BN: tl.constexpr = 16 * RP * NW
+    STAGE_BYTES: tl.constexpr = (RP * (2 if FMT == 0 else 4) + 1) * NT * 16
+    reserve_smem(part_ptr, N, SMEM_ROWS)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BN
@@ -196,16 +259,24 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     ss = zi + stride_sb
     sx = zi + stride_xb
     mm = zi + (M - 1)
-    wk, sk, xk = step_addrs(w_row, s_row, x_base, k_lo, FMT)
-    st = load_step(zl + wk, zl + sk, zl + xk, sw, ss, sx, mm, FMT, RP)
+    nt = zi + NT
+    last = k_hi - 128
+    # prologue: stages 0 .. STAGES-2 in flight (steps past the slice reload the last one: one group each)
+    for s in tl.static_range(STAGES - 1):
+        wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128 * s, last), FMT)
+        issue_step(zl + wk, zl + sk, sw, ss, zi + s * STAGE_BYTES, nt, FMT, RP)
+    xs = load_x(zl + (x_base + k_lo * 2), sx, mm)
     acc = (tl.zeros([T], tl.float32),) * (2 * RP)
+    i = 0
     for k0 in range(k_lo, k_hi, 128):
-        # the next step's loads go out before this step is decoded; the last step reloads itself (an L2
-        # hit) instead of branching
-        wk, sk, xk = step_addrs(w_row, s_row, x_base, tl.minimum(k0 + 128, k_hi - 128), FMT)
-        nxt = load_step(zl + wk, zl + sk, zl + xk, sw, ss, sx, mm, FMT, RP)
-        acc = mma_step(acc, st, FMT, RP)
-        st = nxt
+        ahead = (i + STAGES - 1) % STAGES
+        wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT)
+        dep = issue_step(zl + wk, zl + sk, sw, ss, zi + ahead * STAGE_BYTES, nt, FMT, RP)
+        xn = load_x(zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm)
+        dep = wait_stage(dep, STAGES)
+        acc = mma_step(acc, xs, zi + (i % STAGES) * STAGE_BYTES + dep, nt, FMT, RP)
+        xs = xn
+        i += 1
     if not SPLITK:
         store_acc(acc, zl + y_ptr.to(tl.int64), zi + n0, zi + M, zi + stride_ym, zl + alpha_ptr.to(tl.int64),
                   zi + alpha_stride, RP, False, ALPHA)
@@ -240,11 +311,13 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
         raise ValueError(f"x: the MMA GEMV runs compiled only (inline PTX), found a {x.device.type} tensor; "
                          "the raw call interprets _wstream_gemm for CPU tensors")
     m = check_mma_args(x, out, n, k, cfg, ws)
+    cfg.check_format(fmt)
     grid = (n // cfg.BN, cfg.SPLIT)
     mma_gemv[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0) * 2, out.stride(0), w.stride(0) * w.element_size(),
         s.stride(0) * s.element_size(), alpha_stride, cfg.SPLIT, FMT=fmt, ALPHA=alpha_mode, SPLITK=cfg.SPLIT > 1, RP=cfg.RP,
-        NW=cfg.num_warps, BM=cfg.BM, num_warps=cfg.num_warps, num_stages=1,
+        NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, SMEM_ROWS=cfg.smem_rows(fmt), num_warps=cfg.num_warps,
+        num_stages=1,
     )
     return out
 
@@ -268,8 +341,8 @@ def mma_split(n: int, k: int, cfg_bn: int, ctas: int = 396, min_steps: int = 2) 
 
 def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int, *, fmt: int,
             alpha_mode: int, n: int, k: int, cfg: MmaGemvConfig) -> torch.Tensor:
-    """y [M, N] bf16 from running mma_gemv's three PTX blocks on _ptx_emu, CTA by CTA and warp by warp, with
-    the kernel's own scalar logic (step addresses, the reload of the last step, split-K in order 0..SPLIT-1,
+    """y [M, N] bf16 from running mma_gemv's PTX blocks on _ptx_emu, CTA by CTA and warp by warp, with the
+    kernel's own scalar logic (the cp.async stage ring and its clamped steps, split-K in order 0..SPLIT-1,
     the Triton epilogue of the split path). CPU tensors; slow (meant for tiny shapes)."""
     import numpy as np
 
@@ -283,54 +356,62 @@ def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tens
     wa = mem.add(w.contiguous().numpy())
     sa = mem.add(s.contiguous().view(torch.uint8).numpy())
     aa = mem.add(alpha.contiguous().float().numpy())
-    y = np.full((m, n), 0x7FC0, np.uint16)
-    ya = mem.add(y)
-    part = np.full(cfg.SPLIT * cfg.BM * n, np.nan, np.float32)
-    pa = mem.add(part)
-    y = mem.regions[-2][1].view(np.uint16).reshape(m, n)  # the region's own buffer (stores land there)
+    ya = mem.add(np.full((m, n), 0x7FC0, np.uint16))
+    y = mem.regions[-1][1].view(np.uint16).reshape(m, n)  # the region's own buffer (stores land there)
+    pa = mem.add(np.full(cfg.SPLIT * cfg.BM * n, np.nan, np.float32))
     part = mem.regions[-1][1].view(np.float32)
     stride_wb = w.stride(0) * w.element_size()
     stride_sb = s.stride(0) * s.element_size()
-    load, load_c = P.load_asm(fmt, cfg.RP)
+    issue, _ = P.issue_asm(fmt, cfg.RP)
+    xload, _ = P.xload_asm()
+    wait, _ = P.wait_asm(cfg.STAGES - 1)
     comp, _ = P.compute_asm(fmt, cfg.RP)
-    n_load = load_c.count("=")
     n_acc = P.acc_regs(cfg.RP)
-
-    def lanes(v: int) -> np.ndarray:
-        return np.full(E.LANES, v & 0xFFFFFFFFFFFFFFFF, np.uint64)
+    nt = 32 * cfg.num_warps
+    stage_bytes = P.chunks(fmt, cfg.RP) * nt * 16
 
     def pair(*vals: int) -> list[np.ndarray]:
-        return [lanes(v) for v in vals for _ in range(2)]
+        return [np.full(E.LANES, v & 0xFFFFFFFFFFFFFFFF, np.uint64) for v in vals for _ in range(2)]
 
     k_len = k // cfg.SPLIT
     for pid_n in range(n // cfg.BN):
         n0 = pid_n * cfg.BN
         for pid_k in range(cfg.SPLIT):
             k_lo, k_hi = pid_k * k_len, (pid_k + 1) * k_len
+            last = k_hi - STEP
+            shared = E.Shared(cfg.STAGES * stage_bytes)
 
-            def addrs(k0: int) -> tuple[int, int, int]:
+            def wsk(k0: int) -> tuple[int, int]:
                 if fmt == P.FMT_NVFP4:
-                    return wa + n0 * stride_wb + k0 // 2, sa + n0 * stride_sb + k0 // 16, xa + k0 * 2
-                return wa + n0 * stride_wb + k0, sa + n0 * stride_sb + k0 // 32, xa + k0 * 2
+                    return wa + n0 * stride_wb + k0 // 2, sa + n0 * stride_sb + k0 // 16
+                return wa + n0 * stride_wb + k0, sa + n0 * stride_sb + k0 // 32
 
             for warp in range(cfg.num_warps):
-                def load_at(k0: int) -> list[np.ndarray]:
-                    wk, sk, xk = addrs(k0)
-                    return E.run_block(load, warp, pair(wk, sk, xk, stride_wb, stride_sb, x.stride(0) * 2, m - 1),
-                                       n_load, mem)
+                def issue_at(k0: int, slot: int) -> None:
+                    wk, sk = wsk(min(k0, last))
+                    E.run_block(issue, warp, pair(wk, sk, stride_wb, stride_sb, slot * stage_bytes, nt), 2, mem, shared)
 
-                st = load_at(k_lo)
+                def x_at(k0: int) -> list[np.ndarray]:
+                    return E.run_block(xload, warp, pair(xa + min(k0, last) * 2, x.stride(0) * 2, m - 1), P.X_REGS,
+                                       mem, shared)
+
+                for st in range(cfg.STAGES - 1):
+                    issue_at(k_lo + STEP * st, st)
+                xs = x_at(k_lo)
                 acc = [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)]
-                for k0 in range(k_lo, k_hi, STEP):
-                    nxt = load_at(min(k0 + STEP, k_hi - STEP))
-                    acc = E.run_block(comp, warp, acc + st, n_acc, mem)
-                    st = nxt
+                for i, k0 in enumerate(range(k_lo, k_hi, STEP)):
+                    issue_at(k0 + STEP * (cfg.STAGES - 1), (i + cfg.STAGES - 1) % cfg.STAGES)
+                    xn = x_at(k0 + STEP)
+                    E.run_block(wait, warp, [], 2, mem, shared)
+                    acc = E.run_block(comp, warp, acc + xs + pair((i % cfg.STAGES) * stage_bytes, nt), n_acc, mem,
+                                      shared)
+                    xs = xn
                 if cfg.SPLIT == 1:
                     text, _ = P.store_asm(cfg.RP, P.MODE_FINAL, alpha_mode)
-                    E.run_block(text, warp, acc + pair(ya, n0, m, y.shape[1], aa, alpha_stride), 2, mem)
+                    E.run_block(text, warp, acc + pair(ya, n0, m, n, aa, alpha_stride), 2, mem, shared)
                 else:
                     text, _ = P.store_asm(cfg.RP, P.MODE_PARTIAL, 0)
-                    E.run_block(text, warp, acc + pair(pa + pid_k * cfg.BM * n * 4, n0, m, n, 0, 0), 2, mem)
+                    E.run_block(text, warp, acc + pair(pa + pid_k * cfg.BM * n * 4, n0, m, n, 0, 0), 2, mem, shared)
         if cfg.SPLIT > 1:  # the last arrival's Triton epilogue: partials in order 0..SPLIT-1, then alpha
             tile = part.reshape(cfg.SPLIT, cfg.BM, n)[:, :m, n0:n0 + cfg.BN]
             total = np.zeros(tile.shape[1:], np.float32)

@@ -48,11 +48,6 @@ def word_regs(fmt: int, rp: int) -> int:
     return rp * (8 if fmt == FMT_NVFP4 else 16)
 
 
-def scale_regs(rp: int) -> int:
-    """One register per row pair (both rows' scale bits), rounded up to the pack of 2."""
-    return rp + (rp % 2)
-
-
 def acc_regs(rp: int) -> int:
     return 4 * rp
 
@@ -97,67 +92,93 @@ and.b32 c, lane, 3;
 mad.lo.u32 r0, warp, {16 * rp}, g;"""
 
 
-def load_asm(fmt: int, rp: int) -> tuple[str, str]:
-    """One step's loads: weight words, scale bits and x of this thread, for the step at byte offsets already
-    folded into the base addresses (wk, sk, xk)."""
+def chunks(fmt: int, rp: int) -> int:
+    """16-byte shared-memory chunks one thread's step occupies: its rows' words (NVFP4 16 bytes a row, MXFP8
+    32) and one chunk of scale bits (4 bytes a row)."""
+    return rp * (2 if fmt == FMT_NVFP4 else 4) + 1
+
+
+def smem_bytes(fmt: int, rp: int, warps: int, stages: int) -> int:
+    return stages * chunks(fmt, rp) * 32 * warps * 16
+
+
+def issue_asm(fmt: int, rp: int) -> tuple[str, str]:
+    """cp.async one step's weight and scale bytes of this thread into its private shared-memory chunks of one
+    stage (no other thread reads them, so no barrier is ever needed), then commit them as one group.
+    Chunk j of thread tid in the stage at byte offset soff: global_smem + soff + (j * T + tid) * 16 (T threads
+    in the CTA: consecutive threads, consecutive 16 bytes, so every 128-bit access is conflict-free)."""
     o = _Operands()
-    nw, ns = word_regs(fmt, rp), scale_regs(rp)
-    o.out("W", nw, "r")
-    o.out("X", X_REGS, "r")
-    o.out("S", ns, "r")
-    for name, c in (("wk", "l"), ("sk", "l"), ("xk", "l"), ("sw", "r"), ("ss", "r"), ("sx", "r"), ("mm", "r")):
+    o.out("dummy", 2, "r")
+    for name, c in (("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r"), ("soff", "r"), ("nt", "r")):
         o.inp(name, 2, c)
     r, cons = o.build()
-    wk, sk, xk, sw, ss, sx, mm = (r[n][0] for n in ("wk", "sk", "xk", "sw", "ss", "sx", "mm"))
+    wk, sk, sw, ss, soff, nt = (r[n][0] for n in ("wk", "sk", "sw", "ss", "soff", "nt"))
     row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
-    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, t, cb;", ".reg .b64 wa, sa, xa, o64, w8, s8;",
-         ".reg .b16 hA, hB;", _lane_prologue(rp)]
-    # weights: wk + r0 * sw + row_bytes * c; row (p, h) lies (2p + h) * 8 rows further
+    per_row = row_bytes // 16
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, cb, sm, sc, st;", ".reg .b64 wa, sa, o64, w8, s8;",
+         _lane_prologue(rp)]
     s.append(f"""mul.wide.u32 o64, r0, {sw};
 add.s64 wa, {wk}, o64;
 mul.lo.u32 cb, c, {row_bytes};
 cvt.u64.u32 o64, cb;
 add.s64 wa, wa, o64;
-mul.wide.u32 w8, {sw}, 8;""")
-    # scales: NVFP4 groups 2c, 2c+1 (2 bytes at 2c); MXFP8 group c (1 byte at c)
-    s.append(f"""mul.wide.u32 o64, r0, {ss};
+mul.wide.u32 w8, {sw}, 8;
+mul.wide.u32 o64, r0, {ss};
 add.s64 sa, {sk}, o64;
-{'shl.b32 cb, c, 1;' if fmt == FMT_NVFP4 else 'mov.b32 cb, c;'}
+{'and.b32 cb, c, 2;' + chr(10) + 'shl.b32 cb, cb, 1;' if fmt == FMT_NVFP4 else 'mov.b32 cb, 0;'}
 cvt.u64.u32 o64, cb;
 add.s64 sa, sa, o64;
-mul.wide.u32 s8, {ss}, 8;""")
-    W = r["W"]
-    per_row = row_bytes // 4
+mul.wide.u32 s8, {ss}, 8;
+mov.u32 sm, global_smem;
+add.u32 sm, sm, {soff};
+shl.b32 cb, tid, 4;
+add.u32 sm, sm, cb;
+shl.b32 st, {nt}, 4;""")
+    # scales: NVFP4 lane c needs the 2 bytes at 2c: the aligned 4 at 4 * (c / 2) hold them; MXFP8 the byte at c:
+    # the aligned 4 at 0 (k0 / 32 is a multiple of 4) hold all four lanes' bytes
+    nrow = 2 * rp
+    s.append(f"mad.lo.u32 sc, st, {nrow * per_row}, sm;")
     for p in range(rp):
         for h in range(2):
-            base = (2 * p + h) * per_row
-            regs = W[base:base + per_row]
-            for v in range(per_row // 4):
-                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs[4 * v:4 * v + 4])}}}, [wa+{16 * v}];")
-            if fmt == FMT_NVFP4:
-                s.append(f"ld.global.nc.L1::no_allocate.u16 {'hA' if h == 0 else 'hB'}, [sa];")
-            else:
-                s.append(f"ld.global.nc.L1::no_allocate.u8 {'hA' if h == 0 else 'hB'}, [sa];")
+            row = 2 * p + h
+            for v in range(per_row):
+                s.append(f"cp.async.cg.shared.global [sm], [wa+{16 * v}], 16;\nadd.u32 sm, sm, st;")
+            s.append(f"cp.async.ca.shared.global [sc+{4 * row}], [sa], 4;")
             s.append("add.s64 wa, wa, w8;\nadd.s64 sa, sa, s8;")
-        S = r["S"][p]
-        if fmt == FMT_NVFP4:
-            s.append(f"mov.b32 {S}, {{hA, hB}};")
-        else:
-            s.append(f"cvt.u32.u16 t, hA;\ncvt.u32.u16 cb, hB;\nshl.b32 cb, cb, 8;\nor.b32 {S}, t, cb;")
-    if ns > rp:
-        s.append(f"mov.b32 {r['S'][rp]}, 0;")
-    # x: xk + min(g, M - 1) * sx + 64 * c
+    s.append("cp.async.commit_group;")
+    s.append(f"mov.b32 {r['dummy'][0]}, 0;\nmov.b32 {r['dummy'][1]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+def xload_asm() -> tuple[str, str]:
+    """x of this thread for one step: token min(g, M - 1), columns 32c .. 32c + 31 (xk = x + k0 columns)."""
+    o = _Operands()
+    o.out("X", X_REGS, "r")
+    for name, c in (("xk", "l"), ("sx", "r"), ("mm", "r")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    xk, sx, mm = (r[n][0] for n in ("xk", "sx", "mm"))
     X = r["X"]
-    s.append(f"""min.u32 t, g, {mm};
+    s = ["{", ".reg .b32 lane, g, c, t, cb;", ".reg .b64 xa, o64;",
+         f"""mov.u32 lane, %laneid;
+shr.u32 g, lane, 2;
+and.b32 c, lane, 3;
+min.u32 t, g, {mm};
 mul.wide.u32 o64, t, {sx};
 add.s64 xa, {xk}, o64;
 shl.b32 cb, c, 6;
 cvt.u64.u32 o64, cb;
-add.s64 xa, xa, o64;""")
+add.s64 xa, xa, o64;"""]
     for v in range(4):
         s.append(f"ld.global.nc.v4.b32 {{{', '.join(X[4 * v:4 * v + 4])}}}, [xa+{16 * v}];")
     s.append("}")
     return "\n".join(s), cons
+
+
+def wait_asm(pending: int) -> tuple[str, str]:
+    """Wait until at most `pending` of this thread's cp.async groups are in flight (dummy output)."""
+    return f"{{ cp.async.wait_group {pending}; mov.b32 $0, 0; mov.b32 $1, 0; }}", "=r,=r,r,r"
 
 
 def _nvfp4_scales(src: str, half: int, out0: str, out1: str) -> str:
@@ -236,20 +257,42 @@ def _mma(acc: list[str], a: list[str], b: list[str]) -> str:
 
 
 def compute_asm(fmt: int, rp: int) -> tuple[str, str]:
-    """acc += this thread's share of one step: decode its words, build the B fragments from x, 8 MMAs per
-    row pair (per 16 NVFP4 / MXFP8 columns of the lane: 4 x 2 or 8)."""
+    """acc += this thread's share of one step: read its words and scale bits from its shared-memory chunks of
+    the stage at soff (after wait_asm), decode, build the B fragments from x, 8 MMAs per row pair (per 16
+    NVFP4 / MXFP8 columns of the lane: 4 x 2 or 8)."""
     o = _Operands()
-    na, nw, ns = acc_regs(rp), word_regs(fmt, rp), scale_regs(rp)
+    na, nw = acc_regs(rp), word_regs(fmt, rp)
     o.out("A", na, "f")
     o.inp("Ai", na, "f")
-    o.inp("W", nw, "r")
     o.inp("X", X_REGS, "r")
-    o.inp("S", ns, "r")
+    for name in ("soff", "nt"):
+        o.inp(name, 2, "r")
     r, cons = o.build()
-    A, Ai, W, X, S = r["A"], r["Ai"], r["W"], r["X"], r["S"]
-    s = ["{", ".reg .b32 tq, sf, tb, sA0, sA1, sB0, sB1, t0;", ".reg .b16 sl, sh, fl, fh;", ".reg .f32 g0, g1;",
-         ".reg .pred pz, pn;",
-         ".reg .b32 DA<16>, DB<16>, P<16>;"]
+    A, Ai, X = r["A"], r["Ai"], r["X"]
+    soff, nt = r["soff"][0], r["nt"][0]
+    per_row = 1 if fmt == FMT_NVFP4 else 2
+    s = ["{", ".reg .b32 tq, sf, tb, sA0, sA1, sB0, sB1, t0, tid, sm, st, sc0, sc1, lsh;", ".reg .b16 sl, sh, fl, fh;",
+         ".reg .f32 g0, g1;", ".reg .pred pz, pn;", ".reg .b32 DA<16>, DB<16>, P<16>, W<32>, S<4>;",
+         f"""mov.u32 tid, %tid.x;
+mov.u32 sm, global_smem;
+add.u32 sm, sm, {soff};
+shl.b32 t0, tid, 4;
+add.u32 sm, sm, t0;
+shl.b32 st, {nt}, 4;"""]
+    # words: chunk j = (2p + h) * per_row + v holds row (p, h)'s 16 bytes v
+    W = [f"W{i}" for i in range(nw)]
+    for j in range(2 * rp * per_row):
+        s.append(f"ld.shared.v4.b32 {{{', '.join(W[4 * j:4 * j + 4])}}}, [sm];\nadd.u32 sm, sm, st;")
+    s.append("ld.shared.v4.b32 {S0, S1, S2, S3}, [sm];")  # 4 bytes per row: row 2p + h at S[2p + h]
+    if fmt == FMT_NVFP4:
+        # the 4 bytes hold groups 4 * (c / 2) .. +3; lane c's two are the half c % 2
+        s.append("""mov.u32 lsh, %laneid;
+and.b32 lsh, lsh, 1;
+shl.b32 lsh, lsh, 4;""")
+    else:
+        s.append("""mov.u32 lsh, %laneid;
+and.b32 lsh, lsh, 3;
+shl.b32 lsh, lsh, 3;""")
     s += [f"mov.f32 {A[i]}, {Ai[i]};" for i in range(na)]
     if fmt == FMT_NVFP4:
         # B fragments: P[4q + 2h + e], e = 0: (x[8q+2h], x[8q+2h+4]) low halves, e = 1: the high halves
@@ -258,8 +301,10 @@ def compute_asm(fmt: int, rp: int) -> tuple[str, str]:
                 lo, hi = X[4 * q + h], X[4 * q + h + 2]
                 s.append(f"prmt.b32 P{4 * q + 2 * h}, {lo}, {hi}, 0x5410;\nprmt.b32 P{4 * q + 2 * h + 1}, {lo}, {hi}, 0x7632;")
         for p in range(rp):
-            s.append(_nvfp4_scales(S[p], 0, "sA0", "sA1"))
-            s.append(_nvfp4_scales(S[p], 1, "sB0", "sB1"))
+            # this lane's 16 scale bits of rows rA (S[2p]) and rB (S[2p + 1]) -> one register, rA low
+            s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nprmt.b32 sc0, sc0, sc1, 0x5410;")
+            s.append(_nvfp4_scales("sc0", 0, "sA0", "sA1"))
+            s.append(_nvfp4_scales("sc0", 1, "sB0", "sB1"))
             for q in range(4):
                 s.append(_nvfp4_word(W[8 * p + q], [f"DA{4 * q + j}" for j in range(4)], "sA0" if q < 2 else "sA1"))
                 s.append(_nvfp4_word(W[8 * p + 4 + q], [f"DB{4 * q + j}" for j in range(4)], "sB0" if q < 2 else "sB1"))
@@ -270,9 +315,10 @@ def compute_asm(fmt: int, rp: int) -> tuple[str, str]:
                     s.append(_mma(acc, a, [f"P{4 * q + 2 * h}", f"P{4 * q + 2 * h + 1}"]))
     else:
         for p in range(rp):
-            # E8M0 bytes of rA (bits 0..7) and rB (bits 8..15) -> bf16 2**(s - 127) = bits s << 7 (s >= 1)
+            s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nand.b32 sc0, sc0, 0xFF;\n"
+                     "and.b32 sc1, sc1, 0xFF;\nshl.b32 sc1, sc1, 8;\nor.b32 sc0, sc0, sc1;")
             for src_shift, out in ((0, "sA0"), (8, "sB0")):
-                s.append(_e8m0_bf16x2(S[p], src_shift, out))
+                s.append(_e8m0_bf16x2("sc0", src_shift, out))
             for i in range(8):
                 s.append(_mxfp8_word(W[16 * p + i], [f"DA{2 * i}", f"DA{2 * i + 1}"], "sA0"))
                 s.append(_mxfp8_word(W[16 * p + 8 + i], [f"DB{2 * i}", f"DB{2 * i + 1}"], "sB0"))
@@ -302,7 +348,7 @@ def store_asm(rp: int, mode: int, alpha: int) -> tuple[str, str]:
     ya, n0, m, rs, aa, ast = (r[n][0] for n in ("ya", "n0", "m", "rs", "aa", "ast"))
     esize = 2 if mode == MODE_FINAL else 4
     s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, n, t, idx;", ".reg .b64 a64, o64;", ".reg .f32 al, v;",
-         ".reg .b16 hv;", ".reg .pred pr;", _lane_prologue(rp)]
+         ".reg .b16 hv;", ".reg .pred pr;", "cp.async.wait_all;", _lane_prologue(rp)]
     for p in range(rp):
         for h in range(2):
             s.append(f"add.u32 n, {n0}, r0;\nadd.u32 n, n, {16 * p + 8 * h};")
