@@ -1,0 +1,162 @@
+"""How fast can the H200 stream a weight matrix under each access pattern a decode kernel might use?
+
+A read-only kernel (no decode, no math): every thread reads 16-byte vectors of a [N, K-bytes] matrix and XORs
+them into one register (stored at the end so nothing is dead). The patterns differ only in which bytes one warp
+instruction touches and how far each row advances per loop iteration:
+
+    rows R      rows one warp instruction covers (512 / R contiguous bytes of each)
+    unroll U    loads per thread per iteration, to consecutive 512/R-byte segments of the same rows
+                (so one iteration reads U * 512 / R contiguous bytes of each of its rows)
+    ctas        CTAs of 4 warps; rows are split among CTAs, K among the CTAs of a row block (like split-K)
+    order       "seg": a thread's U loads go to U consecutive segments (the quad reads 64 B, then the next 64 B);
+                "lane": a lane's U loads are contiguous (lane c reads 16 B * U at c * 16 * U)
+
+Reported: GB/s over the matrix bytes and the fraction of this run's device-to-device copy bandwidth (read +
+write, as bench/kernels.py). The MMA GEMV (m3serve/kernels/_mma_gemv.py) reads R = 8 rows x 64 bytes per
+instruction, which is the first thing this measures.
+
+    python3 bench/stream_patterns.py [--out-dir DIR]        (GPU, ~20 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _asm(rows: int, unroll: int, order: str) -> tuple[str, str]:
+    """One iteration's loads for one thread: base = row0 address + k offset (bytes); the thread's row and
+    column inside the warp's [rows, 512 / rows] footprint come from %laneid."""
+    seg = 512 // rows  # bytes of a row one instruction covers
+    lanes_per_row = 32 // rows
+    s = ["{", ".reg .b32 lane, r, cc, a0, a1, a2, a3, acc, tid, wp;", ".reg .b64 addr, o64;",
+         "mov.u32 lane, %laneid;", "mov.u32 tid, %tid.x;", "shr.u32 wp, tid, 5;",
+         f"div.u32 r, lane, {lanes_per_row};", f"rem.u32 cc, lane, {lanes_per_row};", "mad.lo.u32 r, wp, $8, r;",
+         "mul.wide.u32 o64, r, $4;", "add.s64 addr, $2, o64;",
+         f"mul.lo.u32 cc, cc, {16 * (unroll if order == 'lane' else 1)};", "cvt.u64.u32 o64, cc;",
+         "add.s64 addr, addr, o64;", "mov.b32 acc, $6;"]
+    for u in range(unroll):
+        off = 16 * u if order == "lane" else seg * u
+        s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{a0, a1, a2, a3}}, [addr+{off}];")
+        s.append("xor.b32 acc, acc, a0;\nxor.b32 acc, acc, a1;\nxor.b32 acc, acc, a2;\nxor.b32 acc, acc, a3;")
+    s.append("mov.b32 $0, acc;\nmov.b32 $1, acc;\n}")
+    return "\n".join(s), "=r,=r,l,l,r,r,r,r,r,r"
+
+
+_VARIANTS = {}
+for _r in (8, 4, 2, 1):
+    for _u in (1, 4):
+        for _o in ("seg", "lane"):
+            if _o == "lane" and _u == 1:
+                continue
+            _VARIANTS[(_r, _u, _o)] = tl.constexpr(_asm(_r, _u, _o)[0])
+_CONS = tl.constexpr("=r,=r,l,l,r,r,r,r,r,r")
+A8_1 = _VARIANTS[(8, 1, "seg")]
+A8_4 = _VARIANTS[(8, 4, "seg")]
+A8_4L = _VARIANTS[(8, 4, "lane")]
+A4_4 = _VARIANTS[(4, 4, "seg")]
+A2_1 = _VARIANTS[(2, 1, "seg")]
+A2_4 = _VARIANTS[(2, 4, "seg")]
+A1_4 = _VARIANTS[(1, 4, "seg")]
+
+
+@triton.jit
+def _step(addr, stride, acc, wr, V: tl.constexpr):
+    z = tl.zeros_like(acc)
+    if V == 0:
+        return tl.inline_asm_elementwise(A8_1, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
+    elif V == 1:
+        return tl.inline_asm_elementwise(A8_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
+    elif V == 2:
+        return tl.inline_asm_elementwise(A8_4L, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
+    elif V == 3:
+        return tl.inline_asm_elementwise(A4_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
+    elif V == 4:
+        return tl.inline_asm_elementwise(A2_1, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
+    elif V == 5:
+        return tl.inline_asm_elementwise(A2_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
+    else:
+        return tl.inline_asm_elementwise(A1_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2) + z
+
+
+V_OF = {(8, 1, "seg"): 0, (8, 4, "seg"): 1, (8, 4, "lane"): 2, (4, 4, "seg"): 3, (2, 1, "seg"): 4, (2, 4, "seg"): 5,
+        (1, 4, "seg"): 6}
+
+
+@triton.jit
+def stream(w_ptr, out_ptr, stride, k_bytes, SPLIT, ROWS_CTA: tl.constexpr, R: tl.constexpr, ITER_BYTES: tl.constexpr,
+           V: tl.constexpr):
+    """CTA (pid_n, pid_k): rows [pid_n * ROWS_CTA, +ROWS_CTA), bytes [pid_k * k_bytes / SPLIT, +k_bytes / SPLIT);
+    warp w covers rows ROWS_CTA / 4 * w .. in blocks of R rows."""
+    T: tl.constexpr = 256
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    zl = tl.zeros([T], tl.int64)
+    zi = tl.zeros([T], tl.int32)
+    k_len = k_bytes // SPLIT
+    base = w_ptr.to(tl.int64) + (pid_n * ROWS_CTA).to(tl.int64) * stride + pid_k * k_len
+    acc = zi
+    BLOCKS: tl.constexpr = ROWS_CTA // (4 * R)  # row blocks per warp (warp w's rows start at w * ROWS_CTA / 4)
+    wr = zi + ROWS_CTA // 4
+    for b in tl.static_range(BLOCKS):
+        for k in range(0, k_len, ITER_BYTES):
+            acc = _step(zl + base + b * R * stride + k, zi + stride, acc, wr, V)
+    tl.store(out_ptr + tl.program_id(0) * T + tl.arange(0, T), acc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default=os.environ.get("OUT"))
+    a = ap.parse_args(argv)
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
+    kb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kb)
+    dev = torch.device("cuda")
+    bw = kb.copy_bandwidth(dev)
+    n, kbytes = 24576, 3072  # the dense gate|up projection in NVFP4 (85 MB with its scales; 75.5 MB of codes)
+    w = torch.randint(0, 255, (n, kbytes), dtype=torch.uint8, device=dev)
+    flush = torch.empty(kb.FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    res = []
+    for (r, u, order), v in V_OF.items():
+        for rows_cta, split in ((128, 2), (128, 8), (32, 2)):
+            iter_bytes = (512 // r) * u if order == "seg" else 16 * u * (32 // r)
+            if (kbytes // split) % iter_bytes or rows_cta % (4 * r):
+                continue
+            out = torch.empty((n // rows_cta) * 256, dtype=torch.int32, device=dev)
+            grid = (n // rows_cta, split)
+
+            def call(rc=rows_cta, sp=split, ib=iter_bytes, vv=v, rr=r, o=out):
+                stream[grid](w, o, kbytes, kbytes, sp, ROWS_CTA=rc, R=rr, ITER_BYTES=ib, V=vv, num_warps=4)
+
+            replay = kb.graphed(call)
+            t = kb.time_call(replay or call, 20, flush)
+            rec = {"rows_per_instr": r, "unroll": u, "order": order, "rows_per_cta": rows_cta, "split": split,
+                   "ctas": grid[0] * grid[1], "us": t * 1e6, "GBps": w.numel() / t / 1e9, "frac_copy": w.numel() / t / bw}
+            res.append(rec)
+            print(f"R={r} U={u} {order:4s} rows/CTA {rows_cta:3d} split {split}  CTAs {rec['ctas']:5d}  "
+                  f"{rec['us']:7.1f} us  {rec['GBps']:6.0f} GB/s  {100 * rec['frac_copy']:5.1f}% copy", flush=True)
+    from m3serve.benchmeta import git_commit
+    doc = {"gpu": torch.cuda.get_device_name(dev), "git_commit": git_commit(), "command": " ".join(sys.argv),
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(), "copy_bandwidth_Bps": bw, "matrix": [n, kbytes],
+           "results": res}
+    name = f"stream-patterns-h200-{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d')}.json"
+    for d in ([Path(a.out_dir)] if a.out_dir else []) + [ROOT / "bench" / "results"]:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
