@@ -313,13 +313,32 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
     m = check_mma_args(x, out, n, k, cfg, ws)
     cfg.check_format(fmt)
     grid = (n // cfg.BN, cfg.SPLIT)
-    mma_gemv[grid](
+    compiled = mma_gemv[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0) * 2, out.stride(0), w.stride(0) * w.element_size(),
         s.stride(0) * s.element_size(), alpha_stride, cfg.SPLIT, FMT=fmt, ALPHA=alpha_mode, SPLITK=cfg.SPLIT > 1, RP=cfg.RP,
         NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, SMEM_ROWS=cfg.smem_rows(fmt), num_warps=cfg.num_warps,
         num_stages=1,
     )
+    if x.device.type == "cuda":
+        _check_reserved(compiled, fmt, cfg)
     return out
+
+
+_RESERVED_OK: set = set()
+
+
+def _check_reserved(compiled, fmt: int, cfg: MmaGemvConfig) -> None:
+    """The cp.async stages live in the shared memory Triton reserved for reserve_smem's dead transpose; raise
+    (once per variant) if Triton reserved less than the stages need, instead of corrupting memory."""
+    key = (fmt, cfg.RP, cfg.num_warps, cfg.STAGES)
+    if key in _RESERVED_OK:
+        return
+    need = P.smem_bytes(fmt, cfg.RP, cfg.num_warps, cfg.STAGES)
+    have = getattr(getattr(compiled, "metadata", None), "shared", None)
+    if have is None or have < need:
+        raise RuntimeError(f"mma_gemv {cfg}: the kernel reserved {have} bytes of shared memory, its {cfg.STAGES} "
+                           f"cp.async stages need {need}; choose fewer stages or more warps")
+    _RESERVED_OK.add(key)
 
 
 def interpreted_config(cfg: MmaGemvConfig):
