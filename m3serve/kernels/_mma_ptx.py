@@ -5,7 +5,7 @@ Shape legend (one CTA, one K step of 128 columns):
     warp w = %tid.x / 32, lane L = %laneid, g = L / 4 (the MMA's group), c = L % 4 (thread in group)
     row pair p = 0..RP-1: rows rA = 16 * (RP * w + p) + g and rB = rA + 8 of the CTA's BN = 16 * RP * warps
     columns: lane c holds k0 + 32c .. k0 + 32c + 31 of each of its rows, and the same 32 columns of x
-    x token: min(g, M - 1); D columns of tokens >= M are computed from a repeated row and never stored
+    x token: g; lanes of tokens g >= M load no x (their B columns feed only D columns that are never stored)
 
 mma.sync.m16n8k16 (bf16 in, fp32 accumulate) fragments, per lane (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
     A regs a0 = (row g, k 2c..2c+1), a1 = (row g+8, same k), a2 = (row g, k 2c+8..2c+9), a3 = (row g+8, same k)
@@ -160,18 +160,21 @@ def xload_asm() -> tuple[str, str]:
     r, cons = o.build()
     xk, sx, mm = (r[n][0] for n in ("xk", "sx", "mm"))
     X = r["X"]
-    s = ["{", ".reg .b32 lane, g, c, t, cb;", ".reg .b64 xa, o64;",
+    s = ["{", ".reg .b32 lane, g, c, t, cb;", ".reg .b64 xa, o64;", ".reg .pred px;",
          f"""mov.u32 lane, %laneid;
 shr.u32 g, lane, 2;
 and.b32 c, lane, 3;
+setp.le.u32 px, g, {mm};
 min.u32 t, g, {mm};
 mul.wide.u32 o64, t, {sx};
 add.s64 xa, {xk}, o64;
 shl.b32 cb, c, 6;
 cvt.u64.u32 o64, cb;
 add.s64 xa, xa, o64;"""]
+    # lanes of tokens >= M load nothing: their B columns only feed D columns that are never stored, so the
+    # registers may hold anything (MMA columns are independent); only the M token rows are read
     for v in range(4):
-        s.append(f"ld.global.nc.v4.b32 {{{', '.join(X[4 * v:4 * v + 4])}}}, [xa+{16 * v}];")
+        s.append(f"@px ld.global.nc.v4.b32 {{{', '.join(X[4 * v:4 * v + 4])}}}, [xa+{16 * v}];")
     s.append("}")
     return "\n".join(s), cons
 

@@ -206,9 +206,11 @@ class Warp:
                 self.set(r, vals)
             return
         if op in ("ld.global.nc.L1::no_allocate.v4.b32", "ld.global.nc.v4.b32"):
-            data = self.mem.load(self.addr(args[1]), 16, np.ones(LANES, bool)).view(np.uint32)
+            active = pred if pred is not None else np.ones(LANES, bool)
+            data = self.mem.load(self.addr(args[1]), 16, active).view(np.uint32)
             for i, r in enumerate(args[0].strip("{}").split(",")):
-                self.set(r, data[:, i].astype(np.uint64))
+                # a predicated-off lane keeps its register: poison it, so a lane that should have loaded fails
+                self.set(r, np.where(active, data[:, i].astype(np.uint64), np.uint64(0x7FC07FC0)))
             return
         if op in ("ld.global.nc.L1::no_allocate.u16", "ld.global.nc.L1::no_allocate.u8", "ld.global.nc.f32"):
             n = {"u16": 2, "u8": 1, "f32": 4}[op.rsplit(".", 1)[1]]
@@ -254,6 +256,8 @@ class Warp:
             return self.set(args[0], ((g(args[1]) & _M32) == (g(args[2]) & _M32)).astype(np.uint64))
         if op == "selp.b32":
             return self.set(args[0], np.where(self.regs[args[3]].astype(bool), g(args[1]), g(args[2])) & _M32)
+        if op == "setp.le.u32":
+            return self.set(args[0], ((g(args[1]) & _M32) <= (g(args[2]) & _M32)).astype(np.uint64))
         if op == "setp.lt.u32":
             return self.set(args[0], ((g(args[1]) & _M32) < (g(args[2]) & _M32)).astype(np.uint64))
         if op == "prmt.b32":
