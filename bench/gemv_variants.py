@@ -56,17 +56,18 @@ GEMV_GRID = (
     ("g32x256w4p1k", 32, 256, 4, 1056, True, 1),
     ("g32x256w4s3", 32, 256, 4, 528, False, 3),  # no manual prefetch: does the pipeliner do it?
 )
-# (name, RP, num_warps, STAGES, target CTAs); SPLIT follows from the target (>= 2 K steps per CTA)
+# (name, RP, num_warps, STAGES, target CTAs, REGS); SPLIT follows from the target (>= 2 K steps per CTA).
+# r*: the register ring (ld.global), m*: the shared-memory ring (cp.async)
 MMA_GRID = (
-    ("m2w4s3c396", 2, 4, 3, 396),
-    ("m2w4s3c924", 2, 4, 3, 924),
-    ("m2w4s3c1848", 2, 4, 3, 1848),
-    ("m2w4s6c396", 2, 4, 6, 396),
-    ("m1w4s5c924", 1, 4, 5, 924),
-    ("m1w4s2c1056", 1, 4, 2, 1056),
-    ("m1w4s2c1848", 1, 4, 2, 1848),
-    ("m1w4s5c1848", 1, 4, 5, 1848),
-    ("m1w8s3c396", 1, 8, 3, 396),
+    ("m1w4s2c1056", 1, 4, 2, 1056, False),
+    ("r1w4s2c1056", 1, 4, 2, 1056, True),
+    ("r1w4s2c1848", 1, 4, 2, 1848, True),
+    ("r1w4s2c2640", 1, 4, 2, 2640, True),
+    ("r1w4s3c1848", 1, 4, 3, 1848, True),
+    ("r2w4s2c924", 2, 4, 2, 924, True),
+    ("r2w4s2c1848", 2, 4, 2, 1848, True),
+    ("r1w8s2c924", 1, 8, 2, 924, True),
+    ("r1w2s2c2640", 1, 2, 2, 2640, True),
 )
 SMOKE_SHAPES = ((64, 512), (32, 256))
 SMOKE_GRID = (("s16x64", 16, 64, 2, 8, True, 1), ("s32x128np", 32, 128, 4, 4, False, 1))
@@ -83,9 +84,9 @@ def _load_kernels_bench():
 def variants(n: int, k: int, rows: int, cell_cfg, grid, mma_grid=(), fmt: int = 0) -> list[tuple[str, object]]:
     bm = 1 if rows <= 1 else 2 if rows <= 2 else 4
     out: list[tuple[str, object]] = [("cell", cell_cfg)] if cell_cfg is not None else []
-    for name, rp, warps, stages, ctas in mma_grid:
+    for name, rp, warps, stages, ctas, regs in mma_grid:
         bn = 16 * rp * warps
-        cfg = MmaGemvConfig(SPLIT=mma_split(n, k, bn, ctas), RP=rp, num_warps=warps, STAGES=stages)
+        cfg = MmaGemvConfig(SPLIT=mma_split(n, k, bn, ctas), RP=rp, num_warps=warps, STAGES=stages, REGS=regs)
         try:
             cfg.check_format(fmt)
         except ValueError:

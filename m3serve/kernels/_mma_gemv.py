@@ -58,7 +58,8 @@ class MmaGemvConfig:
     SPLIT: int
     RP: int = 2  # row pairs per thread
     num_warps: int = 4
-    STAGES: int = 4  # steps of weights in flight per thread (cp.async into shared memory)
+    STAGES: int = 4  # steps of weights per thread in the ring (STAGES - 1 in flight while one is decoded)
+    REGS: bool = False  # the ring in registers (ld.global, STAGES 2 or 3) instead of cp.async into shared memory
     BM: int = MMA_ROWS
     BK: int = STEP
 
@@ -69,8 +70,8 @@ class MmaGemvConfig:
             raise ValueError(f"MmaGemvConfig.num_warps: expected 1, 2, 4 or 8, found {self.num_warps}")
         if self.SPLIT < 1 or self.SPLIT & (self.SPLIT - 1):
             raise ValueError(f"MmaGemvConfig.SPLIT: expected a power of two, found {self.SPLIT}")
-        if not 2 <= self.STAGES <= 8:
-            raise ValueError(f"MmaGemvConfig.STAGES: expected 2..8, found {self.STAGES}")
+        if not 2 <= self.STAGES <= (3 if self.REGS else 8):
+            raise ValueError(f"MmaGemvConfig.STAGES: expected 2..{3 if self.REGS else 8}, found {self.STAGES}")
         if self.BM != MMA_ROWS or self.BK != STEP:
             raise ValueError(f"MmaGemvConfig: BM and BK are fixed at {MMA_ROWS} and {STEP}, found {self.BM}, {self.BK}")
 
@@ -81,7 +82,7 @@ class MmaGemvConfig:
     def smem_rows(self, fmt: int) -> int:
         """reserve_smem's ROWS: the stages' bytes / 512, rounded up to a power of two (Triton caps a layout
         conversion's scratch at 64 KB, so that is the most a config may use)."""
-        need = P.smem_bytes(fmt, self.RP, self.num_warps, self.STAGES)
+        need = 0 if self.REGS else P.smem_bytes(fmt, self.RP, self.num_warps, self.STAGES)
         rows = 16
         while rows * 512 < need:
             rows *= 2
@@ -92,7 +93,7 @@ class MmaGemvConfig:
 
     def check_format(self, fmt: int) -> None:
         """Raise unless this config compiles for `fmt` without spills (MXFP8 holds twice the words per row)."""
-        if fmt == P.FMT_MXFP8 and self.RP > 1:
+        if fmt == P.FMT_MXFP8 and self.RP > 1:  # noqa: SIM102
             raise ValueError(f"MmaGemvConfig.RP: MXFP8 serves RP=1 only (RP=2 spills registers), found {self.RP}")
         self.smem_rows(fmt)
 
@@ -110,6 +111,15 @@ _MM_N1, _MM_N1_C = _c(P.compute_asm(P.FMT_NVFP4, 1))
 _MM_N2, _MM_N2_C = _c(P.compute_asm(P.FMT_NVFP4, 2))
 _MM_M1, _MM_M1_C = _c(P.compute_asm(P.FMT_MXFP8, 1))
 _MM_M2, _MM_M2_C = _c(P.compute_asm(P.FMT_MXFP8, 2))
+_LW_N1, _LW_N1_C = _c(P.load_words_asm(P.FMT_NVFP4, 1))
+_LW_N2, _LW_N2_C = _c(P.load_words_asm(P.FMT_NVFP4, 2))
+_LW_M1, _LW_M1_C = _c(P.load_words_asm(P.FMT_MXFP8, 1))
+_NLW_N1 = tl.constexpr((P.word_regs(0, 1) + P.scale_regs(1)) // 2)
+_NLW_N2 = tl.constexpr((P.word_regs(0, 2) + P.scale_regs(2)) // 2)
+_NLW_M1 = tl.constexpr((P.word_regs(1, 1) + P.scale_regs(1)) // 2)
+_MR_N1, _MR_N1_C = _c(P.compute_asm(P.FMT_NVFP4, 1, regs=True))
+_MR_N2, _MR_N2_C = _c(P.compute_asm(P.FMT_NVFP4, 2, regs=True))
+_MR_M1, _MR_M1_C = _c(P.compute_asm(P.FMT_MXFP8, 1, regs=True))
 _XL, _XL_C = _c(P.xload_asm())
 _NX = tl.constexpr(P.X_REGS // 2)
 _W1, _W_C = _c(P.wait_asm(1))
@@ -144,6 +154,33 @@ def issue_step(wk, sk, sw, ss, soff, nt, FMT: tl.constexpr, RP: tl.constexpr):
             return tl.inline_asm_elementwise(_IS_M1, _IS_M1_C, args, dtype=tl.int32, is_pure=False, pack=2)
         else:
             return tl.inline_asm_elementwise(_IS_M2, _IS_M2_C, args, dtype=tl.int32, is_pure=False, pack=2)
+
+
+@helper
+def load_words(wk, sk, sw, ss, FMT: tl.constexpr, RP: tl.constexpr):
+    """Register ring: one step's weight words and scale bits of this thread (opaque [T] int32 tuple)."""
+    args = (wk, sk, sw, ss)
+    if FMT == 0:
+        if RP == 1:
+            return tl.inline_asm_elementwise(_LW_N1, _LW_N1_C, args, dtype=(tl.int32,) * _NLW_N1, is_pure=False, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_LW_N2, _LW_N2_C, args, dtype=(tl.int32,) * _NLW_N2, is_pure=False, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_LW_M1, _LW_M1_C, args, dtype=(tl.int32,) * _NLW_M1, is_pure=False, pack=2)
+
+
+@helper
+def mma_regs(acc, st, xs, FMT: tl.constexpr, RP: tl.constexpr):
+    """Register ring: acc += the step whose words load_words returned, with x registers xs."""
+    args = acc + st + xs
+    n: tl.constexpr = 2 * RP
+    if FMT == 0:
+        if RP == 1:
+            return tl.inline_asm_elementwise(_MR_N1, _MR_N1_C, args, dtype=(tl.float32,) * n, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_MR_N2, _MR_N2_C, args, dtype=(tl.float32,) * n, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_MR_M1, _MR_M1_C, args, dtype=(tl.float32,) * n, is_pure=True, pack=2)
 
 
 @helper
@@ -235,7 +272,8 @@ def reserve_smem(ptr, N, ROWS: tl.constexpr):
 @kernel
 def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xb, stride_ym, stride_wb,
              stride_sb, alpha_stride, SPLIT, FMT: tl.constexpr, ALPHA: tl.constexpr, SPLITK: tl.constexpr,
-             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, SMEM_ROWS: tl.constexpr):
+             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, SMEM_ROWS: tl.constexpr,
+             REGS: tl.constexpr):
     """Strides ending in b are in bytes; stride_ym and alpha_stride in elements. SPLIT is a runtime value
     (one compiled variant serves every split count); SPLITK = SPLIT > 1 selects the partial-sum epilogue.
     STAGES steps of weights are in flight per thread (cp.async into private shared-memory chunks)."""
@@ -243,7 +281,6 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     NT: tl.constexpr = 32 * NW
     BN: tl.constexpr = 16 * RP * NW
     STAGE_BYTES: tl.constexpr = (RP * (2 if FMT == 0 else 4) + 1) * NT * 16
-    reserve_smem(part_ptr, N, SMEM_ROWS)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BN
@@ -261,22 +298,48 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     mm = zi + (M - 1)
     nt = zi + NT
     last = k_hi - 128
-    # prologue: stages 0 .. STAGES-2 in flight (steps past the slice reload the last one: one group each)
-    for s in tl.static_range(STAGES - 1):
-        wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128 * s, last), FMT)
-        issue_step(zl + wk, zl + sk, sw, ss, zi + s * STAGE_BYTES, nt, FMT, RP)
-    xs = load_x(zl + (x_base + k_lo * 2), sx, mm)
     acc = (tl.zeros([T], tl.float32),) * (2 * RP)
-    i = 0
-    for k0 in range(k_lo, k_hi, 128):
-        ahead = (i + STAGES - 1) % STAGES
-        wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT)
-        dep = issue_step(zl + wk, zl + sk, sw, ss, zi + ahead * STAGE_BYTES, nt, FMT, RP)
-        xn = load_x(zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm)
-        dep = wait_stage(dep, STAGES)
-        acc = mma_step(acc, xs, zi + (i % STAGES) * STAGE_BYTES + dep, nt, FMT, RP)
-        xs = xn
-        i += 1
+    xs = load_x(zl + (x_base + k_lo * 2), sx, mm)
+    if REGS:
+        # register ring: STAGES - 1 steps of words in flight (loaded steps ahead of their decode)
+        wk, sk = step_addrs(w_row, s_row, k_lo, FMT)
+        st0 = load_words(zl + wk, zl + sk, sw, ss, FMT, RP)
+        if STAGES == 3:
+            wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), FMT)
+            st1 = load_words(zl + wk, zl + sk, sw, ss, FMT, RP)
+            for k0 in range(k_lo, k_hi, 128):
+                wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 256, last), FMT)
+                nxt = load_words(zl + wk, zl + sk, sw, ss, FMT, RP)
+                xn = load_x(zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm)
+                acc = mma_regs(acc, st0, xs, FMT, RP)
+                st0 = st1
+                st1 = nxt
+                xs = xn
+        else:
+            for k0 in range(k_lo, k_hi, 128):
+                wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128, last), FMT)
+                nxt = load_words(zl + wk, zl + sk, sw, ss, FMT, RP)
+                xn = load_x(zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm)
+                acc = mma_regs(acc, st0, xs, FMT, RP)
+                st0 = nxt
+                xs = xn
+    else:
+        # shared-memory ring: stages 0 .. STAGES-2 in flight (steps past the slice reload the last one: one group
+        # each, so the wait count stays STAGES - 1)
+        reserve_smem(part_ptr, N, SMEM_ROWS)
+        for s in tl.static_range(STAGES - 1):
+            wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128 * s, last), FMT)
+            issue_step(zl + wk, zl + sk, sw, ss, zi + s * STAGE_BYTES, nt, FMT, RP)
+        i = 0
+        for k0 in range(k_lo, k_hi, 128):
+            ahead = (i + STAGES - 1) % STAGES
+            wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT)
+            dep = issue_step(zl + wk, zl + sk, sw, ss, zi + ahead * STAGE_BYTES, nt, FMT, RP)
+            xn = load_x(zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm)
+            dep = wait_stage(dep, STAGES)
+            acc = mma_step(acc, xs, zi + (i % STAGES) * STAGE_BYTES + dep, nt, FMT, RP)
+            xs = xn
+            i += 1
     if not SPLITK:
         store_acc(acc, zl + y_ptr.to(tl.int64), zi + n0, zi + M, zi + stride_ym, zl + alpha_ptr.to(tl.int64),
                   zi + alpha_stride, RP, False, ALPHA)
@@ -316,7 +379,8 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
     compiled = mma_gemv[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0) * 2, out.stride(0), w.stride(0) * w.element_size(),
         s.stride(0) * s.element_size(), alpha_stride, cfg.SPLIT, FMT=fmt, ALPHA=alpha_mode, SPLITK=cfg.SPLIT > 1, RP=cfg.RP,
-        NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, SMEM_ROWS=cfg.smem_rows(fmt), num_warps=cfg.num_warps,
+        NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, SMEM_ROWS=cfg.smem_rows(fmt), REGS=cfg.REGS,
+        num_warps=cfg.num_warps,
         num_stages=1,
     )
     if x.device.type == "cuda":
@@ -331,7 +395,7 @@ def _check_reserved(compiled, fmt: int, cfg: MmaGemvConfig) -> None:
     """The cp.async stages live in the shared memory Triton reserved for reserve_smem's dead transpose; raise
     (once per variant) if Triton reserved less than the stages need, instead of corrupting memory."""
     key = (fmt, cfg.RP, cfg.num_warps, cfg.STAGES)
-    if key in _RESERVED_OK:
+    if cfg.REGS or key in _RESERVED_OK:
         return
     need = P.smem_bytes(fmt, cfg.RP, cfg.num_warps, cfg.STAGES)
     have = getattr(getattr(compiled, "metadata", None), "shared", None)
@@ -385,6 +449,9 @@ def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tens
     xload, _ = P.xload_asm()
     wait, _ = P.wait_asm(cfg.STAGES - 1)
     comp, _ = P.compute_asm(fmt, cfg.RP)
+    comp_regs, _ = P.compute_asm(fmt, cfg.RP, regs=True)
+    load_w, load_w_c = P.load_words_asm(fmt, cfg.RP)
+    n_lw = load_w_c.count("=")
     n_acc = P.acc_regs(cfg.RP)
     nt = 32 * cfg.num_warps
     stage_bytes = P.chunks(fmt, cfg.RP) * nt * 16
@@ -410,21 +477,33 @@ def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tens
                     wk, sk = wsk(min(k0, last))
                     E.run_block(issue, warp, pair(wk, sk, stride_wb, stride_sb, slot * stage_bytes, nt), 2, mem, shared)
 
+                def words_at(k0: int) -> list[np.ndarray]:
+                    wk, sk = wsk(min(k0, last))
+                    return E.run_block(load_w, warp, pair(wk, sk, stride_wb, stride_sb), n_lw, mem, shared)
+
                 def x_at(k0: int) -> list[np.ndarray]:
                     return E.run_block(xload, warp, pair(xa + min(k0, last) * 2, x.stride(0) * 2, m - 1), P.X_REGS,
                                        mem, shared)
 
-                for st in range(cfg.STAGES - 1):
-                    issue_at(k_lo + STEP * st, st)
                 xs = x_at(k_lo)
                 acc = [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)]
-                for i, k0 in enumerate(range(k_lo, k_hi, STEP)):
-                    issue_at(k0 + STEP * (cfg.STAGES - 1), (i + cfg.STAGES - 1) % cfg.STAGES)
-                    xn = x_at(k0 + STEP)
-                    E.run_block(wait, warp, [], 2, mem, shared)
-                    acc = E.run_block(comp, warp, acc + xs + pair((i % cfg.STAGES) * stage_bytes, nt), n_acc, mem,
-                                      shared)
-                    xs = xn
+                if cfg.REGS:
+                    ring = [words_at(k_lo + STEP * d) for d in range(cfg.STAGES - 1)]
+                    for k0 in range(k_lo, k_hi, STEP):
+                        ring.append(words_at(k0 + STEP * (cfg.STAGES - 1)))
+                        xn = x_at(k0 + STEP)
+                        acc = E.run_block(comp_regs, warp, acc + ring.pop(0) + xs, n_acc, mem, shared)
+                        xs = xn
+                else:
+                    for st in range(cfg.STAGES - 1):
+                        issue_at(k_lo + STEP * st, st)
+                    for i, k0 in enumerate(range(k_lo, k_hi, STEP)):
+                        issue_at(k0 + STEP * (cfg.STAGES - 1), (i + cfg.STAGES - 1) % cfg.STAGES)
+                        xn = x_at(k0 + STEP)
+                        E.run_block(wait, warp, [], 2, mem, shared)
+                        acc = E.run_block(comp, warp, acc + xs + pair((i % cfg.STAGES) * stage_bytes, nt), n_acc,
+                                          mem, shared)
+                        xs = xn
                 if cfg.SPLIT == 1:
                     text, _ = P.store_asm(cfg.RP, P.MODE_FINAL, alpha_mode)
                     E.run_block(text, warp, acc + pair(ya, n0, m, n, aa, alpha_stride), 2, mem, shared)

@@ -151,6 +151,58 @@ shl.b32 st, {nt}, 4;""")
     return "\n".join(s), cons
 
 
+def scale_regs(rp: int) -> int:
+    """Register ring: one register of scale bits per row pair (both rows), rounded up to the pack of 2."""
+    return rp + (rp % 2)
+
+
+def load_words_asm(fmt: int, rp: int) -> tuple[str, str]:
+    """Register ring: one step's weight words and this lane's scale bits straight into registers (ld.global,
+    no shared memory); the kernel keeps DEPTH steps of them in flight."""
+    o = _Operands()
+    nw, ns = word_regs(fmt, rp), scale_regs(rp)
+    o.out("W", nw, "r")
+    o.out("S", ns, "r")
+    for name, c in (("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    wk, sk, sw, ss = (r[n][0] for n in ("wk", "sk", "sw", "ss"))
+    row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, t, cb;", ".reg .b64 wa, sa, o64, w8, s8;",
+         ".reg .b16 hA, hB;", _lane_prologue(rp)]
+    s.append(f"""mul.wide.u32 o64, r0, {sw};
+add.s64 wa, {wk}, o64;
+mul.lo.u32 cb, c, {row_bytes};
+cvt.u64.u32 o64, cb;
+add.s64 wa, wa, o64;
+mul.wide.u32 w8, {sw}, 8;
+mul.wide.u32 o64, r0, {ss};
+add.s64 sa, {sk}, o64;
+{'shl.b32 cb, c, 1;' if fmt == FMT_NVFP4 else 'mov.b32 cb, c;'}
+cvt.u64.u32 o64, cb;
+add.s64 sa, sa, o64;
+mul.wide.u32 s8, {ss}, 8;""")
+    W = r["W"]
+    per_row = row_bytes // 4
+    for p in range(rp):
+        for h in range(2):
+            regs = W[(2 * p + h) * per_row:(2 * p + h + 1) * per_row]
+            for v in range(per_row // 4):
+                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs[4 * v:4 * v + 4])}}}, [wa+{16 * v}];")
+            width = "u16" if fmt == FMT_NVFP4 else "u8"
+            s.append(f"ld.global.nc.L1::no_allocate.{width} {'hA' if h == 0 else 'hB'}, [sa];")
+            s.append("add.s64 wa, wa, w8;\nadd.s64 sa, sa, s8;")
+        S = r["S"][p]
+        if fmt == FMT_NVFP4:
+            s.append(f"mov.b32 {S}, {{hA, hB}};")
+        else:
+            s.append(f"cvt.u32.u16 t, hA;\ncvt.u32.u16 cb, hB;\nshl.b32 cb, cb, 8;\nor.b32 {S}, t, cb;")
+    if ns > rp:
+        s.append(f"mov.b32 {r['S'][rp]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
 def xload_asm() -> tuple[str, str]:
     """x of this thread for one step: token min(g, M - 1), columns 32c .. 32c + 31 (xk = x + k0 columns)."""
     o = _Operands()
@@ -259,35 +311,46 @@ def _mma(acc: list[str], a: list[str], b: list[str]) -> str:
             f"{{{', '.join(b)}}}, {{{', '.join(acc)}}};")
 
 
-def compute_asm(fmt: int, rp: int) -> tuple[str, str]:
-    """acc += this thread's share of one step: read its words and scale bits from its shared-memory chunks of
-    the stage at soff (after wait_asm), decode, build the B fragments from x, 8 MMAs per row pair (per 16
-    NVFP4 / MXFP8 columns of the lane: 4 x 2 or 8)."""
+def compute_asm(fmt: int, rp: int, regs: bool = False) -> tuple[str, str]:
+    """acc += this thread's share of one step: take its words and scale bits from registers (regs: the
+    register ring's load_words_asm outputs) or from its shared-memory chunks of the stage at soff (after
+    wait_asm), decode, build the B fragments from x, 8 MMAs per row pair (per 16 NVFP4 / MXFP8 columns of the
+    lane: 4 x 2 or 8)."""
     o = _Operands()
     na, nw = acc_regs(rp), word_regs(fmt, rp)
     o.out("A", na, "f")
     o.inp("Ai", na, "f")
+    if regs:
+        o.inp("Wr", nw, "r")
+        o.inp("Sr", scale_regs(rp), "r")
     o.inp("X", X_REGS, "r")
-    for name in ("soff", "nt"):
-        o.inp(name, 2, "r")
+    if not regs:
+        for name in ("soff", "nt"):
+            o.inp(name, 2, "r")
     r, cons = o.build()
     A, Ai, X = r["A"], r["Ai"], r["X"]
-    soff, nt = r["soff"][0], r["nt"][0]
     per_row = 1 if fmt == FMT_NVFP4 else 2
     s = ["{", ".reg .b32 tq, sf, tb, sA0, sA1, sB0, sB1, t0, tid, sm, st, sc0, sc1, lsh;", ".reg .b16 sl, sh, fl, fh;",
-         ".reg .f32 g0, g1;", ".reg .pred pz, pn;", ".reg .b32 DA<16>, DB<16>, P<16>, W<32>, S<4>;",
-         f"""mov.u32 tid, %tid.x;
+         ".reg .f32 g0, g1;", ".reg .pred pz, pn;", ".reg .b32 DA<16>, DB<16>, P<16>, W<32>, S<4>;"]
+    if regs:
+        W = r["Wr"]
+        s.append("mov.b32 lsh, 0;")  # the loader already picked this lane's scale bits
+    else:
+        soff, nt = r["soff"][0], r["nt"][0]
+        s.append(f"""mov.u32 tid, %tid.x;
 mov.u32 sm, global_smem;
 add.u32 sm, sm, {soff};
 shl.b32 t0, tid, 4;
 add.u32 sm, sm, t0;
-shl.b32 st, {nt}, 4;"""]
-    # words: chunk j = (2p + h) * per_row + v holds row (p, h)'s 16 bytes v
-    W = [f"W{i}" for i in range(nw)]
-    for j in range(2 * rp * per_row):
-        s.append(f"ld.shared.v4.b32 {{{', '.join(W[4 * j:4 * j + 4])}}}, [sm];\nadd.u32 sm, sm, st;")
-    s.append("ld.shared.v4.b32 {S0, S1, S2, S3}, [sm];")  # 4 bytes per row: row 2p + h at S[2p + h]
-    if fmt == FMT_NVFP4:
+shl.b32 st, {nt}, 4;""")
+        # words: chunk j = (2p + h) * per_row + v holds row (p, h)'s 16 bytes v
+        W = [f"W{i}" for i in range(nw)]
+        for j in range(2 * rp * per_row):
+            s.append(f"ld.shared.v4.b32 {{{', '.join(W[4 * j:4 * j + 4])}}}, [sm];\nadd.u32 sm, sm, st;")
+        s.append("ld.shared.v4.b32 {S0, S1, S2, S3}, [sm];")  # 4 bytes per row: row 2p + h at S[2p + h]
+    if regs:
+        pass
+    elif fmt == FMT_NVFP4:
         # the 4 bytes hold groups 4 * (c / 2) .. +3; lane c's two are the half c % 2
         s.append("""mov.u32 lsh, %laneid;
 and.b32 lsh, lsh, 1;
@@ -304,8 +367,11 @@ shl.b32 lsh, lsh, 3;""")
                 lo, hi = X[4 * q + h], X[4 * q + h + 2]
                 s.append(f"prmt.b32 P{4 * q + 2 * h}, {lo}, {hi}, 0x5410;\nprmt.b32 P{4 * q + 2 * h + 1}, {lo}, {hi}, 0x7632;")
         for p in range(rp):
-            # this lane's 16 scale bits of rows rA (S[2p]) and rB (S[2p + 1]) -> one register, rA low
-            s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nprmt.b32 sc0, sc0, sc1, 0x5410;")
+            # this lane's 16 scale bits of rows rA and rB -> one register, rA low
+            if regs:
+                s.append(f"mov.b32 sc0, {r['Sr'][p]};")
+            else:
+                s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nprmt.b32 sc0, sc0, sc1, 0x5410;")
             s.append(_nvfp4_scales("sc0", 0, "sA0", "sA1"))
             s.append(_nvfp4_scales("sc0", 1, "sB0", "sB1"))
             for q in range(4):
@@ -318,8 +384,11 @@ shl.b32 lsh, lsh, 3;""")
                     s.append(_mma(acc, a, [f"P{4 * q + 2 * h}", f"P{4 * q + 2 * h + 1}"]))
     else:
         for p in range(rp):
-            s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nand.b32 sc0, sc0, 0xFF;\n"
-                     "and.b32 sc1, sc1, 0xFF;\nshl.b32 sc1, sc1, 8;\nor.b32 sc0, sc0, sc1;")
+            if regs:
+                s.append(f"mov.b32 sc0, {r['Sr'][p]};")
+            else:
+                s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nand.b32 sc0, sc0, 0xFF;\n"
+                         "and.b32 sc1, sc1, 0xFF;\nshl.b32 sc1, sc1, 8;\nor.b32 sc0, sc0, sc1;")
             for src_shift, out in ((0, "sA0"), (8, "sB0")):
                 s.append(_e8m0_bf16x2("sc0", src_shift, out))
             for i in range(8):
