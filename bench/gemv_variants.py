@@ -59,15 +59,13 @@ GEMV_GRID = (
 # (name, RP, num_warps, STAGES, target CTAs, REGS); SPLIT follows from the target (>= 2 K steps per CTA).
 # r*: the register ring (ld.global), m*: the shared-memory ring (cp.async)
 MMA_GRID = (
-    ("m1w4s2c1056", 1, 4, 2, 1056, False),
     ("r1w4s2c1056", 1, 4, 2, 1056, True),
-    ("r1w4s2c1848", 1, 4, 2, 1848, True),
-    ("r1w4s2c2640", 1, 4, 2, 2640, True),
-    ("r1w4s3c1848", 1, 4, 3, 1848, True),
-    ("r2w4s2c924", 2, 4, 2, 924, True),
-    ("r2w4s2c1848", 2, 4, 2, 1848, True),
-    ("r1w8s2c924", 1, 8, 2, 924, True),
     ("r1w2s2c2640", 1, 2, 2, 2640, True),
+    ("r1w8s2c924", 1, 8, 2, 924, True),
+    ("r2w4s2c924", 2, 4, 2, 924, True),
+    ("r2w2s2c1848", 2, 2, 2, 1848, True),
+    ("r1w4s3c1056", 1, 4, 3, 1056, True),
+    ("m1w4s2c1056", 1, 4, 2, 1056, False),
 )
 SMOKE_SHAPES = ((64, 512), (32, 256))
 SMOKE_GRID = (("s16x64", 16, 64, 2, 8, True, 1), ("s32x128np", 32, 128, 4, 4, False, 1))
@@ -200,10 +198,14 @@ def run(a: argparse.Namespace) -> dict:
                         if not cpu:
                             call = lambda case=case, e=e: e.raw_call(*case.args)  # noqa: E731
                             replay = kb.graphed(call)
-                            t = kb.time_call(replay or call, a.iters, flush)
+                            t = kb.time_call(replay or call, a.iters, flush, "read" if a.flush == "read" else "write")
                             torch.cuda.synchronize()
                             rec.update(graph=replay is not None, us=t * 1e6, bytes=case.bytes_moved,
-                                       GBps=case.bytes_moved / t / 1e9, frac_copy=case.bytes_moved / t / bw)
+                                       GBps=case.bytes_moved / t / 1e9, frac_copy=case.bytes_moved / t / bw,
+                                       flush="read" if a.flush == "read" else "write")
+                            if a.flush == "both":
+                                tr = kb.time_call(replay or call, a.iters, flush, "read")
+                                rec.update(us_read_flush=tr * 1e6, frac_copy_read_flush=case.bytes_moved / tr / bw)
                             rec["det"] = bool(torch.equal(case.args[-3], out))
                             rec["counters_zero"] = bool((case.args[-2].count == 0).all())
                             if copies is not None:
@@ -225,7 +227,9 @@ def run(a: argparse.Namespace) -> dict:
                                f"ok  {rec.get('us', float('nan')):8.1f} us  {rec.get('GBps', float('nan')):7.0f} GB/s  "
                                f"{100 * rec.get('frac_copy', float('nan')):5.1f}% copy  det={rec['det']}"
                                + (f"  seq {rec['us_seq']:7.1f} us {100 * rec['frac_copy_seq']:5.1f}%"
-                                  if "us_seq" in rec else "")))
+                                  if "us_seq" in rec else "")
+                               + (f"  rflush {rec['us_read_flush']:7.1f} us {100 * rec['frac_copy_read_flush']:5.1f}%"
+                                  if "us_read_flush" in rec else "")))
                     print(line, flush=True)
                 del base, ref, copies
                 if not cpu:
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the Triton interpreter")
     ap.add_argument("--seq", action="store_true", help="also time each variant back to back in one graph")
     ap.add_argument("--gemv", action="store_true", help="also run the CUDA-core GEMV grid (rows <= 4)")
+    ap.add_argument("--flush", choices=("write", "read", "both"), default="write",
+                    help="L2 flush before each timed launch (bench/kernels.py flush_l2); both: time each way")
     ap.add_argument("--shapes", default="", help="comma list NxK (default: all)")
     ap.add_argument("--rows", default="", help="comma list (default 1,4,8)")
     ap.add_argument("--entries", default="", help="comma list of entry names (default: linear.nvfp4,linear.mxfp8)")

@@ -52,13 +52,24 @@ def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30, iters: int = 20) ->
     return 2 * nbytes / statistics.median(times)
 
 
-def time_call(fn, iters: int, flush: torch.Tensor) -> float:
+def flush_l2(flush: torch.Tensor, mode: str = "write") -> None:
+    """Evict the 60 MB L2 before a timed launch. "write" (the default, as every earlier result file) memsets
+    256 MB, which leaves the L2 full of dirty lines whose write-back the timed kernel then pays for; "read"
+    sums the same 256 MB, leaving clean lines, as a decode step finds the L2 (its kernels write activations of
+    kilobytes). Both are reported where it matters (bench/gemv_variants.py --flush both)."""
+    if mode == "write":
+        flush.zero_()
+    else:
+        torch.sum(flush.view(torch.int32), dtype=torch.int64)
+
+
+def time_call(fn, iters: int, flush: torch.Tensor, mode: str = "write") -> float:
     """Median seconds of fn() with a cold L2 (flush before each launch, outside the events)."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        flush.zero_()
+        flush_l2(flush, mode)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()

@@ -366,6 +366,7 @@ shl.b32 lsh, lsh, 3;""")
             for h in range(2):
                 lo, hi = X[4 * q + h], X[4 * q + h + 2]
                 s.append(f"prmt.b32 P{4 * q + 2 * h}, {lo}, {hi}, 0x5410;\nprmt.b32 P{4 * q + 2 * h + 1}, {lo}, {hi}, 0x7632;")
+        # word by word: decode rA's and rB's word q, then its 2 MMAs, so 8 decoded registers are live, not 32
         for p in range(rp):
             # this lane's 16 scale bits of rows rA and rB -> one register, rA low
             if regs:
@@ -374,11 +375,10 @@ shl.b32 lsh, lsh, 3;""")
                 s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nprmt.b32 sc0, sc0, sc1, 0x5410;")
             s.append(_nvfp4_scales("sc0", 0, "sA0", "sA1"))
             s.append(_nvfp4_scales("sc0", 1, "sB0", "sB1"))
+            acc = A[4 * p:4 * p + 4]
             for q in range(4):
                 s.append(_nvfp4_word(W[8 * p + q], [f"DA{4 * q + j}" for j in range(4)], "sA0" if q < 2 else "sA1"))
                 s.append(_nvfp4_word(W[8 * p + 4 + q], [f"DB{4 * q + j}" for j in range(4)], "sB0" if q < 2 else "sB1"))
-            acc = A[4 * p:4 * p + 4]
-            for q in range(4):
                 for h in range(2):
                     a = [f"DA{4 * q + 2 * h}", f"DB{4 * q + 2 * h}", f"DA{4 * q + 2 * h + 1}", f"DB{4 * q + 2 * h + 1}"]
                     s.append(_mma(acc, a, [f"P{4 * q + 2 * h}", f"P{4 * q + 2 * h + 1}"]))
@@ -391,11 +391,10 @@ shl.b32 lsh, lsh, 3;""")
                          "and.b32 sc1, sc1, 0xFF;\nshl.b32 sc1, sc1, 8;\nor.b32 sc0, sc0, sc1;")
             for src_shift, out in ((0, "sA0"), (8, "sB0")):
                 s.append(_e8m0_bf16x2("sc0", src_shift, out))
+            acc = A[4 * p:4 * p + 4]
             for i in range(8):
                 s.append(_mxfp8_word(W[16 * p + i], [f"DA{2 * i}", f"DA{2 * i + 1}"], "sA0"))
                 s.append(_mxfp8_word(W[16 * p + 8 + i], [f"DB{2 * i}", f"DB{2 * i + 1}"], "sB0"))
-            acc = A[4 * p:4 * p + 4]
-            for i in range(8):
                 s.append(_mma(acc, [f"DA{2 * i}", f"DB{2 * i}", f"DA{2 * i + 1}", f"DB{2 * i + 1}"],
                               [X[2 * i], X[2 * i + 1]]))
     s.append("}")
