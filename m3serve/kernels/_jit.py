@@ -168,10 +168,9 @@ def _bin(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def aot_compile(k: DualKernel, args: tuple, kwargs: dict, arch: int = 90, sass: bool = False) -> AotResult:
-    """Compile `k` for sm_`arch` with the argument types/alignments of `args` (CPU tensors are
-    fine: only dtype and 16-byte alignment are read), then read registers/stack/shared from the
-    cubin with Triton's bundled cuobjdump."""
+def aot_build(k: DualKernel, args: tuple, kwargs: dict, arch: int = 90):
+    """Compile `k` for sm_`arch` with the argument types/alignments of `args` (CPU or 'meta' tensors are fine:
+    only dtype and 16-byte alignment are read); returns Triton's CompiledKernel (asm stages, metadata)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
@@ -202,7 +201,12 @@ def aot_compile(k: DualKernel, args: tuple, kwargs: dict, arch: int = 90, sass: 
         elif isinstance(attr, str) and "D" in attr:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=jf, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def aot_compile(k: DualKernel, args: tuple, kwargs: dict, arch: int = 90, sass: bool = False) -> AotResult:
+    """aot_build, then registers/stack/shared read back from the cubin with Triton's bundled cuobjdump."""
+    compiled = aot_build(k, args, kwargs, arch)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:

@@ -88,22 +88,34 @@ def linear_cells(weight_bytes: float, shapes=M3_LINEAR_SHAPES, why_prefix: str =
 
 
 def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[int, int], ...],
-                        shapes=M3_LINEAR_SHAPES) -> tuple[Cell, ...]:
-    """GEMV cells (m3serve.kernels._gemv) for the decode row ranges `gemv_rows`, tensor-core cells for the
-    rest of 1-48. `gemv`: BN, BK, num_warps, programs, PREFETCH, num_stages — the family chosen from the
-    H200 measurement in bench/results/gemv_variants-gpu-2026-11-30.json."""
+                        shapes=M3_LINEAR_SHAPES, mma: dict | None = None,
+                        mma_rows: tuple[int, int] | None = None) -> tuple[Cell, ...]:
+    """Per shape: GEMV cells (m3serve.kernels._gemv) for the decode row ranges `gemv_rows`, an MMA GEMV cell
+    (m3serve.kernels._mma_gemv) for `mma_rows`, tensor-core cells for the rest of 1-48. `gemv`: BN, BK,
+    num_warps, programs, PREFETCH, num_stages; `mma`: RP, num_warps, STAGES, REGS, ctas — the families chosen
+    from the H200 measurements (bench/results/gemv_variants-*.json)."""
     from m3serve.kernels._gemv import GemvConfig, gemv_split
+    from m3serve.kernels._mma_gemv import MmaGemvConfig, mma_split
     cells = []
     for (n, k), why in shapes:
         bn, bk = gemv["BN"], gemv["BK"]
         fits = n % bn == 0 and k % bk == 0 and k // bk >= 2
-        covered = gemv_rows if fits else ()
+        covered = list(gemv_rows if fits else ())
         for lo, hi in covered:
             cfg = GemvConfig(BM=1 if hi <= 1 else 2 if hi <= 2 else 4, BN=bn, BK=bk,
                              SPLIT=gemv_split(n, k, bn, bk, gemv["programs"]), num_warps=gemv["num_warps"],
                              num_stages=gemv["num_stages"], PREFETCH=gemv["PREFETCH"])
             cells.append(Cell(rows=(lo, hi), shape=(n, k), why=f"decode GEMV: {why}; rows {lo}-{hi}",
                               config={"gemm": cfg}))
+        if mma is not None and mma_rows is not None:
+            mbn = 16 * mma["RP"] * mma["num_warps"]
+            if n % mbn == 0 and k % 256 == 0:
+                cfg = MmaGemvConfig(SPLIT=mma_split(n, k, mbn, mma["ctas"]), RP=mma["RP"], num_warps=mma["num_warps"],
+                                    STAGES=mma["STAGES"], REGS=mma["REGS"])
+                lo, hi = mma_rows
+                cells.append(Cell(rows=(lo, hi), shape=(n, k), why=f"MMA GEMV: {why}; rows {lo}-{hi}",
+                                  config={"gemm": cfg}))
+                covered.append(mma_rows)
         top = max((hi for _, hi in covered), default=0)
         for lo, hi in ROW_RANGES:
             lo = max(lo, top + 1)
@@ -114,7 +126,7 @@ def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[
     return tuple(cells)
 
 
-def interp_cells(shapes: tuple[tuple[int, int], ...]) -> tuple[Cell, ...]:
+def interp_cells(shapes: tuple[tuple[int, int], ...], mma: bool = False) -> tuple[Cell, ...]:
     """Tiny cells for the interpreter: split-K on and off, both padded widths that matter."""
     out = []
     for n, k in shapes:
@@ -124,6 +136,11 @@ def interp_cells(shapes: tuple[tuple[int, int], ...]) -> tuple[Cell, ...]:
                         config={"gemm": GemmConfig(BM=16, BN=64, BK=128, SPLIT=2)}))
         out.append(Cell(rows=(17, 17), shape=(n, k), why="interpreter: BM 32 padding",
                         config={"gemm": GemmConfig(BM=32, BN=64, BK=128, SPLIT=1)}))
+        if mma and n % 32 == 0 and k % 256 == 0:
+            from m3serve.kernels._mma_gemv import MmaGemvConfig
+            out.append(Cell(rows=(1, 8), shape=(n, k), why="interpreter: an MMA GEMV config (CPU runs its tiles "
+                            "through _wstream; the PTX itself is emulated in test_mma_gemv.py)",
+                            config={"gemm": MmaGemvConfig(SPLIT=2, RP=1, num_warps=2)}))
     return tuple(out)
 
 

@@ -124,6 +124,9 @@ def k_loop_stats(sass: str, kwargs: dict, tiles: int = 1) -> tuple[LoopStats | N
     """(the K loop, thread instructions per weight) of one compiled variant whose K step streams `tiles`
     BN x BK weight tiles; see the module doc."""
     loops = innermost_loops(sass)
+    if loops and "RP" in kwargs and "NW" in kwargs:  # mma_gemv: one K step = 2 * RP rows x 32 columns a thread
+        loop = max(loops, key=lambda lp: lp.count)
+        return loop, loop.count / (2 * kwargs["RP"] * 32)
     if not loops or "BN" not in kwargs or ("BK" not in kwargs and "D" not in kwargs):
         return None, float("nan")
     loop = max(loops, key=lambda lp: lp.count)
@@ -163,13 +166,13 @@ def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> 
         for mode in modes:
             _e2m1_ptx.PTX_E2M1 = mode == "ptx"
             for key, (ename, cell, nrows, kern, args, kwargs) in _variants_with_rows(entries).items():
-                if "BN" not in kwargs or ("BK" not in kwargs and "D" not in kwargs):
+                if "RP" not in kwargs and ("BN" not in kwargs or ("BK" not in kwargs and "D" not in kwargs)):
                     continue  # no weight or key tile loop (e.g. the MoE router)
                 res = aot_compile(kern, args, kwargs, arch=arch, sass=True)
                 loop, per_w = k_loop_stats(res.sass or "", kwargs, TILES_PER_K_STEP.get(kern.__name__, 1))
                 base = (ename, kern.__name__, cell.why, key[1], tuple(kv for kv in key[2] if kv[0] != "PTX"))
-                info[base] = (kwargs["BN"], kwargs.get("BK", kwargs.get("D")), kwargs.get("num_warps", 4), cell.shape,
-                              nrows)
+                bn = kwargs["BN"] if "BN" in kwargs else 16 * kwargs["RP"] * kwargs["NW"]
+                info[base] = (bn, kwargs.get("BK", kwargs.get("D", 128)), kwargs.get("num_warps", 4), cell.shape, nrows)
                 rows.setdefault(base, {})[mode] = (loop, per_w, res.stack + res.local)
     finally:
         _e2m1_ptx.PTX_E2M1 = saved

@@ -115,12 +115,16 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
                 bytes_moved=n * k // 2 + n * k // 16 + rows * k * 2 + rows * n * 2)
 
 
-# Rows 1-4: the register-accumulating GEMV measured 2.3x / 1.9x / 1.3x faster than the tensor-core cell at
-# rows 1 / 2 / 4 (H200, bench/results/gemv_variants-gpu-2026-11-30.json, family g16x512w4).
+# Row 1: the register-accumulating GEMV (family g16x512w4), 2.3x the tensor-core cell and, launched alone, ahead
+# of the MMA GEMV (bench/results/gemv_variants-gpu-2026-11-30.json). Rows 2-8: the register-operand MMA GEMV,
+# whose cost does not grow with the rows (the 8 token columns ride in one MMA): at 4 / 8 rows 1.5-3.3x the
+# cells it replaces (gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056).
 GEMV_FAMILY = {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528, "PREFETCH": True, "num_stages": 1}
-GEMV_ROWS = ((1, 1), (2, 2), (3, 4))
-CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS)
-INTERP_CELLS = L.interp_cells(((128, 256),))
+GEMV_ROWS = ((1, 1),)
+MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "REGS": True, "ctas": 1056}
+MMA_ROWS = (2, 8)
+CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS, mma=MMA_FAMILY, mma_rows=MMA_ROWS)
+INTERP_CELLS = L.interp_cells(((128, 256),), mma=True)
 
 
 def warmup(device: torch.device) -> None:

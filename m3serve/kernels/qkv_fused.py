@@ -77,7 +77,7 @@ def split_projection(out: torch.Tensor, splits: Sequence[int]) -> tuple[torch.Te
 
 def _make(fmt: str, raw: Callable, ref: Callable, stock: Callable, weight_bytes: float,
           random_part: Callable[[int, int, torch.device, torch.Generator | None], tuple], dequant: Callable,
-          gemv: tuple[dict, tuple] | None = None) -> Entry:
+          gemv: tuple[dict, tuple] | None = None, mma: tuple[dict, tuple] | None = None) -> Entry:
     """gemv: the linear entry's decode GEMV family and row ranges, so a fused projection at 1-4 rows streams its
     weight with the same kernel the separate projections would use."""
     name = f"qkv.{fmt}"
@@ -104,10 +104,11 @@ def _make(fmt: str, raw: Callable, ref: Callable, stock: Callable, weight_bytes:
 
     cells = tuple(Cell(rows=c.rows, shape=c.shape, why=c.why,
                        config={**c.config, "parts": _PARTS_BY_N[c.shape[0]]})
-                  for c in (L.decode_linear_cells(weight_bytes, *gemv, shapes=_SHAPES) if gemv is not None
+                  for c in (L.decode_linear_cells(weight_bytes, *gemv, shapes=_SHAPES, mma=mma[0] if mma else None,
+                                                  mma_rows=mma[1] if mma else None) if gemv is not None
                             else L.linear_cells(weight_bytes, _SHAPES)))
     interp = tuple(Cell(rows=c.rows, shape=c.shape, why=c.why, config={**c.config, "parts": _INTERP_PARTS})
-                   for c in L.interp_cells(((sum(_INTERP_PARTS), 256),)))
+                   for c in L.interp_cells(((sum(_INTERP_PARTS), 256),), mma=fmt in ("nvfp4", "mxfp8")))
 
     def warmup(device: torch.device) -> None:
         L.warmup_cells(cells, make_case, raw, device)
@@ -134,10 +135,12 @@ def _fp8_part(r: int, k: int, device: torch.device, gen: torch.Generator | None)
 
 QKV_NVFP4 = _make("nvfp4", linear_nvfp4.nvfp4_linear, linear_nvfp4.nvfp4_linear_reference,
                   linear_nvfp4.nvfp4_linear_stock, linear_nvfp4.WEIGHT_BYTES, _nvfp4_part, linear_nvfp4._dequant,
-                  gemv=(linear_nvfp4.GEMV_FAMILY, linear_nvfp4.GEMV_ROWS))
+                  gemv=(linear_nvfp4.GEMV_FAMILY, linear_nvfp4.GEMV_ROWS),
+                  mma=(linear_nvfp4.MMA_FAMILY, linear_nvfp4.MMA_ROWS))
 QKV_MXFP8 = _make("mxfp8", linear_mxfp8.mxfp8_linear, linear_mxfp8.mxfp8_linear_reference,
                   linear_mxfp8.mxfp8_linear_stock, linear_mxfp8.WEIGHT_BYTES, _mxfp8_part,
-                  lambda q, s: linear_mxfp8.dequantize_mxfp8(q, s), gemv=(linear_mxfp8.GEMV_FAMILY, linear_mxfp8.GEMV_ROWS))
+                  lambda q, s: linear_mxfp8.dequantize_mxfp8(q, s), gemv=(linear_mxfp8.GEMV_FAMILY, linear_mxfp8.GEMV_ROWS),
+                  mma=(linear_mxfp8.MMA_FAMILY, linear_mxfp8.MMA_ROWS))
 QKV_FP8 = _make("fp8", linear_fp8.fp8_linear, linear_fp8.fp8_linear_reference, linear_fp8.fp8_linear_stock, 1.0,
                 _fp8_part, linear_fp8._dequant)
 ENTRIES = (QKV_NVFP4, QKV_MXFP8, QKV_FP8)

@@ -22,7 +22,7 @@ def test_off_is_always_stock() -> None:
 def test_auto_inside_and_outside_cells() -> None:
     e = lookup("linear.nvfp4", 4, (6144, 8192), "auto")
     assert e is ENTRIES["linear.nvfp4"]
-    assert e.cell_for(4, (6144, 8192)).rows == (3, 4)  # rows 1, 2 and 3-4 are GEMV cells
+    assert e.cell_for(4, (6144, 8192)).rows == (2, 8)  # row 1: the GEMV cell, rows 2-8: the MMA GEMV cell
     assert lookup("linear.nvfp4", 49, (6144, 8192), "auto") is None  # beyond the table
     assert lookup("linear.nvfp4", 4, (6144, 1000), "auto") is None  # uncertified shape
     assert lookup("moe.nvfp4", 48, (128, 6144, 1536, 0), "auto") is ENTRIES["moe.nvfp4"]
@@ -33,7 +33,7 @@ def test_auto_inside_and_outside_cells() -> None:
 
 def test_require_raises_with_kind_shape_and_nearest_cell() -> None:
     with pytest.raises(ValueError, match=r"linear.mxfp8: rows 4 shape \(6144, 1000\).*nearest certified cell: "
-                                         r"rows 3-4 shape \(6144, 1536\)"):
+                                         r"rows 3-8 shape \(6144, 1536\)"):
         lookup("linear.mxfp8", 4, (6144, 1000), "require")
     with pytest.raises(ValueError, match=r"norm.add_rms: rows 64 shape \(6144,\) is outside every listed row range"):
         lookup("norm.add_rms", 64, (6144,), "require")

@@ -54,7 +54,7 @@ def _k_loop_counts(kind: str) -> dict:
     """Compile one NVFP4 cell both ways and count its inner loop (run in a fresh interpreter, see below)."""
     want = "GemvConfig" if kind == "gemv" else "GemmConfig"
     one = _one_cell("linear.nvfp4", lambda c: type(c.config["gemm"]).__name__ == want and c.rows[0] == 1
-                    if kind == "gemv" else type(c.config["gemm"]).__name__ == want and c.rows == (5, 16))
+                    if kind == "gemv" else type(c.config["gemm"]).__name__ == want and c.rows == (9, 16))
     lines = aot_check.sass_stats([one], ("triton", "ptx"))
     out = {"switch_restored": _e2m1_ptx.PTX_E2M1 is True, "lines": len(lines)}
     for mode in ("triton", "ptx"):
