@@ -36,6 +36,8 @@ Schema legend (the fields each formatter reads; [x] optional):
     spec_target     {"bench": "spec_target", results: [{model, mode, batch, k, forced_al, acceptance_length,
                      tokens_per_s_per_user, [speedup_vs_plain], identical_to_plain}]}
     spec_divergence {"bench": "spec_divergence", batch, prompts, runs: [{overlap, differing_prompts, diffs: [{gap}]}]}
+    stream_patterns stream-patterns-*.json: {copy_bandwidth_Bps, results: [{rows_per_instr, unroll, order, ctas, us,
+                     frac_copy}]}
     generic         server-hardening*.json: every top-level scalar field, key: value
 Rounding: times and rates to 3 significant digits (integers kept whole above 100), speedups to 2, percentages
 to integers (one significant digit below 1 %) except task accuracy (one decimal), p-values to 2 significant digits.
@@ -743,6 +745,20 @@ def render_kernel_variants(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_stream_patterns(files: list[ResultFile]) -> str:
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            table.append([need(r, "rows_per_instr", w, "int"), need(r, "unroll", w, "int"), need(r, "order", w, "str"),
+                          need(r, "ctas", w, "int"), sig(need(r, "us", w)), pct(need(r, "frac_copy", w))])
+        blocks.append(file_block("Read-only streaming of a 24576 x 3072-byte matrix by access pattern",
+                                 md_table(["rows per warp load", "loads per thread in flight", "order", "CTAs", "µs",
+                                           "% of copy BW"], table), rf, copy_bw_note(rf)))
+    return "\n\n".join(blocks)
+
+
 # Section order in the README; the generic kind comes first in recognition (below) so that a known-but-unschemaed
 # file never trips a dedicated formatter.
 KINDS = (
@@ -775,6 +791,8 @@ KINDS = (
          lambda d: "plans" in d, render_kv_ablation),
     Kind("eval_kv", "Accuracy of two configurations (KV formats, stock vs target)", (), ("eval-*.json",),
          lambda d: {"configs", "paired", "order"} <= d.keys(), render_eval_kv),
+    Kind("stream_patterns", "Weight streaming by access pattern", (), ("stream-patterns-*.json",),
+         lambda d: _row_keys(d, "rows_per_instr", "unroll"), render_stream_patterns),
     Kind("generic", "Other results", (), ("server-hardening*.json",),
          lambda d: False, render_generic),
 )

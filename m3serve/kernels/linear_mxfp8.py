@@ -111,11 +111,12 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 # Rows 1-2: the GEMV measured 1.42x / 1.19x faster than the tensor-core cell (family g32x256w4s3); at 3-4
 # rows the tensor-core cell wins (H200, bench/results/gemv_variants-gpu-2026-11-30.json).
-# Rows 3-8: the register-operand MMA GEMV, up to 1.7x the tensor-core cells at 4 / 8 rows
-# (gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056).
+# Rows 3-8 with K >= 4096: the register-operand MMA GEMV, 1.02-1.5x the tensor-core cells at 4 / 8 rows; at
+# K = 3072 it measured 0.88-0.92x, so those shapes keep the tensor-core cells (gemv_variants-h200-mma-2026-12-01.json,
+# family r1w4s2c1056).
 GEMV_FAMILY = {"BN": 32, "BK": 256, "num_warps": 4, "programs": 528, "PREFETCH": False, "num_stages": 3}
 GEMV_ROWS = ((1, 1), (2, 2))
-MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "REGS": True, "ctas": 1056}
+MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "REGS": True, "ctas": 1056, "min_k": 4096}
 MMA_ROWS = (3, 8)
 CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS, mma=MMA_FAMILY, mma_rows=MMA_ROWS)
 INTERP_CELLS = L.interp_cells(((128, 256),), mma=True)
