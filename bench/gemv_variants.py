@@ -120,7 +120,7 @@ def weight_copies(case: Case, budget: int = 512 << 20, most: int = 16) -> list[t
     return [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in weights) for _ in range(r)]
 
 
-def time_in_sequence(e, case: Case, copies: list[tuple], iters: int) -> float:
+def time_in_sequence(kb, e, case: Case, copies: list[tuple], iters: int) -> float:
     """Seconds per launch of len(copies) launches back to back in one CUDA graph, each on its own weights."""
     x, out, ws, cfg = case.args[0], case.args[-3], case.args[-2], case.args[-1]
 
@@ -128,26 +128,10 @@ def time_in_sequence(e, case: Case, copies: list[tuple], iters: int) -> float:
         for wts in copies:
             e.raw_call(x, *wts, out, ws, cfg)
 
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    return times[len(times) // 2] / len(copies)
+    replay = kb.graphed(body)
+    if replay is None:
+        raise RuntimeError("time_in_sequence: graph capture failed")
+    return kb.time_call(replay, iters, None) / len(copies)  # R copies >= 512 MB: nothing to flush
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -209,7 +193,7 @@ def run(a: argparse.Namespace) -> dict:
                             rec["det"] = bool(torch.equal(case.args[-3], out))
                             rec["counters_zero"] = bool((case.args[-2].count == 0).all())
                             if copies is not None:
-                                ts = time_in_sequence(e, case, copies, max(5, a.iters // 2))
+                                ts = time_in_sequence(kb, e, case, copies, max(5, a.iters // 2))
                                 rec.update(us_seq=ts * 1e6, frac_copy_seq=case.bytes_moved / ts / bw,
                                            seq_launches=len(copies))
                         else:

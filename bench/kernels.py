@@ -66,13 +66,15 @@ def flush_l2(flush: torch.Tensor, mode: str = "write") -> None:
         torch.sum(flush.view(torch.int32), dtype=torch.int64)
 
 
-def time_call(fn, iters: int, flush: torch.Tensor, mode: str = "write") -> float:
-    """Median seconds of fn() with a cold L2 (flush before each launch, outside the events)."""
+def time_call(fn, iters: int, flush: torch.Tensor | None, mode: str = "write") -> float:
+    """Median seconds of fn() with a cold L2 (flush before each launch, outside the events; flush=None: warm,
+    for calls that stream more than the L2 themselves)."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        flush_l2(flush, mode)
+        if flush is not None:
+            flush_l2(flush, mode)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()

@@ -102,6 +102,24 @@ def smem_bytes(fmt: int, rp: int, warps: int, stages: int) -> int:
     return stages * chunks(fmt, rp) * 32 * warps * 16
 
 
+def _row_bases(fmt: int, wk: str, sk: str, sw: str, ss: str, scale_byte: str) -> str:
+    """wa = this thread's first weight row at its lane's bytes (wk + r0 * sw + row_bytes * c), w8 = 8 rows of
+    weights; sa = its first scale row at `scale_byte` (PTX computing cb from c), s8 = 8 rows of scales."""
+    row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
+    return f"""mul.wide.u32 o64, r0, {sw};
+add.s64 wa, {wk}, o64;
+mul.lo.u32 cb, c, {row_bytes};
+cvt.u64.u32 o64, cb;
+add.s64 wa, wa, o64;
+mul.wide.u32 w8, {sw}, 8;
+mul.wide.u32 o64, r0, {ss};
+add.s64 sa, {sk}, o64;
+{scale_byte}
+cvt.u64.u32 o64, cb;
+add.s64 sa, sa, o64;
+mul.wide.u32 s8, {ss}, 8;"""
+
+
 def issue_asm(fmt: int, rp: int) -> tuple[str, str]:
     """cp.async one step's weight and scale bytes of this thread into its private shared-memory chunks of one
     stage (no other thread reads them, so no barrier is ever needed), then commit them as one group.
@@ -117,19 +135,9 @@ def issue_asm(fmt: int, rp: int) -> tuple[str, str]:
     per_row = row_bytes // 16
     s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, cb, sm, sc, st;", ".reg .b64 wa, sa, o64, w8, s8;",
          _lane_prologue(rp)]
-    s.append(f"""mul.wide.u32 o64, r0, {sw};
-add.s64 wa, {wk}, o64;
-mul.lo.u32 cb, c, {row_bytes};
-cvt.u64.u32 o64, cb;
-add.s64 wa, wa, o64;
-mul.wide.u32 w8, {sw}, 8;
-mul.wide.u32 o64, r0, {ss};
-add.s64 sa, {sk}, o64;
-{'and.b32 cb, c, 2;' + chr(10) + 'shl.b32 cb, cb, 1;' if fmt == FMT_NVFP4 else 'mov.b32 cb, 0;'}
-cvt.u64.u32 o64, cb;
-add.s64 sa, sa, o64;
-mul.wide.u32 s8, {ss}, 8;
-mov.u32 sm, global_smem;
+    s.append(_row_bases(fmt, wk, sk, sw, ss, "and.b32 cb, c, 2;\nshl.b32 cb, cb, 1;" if fmt == FMT_NVFP4
+                        else "mov.b32 cb, 0;"))
+    s.append(f"""mov.u32 sm, global_smem;
 add.u32 sm, sm, {soff};
 shl.b32 cb, tid, 4;
 add.u32 sm, sm, cb;
@@ -170,18 +178,7 @@ def load_words_asm(fmt: int, rp: int) -> tuple[str, str]:
     row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
     s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, t, cb;", ".reg .b64 wa, sa, o64, w8, s8;",
          ".reg .b16 hA, hB;", _lane_prologue(rp)]
-    s.append(f"""mul.wide.u32 o64, r0, {sw};
-add.s64 wa, {wk}, o64;
-mul.lo.u32 cb, c, {row_bytes};
-cvt.u64.u32 o64, cb;
-add.s64 wa, wa, o64;
-mul.wide.u32 w8, {sw}, 8;
-mul.wide.u32 o64, r0, {ss};
-add.s64 sa, {sk}, o64;
-{'shl.b32 cb, c, 1;' if fmt == FMT_NVFP4 else 'mov.b32 cb, c;'}
-cvt.u64.u32 o64, cb;
-add.s64 sa, sa, o64;
-mul.wide.u32 s8, {ss}, 8;""")
+    s.append(_row_bases(fmt, wk, sk, sw, ss, "shl.b32 cb, c, 1;" if fmt == FMT_NVFP4 else "mov.b32 cb, c;"))
     W = r["W"]
     per_row = row_bytes // 4
     for p in range(rp):
