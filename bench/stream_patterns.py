@@ -52,52 +52,21 @@ def _asm(rows: int, unroll: int, order: str) -> tuple[str, str]:
         s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{a0, a1, a2, a3}}, [addr+{off}];")
         s.append("xor.b32 acc, acc, a0;\nxor.b32 acc, acc, a1;\nxor.b32 acc, acc, a2;\nxor.b32 acc, acc, a3;")
     s.append("mov.b32 $0, acc;\nmov.b32 $1, acc;\n}")
-    return "\n".join(s), "=r,=r,l,l,r,r,r,r,r,r"
-
-
-_VARIANTS = {}
-for _r in (8, 4, 2, 1):
-    for _u in (1, 4):
-        for _o in ("seg", "lane"):
-            if _o == "lane" and _u == 1:
-                continue
-            _VARIANTS[(_r, _u, _o)] = tl.constexpr(_asm(_r, _u, _o)[0])
-_CONS = tl.constexpr("=r,=r,l,l,r,r,r,r,r,r")
-A8_1 = _VARIANTS[(8, 1, "seg")]
-A8_4 = _VARIANTS[(8, 4, "seg")]
-A8_4L = _VARIANTS[(8, 4, "lane")]
-A4_4 = _VARIANTS[(4, 4, "seg")]
-A2_1 = _VARIANTS[(2, 1, "seg")]
-A2_4 = _VARIANTS[(2, 4, "seg")]
-A1_4 = _VARIANTS[(1, 4, "seg")]
+    return "\n".join(s), "=r,=r,l,l,r,r,r,r,r,r"  # (out x2, base x2, stride x2, acc x2, warp rows x2)
 
 
 @triton.jit
-def _step(addr, stride, acc, wr, V: tl.constexpr):
-    z = tl.zeros_like(acc)
-    if V == 0:
-        return tl.inline_asm_elementwise(A8_1, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
-    elif V == 1:
-        return tl.inline_asm_elementwise(A8_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
-    elif V == 2:
-        return tl.inline_asm_elementwise(A8_4L, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
-    elif V == 3:
-        return tl.inline_asm_elementwise(A4_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
-    elif V == 4:
-        return tl.inline_asm_elementwise(A2_1, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
-    elif V == 5:
-        return tl.inline_asm_elementwise(A2_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2)
-    else:
-        return tl.inline_asm_elementwise(A1_4, _CONS, (addr, stride, acc, wr), dtype=tl.int32, is_pure=False, pack=2) + z
+def _step(addr, stride, acc, wr, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,=r,l,l,r,r,r,r,r,r", (addr, stride, acc, wr), dtype=tl.int32,
+                                     is_pure=False, pack=2)
 
 
-V_OF = {(8, 1, "seg"): 0, (8, 4, "seg"): 1, (8, 4, "lane"): 2, (4, 4, "seg"): 3, (2, 1, "seg"): 4, (2, 4, "seg"): 5,
-        (1, 4, "seg"): 6}
+PATTERNS = ((8, 1, "seg"), (8, 4, "seg"), (8, 4, "lane"), (4, 4, "seg"), (2, 1, "seg"), (2, 4, "seg"), (1, 4, "seg"))
 
 
 @triton.jit
 def stream(w_ptr, out_ptr, stride, k_bytes, SPLIT, ROWS_CTA: tl.constexpr, R: tl.constexpr, ITER_BYTES: tl.constexpr,
-           V: tl.constexpr):
+           ASM: tl.constexpr):
     """CTA (pid_n, pid_k): rows [pid_n * ROWS_CTA, +ROWS_CTA), bytes [pid_k * k_bytes / SPLIT, +k_bytes / SPLIT);
     warp w covers rows ROWS_CTA / 4 * w .. in blocks of R rows."""
     T: tl.constexpr = 256
@@ -112,7 +81,7 @@ def stream(w_ptr, out_ptr, stride, k_bytes, SPLIT, ROWS_CTA: tl.constexpr, R: tl
     wr = zi + ROWS_CTA // 4
     for b in tl.static_range(BLOCKS):
         for k in range(0, k_len, ITER_BYTES):
-            acc = _step(zl + base + b * R * stride + k, zi + stride, acc, wr, V)
+            acc = _step(zl + base + b * R * stride + k, zi + stride, acc, wr, ASM)
     tl.store(out_ptr + tl.program_id(0) * T + tl.arange(0, T), acc)
 
 
@@ -129,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     w = torch.randint(0, 255, (n, kbytes), dtype=torch.uint8, device=dev)
     flush = torch.empty(kb.FLUSH_BYTES, dtype=torch.uint8, device=dev)
     res = []
-    for (r, u, order), v in V_OF.items():
+    for r, u, order in PATTERNS:
+        asm = _asm(r, u, order)[0]
         for rows_cta, split in ((128, 2), (128, 8), (32, 2)):
             iter_bytes = (512 // r) * u if order == "seg" else 16 * u * (32 // r)
             if (kbytes // split) % iter_bytes or rows_cta % (4 * r):
@@ -137,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             out = torch.empty((n // rows_cta) * 256, dtype=torch.int32, device=dev)
             grid = (n // rows_cta, split)
 
-            def call(rc=rows_cta, sp=split, ib=iter_bytes, vv=v, rr=r, o=out):
-                stream[grid](w, o, kbytes, kbytes, sp, ROWS_CTA=rc, R=rr, ITER_BYTES=ib, V=vv, num_warps=4)
+            def call(rc=rows_cta, sp=split, ib=iter_bytes, text=asm, rr=r, o=out):
+                stream[grid](w, o, kbytes, kbytes, sp, ROWS_CTA=rc, R=rr, ITER_BYTES=ib, ASM=text, num_warps=4)
 
             replay = kb.graphed(call)
             t = kb.time_call(replay or call, 20, flush)

@@ -58,27 +58,27 @@ def use_ptx(t) -> bool:
 
 _MASK = 0x81C081C0  # sign bits 15 / 31, e e m bits 8..6 / 24..22
 
-_DECODE = f"""
-.reg .b32 q2, x0, x1, x2, x3, r0, r1, r2, r3, sc;
-and.b32 x0, $8, 0x000F000F;
-mul.lo.u32 r0, x0, 0x1040;
-and.b32 r0, r0, {_MASK:#010x};
-and.b32 x1, $8, 0x00F000F0;
-mul.lo.u32 r1, x1, 0x104;
-and.b32 r1, r1, {_MASK:#010x};
-shr.u32 q2, $8, 8;
-and.b32 x2, q2, 0x000F000F;
-mul.lo.u32 r2, x2, 0x1040;
-and.b32 r2, r2, {_MASK:#010x};
-and.b32 x3, q2, 0x00F000F0;
-mul.lo.u32 r3, x3, 0x104;
-and.b32 r3, r3, {_MASK:#010x};
-mov.b32 sc, {{$9, $9}};
-mul.rn.bf16x2 r0, r0, sc;
-mul.rn.bf16x2 r1, r1, sc;
-mul.rn.bf16x2 r2, r2, sc;
-mul.rn.bf16x2 r3, r3, sc;
-"""
+def e2m1_word_ptx(src: str, out: list[str], scale: str, tmp: list[str] | None = None,
+                  shifted: str = "q2") -> tuple[list[str], list[str]]:
+    """The decode above as PTX lines, for any register names: word `src` -> out[0..3] (register j = columns
+    (j, j + 4)): 13 integer instructions (tmp holds the isolated nibble pairs; default out itself, `shifted`
+    the word >> 8), then the 4 packed multiplies by the bf16x2 register `scale`. Returns (integer, multiply)
+    lines so a caller may place the scale's own setup between them."""
+    x = tmp or out
+    ints = []
+    for j in range(4):
+        if j == 2:
+            ints.append(f"shr.u32 {shifted}, {src}, 8;")
+        word = src if j < 2 else shifted
+        keep, copies = ("0x000F000F", "0x1040") if j % 2 == 0 else ("0x00F000F0", "0x104")
+        ints += [f"and.b32 {x[j]}, {word}, {keep};", f"mul.lo.u32 {out[j]}, {x[j]}, {copies};",
+                 f"and.b32 {out[j]}, {out[j]}, {_MASK:#010x};"]
+    return ints, [f"mul.rn.bf16x2 {r}, {r}, {scale};" for r in out]
+
+
+_INTS, _MULS = e2m1_word_ptx("$8", ["r0", "r1", "r2", "r3"], "sc", tmp=["x0", "x1", "x2", "x3"])
+_DECODE = ("\n.reg .b32 q2, x0, x1, x2, x3, r0, r1, r2, r3, sc;\n" + "\n".join(_INTS)
+           + "\nmov.b32 sc, {$9, $9};\n" + "\n".join(_MULS) + "\n")
 
 E2M1_BF16X2_PTX = "{" + _DECODE + """mov.b32 {$0, $1}, r0;
 mov.b32 {$2, $3}, r1;

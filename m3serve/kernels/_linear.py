@@ -92,7 +92,7 @@ def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[
                         mma_rows: tuple[int, int] | None = None) -> tuple[Cell, ...]:
     """Per shape: GEMV cells (m3serve.kernels._gemv) for the decode row ranges `gemv_rows`, an MMA GEMV cell
     (m3serve.kernels._mma_gemv) for `mma_rows`, tensor-core cells for the rest of 1-48. `gemv`: BN, BK,
-    num_warps, programs, PREFETCH, num_stages; `mma`: RP, num_warps, STAGES, REGS, ctas and optionally min_k (shapes
+    num_warps, programs, PREFETCH, num_stages; `mma`: RP, num_warps, STAGES, ctas and optionally min_k (shapes
     with fewer columns keep the tensor-core cells at those rows) — the families chosen
     from the H200 measurements (bench/results/gemv_variants-*.json)."""
     from m3serve.kernels._gemv import GemvConfig, gemv_split
@@ -112,7 +112,7 @@ def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[
             mbn = 16 * mma["RP"] * mma["num_warps"]
             if n % mbn == 0 and k % 256 == 0 and k >= mma.get("min_k", 0):
                 cfg = MmaGemvConfig(SPLIT=mma_split(n, k, mbn, mma["ctas"]), RP=mma["RP"], num_warps=mma["num_warps"],
-                                    STAGES=mma["STAGES"], REGS=mma["REGS"])
+                                    STAGES=mma["STAGES"])
                 lo, hi = mma_rows
                 cells.append(Cell(rows=(lo, hi), shape=(n, k), why=f"MMA GEMV: {why}; rows {lo}-{hi}",
                                   config={"gemm": cfg}))

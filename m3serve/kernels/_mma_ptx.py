@@ -1,5 +1,6 @@
 """PTX text of the register-operand MMA GEMV (_mma_gemv.py): each block is one thread's whole share of one
-step, so what data a lane holds is fixed here, by %laneid and %tid, and never by Triton's layouts.
+step (its loads, or its decode + MMAs, or its stores), so what data a lane holds is fixed here, by %laneid and
+%tid, and never by Triton's layouts.
 
 Shape legend (one CTA, one K step of 128 columns):
     warp w = %tid.x / 32, lane L = %laneid, g = L / 4 (the MMA's group), c = L % 4 (thread in group)
@@ -32,13 +33,12 @@ is a broadcast tensor whose 2 operands are the same value, and only the first is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from m3serve.kernels._e2m1_ptx import e2m1_word_ptx
 
 FMT_NVFP4 = 0
 FMT_MXFP8 = 1
 
 X_REGS = 16  # 32 bf16 columns of x per lane and step
-_E2M1_MASK = "0x81C081C0"  # sign bits 15 / 31, e e m bits 8..6 / 24..22 (see _e2m1_ptx)
 _TWO_118 = "0f7A800000"  # 2**118 as an fp32 immediate
 _TWO_8 = "0f43800000"  # 2**8: the NVFP4 unit of _decode, undone in the epilogue
 
@@ -52,15 +52,12 @@ def acc_regs(rp: int) -> int:
     return 4 * rp
 
 
-@dataclass
 class _Operands:
     """Numbers the operands: outputs first, then inputs, each group a run of consecutive $n."""
 
-    outs: list
-    ins: list
-
     def __init__(self) -> None:
-        self.outs, self.ins, self._names = [], [], {}
+        self.outs: list[tuple[str, int, str]] = []
+        self.ins: list[tuple[str, int, str]] = []
 
     def out(self, name: str, count: int, cons: str) -> None:
         self.outs.append((name, count, cons))
@@ -92,81 +89,14 @@ and.b32 c, lane, 3;
 mad.lo.u32 r0, warp, {16 * rp}, g;"""
 
 
-def chunks(fmt: int, rp: int) -> int:
-    """16-byte shared-memory chunks one thread's step occupies: its rows' words (NVFP4 16 bytes a row, MXFP8
-    32) and one chunk of scale bits (4 bytes a row)."""
-    return rp * (2 if fmt == FMT_NVFP4 else 4) + 1
-
-
-def smem_bytes(fmt: int, rp: int, warps: int, stages: int) -> int:
-    return stages * chunks(fmt, rp) * 32 * warps * 16
-
-
-def _row_bases(fmt: int, wk: str, sk: str, sw: str, ss: str, scale_byte: str) -> str:
-    """wa = this thread's first weight row at its lane's bytes (wk + r0 * sw + row_bytes * c), w8 = 8 rows of
-    weights; sa = its first scale row at `scale_byte` (PTX computing cb from c), s8 = 8 rows of scales."""
-    row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
-    return f"""mul.wide.u32 o64, r0, {sw};
-add.s64 wa, {wk}, o64;
-mul.lo.u32 cb, c, {row_bytes};
-cvt.u64.u32 o64, cb;
-add.s64 wa, wa, o64;
-mul.wide.u32 w8, {sw}, 8;
-mul.wide.u32 o64, r0, {ss};
-add.s64 sa, {sk}, o64;
-{scale_byte}
-cvt.u64.u32 o64, cb;
-add.s64 sa, sa, o64;
-mul.wide.u32 s8, {ss}, 8;"""
-
-
-def issue_asm(fmt: int, rp: int) -> tuple[str, str]:
-    """cp.async one step's weight and scale bytes of this thread into its private shared-memory chunks of one
-    stage (no other thread reads them, so no barrier is ever needed), then commit them as one group.
-    Chunk j of thread tid in the stage at byte offset soff: global_smem + soff + (j * T + tid) * 16 (T threads
-    in the CTA: consecutive threads, consecutive 16 bytes, so every 128-bit access is conflict-free)."""
-    o = _Operands()
-    o.out("dummy", 2, "r")
-    for name, c in (("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r"), ("soff", "r"), ("nt", "r")):
-        o.inp(name, 2, c)
-    r, cons = o.build()
-    wk, sk, sw, ss, soff, nt = (r[n][0] for n in ("wk", "sk", "sw", "ss", "soff", "nt"))
-    row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
-    per_row = row_bytes // 16
-    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, cb, sm, sc, st;", ".reg .b64 wa, sa, o64, w8, s8;",
-         _lane_prologue(rp)]
-    s.append(_row_bases(fmt, wk, sk, sw, ss, "and.b32 cb, c, 2;\nshl.b32 cb, cb, 1;" if fmt == FMT_NVFP4
-                        else "mov.b32 cb, 0;"))
-    s.append(f"""mov.u32 sm, global_smem;
-add.u32 sm, sm, {soff};
-shl.b32 cb, tid, 4;
-add.u32 sm, sm, cb;
-shl.b32 st, {nt}, 4;""")
-    # scales: NVFP4 lane c needs the 2 bytes at 2c: the aligned 4 at 4 * (c / 2) hold them; MXFP8 the byte at c:
-    # the aligned 4 at 0 (k0 / 32 is a multiple of 4) hold all four lanes' bytes
-    nrow = 2 * rp
-    s.append(f"mad.lo.u32 sc, st, {nrow * per_row}, sm;")
-    for p in range(rp):
-        for h in range(2):
-            row = 2 * p + h
-            for v in range(per_row):
-                s.append(f"cp.async.cg.shared.global [sm], [wa+{16 * v}], 16;\nadd.u32 sm, sm, st;")
-            s.append(f"cp.async.ca.shared.global [sc+{4 * row}], [sa], 4;")
-            s.append("add.s64 wa, wa, w8;\nadd.s64 sa, sa, s8;")
-    s.append("cp.async.commit_group;")
-    s.append(f"mov.b32 {r['dummy'][0]}, 0;\nmov.b32 {r['dummy'][1]}, 0;")
-    s.append("}")
-    return "\n".join(s), cons
-
-
 def scale_regs(rp: int) -> int:
-    """Register ring: one register of scale bits per row pair (both rows), rounded up to the pack of 2."""
+    """One register of scale bits per row pair (both rows), rounded up to the pack of 2."""
     return rp + (rp % 2)
 
 
-def load_words_asm(fmt: int, rp: int) -> tuple[str, str]:
-    """Register ring: one step's weight words and this lane's scale bits straight into registers (ld.global,
-    no shared memory); the kernel keeps DEPTH steps of them in flight."""
+def load_asm(fmt: int, rp: int) -> tuple[str, str]:
+    """One step's weight words and this lane's scale bits straight into registers (ld.global, no shared
+    memory); the kernel keeps STAGES - 1 steps of them in flight."""
     o = _Operands()
     nw, ns = word_regs(fmt, rp), scale_regs(rp)
     o.out("W", nw, "r")
@@ -178,7 +108,20 @@ def load_words_asm(fmt: int, rp: int) -> tuple[str, str]:
     row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
     s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, t, cb;", ".reg .b64 wa, sa, o64, w8, s8;",
          ".reg .b16 hA, hB;", _lane_prologue(rp)]
-    s.append(_row_bases(fmt, wk, sk, sw, ss, "shl.b32 cb, c, 1;" if fmt == FMT_NVFP4 else "mov.b32 cb, c;"))
+    # weights: wk + r0 * sw + row_bytes * c, w8 = 8 rows; scales: sk + r0 * ss + the lane's byte (NVFP4 groups
+    # 2c, 2c+1 at 2c; MXFP8 group c at c), s8 = 8 rows
+    s.append(f"""mul.wide.u32 o64, r0, {sw};
+add.s64 wa, {wk}, o64;
+mul.lo.u32 cb, c, {row_bytes};
+cvt.u64.u32 o64, cb;
+add.s64 wa, wa, o64;
+mul.wide.u32 w8, {sw}, 8;
+mul.wide.u32 o64, r0, {ss};
+add.s64 sa, {sk}, o64;
+{"shl.b32 cb, c, 1;" if fmt == FMT_NVFP4 else "mov.b32 cb, c;"}
+cvt.u64.u32 o64, cb;
+add.s64 sa, sa, o64;
+mul.wide.u32 s8, {ss}, 8;""")
     W = r["W"]
     per_row = row_bytes // 4
     for p in range(rp):
@@ -228,11 +171,6 @@ add.s64 xa, xa, o64;"""]
     return "\n".join(s), cons
 
 
-def wait_asm(pending: int) -> tuple[str, str]:
-    """Wait until at most `pending` of this thread's cp.async groups are in flight (dummy output)."""
-    return f"{{ cp.async.wait_group {pending}; mov.b32 $0, 0; mov.b32 $1, 0; }}", "=r,=r,r,r"
-
-
 def _nvfp4_scales(src: str, half: int, out0: str, out1: str) -> str:
     """16 bits of two E4M3 group scales (groups 2c, 2c+1) -> bf16x2 registers (s, s) of each, times 2**118
     (exact: see _e2m1_ptx)."""
@@ -249,25 +187,10 @@ prmt.b32 {out1}, tb, tb, 0x3232;"""
 
 
 def _nvfp4_word(src: str, dst: list[str], sc: str) -> str:
-    """One word of 8 nibbles -> 4 bf16x2 registers, register j = columns (j, j + 4), times the scale."""
-    d0, d1, d2, d3 = dst
-    return f"""and.b32 {d0}, {src}, 0x000F000F;
-mul.lo.u32 {d0}, {d0}, 0x1040;
-and.b32 {d0}, {d0}, {_E2M1_MASK};
-and.b32 {d1}, {src}, 0x00F000F0;
-mul.lo.u32 {d1}, {d1}, 0x104;
-and.b32 {d1}, {d1}, {_E2M1_MASK};
-shr.u32 tq, {src}, 8;
-and.b32 {d2}, tq, 0x000F000F;
-mul.lo.u32 {d2}, {d2}, 0x1040;
-and.b32 {d2}, {d2}, {_E2M1_MASK};
-and.b32 {d3}, tq, 0x00F000F0;
-mul.lo.u32 {d3}, {d3}, 0x104;
-and.b32 {d3}, {d3}, {_E2M1_MASK};
-mul.rn.bf16x2 {d0}, {d0}, {sc};
-mul.rn.bf16x2 {d1}, {d1}, {sc};
-mul.rn.bf16x2 {d2}, {d2}, {sc};
-mul.rn.bf16x2 {d3}, {d3}, {sc};"""
+    """One word of 8 nibbles -> 4 bf16x2 registers, register j = columns (j, j + 4), times the scale: the
+    decode of _e2m1_ptx (the same text generator), with dst as its own temporaries."""
+    ints, muls = e2m1_word_ptx(src, dst, sc, shifted="tq")
+    return "\n".join(ints + muls)
 
 
 def _mxfp8_word(src: str, dst: list[str], sc: str) -> str:
@@ -308,54 +231,20 @@ def _mma(acc: list[str], a: list[str], b: list[str]) -> str:
             f"{{{', '.join(b)}}}, {{{', '.join(acc)}}};")
 
 
-def compute_asm(fmt: int, rp: int, regs: bool = False) -> tuple[str, str]:
-    """acc += this thread's share of one step: take its words and scale bits from registers (regs: the
-    register ring's load_words_asm outputs) or from its shared-memory chunks of the stage at soff (after
-    wait_asm), decode, build the B fragments from x, 8 MMAs per row pair (per 16 NVFP4 / MXFP8 columns of the
-    lane: 4 x 2 or 8)."""
+def compute_asm(fmt: int, rp: int) -> tuple[str, str]:
+    """acc += this thread's share of one step: decode the words and scale bits load_asm returned, build
+    the B fragments from x, 8 MMAs per row pair (per 16 NVFP4 / MXFP8 columns of the lane: 4 x 2 or 8)."""
     o = _Operands()
-    na, nw = acc_regs(rp), word_regs(fmt, rp)
+    na = acc_regs(rp)
     o.out("A", na, "f")
     o.inp("Ai", na, "f")
-    if regs:
-        o.inp("Wr", nw, "r")
-        o.inp("Sr", scale_regs(rp), "r")
+    o.inp("W", word_regs(fmt, rp), "r")
+    o.inp("S", scale_regs(rp), "r")
     o.inp("X", X_REGS, "r")
-    if not regs:
-        for name in ("soff", "nt"):
-            o.inp(name, 2, "r")
     r, cons = o.build()
-    A, Ai, X = r["A"], r["Ai"], r["X"]
-    per_row = 1 if fmt == FMT_NVFP4 else 2
-    s = ["{", ".reg .b32 tq, sf, tb, sA0, sA1, sB0, sB1, t0, tid, sm, st, sc0, sc1, lsh;", ".reg .b16 sl, sh, fl, fh;",
-         ".reg .f32 g0, g1;", ".reg .pred pz, pn;", ".reg .b32 DA<16>, DB<16>, P<16>, W<32>, S<4>;"]
-    if regs:
-        W = r["Wr"]
-        s.append("mov.b32 lsh, 0;")  # the loader already picked this lane's scale bits
-    else:
-        soff, nt = r["soff"][0], r["nt"][0]
-        s.append(f"""mov.u32 tid, %tid.x;
-mov.u32 sm, global_smem;
-add.u32 sm, sm, {soff};
-shl.b32 t0, tid, 4;
-add.u32 sm, sm, t0;
-shl.b32 st, {nt}, 4;""")
-        # words: chunk j = (2p + h) * per_row + v holds row (p, h)'s 16 bytes v
-        W = [f"W{i}" for i in range(nw)]
-        for j in range(2 * rp * per_row):
-            s.append(f"ld.shared.v4.b32 {{{', '.join(W[4 * j:4 * j + 4])}}}, [sm];\nadd.u32 sm, sm, st;")
-        s.append("ld.shared.v4.b32 {S0, S1, S2, S3}, [sm];")  # 4 bytes per row: row 2p + h at S[2p + h]
-    if regs:
-        pass
-    elif fmt == FMT_NVFP4:
-        # the 4 bytes hold groups 4 * (c / 2) .. +3; lane c's two are the half c % 2
-        s.append("""mov.u32 lsh, %laneid;
-and.b32 lsh, lsh, 1;
-shl.b32 lsh, lsh, 4;""")
-    else:
-        s.append("""mov.u32 lsh, %laneid;
-and.b32 lsh, lsh, 3;
-shl.b32 lsh, lsh, 3;""")
+    A, Ai, W, S, X = r["A"], r["Ai"], r["W"], r["S"], r["X"]
+    s = ["{", ".reg .b32 tq, sf, tb, sA0, sA1, sB0, sB1, t0;", ".reg .b16 sl, sh, fl, fh;", ".reg .f32 g0, g1;",
+         ".reg .pred pz, pn;", ".reg .b32 DA<16>, DB<16>, P<16>;"]
     s += [f"mov.f32 {A[i]}, {Ai[i]};" for i in range(na)]
     if fmt == FMT_NVFP4:
         # B fragments: P[4q + 2h + e], e = 0: (x[8q+2h], x[8q+2h+4]) low halves, e = 1: the high halves
@@ -365,13 +254,9 @@ shl.b32 lsh, lsh, 3;""")
                 s.append(f"prmt.b32 P{4 * q + 2 * h}, {lo}, {hi}, 0x5410;\nprmt.b32 P{4 * q + 2 * h + 1}, {lo}, {hi}, 0x7632;")
         # word by word: decode rA's and rB's word q, then its 2 MMAs, so 8 decoded registers are live, not 32
         for p in range(rp):
-            # this lane's 16 scale bits of rows rA and rB -> one register, rA low
-            if regs:
-                s.append(f"mov.b32 sc0, {r['Sr'][p]};")
-            else:
-                s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nprmt.b32 sc0, sc0, sc1, 0x5410;")
-            s.append(_nvfp4_scales("sc0", 0, "sA0", "sA1"))
-            s.append(_nvfp4_scales("sc0", 1, "sB0", "sB1"))
+            # S[p]: this lane's 16 scale bits of rA (low half) and rB (high half)
+            s.append(_nvfp4_scales(S[p], 0, "sA0", "sA1"))
+            s.append(_nvfp4_scales(S[p], 1, "sB0", "sB1"))
             acc = A[4 * p:4 * p + 4]
             for q in range(4):
                 s.append(_nvfp4_word(W[8 * p + q], [f"DA{4 * q + j}" for j in range(4)], "sA0" if q < 2 else "sA1"))
@@ -381,13 +266,9 @@ shl.b32 lsh, lsh, 3;""")
                     s.append(_mma(acc, a, [f"P{4 * q + 2 * h}", f"P{4 * q + 2 * h + 1}"]))
     else:
         for p in range(rp):
-            if regs:
-                s.append(f"mov.b32 sc0, {r['Sr'][p]};")
-            else:
-                s.append(f"shr.u32 sc0, S{2 * p}, lsh;\nshr.u32 sc1, S{2 * p + 1}, lsh;\nand.b32 sc0, sc0, 0xFF;\n"
-                         "and.b32 sc1, sc1, 0xFF;\nshl.b32 sc1, sc1, 8;\nor.b32 sc0, sc0, sc1;")
+            # S[p]: the E8M0 bytes of rA (bits 0..7) and rB (bits 8..15)
             for src_shift, out in ((0, "sA0"), (8, "sB0")):
-                s.append(_e8m0_bf16x2("sc0", src_shift, out))
+                s.append(_e8m0_bf16x2(S[p], src_shift, out))
             acc = A[4 * p:4 * p + 4]
             for i in range(8):
                 s.append(_mxfp8_word(W[16 * p + i], [f"DA{2 * i}", f"DA{2 * i + 1}"], "sA0"))
@@ -416,7 +297,7 @@ def store_asm(rp: int, mode: int, alpha: int) -> tuple[str, str]:
     ya, n0, m, rs, aa, ast = (r[n][0] for n in ("ya", "n0", "m", "rs", "aa", "ast"))
     esize = 2 if mode == MODE_FINAL else 4
     s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, n, t, idx;", ".reg .b64 a64, o64;", ".reg .f32 al, v;",
-         ".reg .b16 hv;", ".reg .pred pr;", "cp.async.wait_all;", _lane_prologue(rp)]
+         ".reg .b16 hv;", ".reg .pred pr;", _lane_prologue(rp)]
     for p in range(rp):
         for h in range(2):
             s.append(f"add.u32 n, {n0}, r0;\nadd.u32 n, n, {16 * p + 8 * h};")

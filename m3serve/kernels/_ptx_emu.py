@@ -3,7 +3,8 @@ compiled (the Triton interpreter cannot run inline PTX). Numpy over the 32 lanes
 cross-lane instruction is mma.sync, whose fragments are gathered as the PTX ISA lays them out.
 
 Values are raw bits in uint64 arrays [32] (one per lane); memory is a set of byte regions at fake
-addresses (Memory). Only the opcodes the blocks use are modelled; anything else raises.
+addresses (Memory). Only the opcodes the blocks use are modelled; anything else raises. A predicated-off load
+leaves its registers poisoned (NaN bit patterns), so a lane that should have loaded cannot pass by accident.
 
 Semantics that matter for exactness:
     mul.rn.bf16x2, cvt.rn.bf16x2.f32, cvt.rn.bf16.f32   round to nearest even, subnormals kept
@@ -37,6 +38,11 @@ class Memory:
         self.regions.append((base, buf))
         self._next += ((buf.size + 4095) // 4096 + 1) * 4096
         return base
+
+    def add_view(self, arr: np.ndarray) -> tuple[int, np.ndarray]:
+        """add, and the region's own buffer viewed as arr (stores land there)."""
+        base = self.add(arr)
+        return base, self.regions[-1][1].view(arr.dtype).reshape(arr.shape)
 
     def _find(self, addr: int, n: int) -> tuple[np.ndarray, int]:
         for base, buf in self.regions:
@@ -112,32 +118,13 @@ def _imm(tok: str) -> np.ndarray | None:
     return None
 
 
-class Shared:
-    """A CTA's shared memory (global_smem at shared address 0) and each warp's cp.async groups: a copy reads
-    global memory when issued and lands when a wait retires its group, so a read that races its copy sees
-    the old bytes, as it may on the hardware."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.buf = np.zeros(nbytes, np.uint8)
-        self.open: dict[int, list] = {}  # warp -> copies issued since the last commit
-        self.groups: dict[int, list[list]] = {}  # warp -> committed, not yet landed groups (oldest first)
-
-    def land(self, warp: int, keep: int) -> None:
-        groups = self.groups.setdefault(warp, [])
-        while len(groups) > keep:
-            for lane_addr, data in groups.pop(0):
-                self.buf[lane_addr:lane_addr + data.size] = data
-
-
 class Warp:
     """One warp executing one asm block: regs by name, $n operands bound to lane arrays."""
 
-    def __init__(self, warp: int, operands: list[np.ndarray], mem: Memory, shared: Shared | None = None) -> None:
+    def __init__(self, warp: int, operands: list[np.ndarray], mem: Memory) -> None:
         self.regs: dict[str, np.ndarray] = {}
         self.ops = operands
         self.mem = mem
-        self.shared = shared
-        self.warp = warp
         self.lane = np.arange(LANES, dtype=np.uint64)
         self.tid = self.lane + np.uint64(32 * warp)
 
@@ -149,18 +136,14 @@ class Warp:
             return self.lane.copy()
         if tok == "%tid.x":
             return self.tid.copy()
-        if tok == "global_smem":
-            return np.zeros(LANES, np.uint64)
         v = _imm(tok)
         if v is not None:
             return v
         return self.regs[tok]
 
-    def set(self, tok: str, v: np.ndarray, pred: np.ndarray | None = None) -> None:
+    def set(self, tok: str, v: np.ndarray) -> None:
         tok = tok.strip()
         v = v.astype(np.uint64)
-        if pred is not None:
-            v = np.where(pred, v, self.get(tok) if (tok in self.regs or tok.startswith("$")) else v)
         if tok.startswith("$"):
             self.ops[int(tok[1:])] = v
         else:
@@ -180,15 +163,11 @@ class Warp:
             line = " ".join(raw.split())
             if not line or line.startswith(".reg"):
                 continue
-            if line.startswith("cp.async.wait_group"):
-                op, n = line.split()
-                self._cp_async(op, [n])
-                continue
             pred = None
             if line.startswith("@"):
                 p, line = line.split(" ", 1)
                 pred = self.regs[p[1:]].astype(bool)
-            op, rest = line.split(" ", 1) if " " in line else (line, "")
+            op, rest = line.split(" ", 1)
             self.exec(op, rest, pred)
 
     def exec(self, op: str, rest: str, pred) -> None:  # noqa: C901 - a flat opcode table reads best
@@ -196,15 +175,6 @@ class Warp:
             return self._mma(rest)
         args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
         g = self.get
-        if op.startswith("cp.async."):
-            return self._cp_async(op, args)
-        if op == "ld.shared.v4.b32":
-            a = self.addr(args[1])
-            for i, r in enumerate(args[0].strip("{}").split(",")):
-                vals = np.array([self.shared.buf[int(x) + 4 * i:int(x) + 4 * i + 4].view(np.uint32)[0] for x in a],
-                                np.uint64)
-                self.set(r, vals)
-            return
         if op in ("ld.global.nc.L1::no_allocate.v4.b32", "ld.global.nc.v4.b32"):
             active = pred if pred is not None else np.ones(LANES, bool)
             data = self.mem.load(self.addr(args[1]), 16, active).view(np.uint32)
@@ -295,26 +265,6 @@ class Warp:
             return self.set(args[0], halves[0] | (halves[1] << np.uint64(16)))
         raise ValueError(f"emulation: opcode {op!r} is not modelled")
 
-    def _cp_async(self, op: str, args: list[str]) -> None:
-        sh = self.shared
-        if op == "cp.async.commit_group":
-            sh.groups.setdefault(self.warp, []).append(sh.open.pop(self.warp, []))
-        elif op.startswith("cp.async.wait_group"):
-            sh.land(self.warp, int(args[0]) if args and args[0] else int(op.split()[-1]))
-        elif op == "cp.async.wait_all":
-            sh.land(self.warp, 0)
-        elif op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global"):
-            n = int(args[2])
-            if n not in ((16,) if ".cg." in op else (4, 8, 16)):
-                raise ValueError(f"emulation: {op} does not take {n} bytes")
-            dst, src = self.addr(args[0]), self.addr(args[1])
-            if bool(((dst % np.uint64(n)) != 0).any() or ((src % np.uint64(n)) != 0).any()):
-                raise ValueError(f"emulation: {op} with a misaligned {n}-byte address")
-            data = self.mem.load(src, n, np.ones(LANES, bool))
-            sh.open.setdefault(self.warp, []).extend((int(dst[i]), data[i].copy()) for i in range(LANES))
-        else:
-            raise ValueError(f"emulation: opcode {op!r} is not modelled")
-
     def _mma(self, rest: str) -> None:
         groups = [[t.strip() for t in grp.split(",")] for grp in re.findall(r"\{([^}]*)\}", rest)]
         d, a, b, c = groups
@@ -341,10 +291,9 @@ class Warp:
             self.set(r, _bits32(v.astype(np.float32)))
 
 
-def run_block(text: str, warp: int, inputs: list[np.ndarray], n_outputs: int, mem: Memory,
-              shared: Shared | None = None) -> list[np.ndarray]:
+def run_block(text: str, warp: int, inputs: list[np.ndarray], n_outputs: int, mem: Memory) -> list[np.ndarray]:
     """Execute one block for one warp: `inputs` are the lane arrays of operands n_outputs.. in order;
     returns the output operands' lane arrays."""
     ops = [np.zeros(LANES, np.uint64) for _ in range(n_outputs)] + [np.asarray(v, np.uint64) for v in inputs]
-    Warp(warp, ops, mem, shared).run(text)
+    Warp(warp, ops, mem).run(text)
     return ops[:n_outputs]

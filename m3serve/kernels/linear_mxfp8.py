@@ -116,7 +116,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 # family r1w4s2c1056).
 GEMV_FAMILY = {"BN": 32, "BK": 256, "num_warps": 4, "programs": 528, "PREFETCH": False, "num_stages": 3}
 GEMV_ROWS = ((1, 1), (2, 2))
-MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "REGS": True, "ctas": 1056, "min_k": 4096}
+MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "ctas": 1056, "min_k": 4096}
 MMA_ROWS = (3, 8)
 CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS, mma=MMA_FAMILY, mma_rows=MMA_ROWS)
 INTERP_CELLS = L.interp_cells(((128, 256),), mma=True)

@@ -121,7 +121,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 # cells it replaces (gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056).
 GEMV_FAMILY = {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528, "PREFETCH": True, "num_stages": 1}
 GEMV_ROWS = ((1, 1),)
-MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "REGS": True, "ctas": 1056}
+MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "ctas": 1056}
 MMA_ROWS = (2, 8)
 CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS, mma=MMA_FAMILY, mma_rows=MMA_ROWS)
 INTERP_CELLS = L.interp_cells(((128, 256),), mma=True)
