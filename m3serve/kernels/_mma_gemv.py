@@ -155,24 +155,17 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     if STAGES == 3:
         wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), FMT)
         st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
-        for k0 in range(k_lo, k_hi, 128):
-            wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 256, last), FMT)
-            nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
-            xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD,
-                           XLOAD_C, False)
-            acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+    for k0 in range(k_lo, k_hi, 128):
+        wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT)
+        nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+        xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+        if STAGES == 3:
             st0 = st1
             st1 = nxt
-            xs = xn
-    else:
-        for k0 in range(k_lo, k_hi, 128):
-            wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128, last), FMT)
-            nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
-            xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD,
-                           XLOAD_C, False)
-            acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+        else:
             st0 = nxt
-            xs = xn
+        xs = xn
     if not SPLITK:
         asm_block(acc + (zl + y_ptr.to(tl.int64), zi + n0, zi + M, zi + stride_ym, zl + alpha_ptr.to(tl.int64),
                          zi + alpha_stride), False, 1, STORE, STORE_C, False)
