@@ -13,8 +13,11 @@ max |diff| <= 2**-6 * max |out| + 1e-3, the two differ by summation order and on
 selection: identical); every MoE variant's output goes through moe.nvfp4's certified compare against the
 fp32 reference. A failed check is recorded ("ok": false) and the run continues.
 
-    python3 bench/kernel_variants.py [--only attn,select,moe] [--iters 30] [--out-dir DIR]   (GPU)
-Writes bench/results/kernel-variants-h200.json (and a copy under --out-dir).
+    moe MMA  the MMA-step MoE (gate|up warps / ring depth, down DSPLIT / warps / ring depth, RP) at 1-8 tokens,
+             beside the default and the certified cells it replaces (--moe-mma-only)
+    python3 bench/kernel_variants.py [--only attn,select,moe] [--moe-tokens 1,4,16] [--moe-mma-only]
+                                     [--iters 30] [--name FILE] [--out-dir DIR]   (GPU)
+Writes bench/results/FILE (default kernel-variants-h200.json; and a copy under --out-dir).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.config import preset  # noqa: E402
 from m3serve.kernels import moe_nvfp4, msa_index, paged_attention as pa  # noqa: E402
+from m3serve.kernels._mma_moe import MmaMoEConfig  # noqa: E402
 from m3serve.kernels._paged_attn_call import TileConfig, tile_config  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
 from m3serve.targets.attention import sparse_tiles_per_block, split_plan  # noqa: E402
@@ -182,20 +186,37 @@ def select_group(r: Runner, cache, m) -> None:
                   default=(warps == 4))
 
 
-def moe_group(r: Runner) -> None:
+# the MMA-step MoE (_mma_moe, NVFP4 shared expert, 1-8 tokens):
+# (name, RP, gate|up warps, STAGES, DSPLIT, down warps, down stages)
+MMA_MOE = (("mma_w4s2_d4w4s2", 1, 4, 2, 4, 4, 2), ("mma_w4s3_d4w4s3", 1, 4, 3, 4, 4, 3),
+           ("mma_w2s2_d4w4s2", 1, 2, 2, 4, 4, 2), ("mma_w2s3_d8w4s2", 1, 2, 3, 8, 4, 2),
+           ("mma_w4s2_d8w4s2", 1, 4, 2, 8, 4, 2), ("mma_w4s2_d2w4s2", 1, 4, 2, 2, 4, 2),
+           ("mma_w4s2_d8w2s2", 1, 4, 2, 8, 2, 2), ("mma_w4s3_d8w4s3", 1, 4, 3, 8, 4, 3),
+           ("mma_w8s2_d4w8s2", 1, 8, 2, 4, 8, 2), ("mma_r2w4s2_d4w4s2", 2, 4, 2, 4, 4, 2))
+
+
+def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> None:
     gen = torch.Generator().manual_seed(0)
-    for shared_bf16 in (0, 1):
-        for tokens in (1, 4, 16):
+    for shared_bf16 in ((0,) if mma_only else (0, 1)):
+        for tokens in token_counts:
             base = moe_nvfp4.MoEConfig(BT=16)
             cell = Cell(rows=(tokens, tokens), shape=(128, 6144, 3072, shared_bf16), why="variants",
                         config={"moe": base})
             case = moe_nvfp4.make_case(cell, tokens, r.dev, gen)
             configs = [("base", base)]
-            for name, bn, bk, st, w in GATE_UP[1:]:
-                configs.append((name, replace(base, BN=bn, BK=bk, num_stages=st, num_warps=w, DBN=64, DBK=128,
-                                              down_stages=3, down_warps=4)))
-            for name, dbn, dbk, ds, st, w in DOWN[1:]:
-                configs.append((name, replace(base, DBN=dbn, DBK=dbk, DSPLIT=ds, down_stages=st, down_warps=w)))
+            if mma_only:  # side by side with the 1-16 token cells that the MMA step replaces
+                old = moe_nvfp4._moe_cfg(1, 4, 3072, 0) if tokens <= 4 else moe_nvfp4._moe_cfg(5, 16, 3072, 0)
+                configs = [("base", base), ("old_cell", old)]
+            else:
+                for name, bn, bk, st, w in GATE_UP[1:]:
+                    configs.append((name, replace(base, BN=bn, BK=bk, num_stages=st, num_warps=w, DBN=64, DBK=128,
+                                                  down_stages=3, down_warps=4)))
+                for name, dbn, dbk, ds, st, w in DOWN[1:]:
+                    configs.append((name, replace(base, DBN=dbn, DBK=dbk, DSPLIT=ds, down_stages=st, down_warps=w)))
+            if not shared_bf16 and tokens <= 8:
+                for name, rp, w, st, ds, dw, dst in MMA_MOE:
+                    configs.append((name, MmaMoEConfig(RP=rp, num_warps=w, STAGES=st, DSPLIT=ds, down_warps=dw,
+                                                       down_stages=dst)))
             nbytes = None
             for name, cfg in configs:
                 x = case.args[0]
@@ -221,7 +242,7 @@ def moe_group(r: Runner) -> None:
                 what = f"moe T{tokens} shared {'bf16' if shared_bf16 else 'nvfp4'}"
                 r.add("moe", what, name, fn, nbytes, check,
                       tokens=tokens, shared_bf16=shared_bf16, config=cfg.__dict__, default=(name == "base"))
-                if name == "base":  # each launch alone, on the routing and activations the full call left
+                if name in ("base", MMA_MOE[0][0]):  # each launch alone, on the routing and activations the call left
                     e_, h_, i_ = 128, 6144, 3072
                     touched = int((ws.slot_e >= 0).sum()) + 1
                     # a BF16 shared expert reads 32/9 the bytes of an NVFP4 one
@@ -230,7 +251,7 @@ def moe_group(r: Runner) -> None:
                              "d": (touched - 1 + (32 / 9 if shared_bf16 else 1)) * i_ * h_ * 9 // 16}
                     for launch, nb in parts.items():
                         fn1 = lambda args=args, launch=launch: moe_nvfp4.moe_nvfp4(*args, launches=launch)  # noqa: E731
-                        r.add("moe", what, f"base/{launch}", fn1, int(nb), None, tokens=tokens,
+                        r.add("moe", what, f"{name}/{launch}", fn1, int(nb), None, tokens=tokens,
                               shared_bf16=shared_bf16, launch=launch)
             del case
             torch.cuda.empty_cache()
@@ -241,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(GROUPS))
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--moe-tokens", default="1,4,16", help="token counts of the moe group")
+    ap.add_argument("--moe-mma-only", action="store_true",
+                    help="moe group: only the MMA-step variants, beside the default and the cells they replace")
+    ap.add_argument("--name", default="kernel-variants-h200.json", help="results file name")
     a = ap.parse_args(argv)
     groups = [g for g in a.only.split(",") if g]
     if any(g not in GROUPS for g in groups):
@@ -263,15 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         del cache
         torch.cuda.empty_cache()
     if "moe" in groups:
-        moe_group(r)
+        moe_group(r, tuple(int(v) for v in a.moe_tokens.split(",")), a.moe_mma_only)
     meta = run_metadata()
     doc = {**{k: meta[k] for k in ("commit", "gpu", "command", "date", "torch")},
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": r.bw, "iters": a.iters,
            "l2_flush_bytes": KB.FLUSH_BYTES, "wall_s": time.time() - t0, "results": r.rows}
     text = json.dumps(doc, indent=1)
-    paths = [ROOT / "bench" / "results" / "kernel-variants-h200.json"]
+    paths = [ROOT / "bench" / "results" / a.name]
     if a.out_dir:
-        paths.append(Path(a.out_dir) / "kernel-variants-h200.json")
+        paths.append(Path(a.out_dir) / a.name)
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)

@@ -79,14 +79,15 @@ class _Operands:
         return regs, ",".join(cons)
 
 
-def _lane_prologue(rp: int) -> str:
-    """lane, g, c and the thread's first CTA-relative row r0 = 16 * RP * warp + g."""
+def _lane_prologue(rp: int, warp_rows: int = 16) -> str:
+    """lane, g, c and the thread's first CTA-relative row r0 = warp_rows * RP * warp + g (warp_rows: 16 for the
+    linear's row pairs (rA, rA + 8); 8 for the MoE gate|up, whose row pair is (gate n, up n))."""
     return f"""mov.u32 lane, %laneid;
 mov.u32 tid, %tid.x;
 shr.u32 warp, tid, 5;
 shr.u32 g, lane, 2;
 and.b32 c, lane, 3;
-mad.lo.u32 r0, warp, {16 * rp}, g;"""
+mad.lo.u32 r0, warp, {warp_rows * rp}, g;"""
 
 
 def scale_regs(rp: int) -> int:
@@ -94,20 +95,27 @@ def scale_regs(rp: int) -> int:
     return rp + (rp % 2)
 
 
-def load_asm(fmt: int, rp: int) -> tuple[str, str]:
+def load_asm(fmt: int, rp: int, gate_up: bool = False) -> tuple[str, str]:
     """One step's weight words and this lane's scale bits straight into registers (ld.global, no shared
-    memory); the kernel keeps STAGES - 1 steps of them in flight."""
+    memory); the kernel keeps STAGES - 1 steps of them in flight.
+
+    gate_up (NVFP4, the MoE's gate|up projection): row pair p of a thread is (gate row n, up row n) with
+    n = 8 * (RP * warp + p) + g, the up row `ub` bytes (`usb` scale bytes) after the gate row, so that one
+    MMA's D holds gate and up of the same activation column (the SwiGLU epilogue needs both in one lane)."""
+    if gate_up and fmt != FMT_NVFP4:
+        raise ValueError(f"load_asm: the gate|up row pairing serves NVFP4 only, found format {fmt}")
     o = _Operands()
     nw, ns = word_regs(fmt, rp), scale_regs(rp)
     o.out("W", nw, "r")
     o.out("S", ns, "r")
-    for name, c in (("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r")):
+    ins = [("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r")] + ([("ub", "l"), ("usb", "l")] if gate_up else [])
+    for name, c in ins:
         o.inp(name, 2, c)
     r, cons = o.build()
     wk, sk, sw, ss = (r[n][0] for n in ("wk", "sk", "sw", "ss"))
     row_bytes = 16 if fmt == FMT_NVFP4 else 32  # one lane's share of a row per step
-    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, t, cb;", ".reg .b64 wa, sa, o64, w8, s8;",
-         ".reg .b16 hA, hB;", _lane_prologue(rp)]
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, t, cb;", f".reg .b64 wa, sa, o64, w8, s8{', wb, sb' if gate_up else ''};",
+         ".reg .b16 hA, hB;", _lane_prologue(rp, 8 if gate_up else 16)]
     # weights: wk + r0 * sw + row_bytes * c, w8 = 8 rows; scales: sk + r0 * ss + the lane's byte (NVFP4 groups
     # 2c, 2c+1 at 2c; MXFP8 group c at c), s8 = 8 rows
     s.append(f"""mul.wide.u32 o64, r0, {sw};
@@ -124,13 +132,19 @@ add.s64 sa, sa, o64;
 mul.wide.u32 s8, {ss}, 8;""")
     W = r["W"]
     per_row = row_bytes // 4
+    width = "u16" if fmt == FMT_NVFP4 else "u8"
     for p in range(rp):
+        if gate_up:
+            s.append(f"add.s64 wb, wa, {r['ub'][0]};\nadd.s64 sb, sa, {r['usb'][0]};")
         for h in range(2):
             regs = W[(2 * p + h) * per_row:(2 * p + h + 1) * per_row]
+            wsrc, ssrc = ("wb", "sb") if gate_up and h == 1 else ("wa", "sa")
             for v in range(per_row // 4):
-                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs[4 * v:4 * v + 4])}}}, [wa+{16 * v}];")
-            width = "u16" if fmt == FMT_NVFP4 else "u8"
-            s.append(f"ld.global.nc.L1::no_allocate.{width} {'hA' if h == 0 else 'hB'}, [sa];")
+                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs[4 * v:4 * v + 4])}}}, [{wsrc}+{16 * v}];")
+            s.append(f"ld.global.nc.L1::no_allocate.{width} {'hA' if h == 0 else 'hB'}, [{ssrc}];")
+            if not gate_up:
+                s.append("add.s64 wa, wa, w8;\nadd.s64 sa, sa, s8;")
+        if gate_up:
             s.append("add.s64 wa, wa, w8;\nadd.s64 sa, sa, s8;")
         S = r["S"][p]
         if fmt == FMT_NVFP4:
@@ -319,5 +333,95 @@ def store_asm(rp: int, mode: int, alpha: int) -> tuple[str, str]:
                 else:
                     s.append(f"@pr st.global.cg.f32 [a64], {val};")
     s.append(f"mov.b32 {r['dummy'][0]}, 0;\nmov.b32 {r['dummy'][1]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+# --- MoE blocks (_mma_moe.py) --------------------------------------------------------------------------------
+
+_ONE = "0f3F800000"
+_NEG_LOG2E = "0fBFB8AA3B"  # -log2(e): exp(-z) = 2**(-z log2 e)
+
+
+def swiglu_store_asm(rp: int) -> tuple[str, str]:
+    """The MoE gate|up epilogue: this thread's accumulators hold gate (D rows g) and up (rows g + 8) of
+    activation column n = n0 + 8 * (RP * warp + p) + g for tokens 2c, 2c + 1 (load_asm's gate_up pairing);
+    act[t, n] = bf16(swiglu_oai(gate * 2**8 / gg, up * 2**8 / gu)) for tokens t < M, with _moe.swiglu_oai's
+    operations in its order: g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1),
+    sigmoid(z) = 1 / (1 + 2**(-z log2 e)) (ex2.approx, as Triton's exp)."""
+    o = _Operands()
+    o.out("dummy", 2, "r")
+    o.inp("A", acc_regs(rp), "f")
+    for name, c in (("ya", "l"), ("n0", "r"), ("m", "r"), ("rs", "r"), ("gg", "f"), ("gu", "f"), ("al", "f"),
+                    ("lim", "f")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    A = r["A"]
+    ya, n0, m, rs, gg, gu, al, lim = (r[n][0] for n in ("ya", "n0", "m", "rs", "gg", "gu", "al", "lim"))
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, n, t, idx;", ".reg .b64 a64, o64;",
+         ".reg .f32 gv, uv, nl, z, sg, one;", ".reg .b16 hv;", ".reg .pred pr;", _lane_prologue(rp, 8),
+         f"neg.f32 nl, {lim};\nmov.f32 one, {_ONE};"]
+    for p in range(rp):
+        s.append(f"add.u32 n, {n0}, r0;\nadd.u32 n, n, {8 * p};")
+        for e in range(2):
+            s.append(f"""shl.b32 t, c, 1;
+add.u32 t, t, {e};
+setp.lt.u32 pr, t, {m};
+mad.lo.u32 idx, t, {rs}, n;
+mul.wide.u32 o64, idx, 2;
+add.s64 a64, {ya}, o64;
+mul.f32 gv, {A[4 * p + e]}, {_TWO_8};
+div.rn.f32 gv, gv, {gg};
+mul.f32 uv, {A[4 * p + 2 + e]}, {_TWO_8};
+div.rn.f32 uv, uv, {gu};
+min.f32 gv, gv, {lim};
+max.f32 uv, uv, nl;
+min.f32 uv, uv, {lim};
+mul.f32 z, {al}, gv;
+mul.f32 z, z, {_NEG_LOG2E};
+ex2.approx.ftz.f32 z, z;
+add.f32 z, z, one;
+div.rn.f32 sg, one, z;
+mul.f32 gv, gv, sg;
+add.f32 uv, uv, one;
+mul.f32 gv, gv, uv;
+cvt.rn.bf16.f32 hv, gv;
+@pr st.global.b16 [a64], hv;""")
+    s.append(f"mov.b32 {r['dummy'][0]}, 0;\nmov.b32 {r['dummy'][1]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+def fold_asm(rp: int) -> tuple[str, str]:
+    """The MoE down projection at the end of one expert's K range: out += acc * (cs * w[t]) per token column
+    t = 2c + e < M, w[t] the slot's routing weight (fp32 at wr + 4t; wr = 0: the shared expert, weight 1),
+    cs = 2**8 / the expert's global scale; tokens >= M get weight 0."""
+    o = _Operands()
+    na = acc_regs(rp)
+    o.out("O", na, "f")
+    o.inp("Oi", na, "f")
+    o.inp("A", na, "f")
+    for name, c in (("wr", "l"), ("cs", "f"), ("m", "r")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    O, Oi, A = r["O"], r["Oi"], r["A"]
+    wr, cs, m = (r[n][0] for n in ("wr", "cs", "m"))
+    s = ["{", ".reg .b32 lane, c, t;", ".reg .b64 a64, o64;", ".reg .f32 w0, w1;", ".reg .pred pw, pt, pl;",
+         f"""mov.u32 lane, %laneid;
+and.b32 c, lane, 3;
+setp.ne.u64 pw, {wr}, 0;"""]
+    for e in range(2):
+        s.append(f"""shl.b32 t, c, 1;
+add.u32 t, t, {e};
+setp.lt.u32 pt, t, {m};
+and.pred pl, pw, pt;
+mul.wide.u32 o64, t, 4;
+add.s64 a64, {wr}, o64;
+mov.f32 w{e}, 0f00000000;
+@pl ld.global.nc.f32 w{e}, [a64];
+selp.f32 w{e}, w{e}, {_ONE}, pw;
+mul.f32 w{e}, w{e}, {cs};""")
+    for i in range(na):
+        s.append(f"fma.rn.f32 {O[i]}, {A[i]}, w{i % 2}, {Oi[i]};")
     s.append("}")
     return "\n".join(s), cons

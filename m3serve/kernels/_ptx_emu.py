@@ -12,7 +12,9 @@ Semantics that matter for exactness:
     mma.sync ... f32.bf16.bf16.f32                       D = A @ B + C computed in float64, rounded to fp32
                                                          (the hardware's internal order is unspecified; the
                                                          tests' bands cover any order)
-    mul.f32, div.rn.f32                                  numpy float32 (IEEE, round to nearest)
+    mul.f32, add.f32, div.rn.f32, fma.rn.f32             numpy float32 (IEEE, round to nearest; fma rounded once)
+    ex2.approx.ftz.f32                                   numpy's fp32 exp2 (the hardware is within 2 ulp of it;
+                                                         the bands that cover it are stated where it is used)
 """
 
 from __future__ import annotations
@@ -184,11 +186,14 @@ class Warp:
             return
         if op in ("ld.global.nc.L1::no_allocate.u16", "ld.global.nc.L1::no_allocate.u8", "ld.global.nc.f32"):
             n = {"u16": 2, "u8": 1, "f32": 4}[op.rsplit(".", 1)[1]]
-            data = self.mem.load(self.addr(args[1]), n, np.ones(LANES, bool))
+            active = pred if pred is not None else np.ones(LANES, bool)
+            data = self.mem.load(self.addr(args[1]), n, active)
             v = np.zeros(LANES, np.uint64)
             for i in range(n):
                 v |= data[:, i].astype(np.uint64) << np.uint64(8 * i)
-            return self.set(args[0], v)
+            # predicated off: the register keeps what it held (PTX), or poison if it held nothing yet
+            before = self.regs.get(args[0], np.full(LANES, 0x7FC00000, np.uint64))
+            return self.set(args[0], np.where(active, v, before))
         if op in ("st.global.b16", "st.global.cg.f32"):
             n = 2 if op.endswith("b16") else 4
             v = g(args[1])
@@ -253,6 +258,26 @@ class Warp:
         if op == "div.rn.f32":
             with np.errstate(divide="ignore", invalid="ignore"):
                 return self.set(args[0], _bits32(_f32(g(args[1])) / _f32(g(args[2]))))
+        if op in ("add.f32", "min.f32", "max.f32"):
+            a, b = _f32(g(args[1])), _f32(g(args[2]))
+            f = {"add.f32": np.add, "min.f32": np.fmin, "max.f32": np.fmax}[op]  # PTX min/max drop a NaN operand
+            return self.set(args[0], _bits32(f(a, b)))
+        if op == "neg.f32":
+            return self.set(args[0], g(args[1]) ^ np.uint64(0x80000000))
+        if op == "fma.rn.f32":  # one rounding: the float64 product of two fp32 values is exact
+            a, b, c = (_f32(g(t)).astype(np.float64) for t in args[1:4])
+            with np.errstate(invalid="ignore", over="ignore"):
+                return self.set(args[0], _bits32((a * b + c).astype(np.float32)))
+        if op == "ex2.approx.ftz.f32":  # the hardware's is within 2 ulp; fp32 exp2, subnormal results flushed
+            with np.errstate(over="ignore", under="ignore"):
+                v = np.exp2(_f32(g(args[1])))
+            return self.set(args[0], _bits32(np.where(np.abs(v) < np.float32(2.0**-126), np.float32(0), v)))
+        if op == "setp.ne.u64":
+            return self.set(args[0], (g(args[1]) != g(args[2])).astype(np.uint64))
+        if op == "and.pred":
+            return self.set(args[0], (self.regs[args[1]].astype(bool) & self.regs[args[2]].astype(bool)).astype(np.uint64))
+        if op == "selp.f32":
+            return self.set(args[0], np.where(self.regs[args[3]].astype(bool), g(args[1]), g(args[2])) & _M32)
         if op == "cvt.rn.bf16x2.f32":
             hi, lo = _f32_to_bf16_rne(_f32(g(args[1]))), _f32_to_bf16_rne(_f32(g(args[2])))
             return self.set(args[0], lo | (hi << np.uint64(16)))

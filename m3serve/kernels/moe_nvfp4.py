@@ -32,6 +32,8 @@ from m3serve.kernels._decode import FMT_BF16, FMT_NVFP4
 from m3serve.kernels._e2m1_ptx import use_ptx
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels._linear import fresh_x
+from m3serve.kernels._mma_gemv import STEP
+from m3serve.kernels._mma_moe import MmaMoEConfig, launch_mma_moe
 from m3serve.kernels._moe import moe_down, moe_gate_up, moe_router
 from m3serve.kernels.catalog import (BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng,
                                      gemm_band, poisoned, true_fp32)
@@ -147,7 +149,13 @@ def _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, 
     check_tensor("out", out, torch.bfloat16, (t, h), dev)
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
-    if e % cfg.RBE or h % (cfg.RBK * cfg.RSPLIT) or h % cfg.BK or h % cfg.dbn or i % cfg.BN \
+    if isinstance(cfg, MmaMoEConfig):
+        why = cfg.fits(h, i)
+        if shared_fmt != FMT_NVFP4:
+            why = "the MMA MoE serves an NVFP4 shared expert only (a BF16 one keeps MoEConfig's kernels)"
+        if why or e % cfg.RBE or h % (cfg.RBK * cfg.RSPLIT) or e > 1024:
+            raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit config {cfg}" + (f": {why}" if why else ""))
+    elif e % cfg.RBE or h % (cfg.RBK * cfg.RSPLIT) or h % cfg.BK or h % cfg.dbn or i % cfg.BN \
             or i % (cfg.dbk * cfg.DSPLIT) or e > 1024:
         raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit config {cfg}")
     s = n_slots(t, e)
@@ -201,6 +209,13 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
         sw2, ss2, sg2 = sh_w2.view(torch.int32), sh_s2.view(torch.uint8), sh_g2
     else:
         sw13, ss13, sg13, sw2, ss2, sg2 = sh_w13, g13, g13, sh_w2, g2, g2  # scale pointers unused
+    if isinstance(cfg, MmaMoEConfig):
+        if cuda:
+            launch_mma_moe(x, w13.view(torch.int32), s13.view(torch.uint8), g13, w2.view(torch.int32),
+                           s2.view(torch.uint8), g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out, t=t, h=h, e=e, i=i, s=s,
+                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, cfg=cfg, launches=launches)
+            return out
+        cfg = interpreted_config(cfg)  # the interpreter cannot run inline PTX: _moe's kernels, same workspace
     if "g" in launches:
         moe_gate_up[(s + 1, i // cfg.BN)](
             x, w13.view(torch.int32), s13.view(torch.uint8), g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i,
@@ -213,6 +228,12 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
             BN=cfg.dbn, BK=cfg.dbk, KT=i // cfg.DSPLIT // cfg.dbk, SP=sp, CUDA=cuda, PTX=ptx,
             num_warps=cfg.down_warps or cfg.num_warps, num_stages=cfg.down_stages or cfg.num_stages)
     return out
+
+
+def interpreted_config(cfg: MmaMoEConfig) -> MoEConfig:
+    """The _moe kernels' config that computes the same function in the same workspace on CPU tensors."""
+    return MoEConfig(BT=cfg.BT, BN=cfg.bna, BK=STEP, RBE=cfg.RBE, RBK=cfg.RBK, RSPLIT=cfg.RSPLIT, DSPLIT=cfg.DSPLIT,
+                     router_warps=cfg.router_warps, DBN=cfg.dbn, DBK=STEP)
 
 
 # --- reference ------------------------------------------------------------------------------
@@ -465,11 +486,29 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
     return cfg
 
 
+# 1-8 tokens with an NVFP4 shared expert: gate|up and down on the register-operand MMA step (_mma_moe)
+MMA_MOE_ROWS = (1, 8)
+MMA_MOE = {3072: MmaMoEConfig(DSPLIT=4), 1536: MmaMoEConfig(DSPLIT=2)}
+
+
+def _row_ranges(sb: int) -> tuple[tuple[int, int], ...]:
+    if sb:
+        return MOE_ROW_RANGES
+    return (MMA_MOE_ROWS, (MMA_MOE_ROWS[1] + 1, 16)) + MOE_ROW_RANGES[2:]
+
+
+def _cell_cfg(lo: int, hi: int, i: int, sb: int):
+    if not sb and (lo, hi) == MMA_MOE_ROWS:
+        return MMA_MOE[i]
+    return _moe_cfg(lo, hi, i, sb)
+
+
 CELLS = tuple(
     Cell(rows=(lo, hi), shape=(128, 6144, i, sb),
-         why=f"M3 MoE layers 3-59 ({tp}: expert width {i}, {'BF16' if sb else 'NVFP4'} shared expert), {lo}-{hi} tokens",
-         config={"moe": _moe_cfg(lo, hi, i, sb)})
-    for sb in (0, 1) for i, tp in ((3072, "TP1"), (1536, "TP2")) for lo, hi in MOE_ROW_RANGES
+         why=f"M3 MoE layers 3-59 ({tp}: expert width {i}, {'BF16' if sb else 'NVFP4'} shared expert), {lo}-{hi} tokens"
+             + (" (MMA step)" if not sb and (lo, hi) == MMA_MOE_ROWS else ""),
+         config={"moe": _cell_cfg(lo, hi, i, sb)})
+    for sb in (0, 1) for i, tp in ((3072, "TP1"), (1536, "TP2")) for lo, hi in _row_ranges(sb)
 )
 _ICFG = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2)
 _ICFG_KT = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=1, DBK=32)
@@ -483,6 +522,8 @@ INTERP_CELLS = (
          config={"moe": _ICFG_KT}),
     Cell(rows=(2, 2), shape=(16, 256, 128, 1), why="interpreter: BF16 shared expert, 2 down K tiles per slot",
          config={"moe": MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2, DBN=32, DBK=32)}),
+    Cell(rows=(1, 4), shape=(16, 256, 256, 0), why="interpreter: an MMA config on the CPU (its interpreted_config)",
+         config={"moe": MmaMoEConfig(RBE=16, RBK=64, RSPLIT=2, DSPLIT=2)}),
 )
 
 

@@ -178,3 +178,28 @@ def test_head12_agrees_with_bf16_head_on_the_same_weights() -> None:
         absprod = x.float().abs() @ w.float().abs().T
     HB.compare_argmax("head12 vs bf16", (ids12, best12), logits, absprod, x.shape[1], case.args[5])
     HB.compare_argmax("bf16", (ids_b, best_b), logits, absprod, x.shape[1], case.args[5])
+
+
+def test_mma_moe_every_token_count_and_split_determinism() -> None:
+    """The MMA-step MoE cells (1-8 tokens): every token count (the token columns are masked in PTX, so each
+    count is its own path through the stores), then the down split's fixed-order sum: repeated calls are
+    bit-identical and leave the counters at zero."""
+    from m3serve.kernels._mma_moe import MmaMoEConfig
+    dev = _dev()
+    e = ENTRIES["moe.nvfp4"]
+    cells = [c for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig)]
+    assert cells, "moe.nvfp4 has MMA-step cells"
+    for cell in cells:
+        lo, hi = cell.rows
+        for rows in range(lo, hi + 1):
+            case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(300 + rows))
+            out = e.raw_call(*case.args, **case.kwargs).clone()
+            torch.cuda.synchronize()
+            e.compare(out, e.reference(*case.args, **case.kwargs), case)
+            if rows == hi:
+                for _ in range(3):
+                    assert torch.equal(e.raw_call(*case.args).view(torch.int16), out.view(torch.int16))
+                torch.cuda.synchronize()
+                ws = case.args[-2]
+                assert int(ws.dcount.abs().sum()) == 0 and int(ws.rcount.abs().sum()) == 0
+            del case, out
