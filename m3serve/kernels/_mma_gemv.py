@@ -85,9 +85,10 @@ class MmaGemvConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def asm_args(fmt: int, rp: int, alpha: int, partial: bool) -> dict:
-    """The PTX blocks of one variant as the kernel's constexpr arguments (text, constraints, output counts)."""
-    load, load_c = P.load_asm(fmt, rp)
+def asm_args(fmt: int, rp: int, alpha: int, partial: bool, tiled: bool = False) -> dict:
+    """The PTX blocks of one variant as the kernel's constexpr arguments (text, constraints, output counts).
+    tiled: NVFP4 weights in the MMA tile layout (tile_nvfp4)."""
+    load, load_c = P.tiled_load_asm(rp) if tiled else P.load_asm(fmt, rp)
     mma, mma_c = P.compute_asm(fmt, rp)
     xload, xload_c = P.xload_asm()
     store, store_c = P.store_asm(rp, P.MODE_PARTIAL if partial else P.MODE_FINAL, 0 if partial else alpha)
@@ -110,9 +111,12 @@ def asm_block(args, FLOAT: tl.constexpr, N_OUT: tl.constexpr, TEXT: tl.constexpr
 
 
 @helper
-def step_addrs(w_row, s_row, k0, FMT: tl.constexpr):
-    """Byte addresses of column k0 in the CTA's first weight row and its scale row."""
-    if FMT == 0:
+def step_addrs(w_row, s_row, k0, FMT: tl.constexpr, TILED: tl.constexpr = False):
+    """Byte addresses of column k0 in the CTA's first weight row and its scale row (TILED: of the CTA's first
+    tile of that step; a row block's tiles start where its first row does in the row-major layout)."""
+    if TILED:
+        return w_row + (k0 // 128) * 1024, s_row + (k0 // 128) * 128
+    elif FMT == 0:
         return w_row + k0 // 2, s_row + k0 // 16
     else:
         return w_row + k0, s_row + k0 // 32
@@ -121,7 +125,7 @@ def step_addrs(w_row, s_row, k0, FMT: tl.constexpr):
 @kernel
 def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xb, stride_ym, stride_wb,
              stride_sb, alpha_stride, SPLIT, FMT: tl.constexpr, ALPHA: tl.constexpr, SPLITK: tl.constexpr,
-             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr,
+             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr,
              LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr,
              XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr):
     """Strides ending in b are in bytes; stride_ym and alpha_stride in elements. SPLIT is a runtime value
@@ -141,8 +145,8 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     w_row = w_ptr.to(tl.int64) + n0.to(tl.int64) * stride_wb
     s_row = s_ptr.to(tl.int64) + n0.to(tl.int64) * stride_sb
     x_base = x_ptr.to(tl.int64)
-    sw = zi + stride_wb
-    ss = zi + stride_sb
+    sw = zi + stride_wb * (16 if TILED else 1)  # TILED: the next row block's tile
+    ss = zi + stride_sb * (16 if TILED else 1)
     sx = zi + stride_xb
     mm = zi + (M - 1)
     last = k_hi - 128
@@ -150,13 +154,13 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     xs = asm_block((zl + (x_base + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
     # the register ring: the words of STAGES - 1 steps are loaded ahead of their decode; steps past the slice
     # reload the last one (an L2 hit) instead of branching
-    wk, sk = step_addrs(w_row, s_row, k_lo, FMT)
+    wk, sk = step_addrs(w_row, s_row, k_lo, FMT, TILED)
     st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
     if STAGES == 3:
-        wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), FMT)
+        wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), FMT, TILED)
         st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
     for k0 in range(k_lo, k_hi, 128):
-        wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT)
+        wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT, TILED)
         nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
         xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
         acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
@@ -193,9 +197,12 @@ def check_mma_args(x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: MmaG
 
 def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
                     out: torch.Tensor, ws: GemmWorkspace, *, fmt: int, alpha_mode: int, n: int, k: int,
-                    cfg: MmaGemvConfig) -> torch.Tensor:
+                    cfg: MmaGemvConfig, tiled: bool = False) -> torch.Tensor:
     """Same arguments as _linear.launch_gemm (w: int32 words for NVFP4, uint8 E4M3 for MXFP8). Compiled
-    only: the raw calls send CPU tensors to _wstream with the same tiles (interpreted_config)."""
+    only: the raw calls send CPU tensors to _wstream with the same tiles (interpreted_config).
+    tiled: w and s are NVFP4 in the MMA tile layout of tile_nvfp4 (same shapes and strides)."""
+    if tiled and fmt != P.FMT_NVFP4:
+        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 only, found format {fmt}")
     if x.device.type not in ("cuda", "meta"):
         raise ValueError(f"x: the MMA GEMV runs compiled only (inline PTX), found a {x.device.type} tensor; "
                          "the raw call interprets _wstream_gemm for CPU tensors")
@@ -205,10 +212,26 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
     mma_gemv[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0) * 2, out.stride(0), w.stride(0) * w.element_size(),
         s.stride(0) * s.element_size(), alpha_stride, cfg.SPLIT, FMT=fmt, ALPHA=alpha_mode, SPLITK=cfg.SPLIT > 1,
-        RP=cfg.RP, NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, **asm_args(fmt, cfg.RP, alpha_mode, cfg.SPLIT > 1),
+        RP=cfg.RP, NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, TILED=tiled,
+        **asm_args(fmt, cfg.RP, alpha_mode, cfg.SPLIT > 1, tiled),
         num_warps=cfg.num_warps, num_stages=1,
     )
     return out
+
+
+def tile_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 [N, K/2] bytes and [N, K/16] E4M3 scales -> the MMA tile layout, same shapes: row block rb (16 rows)
+    and step ks (128 columns) become one 1 KB tile [h, lane, 16 B], lane = 4g + c holding row 16rb + 8h + g,
+    bytes 64ks + 16c .. +15, and one 128 B scale tile [lane, h, 2 B] (groups 8ks + 2c, +1). Each warp load of
+    tiled_load_asm then reads 512 (128) contiguous bytes instead of 8 rows x 64 B."""
+    n, kb = packed.shape
+    if n % 16 or kb % 64 or tuple(scale.shape) != (n, kb // 8):
+        raise ValueError(f"tile_nvfp4: expected [N, K/2] and [N, K/16] with N % 16 == 0 and K % 128 == 0, found "
+                         f"{tuple(packed.shape)} and {tuple(scale.shape)}")
+    w = packed.contiguous().view(torch.uint8).reshape(n // 16, 2, 8, kb // 64, 4, 16).permute(0, 3, 1, 2, 4, 5)
+    sc = scale.contiguous().view(torch.uint8).reshape(n // 16, 2, 8, kb // 64, 4, 2).permute(0, 3, 2, 4, 1, 5)
+    return (w.contiguous().reshape(n, kb).view(packed.dtype),
+            sc.contiguous().reshape(n, kb // 8).view(scale.dtype))
 
 
 def interpreted_config(cfg: MmaGemvConfig) -> GemmConfig:
@@ -228,7 +251,7 @@ def mma_split(n: int, k: int, cfg_bn: int, ctas: int = 396, min_steps: int = 2) 
 
 
 def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int, *, fmt: int,
-            alpha_mode: int, n: int, k: int, cfg: MmaGemvConfig) -> torch.Tensor:
+            alpha_mode: int, n: int, k: int, cfg: MmaGemvConfig, tiled: bool = False) -> torch.Tensor:
     """y [M, N] bf16 from running mma_gemv's PTX blocks (asm_args) on _ptx_emu, CTA by CTA and warp by warp,
     with the kernel's own scalar logic (the ring of loads STAGES - 1 steps ahead and its clamped last steps,
     split-K in order 0..SPLIT-1, the Triton epilogue of the split path). CPU tensors; meant for tiny shapes."""
@@ -248,7 +271,7 @@ def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tens
     pa, part = mem.add_view(np.full(cfg.SPLIT * cfg.BM * n, np.nan, np.float32))
     stride_wb = w.stride(0) * w.element_size()
     stride_sb = s.stride(0) * s.element_size()
-    blocks = asm_args(fmt, cfg.RP, alpha_mode, cfg.SPLIT > 1)
+    blocks = asm_args(fmt, cfg.RP, alpha_mode, cfg.SPLIT > 1, tiled)
     n_load = 2 * blocks["N_LOAD"]
     n_acc = P.acc_regs(cfg.RP)
 
@@ -264,6 +287,10 @@ def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tens
             for warp in range(cfg.num_warps):
                 def words_at(k0: int) -> list[np.ndarray]:
                     k0 = min(k0, last)
+                    if tiled:
+                        wk, sk = wa + n0 * stride_wb + (k0 // STEP) * 1024, sa + n0 * stride_sb + (k0 // STEP) * 128
+                        return E.run_block(blocks["LOAD"], warp, pair(wk, sk, 16 * stride_wb, 16 * stride_sb), n_load,
+                                           mem)
                     wk = wa + n0 * stride_wb + (k0 // 2 if fmt == P.FMT_NVFP4 else k0)
                     sk = sa + n0 * stride_sb + k0 // (16 if fmt == P.FMT_NVFP4 else 32)
                     return E.run_block(blocks["LOAD"], warp, pair(wk, sk, stride_wb, stride_sb), n_load, mem)

@@ -95,6 +95,46 @@ def scale_regs(rp: int) -> int:
     return rp + (rp % 2)
 
 
+def tiled_load_asm(rp: int) -> tuple[str, str]:
+    """load_asm for NVFP4 weights in the MMA tile layout (_mma_gemv.tile_nvfp4): a tile is one row block of 16
+    rows x one 128-column step, 1 KB [h, lane, 16 B] of words + 128 B [lane, h, 2 B] of scales, so each warp
+    instruction reads 512 (words) or 128 (scales) contiguous bytes. wk / sk: the CTA's first tile of the step;
+    sw / ss: bytes from one row block's tile to the next row block's."""
+    o = _Operands()
+    o.out("W", word_regs(FMT_NVFP4, rp), "r")
+    o.out("S", scale_regs(rp), "r")
+    for name, c in (("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    wk, sk, sw, ss = (r[n][0] for n in ("wk", "sk", "sw", "ss"))
+    W = r["W"]
+    s = ["{", ".reg .b32 lane, tid, warp, rb, cb;", ".reg .b64 wa, sa, o64;",
+         f"""mov.u32 lane, %laneid;
+mov.u32 tid, %tid.x;
+shr.u32 warp, tid, 5;
+mul.lo.u32 rb, warp, {rp};"""]
+    for p in range(rp):
+        s.append(f"""add.u32 cb, rb, {p};
+mul.wide.u32 o64, cb, {sw};
+add.s64 wa, {wk}, o64;
+shl.b32 cb, lane, 4;
+cvt.u64.u32 o64, cb;
+add.s64 wa, wa, o64;
+add.u32 cb, rb, {p};
+mul.wide.u32 o64, cb, {ss};
+add.s64 sa, {sk}, o64;
+shl.b32 cb, lane, 2;
+cvt.u64.u32 o64, cb;
+add.s64 sa, sa, o64;
+ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p:8 * p + 4])}}}, [wa+0];
+ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p + 4:8 * p + 8])}}}, [wa+512];
+ld.global.nc.L1::no_allocate.b32 {r['S'][p]}, [sa];""")
+    if scale_regs(rp) > rp:
+        s.append(f"mov.b32 {r['S'][rp]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
 def load_asm(fmt: int, rp: int, gate_up: bool = False) -> tuple[str, str]:
     """One step's weight words and this lane's scale bits straight into registers (ld.global, no shared
     memory); the kernel keeps STAGES - 1 steps of them in flight.

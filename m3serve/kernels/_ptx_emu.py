@@ -184,8 +184,9 @@ class Warp:
                 # a predicated-off lane keeps its register: poison it, so a lane that should have loaded fails
                 self.set(r, np.where(active, data[:, i].astype(np.uint64), np.uint64(0x7FC07FC0)))
             return
-        if op in ("ld.global.nc.L1::no_allocate.u16", "ld.global.nc.L1::no_allocate.u8", "ld.global.nc.f32"):
-            n = {"u16": 2, "u8": 1, "f32": 4}[op.rsplit(".", 1)[1]]
+        if op in ("ld.global.nc.L1::no_allocate.u16", "ld.global.nc.L1::no_allocate.u8", "ld.global.nc.f32",
+                  "ld.global.nc.L1::no_allocate.b32"):
+            n = {"u16": 2, "u8": 1, "f32": 4, "b32": 4}[op.rsplit(".", 1)[1]]
             active = pred if pred is not None else np.ones(LANES, bool)
             data = self.mem.load(self.addr(args[1]), n, active)
             v = np.zeros(LANES, np.uint64)
