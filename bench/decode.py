@@ -1,9 +1,11 @@
 """Decode-step benchmark: the stock path, the eager routed path and the decode target (CUDA graphs), side by side
 in one process on the same model, cache and requests.
 
-    route  off     stock PyTorch (the numerics reference)
-           auto    routed catalog entries + the paged-attention kernels, eager (enforce_eager)
-           target  the same, pure decode steps replayed as CUDA graphs
+    route  off           stock PyTorch (the numerics reference)
+           auto          routed catalog entries + the paged-attention kernels, eager (enforce_eager)
+           target        the same, pure decode steps replayed as CUDA graphs (kernels with programmatic
+                         dependent launch, m3serve/kernels/_pdl.py)
+           target-nopdl  the same graphs captured with programmatic dependent launch off
 
 For each (model, route, batch) it prefills `batch` requests of `context` tokens, then times whole engine decode
 steps (schedule + pack + forward + sample + stop checks; median of `--steps` samples: one step, synchronised, on
@@ -70,10 +72,27 @@ def step_bytes(llm, batch: int, context: int) -> int:
 
 
 def set_route(llm, route: str, graphs) -> None:
+    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-nopdl")."""
     from m3serve.targets import routing
     routing.install(llm.model, "off" if route == "off" else "auto")
     llm.engine.target_attention = route != "off"
-    llm.engine.graphs = graphs if route == "target" else None
+    llm.engine.graphs = graphs.get(route)
+
+
+def graphs_without_pdl(llm, like):
+    """The target's graphs captured again with programmatic dependent launch off (m3serve.kernels._jit's
+    switch), for a side-by-side run; the switch is restored afterwards (a graph keeps what it captured)."""
+    from m3serve.kernels import _jit
+    from m3serve.runtime.decode_graphs import DecodeGraphs
+    eng = llm.engine
+    before = _jit.PDL_ENABLED
+    _jit.PDL_ENABLED = False
+    try:
+        g = DecodeGraphs(llm.model, eng.kv, eng.tables, like.buckets, penalties=eng.penalties)
+        g.capture()
+    finally:
+        _jit.PDL_ENABLED = before
+    return g
 
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuGraphLaunch", "cudaMemcpyAsync",
@@ -172,12 +191,14 @@ def main() -> None:
                   max_num_batched_tokens=max(2048, args.context), gpu_memory_utilization=0.85,
                   max_model_len=args.context + WINDOW * args.steps + 64, route="auto")
         loads[name] = time.perf_counter() - t0
-        graphs = llm.engine.graphs
+        graphs = {"target": llm.engine.graphs}
+        if "target-nopdl" in routes:
+            graphs["target-nopdl"] = graphs_without_pdl(llm, llm.engine.graphs)
         base_tokens = {}
         for route in routes:
             set_route(llm, route, graphs)
             for b in batches:
-                r = time_decode(llm, b, args.context, args.steps, seed=b, window=WINDOW if route == "target" else 1,
+                r = time_decode(llm, b, args.context, args.steps, seed=b, window=WINDOW if route.startswith("target") else 1,
                                 sampling=sampling)
                 toks = r.pop("_tokens")
                 if route == "off":

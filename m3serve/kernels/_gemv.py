@@ -63,6 +63,7 @@ from m3serve.kernels._decode import (
 )
 from m3serve.kernels._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118, use_ptx
 from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._linear import GemmWorkspace, check_gemm_args
 from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 from m3serve.kernels._wstream import apply_alpha
@@ -204,7 +205,7 @@ def reduce_row(part_ptr, y_ptr, alpha_ptr, rn, m, M, N, stride_ym, alpha_stride,
 def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym,
                 stride_w, stride_s, alpha_stride, FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr,
                 SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                PREFETCH: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+                PREFETCH: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BK // GS
@@ -221,8 +222,10 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
     if BM > 2:
         acc2 = tl.zeros([BN, G], tl.float32)
         acc3 = tl.zeros([BN, G], tl.float32)
-    if PREFETCH:
+    pdl_release(PDL)
+    if PREFETCH:  # weights only: they may go out before the previous kernel has finished (_pdl)
         wr, sr = load_raw(w_ptr, s_ptr, rn2, k_lo, stride_w, stride_s, FMT, BK, GS)
+    pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BK):
         # K slices are whole BK steps (check_gemm_args): the hint lets loads use 16-byte vectors
         k0 = tl.multiple_of(k0, BK)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 
 
 @helper
@@ -56,7 +57,9 @@ def _head12_tile(sm_ptr, code_ptr, tb_ptr, n0, k0, K, BN: tl.constexpr, BK: tl.c
 @kernel
 def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr,
                         pval_ptr, pidx_ptr, M, V, K, stride_xm, P, HEAD12: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -90,7 +93,9 @@ def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, es
 
 
 @kernel
-def argmax_reduce(pval_ptr, pidx_ptr, ids_ptr, best_ptr, P, index_offset, BLOCK: tl.constexpr):
+def argmax_reduce(pval_ptr, pidx_ptr, ids_ptr, best_ptr, P, index_offset, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     row = tl.program_id(0)
     best = tl.full([1], float("-inf"), tl.float32)
     best_i = tl.full([1], 0, tl.int32)

@@ -103,6 +103,10 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
 
 _CAPTURE: list[list] = []
 
+# The one switch for programmatic dependent launch (kernels that declare a PDL constexpr, see _pdl.py): False
+# launches them plainly, with PDL=False. Read at every launch; a CUDA graph keeps what it captured.
+PDL_ENABLED = True
+
 
 @contextlib.contextmanager
 def capture_launches() -> Iterator[list]:
@@ -122,16 +126,25 @@ class DualKernel:
         self.gpu = JITFunction(fn)
         self.cpu = InterpretedFunction(fn)
         self.__name__ = fn.__name__
+        # kernels with a PDL constexpr follow _pdl's contract and are launched with programmatic dependence
+        self.pdl = "PDL" in inspect.signature(fn).parameters
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         def launch(*args: Any, **kwargs: Any) -> Any:
             if _CAPTURE:
+                if self.pdl and "PDL" not in kwargs:
+                    kwargs["PDL"] = PDL_ENABLED  # 'meta' tensors stand for CUDA ones
                 _CAPTURE[-1].append((self, grid, args, dict(kwargs)))
                 return None
-            if _first_tensor(args, kwargs).device.type == "cuda":
+            cuda = _first_tensor(args, kwargs).device.type == "cuda"
+            if self.pdl and "PDL" not in kwargs:
+                kwargs["PDL"] = cuda and PDL_ENABLED
+            if kwargs.get("PDL"):
+                kwargs["launch_pdl"] = True
+            if cuda:
                 return self.gpu[grid](*args, **kwargs)
-            # The interpreter has no notion of warps or pipelining; drop the launch options.
-            for opt in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
+            # The interpreter has no notion of warps, pipelining or launch attributes; drop the launch options.
+            for opt in _LAUNCH_OPTS:
                 kwargs.pop(opt, None)
             with _interpreting():
                 return self.cpu[grid](*args, **kwargs)
@@ -151,7 +164,7 @@ def is_compiled(t: torch.Tensor) -> bool:
 
 # --- ahead-of-time compile check (no GPU needed) ---------------------------------------------
 
-_LAUNCH_OPTS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_LAUNCH_OPTS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
 
 
 @dataclass

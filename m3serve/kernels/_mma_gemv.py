@@ -42,6 +42,7 @@ import triton.language as tl
 
 from m3serve.kernels import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._linear import GemmConfig, GemmWorkspace, check_gemm_args
 from m3serve.kernels._splitk import ordered_sum, release_ticket, take_ticket
 from m3serve.kernels._wstream import apply_alpha
@@ -127,7 +128,7 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
              stride_sb, alpha_stride, SPLIT, FMT: tl.constexpr, ALPHA: tl.constexpr, SPLITK: tl.constexpr,
              RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr,
              LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr,
-             XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr):
+             XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
     """Strides ending in b are in bytes; stride_ym and alpha_stride in elements. SPLIT is a runtime value
     (one compiled variant serves every split count); SPLITK = SPLIT > 1 selects the partial-sum epilogue.
     LOAD / MMA / XLOAD / STORE are the variant's PTX blocks (asm_args)."""
@@ -151,14 +152,17 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     mm = zi + (M - 1)
     last = k_hi - 128
     acc = (tl.zeros([T], tl.float32),) * NACC
-    xs = asm_block((zl + (x_base + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+    pdl_release(PDL)
     # the register ring: the words of STAGES - 1 steps are loaded ahead of their decode; steps past the slice
-    # reload the last one (an L2 hit) instead of branching
+    # reload the last one (an L2 hit) instead of branching. Its first steps are weights only: they go out
+    # before the previous kernel has finished (_pdl), x after.
     wk, sk = step_addrs(w_row, s_row, k_lo, FMT, TILED)
     st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
     if STAGES == 3:
         wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), FMT, TILED)
         st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+    pdl_wait(PDL)
+    xs = asm_block((zl + (x_base + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
     for k0 in range(k_lo, k_hi, 128):
         wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT, TILED)
         nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)

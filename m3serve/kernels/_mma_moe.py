@@ -41,6 +41,7 @@ import triton.language as tl
 
 from m3serve.kernels import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._mma_gemv import MMA_ROWS, STEP, asm_block
 from m3serve.kernels._splitk import ordered_sum, release_ticket, take_ticket
 
@@ -123,8 +124,10 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
                     stride_xb, S, swiglu_alpha, swiglu_limit, RP: tl.constexpr, NW: tl.constexpr,
                     STAGES: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr,
                     MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr,
-                    STORE: tl.constexpr, STORE_C: tl.constexpr):
+                    STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
     """grid (I / BNA, S + 1): program (j, s) -> act[s, :T, j*BNA:(j+1)*BNA]. Padding slots (slot_e = -1) exit."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BNA: tl.constexpr = 8 * RP * NW
     NACC: tl.constexpr = 4 * RP // 2
@@ -204,9 +207,11 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
                  RP: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr,
                  N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr,
                  XLOAD_C: tl.constexpr, FOLD: tl.constexpr, FOLD_C: tl.constexpr, STORE: tl.constexpr,
-                 STORE_C: tl.constexpr):
+                 STORE_C: tl.constexpr, PDL: tl.constexpr = False):
     """grid (H / BN, DSPLIT): y[:T, tile] = sum_slots w_slot * (act_slot @ W2_e^T) / g2_e + act_S @ W2_sh^T /
     sg2, each CTA over I columns [pid_k * KT * 128, +KT * 128) of every slot (KT steps a slot)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BN: tl.constexpr = 16 * RP * NW
     BM: tl.constexpr = 8

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import NVFP4_UNIT, to_bf16
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 from m3serve.kernels._wstream import dot_tile, load_w_tile, mma, x_tile
 
@@ -41,9 +42,11 @@ from m3serve.kernels._wstream import dot_tile, load_w_tile, mma, x_tile
 @kernel
 def moe_router(x_ptr, wr_ptr, bias_ptr, rpart_ptr, count_ptr, ids_ptr, tw_ptr, slot_e_ptr, slot_w_ptr,
                T, H, E, stride_x, S, scaling, TOPK: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-               BK: tl.constexpr, RSPLIT: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr):
+               BK: tl.constexpr, RSPLIT: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
     """grid (E / BE, RSPLIT). Logits in true fp32 (ieee dot = fp32 FMAs); the program that takes
     the last ticket sums the partials in split order and does the routing for all tokens."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
     re = pid_e * BE + tl.arange(0, BE)
@@ -117,8 +120,10 @@ def gate_up_dots(x_ptr, w_ptr, s_ptr, rn, I, rt, T, H, stride_x, FMT: tl.constex
 @kernel
 def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr,
                 T, H, I, stride_x, S, swiglu_alpha, swiglu_limit, SHARED_FMT: tl.constexpr, BT: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
     """grid (S + 1, I / BN): program (s, j) -> act[s, :, j*BN:(j+1)*BN] for all T tokens."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     s = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rt = tl.arange(0, BT)
@@ -147,7 +152,7 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
 def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_ptr, slot_w_ptr, y_ptr, dpart_ptr,
              count_ptr, T, H, I, S, stride_y, SHARED_FMT: tl.constexpr, DSPLIT: tl.constexpr, BT: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr, SP: tl.constexpr, CUDA: tl.constexpr,
-             PTX: tl.constexpr):
+             PTX: tl.constexpr, PDL: tl.constexpr = False):
     """grid (H / BN, DSPLIT): y[:, tile] = sum_slots w_slot * (act_slot @ W2_e^T) + act_S @ W2_sh^T,
     the K (= I) range split DSPLIT ways (KT tiles of BK each) with the ticketed fixed-order
     reduction of _splitk.
@@ -157,6 +162,8 @@ def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_
     instead of draining and refilling once per expert. At a slot's last tile its sum is scaled
     (1 / global scale, routing weight per token) into `out` and the accumulator restarts: the same
     per-expert sums and the same order as one loop per expert."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -53,7 +54,9 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
                      stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr):
+                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -263,9 +266,11 @@ def _store_out(acc, m_i, l_i, cols, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok
 
 @kernel
 def paged_attn_combine(acc_ptr, ml_ptr, out_ptr, T, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, CUDA: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
     """One (row, head): out = sum_s 2**(m_s - M) acc_s / sum_s 2**(m_s - M) l_s, splits in order
     (SP = NUM_SPLITS padded to a power of two, SC splits per chunk)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)

@@ -37,6 +37,7 @@ import triton.language as tl
 from m3serve.kernels._decode import NVFP4_UNIT, load_w_groups, to_bf16, x_cols
 from m3serve.kernels._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118
 from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 
 
@@ -111,7 +112,9 @@ def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT:
 @kernel
 def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym,
                  alpha_stride, FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import is_compiled, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import BF16_REL, Case, Cell, Entry, assert_band, check_tensor, poisoned
 
 ENABLED = True  # the one switch: False sends norm.add_rms calls down the stock path
@@ -25,7 +26,9 @@ ENABLED = True  # the one switch: False sends norm.add_rms calls down the stock 
 
 @kernel
 def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, H, stride_x, stride_r, stride_h, stride_y, eps,
-                        BLOCK: tl.constexpr, CUDA: tl.constexpr):
+                        BLOCK: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H

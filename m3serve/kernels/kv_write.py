@@ -34,6 +34,7 @@ import triton.language as tl
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._encode import f32_to_e4m3, nvfp4_encode
 from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import Case, Cell, Entry, check_operand, check_shape
 from m3serve.kv import codec
 from m3serve.kv.cache import PagedKVCache
@@ -91,7 +92,9 @@ def _kv_write_kernel(slot_ptr, k_ptr, v_ptr, ik_ptr, kp_ptr, vp_ptr, ks_ptr, vs_
                      kp_slot, kp_head, kp_tok, vp_slot, vp_head, vp_tok,
                      ks_slot, ks_head, vs_slot, vs_head, ip_slot, ip_tok, gs_stride,
                      HK: tl.constexpr, HKP: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, P: tl.constexpr,
-                     FMT: tl.constexpr, IFMT: tl.constexpr, CUDA: tl.constexpr):
+                     FMT: tl.constexpr, IFMT: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0).to(tl.int64)
     flat = tl.load(slot_ptr + t)
     ok = (flat >= 0) & (flat < num_flat)

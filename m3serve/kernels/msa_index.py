@@ -40,6 +40,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import e4m3_to_f32
 from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import FP32_U, Case, Cell, Entry, check_operand, check_shape, poisoned, true_fp32
 from m3serve.kv import codec
 from m3serve.model import msa
@@ -70,7 +71,9 @@ def _max_nan(a, b):
 def _block_scores_kernel(q_ptr, ik_ptr, table_ptr, lens_ptr, qs_ptr, out_ptr, topk,
                          stride_qt, stride_qh, ik_slot, ik_tok, stride_tab, stride_ot, stride_oh,
                          HK: tl.constexpr, HKP: tl.constexpr, DI: tl.constexpr, P: tl.constexpr,
-                         BQ: tl.constexpr, QCHUNKS: tl.constexpr, IK_FP8: tl.constexpr, CUDA: tl.constexpr):
+                         BQ: tl.constexpr, QCHUNKS: tl.constexpr, IK_FP8: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     s = tl.program_id(0)
     b = tl.program_id(1)
     row0 = tl.program_id(2) * (BQ * QCHUNKS)
@@ -362,7 +365,9 @@ def warmup_scores(device: torch.device) -> None:
 @kernel
 def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_sh, stride_ot, stride_oh,
                    HK: tl.constexpr, BP: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr, P: tl.constexpr,
-                   LOCAL: tl.constexpr, INIT: tl.constexpr):
+                   LOCAL: tl.constexpr, INIT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     s = tl.program_id(0)
     i = tl.program_id(1)
     g = tl.program_id(2)

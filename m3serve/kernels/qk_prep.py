@@ -39,6 +39,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._rope import cos_sin_f32
 from m3serve.kernels.catalog import BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
 from m3serve.kernels.rms_norm import rms_inverse, rms_norm_reference
@@ -81,7 +82,9 @@ def _norm_rope_head(src, w_ptr, dst, pos, inv_freq_ptr, eps, DIM: tl.constexpr, 
 def _qk_prep_kernel(q_ptr, k_ptr, iq_ptr, ik_ptr, pos_ptr, wq_ptr, wk_ptr, wiq_ptr, wik_ptr, inv_freq_ptr,
                     qo_ptr, ko_ptr, iqo_ptr, iko_ptr, stride_q, stride_k, stride_iq, stride_ik, eps,
                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, RD: tl.constexpr,
-                    BLOCK: tl.constexpr, CUDA: tl.constexpr, NORM: tl.constexpr):
+                    BLOCK: tl.constexpr, CUDA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.float32)  # round to nearest, as torch's positions.float()

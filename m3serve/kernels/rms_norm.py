@@ -20,6 +20,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
 
 ENABLED = True  # the one switch: False sends norm.rms calls down the stock path
@@ -36,7 +37,9 @@ def rms_inverse(xf, n, eps):
 
 
 @kernel
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_x, stride_y, eps, BLOCK: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H

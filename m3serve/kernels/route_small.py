@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from m3serve.kernels._jit import kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned, true_fp32
 from m3serve.model.moe import route as route_stock
 
@@ -41,7 +42,9 @@ TILE = 16384  # router elements per loop step (experts x columns)
 
 @kernel
 def _route_small_kernel(x_ptr, w_ptr, bias_ptr, wts_ptr, ids_ptr, H, E, stride_x, TOPK: tl.constexpr,
-                        AP: tl.constexpr, EP: tl.constexpr, BK: tl.constexpr):
+                        AP: tl.constexpr, EP: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
     ec = tl.arange(0, EP)
     emask = ec < E

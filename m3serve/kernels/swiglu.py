@@ -21,6 +21,7 @@ import triton.language as tl
 
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import is_compiled, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
 from m3serve.model.layers import swiglu_oai as swiglu_oai_stock_fp32
 
@@ -30,8 +31,10 @@ MAX_BLOCK = 1024  # columns per program: wide rows (I = 12288) spread over sever
 
 
 @kernel
-def _gate_kernel(gu_ptr, out_ptr, I, alpha, limit, OAI: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+def _gate_kernel(gu_ptr, out_ptr, I, alpha, limit, OAI: tl.constexpr, BLOCK: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
     """OAI: SwiGLU-OAI (mlp.swiglu_oai); else the Llama gate bf16(bf16(silu(g)) * u) (mlp.silu_mul)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
