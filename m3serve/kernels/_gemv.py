@@ -222,7 +222,6 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
     if BM > 2:
         acc2 = tl.zeros([BN, G], tl.float32)
         acc3 = tl.zeros([BN, G], tl.float32)
-    pdl_release(PDL)
     if PREFETCH:  # weights only: they may go out before the previous kernel has finished (_pdl)
         wr, sr = load_raw(w_ptr, s_ptr, rn2, k_lo, stride_w, stride_s, FMT, BK, GS)
     pdl_wait(PDL)
@@ -245,6 +244,7 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
             acc3 += row_part(w, s, x_ptr, 3, M, stride_xm, k0, BK, GS, True, PRE)
         if PREFETCH:
             wr, sr = wn, sn
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     if SPLIT == 1:
         store_row(tl.sum(acc0, axis=1), y_ptr, alpha_ptr, rn, 0, M, stride_ym, alpha_stride, ALPHA, CUDA)
         if BM > 1:

@@ -58,7 +58,6 @@ def _head12_tile(sm_ptr, code_ptr, tb_ptr, n0, k0, K, BN: tl.constexpr, BK: tl.c
 def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr,
                         pval_ptr, pidx_ptr, M, V, K, stride_xm, P, HEAD12: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
@@ -76,6 +75,7 @@ def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, es
             acc = tl.dot(w, xt, acc)
         else:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     if HEAD12:
         e_lo = tl.load(esc_ptr + pid * BN)
         e_hi = tl.load(esc_ptr + pid * BN + BN)

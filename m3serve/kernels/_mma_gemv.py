@@ -152,7 +152,6 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     mm = zi + (M - 1)
     last = k_hi - 128
     acc = (tl.zeros([T], tl.float32),) * NACC
-    pdl_release(PDL)
     # the register ring: the words of STAGES - 1 steps are loaded ahead of their decode; steps past the slice
     # reload the last one (an L2 hit) instead of branching. Its first steps are weights only: they go out
     # before the previous kernel has finished (_pdl), x after.
@@ -174,6 +173,7 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
         else:
             st0 = nxt
         xs = xn
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     if not SPLITK:
         asm_block(acc + (zl + y_ptr.to(tl.int64), zi + n0, zi + M, zi + stride_ym, zl + alpha_ptr.to(tl.int64),
                          zi + alpha_stride), False, 1, STORE, STORE_C, False)

@@ -126,7 +126,6 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
                     MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr,
                     STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
     """grid (I / BNA, S + 1): program (j, s) -> act[s, :T, j*BNA:(j+1)*BNA]. Padding slots (slot_e = -1) exit."""
-    pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BNA: tl.constexpr = 8 * RP * NW
@@ -176,6 +175,7 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
             else:
                 st0 = nxt
             xs = xn
+        pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
         act_slot = act_ptr.to(tl.int64) + s.to(tl.int64) * T * I * 2
         asm_block(acc + (zl + act_slot, zi + n0, zi + T, zi + I, zf + gg, zf + gu, zf + swiglu_alpha,
                          zf + swiglu_limit), False, 1, STORE, STORE_C, False)
@@ -210,7 +210,6 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
                  STORE_C: tl.constexpr, PDL: tl.constexpr = False):
     """grid (H / BN, DSPLIT): y[:T, tile] = sum_slots w_slot * (act_slot @ W2_e^T) / g2_e + act_S @ W2_sh^T /
     sg2, each CTA over I columns [pid_k * KT * 128, +KT * 128) of every slot (KT steps a slot)."""
-    pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BN: tl.constexpr = 16 * RP * NW
@@ -262,6 +261,7 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
         wr = tl.where(routed, slot_w_ptr.to(tl.int64) + s.to(tl.int64) * T * 4, 0)
         out = asm_block(out + acc + (zl + wr, zf + cs, zi + T), True, NACC, FOLD, FOLD_C, True)
         acc = zero
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     if not SPLITK:
         asm_block(out + (zl + y_ptr.to(tl.int64), zi + n0, zi + T, zi + stride_y, zl, zi), False, 1, STORE,
                   STORE_C, False)

@@ -45,7 +45,6 @@ def moe_router(x_ptr, wr_ptr, bias_ptr, rpart_ptr, count_ptr, ids_ptr, tw_ptr, s
                BK: tl.constexpr, RSPLIT: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
     """grid (E / BE, RSPLIT). Logits in true fp32 (ieee dot = fp32 FMAs); the program that takes
     the last ticket sums the partials in split order and does the routing for all tokens."""
-    pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     pid_e = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,6 +58,7 @@ def moe_router(x_ptr, wr_ptr, bias_ptr, rpart_ptr, count_ptr, ids_ptr, tw_ptr, s
         xv = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         wv = tl.load(wr_ptr + re[None, :] * H + kk[:, None]).to(tl.float32)
         acc = tl.dot(xv, wv, acc, input_precision="ieee")
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     put_partial(rpart_ptr, pid_k, BT * E, rt[:, None] * E + re[None, :], acc, tmask[:, None])
     if take_ticket(count_ptr, tl.num_programs(0) * tl.num_programs(1)):
         ec = tl.arange(0, EP)

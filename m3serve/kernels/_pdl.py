@@ -3,10 +3,12 @@ still running, so its launch latency, its CTAs' start and its first weight loads
 
 Contract of a kernel that declares a `PDL: tl.constexpr` parameter (_jit.DualKernel then launches it with
 launch_pdl on CUDA tensors and passes PDL=True; on the CPU PDL=False and both helpers are no-ops):
-    pdl_release(PDL)   first statement: lets the NEXT kernel launch once every CTA of this one has started
+    pdl_release(PDL)   lets the NEXT kernel launch once every CTA of this one has called it (or exited): the first
+                       statement of short kernels, right after the main loop of the weight-streaming ones (their
+                       dependents' waiting CTAs would otherwise share the SMs with the whole stream; measured slower)
     pdl_wait(PDL)      before the first global access to anything but constant weights: returns when the
                        previous kernel has completed and its writes are visible
-Between the two a kernel may only read weights (never written during a step) and compute on registers; every
+Before pdl_wait a kernel may only read weights (never written during a step) and compute on registers; every
 path through the kernel executes pdl_wait (also CTAs that find no work), so a kernel completes only after its
 predecessor did and the ordering chains transitively through the step.
 """

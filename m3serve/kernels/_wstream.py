@@ -113,7 +113,6 @@ def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT:
 def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym,
                  alpha_stride, FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,6 +122,7 @@ def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, 
     acc = tl.zeros([BN, BM], tl.float32)
     acc = dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, pid_k * k_len, (pid_k + 1) * k_len, stride_xm,
                    FMT, GS, BM, BN, BK, CUDA, PTX)
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     out = tl.trans(acc)  # [BM, BN]
     ymask = rm[:, None] < M
     if SPLIT == 1:
