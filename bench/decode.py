@@ -3,9 +3,9 @@ in one process on the same model, cache and requests.
 
     route  off           stock PyTorch (the numerics reference)
            auto          routed catalog entries + the paged-attention kernels, eager (enforce_eager)
-           target        the same, pure decode steps replayed as CUDA graphs (kernels with programmatic
-                         dependent launch, m3serve/kernels/_pdl.py)
-           target-nopdl  the same graphs captured with programmatic dependent launch off
+           target        the same, pure decode steps replayed as CUDA graphs (the defaults)
+           target-pdl    the same graphs captured with programmatic dependent launch on (m3serve/kernels/_pdl.py;
+           target-nopdl  off), whatever the default
 
 For each (model, route, batch) it prefills `batch` requests of `context` tokens, then times whole engine decode
 steps (schedule + pack + forward + sample + stop checks; median of `--steps` samples: one step, synchronised, on
@@ -72,21 +72,21 @@ def step_bytes(llm, batch: int, context: int) -> int:
 
 
 def set_route(llm, route: str, graphs) -> None:
-    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-nopdl")."""
+    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl")."""
     from m3serve.targets import routing
     routing.install(llm.model, "off" if route == "off" else "auto")
     llm.engine.target_attention = route != "off"
     llm.engine.graphs = graphs.get(route)
 
 
-def graphs_without_pdl(llm, like):
-    """The target's graphs captured again with programmatic dependent launch off (m3serve.kernels._jit's
+def graphs_with_pdl(llm, like, pdl: bool):
+    """The target's graphs captured again with programmatic dependent launch on or off (m3serve.kernels._jit's
     switch), for a side-by-side run; the switch is restored afterwards (a graph keeps what it captured)."""
     from m3serve.kernels import _jit
     from m3serve.runtime.decode_graphs import DecodeGraphs
     eng = llm.engine
     before = _jit.PDL_ENABLED
-    _jit.PDL_ENABLED = False
+    _jit.PDL_ENABLED = pdl
     try:
         g = DecodeGraphs(llm.model, eng.kv, eng.tables, like.buckets, penalties=eng.penalties)
         g.capture()
@@ -192,8 +192,9 @@ def main() -> None:
                   max_model_len=args.context + WINDOW * args.steps + 64, route="auto")
         loads[name] = time.perf_counter() - t0
         graphs = {"target": llm.engine.graphs}
-        if "target-nopdl" in routes:
-            graphs["target-nopdl"] = graphs_without_pdl(llm, llm.engine.graphs)
+        for route, pdl in (("target-pdl", True), ("target-nopdl", False)):
+            if route in routes:
+                graphs[route] = graphs_with_pdl(llm, llm.engine.graphs, pdl)
         base_tokens = {}
         for route in routes:
             set_route(llm, route, graphs)

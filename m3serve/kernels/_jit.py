@@ -104,8 +104,10 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
 _CAPTURE: list[list] = []
 
 # The one switch for programmatic dependent launch (kernels that declare a PDL constexpr, see _pdl.py): False
-# launches them plainly, with PDL=False. Read at every launch; a CUDA graph keeps what it captured.
-PDL_ENABLED = True
+# launches them plainly, with PDL=False. Read at every launch; a CUDA graph keeps what it captured. Off: on the
+# H200 the minimax-m3:5 decode step measured 1-3 % slower with it (bench/decode.py --routes target,target-pdl;
+# bench/results/decode-target-h200-pdl-*.json), 3-15 % with the dependents released at kernel start.
+PDL_ENABLED = False
 
 
 @contextlib.contextmanager
