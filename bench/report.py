@@ -38,6 +38,8 @@ Schema legend (the fields each formatter reads; [x] optional):
     spec_divergence {"bench": "spec_divergence", batch, prompts, runs: [{overlap, differing_prompts, diffs: [{gap}]}]}
     stream_patterns stream-patterns-*.json: {copy_bandwidth_Bps, results: [{rows_per_instr, unroll, order, ctas, us,
                      frac_copy}]}
+    tiled_layout    tiled-layout-*.json: {copy_bandwidth_Bps, results: [{shape, rows, variant, tiled, us_write_flush,
+                     frac_copy_write_flush, frac_copy_read_flush, frac_copy_seq, [bit_identical_to_row_major]}]}
     generic         server-hardening*.json: every top-level scalar field, key: value
 Rounding: times and rates to 3 significant digits (integers kept whole above 100), speedups to 2, percentages
 to integers (one significant digit below 1 %) except task accuracy (one decimal), p-values to 2 significant digits.
@@ -759,6 +761,41 @@ def render_stream_patterns(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_tiled_layout(files: list[ResultFile]) -> str:
+    """bench/tiled_layout.py: per (shape, rows) the certified cell, the best row-major MMA GEMV and the best
+    tiled one (write-flush goal figure; read flush and back to back beside it), and whether every tiled variant
+    was bit-identical to its row-major twin."""
+    blocks = []
+    for rf in files:
+        cases: dict[tuple, dict] = {}
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            key = (tuple(need(r, "shape", w, "list")), need(r, "rows", w, "int"))
+            kind = "cell" if need(r, "variant", w, "str") == "cell" else "tiled" if r.get("tiled") else "row-major"
+            c = cases.setdefault(key, {"same": True})
+            if kind == "tiled":
+                c["same"] &= bool(r.get("bit_identical_to_row_major"))
+            f = need(r, "frac_copy_write_flush", w)
+            if kind not in c or f > c[kind]["frac_copy_write_flush"]:
+                c[kind] = r
+        table = []
+        for (shape, rows), c in cases.items():
+            cells = []
+            for kind in ("cell", "row-major", "tiled"):
+                r = c.get(kind)
+                cells += [or_dash(r and r["us_write_flush"], sig), or_dash(r and r["frac_copy_write_flush"], pct)]
+            t = c.get("tiled")
+            table.append([f"{shape[0]} x {shape[1]}", rows, *cells, t["variant"] if t else DASH,
+                          or_dash(t and t["frac_copy_read_flush"], pct), or_dash(t and t["frac_copy_seq"], pct),
+                          "yes" if c["same"] else "NO"])
+        blocks.append(file_block("NVFP4 MMA GEMV: row-major vs the MMA tile layout (same weights, same run)",
+                                 md_table(["shape (N x K)", "rows", "cell µs", "cell % copy", "row-major µs",
+                                           "row-major % copy", "tiled µs", "tiled % copy", "best tiled variant",
+                                           "tiled % (read flush)", "tiled % (back to back)", "bit-identical"],
+                                          table), rf, copy_bw_note(rf)))
+    return "\n\n".join(blocks)
+
+
 # Section order in the README; the generic kind comes first in recognition (below) so that a known-but-unschemaed
 # file never trips a dedicated formatter.
 KINDS = (
@@ -793,6 +830,8 @@ KINDS = (
          lambda d: {"configs", "paired", "order"} <= d.keys(), render_eval_kv),
     Kind("stream_patterns", "Weight streaming by access pattern", (), ("stream-patterns-*.json",),
          lambda d: _row_keys(d, "rows_per_instr", "unroll"), render_stream_patterns),
+    Kind("tiled_layout", "NVFP4 MMA tile layout", (), ("tiled-layout-*.json",),
+         lambda d: _row_keys(d, "tiled", "frac_copy_write_flush"), render_tiled_layout),
     Kind("generic", "Other results", (), ("server-hardening*.json",),
          lambda d: False, render_generic),
 )
