@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -283,13 +282,7 @@ def main(argv: list[str] | None = None) -> int:
           f"wall {doc['wall_s']:.0f} s")
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     name = f"gemv_variants-{'cpu-smoke' if a.cpu_smoke else 'gpu'}-{date}.json"
-    paths = [Path(a.out_dir) / name] if a.out_dir else []
-    if not a.cpu_smoke:
-        paths.append(ROOT / "bench" / "results" / name)
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {p}")
+    _load_kernels_bench().write_results(doc, name, a.out_dir, to_results=not a.cpu_smoke)
     return 1 if a.cpu_smoke and fails else 0
 
 

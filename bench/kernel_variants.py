@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 import traceback
@@ -293,14 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {**{k: meta[k] for k in ("commit", "gpu", "command", "date", "torch")},
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": r.bw, "iters": a.iters,
            "l2_flush_bytes": KB.FLUSH_BYTES, "wall_s": time.time() - t0, "results": r.rows}
-    text = json.dumps(doc, indent=1)
-    paths = [ROOT / "bench" / "results" / a.name]
-    if a.out_dir:
-        paths.append(Path(a.out_dir) / a.name)
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-        print(f"wrote {p}")
+    KB.write_results(doc, a.name, a.out_dir)
     return 0
 
 

@@ -123,6 +123,19 @@ def moe_bytes(case) -> int:
     return touched * per_expert + shared + router_w.numel() * router_w.element_size() + 2 * x.numel() * 2
 
 
+def write_results(doc: dict, name: str, out_dir: str | None, to_results: bool = True) -> list[Path]:
+    """One results document as JSON: under bench/results/ (to_results) and a copy under out_dir (the device
+    run's $OUT, which comes back to the developer's machine)."""
+    results = Path(__file__).resolve().parent / "results"
+    paths = ([results / name] if to_results else []) + ([Path(out_dir) / name] if out_dir else [])
+    text = json.dumps(doc, indent=1)
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        print(f"wrote {p}")
+    return paths
+
+
 def git_commit() -> str:
     from m3serve.benchmeta import git_commit as commit
     return commit()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -120,20 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * rec['frac_copy_write_flush']:5.1f}%  read {100 * rec['frac_copy_read_flush']:5.1f}%  "
                       f"seq {100 * rec['frac_copy_seq']:5.1f}%  "
                       f"{'' if rec.get('ok', rec.get('bit_identical_to_row_major')) else 'CHECK FAILED'}", flush=True)
-        del copies, packed, scale, tp, ts
-        torch.cuda.empty_cache()
     meta = run_metadata()
     doc = {**{k_: meta[k_] for k_ in ("commit", "gpu", "command", "date", "torch")},
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": bw, "iters": a.iters,
            "l2_flush_bytes": kb.FLUSH_BYTES, "wall_s": time.time() - t0, "results": results}
-    text = json.dumps(doc, indent=1)
-    paths = [ROOT / "bench" / "results" / "tiled-layout-h200.json"]
-    if a.out_dir:
-        paths.append(Path(a.out_dir) / "tiled-layout-h200.json")
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-        print(f"wrote {p}")
+    kb.write_results(doc, "tiled-layout-h200.json", a.out_dir)
     return 0
 
 

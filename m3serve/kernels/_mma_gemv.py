@@ -123,6 +123,42 @@ def step_addrs(w_row, s_row, k0, FMT: tl.constexpr, TILED: tl.constexpr = False)
         return w_row + k0, s_row + k0 // 32
 
 
+@helper
+def ring_advance(acc, st0, st1, nxt, xs, NACC: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """One step of the register ring: decode + MMA the oldest step's words (st0) with x (xs), then shift the ring
+    by one (nxt: the step just loaded; with STAGES == 2, st1 is only a placeholder). Returns (acc, st0, st1)."""
+    acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+    if STAGES == 3:
+        return acc, st1, nxt
+    else:
+        return acc, nxt, nxt
+
+
+@helper
+def mma_epilogue(acc, y_ptr, part_ptr, count_ptr, alpha_ptr, pid_n, pid_k, n0, M, N, stride_ym, alpha_stride, SPLIT,
+                 zl, zi, SPLITK: tl.constexpr, ALPHA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 STORE: tl.constexpr, STORE_C: tl.constexpr):
+    """y[:M, n0:n0+BN] from the accumulators of row-pair rows (16 * (RP * warp + p) + g, + 8): the PTX store of
+    bf16 with the row epilogue (SPLIT == 1), or the fp32 partial of split pid_k, then the last arrival's ordered
+    sum of the SPLIT partials (_splitk) and the epilogue in Triton. part: [SPLIT, BM, N]."""
+    if not SPLITK:
+        asm_block(acc + (zl + y_ptr.to(tl.int64), zi + n0, zi + M, zi + stride_ym, zl + alpha_ptr.to(tl.int64),
+                         zi + alpha_stride), False, 1, STORE, STORE_C, False)
+    else:
+        slab = part_ptr.to(tl.int64) + pid_k.to(tl.int64) * (BM * N * 4)
+        asm_block(acc + (zl + slab, zi + n0, zi + M, zi + N, zl, zi), False, 1, STORE, STORE_C, False)
+        if take_ticket(count_ptr + pid_n, SPLIT):
+            rn = n0 + tl.arange(0, BN)
+            rm = tl.arange(0, BM)
+            tile = rm[:, None] * N + rn[None, :]
+            ymask = rm[:, None] < M
+            total = ordered_sum(part_ptr, BM * N, tile, ymask, SPLIT)
+            total = apply_alpha(total, alpha_ptr, rn, alpha_stride, ALPHA)
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(tl.bfloat16), mask=ymask)
+            release_ticket(count_ptr + pid_n)
+
+
 @kernel
 def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xb, stride_ym, stride_wb,
              stride_sb, alpha_stride, SPLIT, FMT: tl.constexpr, ALPHA: tl.constexpr, SPLITK: tl.constexpr,
@@ -157,6 +193,7 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     # before the previous kernel has finished (_pdl), x after.
     wk, sk = step_addrs(w_row, s_row, k_lo, FMT, TILED)
     st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+    st1 = st0
     if STAGES == 3:
         wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), FMT, TILED)
         st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
@@ -166,29 +203,11 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
         wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT, TILED)
         nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
         xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-        acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
-        if STAGES == 3:
-            st0 = st1
-            st1 = nxt
-        else:
-            st0 = nxt
+        acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
         xs = xn
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
-    if not SPLITK:
-        asm_block(acc + (zl + y_ptr.to(tl.int64), zi + n0, zi + M, zi + stride_ym, zl + alpha_ptr.to(tl.int64),
-                         zi + alpha_stride), False, 1, STORE, STORE_C, False)
-    else:
-        slab = part_ptr.to(tl.int64) + pid_k.to(tl.int64) * (BM * N * 4)
-        asm_block(acc + (zl + slab, zi + n0, zi + M, zi + N, zl, zi), False, 1, STORE, STORE_C, False)
-        if take_ticket(count_ptr + pid_n, SPLIT):
-            rn = n0 + tl.arange(0, BN)
-            rm = tl.arange(0, BM)
-            tile = rm[:, None] * N + rn[None, :]
-            ymask = rm[:, None] < M
-            total = ordered_sum(part_ptr, BM * N, tile, ymask, SPLIT)
-            total = apply_alpha(total, alpha_ptr, rn, alpha_stride, ALPHA)
-            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(tl.bfloat16), mask=ymask)
-            release_ticket(count_ptr + pid_n)
+    mma_epilogue(acc, y_ptr, part_ptr, count_ptr, alpha_ptr, pid_n, pid_k, n0, M, N, stride_ym, alpha_stride, SPLIT,
+                 zl, zi, SPLITK, ALPHA, BM, BN, STORE, STORE_C)
 
 
 def check_mma_args(x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: MmaGemvConfig, ws: GemmWorkspace) -> int:

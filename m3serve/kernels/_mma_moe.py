@@ -36,14 +36,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from m3serve.kernels import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels._mma_gemv import MMA_ROWS, STEP, asm_block
-from m3serve.kernels._splitk import ordered_sum, release_ticket, take_ticket
+from m3serve.kernels._mma_gemv import MMA_ROWS, STEP, asm_block, mma_epilogue, ring_advance
 
 _NX = tl.constexpr(P.X_REGS // 2)
 
@@ -158,6 +156,7 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         acc = (zf,) * NACC
         xs = asm_block((zl + x_base, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
         st0 = asm_block((zl + w_row, zl + s_row, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+        st1 = st0
         if STAGES == 3:
             k1 = tl.minimum(128, last)
             st1 = asm_block((zl + (w_row + k1 // 2), zl + (s_row + k1 // 16), sw, ss, ub, usb), False, N_LOAD,
@@ -168,12 +167,7 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
                             LOAD, LOAD_C, False)
             xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
                            False)
-            acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
-            if STAGES == 3:
-                st0 = st1
-                st1 = nxt
-            else:
-                st0 = nxt
+            acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
             xs = xn
         pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
         act_slot = act_ptr.to(tl.int64) + s.to(tl.int64) * T * I * 2
@@ -235,6 +229,7 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
                            H, I, S)
     st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
     xs = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+    st1 = st0
     if STAGES == 3:
         wk, sk, xa = down_step(1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
                                act_ptr, T, H, I, S)
@@ -248,12 +243,7 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
             wk, sk, xa = down_step(j + 1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
                                    act_ptr, T, H, I, S)
             xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-            acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
-            if STAGES == 3:
-                st0 = st1
-                st1 = nxt
-            else:
-                st0 = nxt
+            acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
             xs = xn
         routed = s < n_valid
         e = tl.load(slot_e_ptr + s, mask=routed, other=0)
@@ -262,20 +252,8 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
         out = asm_block(out + acc + (zl + wr, zf + cs, zi + T), True, NACC, FOLD, FOLD_C, True)
         acc = zero
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
-    if not SPLITK:
-        asm_block(out + (zl + y_ptr.to(tl.int64), zi + n0, zi + T, zi + stride_y, zl, zi), False, 1, STORE,
-                  STORE_C, False)
-    else:
-        slab = part_ptr.to(tl.int64) + pid_k.to(tl.int64) * (BM * H * 4)
-        asm_block(out + (zl + slab, zi + n0, zi + T, zi + H, zl, zi), False, 1, STORE, STORE_C, False)
-        if take_ticket(count_ptr + pid_n, DSPLIT):
-            rn = n0 + tl.arange(0, BN)
-            rm = tl.arange(0, BM)
-            tile = rm[:, None] * H + rn[None, :]
-            ymask = rm[:, None] < T
-            total_y = ordered_sum(part_ptr, BM * H, tile, ymask, DSPLIT)
-            tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], total_y.to(tl.bfloat16), mask=ymask)
-            release_ticket(count_ptr + pid_n)
+    mma_epilogue(out, y_ptr, part_ptr, count_ptr, y_ptr, pid_n, pid_k, n0, T, H, stride_y, 0, DSPLIT, zl, zi, SPLITK,
+                 0, BM, BN, STORE, STORE_C)
 
 
 def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out, *, t: int, h: int, e: int,
@@ -443,7 +421,3 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
             y[:, n0:n0 + cfg.dbn] = E._f32_to_bf16_rne(tot).astype(np.uint16)
     as_bf16 = lambda a: torch.from_numpy(a.astype(np.int16).copy()).view(torch.bfloat16)  # noqa: E731
     return as_bf16(act), as_bf16(y)
-
-
-def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
