@@ -264,6 +264,9 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
         raise ValueError(f"x: the MMA MoE runs compiled only (inline PTX), found a {x.device.type} tensor")
     if t > MMA_ROWS:
         raise ValueError(f"x: the MMA MoE serves 1..{MMA_ROWS} tokens, found T={t}")
+    if x.data_ptr() % 16:
+        raise ValueError(f"x: the MMA MoE reads 16-byte vectors of each row; expected a 16-byte aligned base, found "
+                         f"address % 16 = {x.data_ptr() % 16}")
     why = cfg.fits(h, i)
     if why:
         raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit {cfg}: {why}")

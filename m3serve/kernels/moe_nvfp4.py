@@ -1,5 +1,7 @@
 """Catalog entry moe.nvfp4: the MiniMax-M3 MoE block for 1..48 tokens in three launches
-(router + top-k, gate|up + SwiGLU-OAI, down + weighted sum + shared expert). See _moe.py.
+(router + top-k, gate|up + SwiGLU-OAI, down + weighted sum + shared expert). See _moe.py; at 1-8 tokens
+with an NVFP4 shared expert the gate|up and down launches run on the register-operand MMA step (_mma_moe.py,
+config MmaMoEConfig).
 
 Semantics (the reference, all fp32 with TF32 off):
     logits = x.float() @ router_w.float().T;  sig = sigmoid(logits)
@@ -89,7 +91,7 @@ def n_slots(t: int, e: int) -> int:
     return min(TOPK * t, e)
 
 
-def make_moe_workspace(cfg: MoEConfig, t: int, e: int, h: int, i: int, device: torch.device) -> MoEWorkspace:
+def make_moe_workspace(cfg: MoEConfig | MmaMoEConfig, t: int, e: int, h: int, i: int, device: torch.device) -> MoEWorkspace:
     """Per call site and token count, allocated once before graph capture (counters start at
     zero and every completed launch leaves them at zero)."""
     s = n_slots(t, e)
@@ -180,7 +182,7 @@ def check_swiglu(swiglu_alpha: float, swiglu_limit: float) -> None:
 
 
 def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
-              routed_scaling: float, out: torch.Tensor, workspace: MoEWorkspace, config: MoEConfig,
+              routed_scaling: float, out: torch.Tensor, workspace: MoEWorkspace, config: MoEConfig | MmaMoEConfig,
               swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
               launches: str = "rgd") -> torch.Tensor:
     """Raw call: three launches on the current stream. Writes and returns `out`; the routing
