@@ -237,11 +237,13 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
     for s in range(0, n_valid + 1):
         for kk in range(0, KT):
             j = s * KT + kk
-            wk, sk, xa = down_step(j + STAGES - 1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr,
-                                   ss2_ptr, act_ptr, T, H, I, S)
-            nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+            # x one step ahead; the weights STAGES - 1 steps ahead (the same step at ring depth 2: one address walk)
             wk, sk, xa = down_step(j + 1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
                                    act_ptr, T, H, I, S)
+            if STAGES == 3:
+                wk, sk, _ = down_step(j + 2, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr,
+                                       ss2_ptr, act_ptr, T, H, I, S)
+            nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
             xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
             acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
             xs = xn
