@@ -62,7 +62,8 @@ def _launches(entry_name: str, rows: int = 4):
 def test_the_switch_reaches_the_launch(monkeypatch, enabled: bool) -> None:
     monkeypatch.setattr(_jit, "PDL_ENABLED", enabled)
     rec = _launches("linear.nvfp4")
-    assert rec and all(kw["PDL"] is enabled for k, _, _, kw in rec if k.pdl)
+    pdl = [kw for k, _, _, kw in rec if k.pdl]
+    assert pdl and all(kw["PDL"] is enabled for kw in pdl)
 
 
 def test_cpu_launches_never_use_pdl(monkeypatch) -> None:
