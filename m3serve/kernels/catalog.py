@@ -36,6 +36,7 @@ ENTRY_MODULES = (
     "m3serve.kernels.head_bf16",
     "m3serve.kernels.head12",
     "m3serve.kernels.moe_nvfp4",
+    "m3serve.kernels.moe_grouped",
     "m3serve.kernels.kv_write",
     "m3serve.kernels.msa_index",
     "m3serve.kernels.paged_attention",

@@ -31,6 +31,8 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "qkv.mxfp8": (((1, 48), "qkv.mxfp8"),),
     "qkv.fp8": (((1, 48), "qkv.fp8"),),
     "moe.nvfp4": (((1, 48), "moe.nvfp4"),),
+    # every expert format, decode batches to prefill chunks (NVFP4 1-48 rows stay on moe.nvfp4 where it serves)
+    "moe.grouped": (((1, 16384), "moe.grouped"),),
     "norm.add_rms": (((1, 48), "norm.add_rms"),),
     "head.bf16": (((1, 48), "head.bf16"),),
     "head.head12": (((1, 48), "head.head12"),),
