@@ -41,6 +41,17 @@ from m3serve.kernels._wstream import load_w_tile, mma, x_tile
 
 
 @helper
+def swizzle(pid, num_b, num_n, GM: tl.constexpr):
+    """Flat program id -> (block, N tile), GM blocks at a time with the N tile outer: the GM programs in a row
+    that share an N tile read its weight tile (the same expert's, for consecutive blocks of one expert) once from
+    HBM, and the GM blocks' gathered rows stay in L2 while the N tiles pass over them."""
+    width = GM * num_n
+    first = (pid // width) * GM
+    size = tl.minimum(num_b - first, GM)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@helper
 def expert_base(w_ptr, s_ptr, e, N, K, FMT: tl.constexpr):
     """Expert e's weight and group-scale base pointers in a stacked [E, N, K] weight of format FMT (elements of
     the pointer types: int32 words / uint8 bytes for NVFP4, bytes for MXFP8 and FP8, bf16)."""
@@ -66,19 +77,20 @@ def row_factor(acc, f_ptr, e, rows, N, P, FMT: tl.constexpr):
     return acc
 
 
-@kernel_unspecialized("T", "L")
-def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T, L, H, I, E, P, stride_x,
+@kernel_unspecialized("T", "L", "NB")
+def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T, L, NB, H, I, E, P, stride_x,
                     swiglu_alpha, swiglu_limit, A: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
-    """grid (NB, I / BN): program (b, j) -> act[b*BM:(b+1)*BM, j*BN:(j+1)*BN] for the block's valid positions."""
-    b = tl.program_id(0)
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr,
+                    PTX: tl.constexpr):
+    """grid (NB * I / BN,): program (b, j) -> act[b*BM:(b+1)*BM, j*BN:(j+1)*BN] for the block's valid positions."""
+    b, j = swizzle(tl.program_id(0), NB, I // BN, GM)
     e = tl.load(blk_e_ptr + b)
     if e < E:
         rp = b * BM + tl.arange(0, BM)
         pair = tl.load(pair_ptr + rp)
         valid = pair >= 0
         tok = tl.where(valid, pair // A, T)  # T: masked to 0 by x_tile
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rn = j * BN + tl.arange(0, BN)
         wp, sp = expert_base(w_ptr, s_ptr, e, 2 * I, H, FMT)
         g = tl.zeros([BN, BM], tl.float32)
         u = tl.zeros([BN, BM], tl.float32)
@@ -92,20 +104,20 @@ def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T,
         tl.store(act_ptr + rp.to(tl.int64)[:, None] * I + rn[None, :], to_bf16(a, CUDA), mask=valid[:, None])
 
 
-@kernel_unspecialized("T", "L")
-def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L, H, I, E, P,
+@kernel_unspecialized("T", "L", "NB")
+def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L, NB, H, I, E, P,
                  FMT: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 CUDA: tl.constexpr, PTX: tl.constexpr):
-    """grid (NB, H / BN): program (b, j) -> y[pair, j*BN:(j+1)*BN] = bf16(act[pos] @ W2_e^T x row factor) for
+                 GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+    """grid (NB * H / BN,): program (b, j) -> y[pair, j*BN:(j+1)*BN] = bf16(act[pos] @ W2_e^T x row factor) for
     the block's valid positions (padding is masked out of the operand and never stored)."""
-    b = tl.program_id(0)
+    b, j = swizzle(tl.program_id(0), NB, H // BN, GM)
     e = tl.load(blk_e_ptr + b)
     if e < E:
         rp = b * BM + tl.arange(0, BM)
         pair = tl.load(pair_ptr + rp)
         valid = pair >= 0
         rm = tl.where(valid, rp, L)  # L: masked to 0 by x_tile
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rn = j * BN + tl.arange(0, BN)
         wp, sp = expert_base(w_ptr, s_ptr, e, H, I, FMT)
         acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, I, BK):

@@ -71,6 +71,7 @@ class GroupedConfig:
     num_stages: int = 3
     down_warps: int = 0  # 0: num_warps
     down_stages: int = 0  # 0: num_stages
+    GM: int = 8  # blocks per program group sharing each weight tile (_moe_grouped.swizzle)
     CBT: int = 4  # combine: tokens x hidden columns per program
     CBH: int = 512
 
@@ -261,13 +262,13 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
     gs = _GS[fmt]
     a13, b13, c13 = _kernel_views(fmt, w13, s13, f13)
     a2, b2, c2 = _kernel_views(fmt, w2, s2, f2)
-    grouped_gate_up[(nb, i // cfg.BN)](
-        x, a13, b13, c13, pair, blk_e, ws.act, t, length, h, i, e, p13, x.stride(0), float(swiglu_alpha),
-        float(swiglu_limit), A=top_k, FMT=fmt, GS=gs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, CUDA=cuda, PTX=ptx,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grouped_down[(nb, h // cfg.dbn)](
-        ws.act, a2, b2, c2, pair, blk_e, ws.y, t, length, h, i, e, p2, FMT=fmt, GS=gs, BM=cfg.BM, BN=cfg.dbn,
-        BK=cfg.dbk, CUDA=cuda, PTX=ptx, num_warps=cfg.down_warps or cfg.num_warps,
+    grouped_gate_up[(nb * (i // cfg.BN),)](
+        x, a13, b13, c13, pair, blk_e, ws.act, t, length, nb, h, i, e, p13, x.stride(0), float(swiglu_alpha),
+        float(swiglu_limit), A=top_k, FMT=fmt, GS=gs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GM=cfg.GM, CUDA=cuda,
+        PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grouped_down[(nb * (h // cfg.dbn),)](
+        ws.act, a2, b2, c2, pair, blk_e, ws.y, t, length, nb, h, i, e, p2, FMT=fmt, GS=gs, BM=cfg.BM,
+        BN=cfg.dbn, BK=cfg.dbk, GM=cfg.GM, CUDA=cuda, PTX=ptx, num_warps=cfg.down_warps or cfg.num_warps,
         num_stages=cfg.down_stages or cfg.num_stages)
     grouped_combine[(triton.cdiv(t, cfg.CBT), h // cfg.CBH)](
         ws.y, weights, shared if shared is not None else ws.y, out, t, h, float(routed_scaling), A=top_k,
@@ -507,7 +508,7 @@ CELLS = tuple(
          config={"moe": cfg})
     for fmt in (FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4) for shape, why, bands in SHAPES for rows, cfg in bands
 )
-_ICFG = GroupedConfig(BM=16, BN=32, BK=32, CBH=64, CBT=2)
+_ICFG = GroupedConfig(BM=16, BN=32, BK=32, CBH=64, CBT=2, GM=3)
 INTERP_CELLS = tuple(
     Cell(rows=rows, shape=(fmt, e, 64, 32, a), why=f"interpreter: {FMT_NAMES[fmt]}, {why}",
          config={"moe": cfg, "shared": shared})
