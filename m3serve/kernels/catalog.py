@@ -31,6 +31,7 @@ ENTRY_MODULES = (
     "m3serve.kernels.linear_nvfp4",
     "m3serve.kernels.linear_mxfp8",
     "m3serve.kernels.linear_fp8",
+    "m3serve.kernels.linear_tiled",
     "m3serve.kernels.qkv_fused",
     "m3serve.kernels.add_rmsnorm",
     "m3serve.kernels.head_bf16",

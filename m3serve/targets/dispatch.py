@@ -24,9 +24,9 @@ MODES = ("off", "auto", "require")
 
 # kind -> ((first row, last row), entry name), ranges disjoint and ascending.
 TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
-    "linear.nvfp4": (((1, 48), "linear.nvfp4"),),
-    "linear.mxfp8": (((1, 48), "linear.mxfp8"),),
-    "linear.fp8": (((1, 48), "linear.fp8"),),
+    "linear.nvfp4": (((1, 48), "linear.nvfp4"), ((49, 16384), "linear.nvfp4.tiled")),
+    "linear.mxfp8": (((1, 48), "linear.mxfp8"), ((49, 16384), "linear.mxfp8.tiled")),
+    "linear.fp8": (((1, 48), "linear.fp8"), ((49, 16384), "linear.fp8.tiled")),
     "qkv.nvfp4": (((1, 48), "qkv.nvfp4"),),
     "qkv.mxfp8": (((1, 48), "qkv.mxfp8"),),
     "qkv.fp8": (((1, 48), "qkv.fp8"),),
