@@ -8,7 +8,9 @@ tensor peak (~790 TFLOP/s, the roofline of prefill chunks). Every case first pas
 (correctness before speed); a failure is recorded ("ok": false) and the run goes on.
 
     python3 bench/moe_grouped.py [--rows 1,8,64,256,2048,8192] [--fmts bf16,fp8,mxfp8,nvfp4] [--iters 20]
-                                 [--stock] [--out-dir DIR]        (GPU)
+                                 [--stock] [--variants] [--name FILE] [--out-dir DIR]        (GPU)
+--variants also times a few tile variants of each case's certified config (same inputs, each through the compare
+first) for choosing the cells' configs; under 10 minutes a call, split by --fmts / --rows.
 Writes bench/results/kernels-moe-grouped-h200.json (and a copy under --out-dir).
 """
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,12 +46,29 @@ def _touched(ids: torch.Tensor) -> int:
     return int(torch.unique(ids).numel())
 
 
-def bench_one(fmt: int, rows: int, iters: int, stock: bool, flush: torch.Tensor) -> dict:
+def variants(cfg: G.GroupedConfig, rows: int) -> list[G.GroupedConfig]:
+    """A few neighbours of a certified config: N / K tiles, warps, stages, block size, group size."""
+    if rows <= 64:
+        out = [replace(cfg, BN=32), replace(cfg, BN=128), replace(cfg, BK=256), replace(cfg, num_stages=4),
+               replace(cfg, DBN=128), replace(cfg, DBN=32, DBK=256)]
+    elif rows <= 512:
+        out = [replace(cfg, BM=16), replace(cfg, BM=64, BN=128, BK=64, num_warps=8), replace(cfg, BN=128),
+               replace(cfg, num_stages=4)]
+    else:
+        out = [replace(cfg, BM=64 if cfg.BM == 128 else 128), replace(cfg, BK=128, num_stages=2),
+               replace(cfg, num_warps=4), replace(cfg, GM=4), replace(cfg, GM=16), replace(cfg, num_stages=4)]
+    return [c for c in out if c != cfg]
+
+
+def bench_one(fmt: int, rows: int, iters: int, stock: bool, flush: torch.Tensor,
+              config: G.GroupedConfig | None = None) -> dict:
     cell = next(c for c in G.CELLS if c.shape == (fmt, *SHAPE) and c.rows[0] <= rows <= c.rows[1])
+    if config is not None:
+        cell = replace(cell, config={**cell.config, "moe": config})
     e, h, i, a = SHAPE
     case = G.make_case(cell, rows, torch.device("cuda"), torch.Generator().manual_seed(rows))
     rec = {"fmt": G.FMT_NAMES[fmt], "rows": rows, "cell": f"{cell.rows[0]}-{cell.rows[1]}",
-           "config": repr(cell.config["moe"])}
+           "config": repr(cell.config["moe"]), "variant": config is not None}
     out = G.moe_grouped(*case.args, **case.kwargs)
     torch.cuda.synchronize()
     try:
@@ -69,8 +89,6 @@ def bench_one(fmt: int, rows: int, iters: int, stock: bool, flush: torch.Tensor)
         ts = time_call(lambda: G.moe_grouped_stock(*case.args, **case.kwargs), max(3, iters // 4), cold)
         rec.update(stock_us=ts * 1e6, speedup_vs_stock=ts / t)
     print(json.dumps(rec), flush=True)
-    del case, out
-    torch.cuda.empty_cache()
     return rec
 
 
@@ -80,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fmts", default="bf16,fp8,mxfp8,nvfp4")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--stock", action="store_true", help="also time the stock per-expert loop (eager)")
+    ap.add_argument("--variants", action="store_true", help="also time tile variants of each certified config")
     ap.add_argument("--name", default="kernels-moe-grouped-h200.json")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -88,11 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for f in args.fmts.split(","):
         for r in (int(v) for v in args.rows.split(",")):
-            try:
-                results.append(bench_one(FMTS[f], r, args.iters, args.stock, flush))
-            except Exception:  # noqa: BLE001 - recorded, the sweep goes on
-                results.append({"fmt": f, "rows": r, "ok": False, "error": traceback.format_exc()[-600:]})
-                print(results[-1]["error"], flush=True)
+            base = next(c for c in G.CELLS if c.shape == (FMTS[f], *SHAPE) and c.rows[0] <= r <= c.rows[1])
+            for cfg in [None] + (variants(base.config["moe"], r) if args.variants else []):
+                try:
+                    results.append(bench_one(FMTS[f], r, args.iters, args.stock and cfg is None, flush, cfg))
+                    torch.cuda.empty_cache()  # the case and its graph are gone: give their memory back
+                except Exception:  # noqa: BLE001 - recorded, the sweep goes on
+                    results.append({"fmt": f, "rows": r, "config": repr(cfg), "ok": False,
+                                    "error": traceback.format_exc()[-600:]})
+                    print(results[-1]["error"], flush=True)
     doc = {**run_metadata(), "shape": {"E": SHAPE[0], "H": SHAPE[1], "I": SHAPE[2], "top_k": SHAPE[3]},
            "hbm_bytes_per_s": HBM, "bf16_peak_flops": BF16_PEAK, "results": results}
     for d in [ROOT / "bench" / "results"] + ([Path(args.out_dir)] if args.out_dir else []):
