@@ -217,3 +217,13 @@ def test_dense_tiny_preset_keeps_the_exact_all_experts_path():
     m = _tiny_moe("dense")
     assert m.w13.num_experts <= routing.ALL_EXPERTS_MAX
     assert routing._warm_grouped(m, 2048, set(), CPU) == 0
+
+
+def test_explain_names_the_grouped_moe():
+    from m3serve.model.loader import load_model
+    from m3serve.targets.explain import module_placements
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="nvfp4",
+                       seed=0, keep_quantized=True)
+    moes = [p for p in module_placements(model, 8) if p.module.endswith(".mlp") and "moe" in (p.entry or "")]
+    assert moes and {p.entry for p in moes} == {"moe.grouped"}, [p.line() for p in moes]
+    assert all("tiny preset" in p.detail and "nvfp4 experts" in p.detail for p in moes)
