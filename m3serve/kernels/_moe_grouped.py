@@ -146,3 +146,48 @@ def grouped_combine(y_ptr, w_ptr, sh_ptr, out_ptr, T, H, scaling, A: tl.constexp
     if HAS_SHARED:
         acc += tl.load(sh_ptr + rt64[:, None] * H + rh[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + rt64[:, None] * H + rh[None, :], to_bf16(acc, CUDA), mask=tm[:, None])
+
+
+@kernel_unspecialized("T", "L", "NB")
+def route_group_small(logits_ptr, bias_ptr, ids_ptr, w_ptr, pair_ptr, blk_e_ptr, T, E, L, NB, A: tl.constexpr,
+                      BM: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, LP: tl.constexpr, NBP: tl.constexpr):
+    """grid (1,), T <= TP tokens: the routing after the router GEMM and the padded grouping in one program (decode
+    batches: one launch instead of a dozen small torch ops). logits [T, E] fp32 -> ids / w [T, A] (slots in
+    ascending expert order, weights renormalised), pair [L], blk_e [NB] exactly as route_sorted + group_pairs
+    (moe_grouped.py): pairs of one expert in pair order, each expert's run padded to a multiple of BM."""
+    rt = tl.arange(0, TP)
+    ec = tl.arange(0, EP)
+    tm = rt < T
+    em = ec < E
+    lg = tl.load(logits_ptr + rt[:, None] * E + ec[None, :], mask=tm[:, None] & em[None, :], other=0.0)
+    sig = tl.sigmoid(lg)
+    bias = tl.load(bias_ptr + ec, mask=em, other=0.0)
+    score = tl.where(tm[:, None] & em[None, :], sig + bias[None, :], float("-inf"))
+    sel = tl.zeros([TP, EP], tl.int32)
+    for _ in tl.static_range(A):  # top-A of (sigmoid + bias): the bias only selects
+        j = tl.argmax(score, axis=1, tie_break_left=True)
+        hit = (ec[None, :] == j[:, None]) & tm[:, None]
+        sel = tl.where(hit, 1, sel)
+        score = tl.where(hit, float("-inf"), score)
+    wsum = tl.where(tm, tl.sum(tl.where(sel > 0, sig, 0.0), axis=1), 1.0)  # [TP] (padded rows: no 0 / 0)
+    slot = tl.cumsum(sel, axis=1) - 1  # rank of a selected expert among the token's picks (ascending id)
+    count = tl.sum(sel, axis=0)  # [EP] pairs per expert
+    padded = (count + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, axis=0)
+    before = tl.cumsum(sel, axis=0) - sel  # earlier tokens that picked the same expert: rank within its run
+    dest = (pend - padded)[None, :] + before  # [TP, EP] padded position of (token, expert) where selected
+    # every position starts as padding; then (after the barrier: one CTA) the pairs are scattered in
+    rl = tl.arange(0, LP)
+    tl.store(pair_ptr + rl, tl.full([LP], -1, tl.int32), mask=rl < L)
+    tl.debug_barrier()
+    for r in tl.static_range(A):
+        pick = (sel > 0) & (slot == r)
+        e_r = tl.min(tl.where(pick, ec[None, :], EP), axis=1)  # the token's r-th expert
+        w_r = tl.sum(tl.where(pick, sig, 0.0), axis=1) / wsum
+        d_r = tl.sum(tl.where(pick, dest, 0), axis=1)
+        tl.store(ids_ptr + rt * A + r, e_r, mask=tm)
+        tl.store(w_ptr + rt * A + r, w_r, mask=tm)
+        tl.store(pair_ptr + d_r, rt * A + r, mask=tm)
+    rb = tl.arange(0, NBP)
+    blk = tl.sum(((pend[None, :] <= rb[:, None] * BM) & em[None, :]).to(tl.int32), axis=1)
+    tl.store(blk_e_ptr + rb, blk, mask=rb < NB)

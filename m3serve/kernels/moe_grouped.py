@@ -6,7 +6,8 @@ Steps (all on the device, none syncs with the host):
                  x routed_scaling: model/moe.py's `route` op for op; each token's slots then sorted by expert id
   2. group       (token, slot) pairs sorted by expert (stable), each expert's run padded to a multiple of BM,
                  into a FIXED length L = NP + min(E, NP) (BM - 1) (NP = T A): torch sort / searchsorted / cumsum /
-                 scatter, no `.item()`, `.tolist()`, `unique` or `nonzero`
+                 scatter, no `.item()`, `.tolist()`, `unique` or `nonzero`. Decode batches (T <= 64): steps 1-2
+                 after the router GEMM are one single-program launch (route_group_small), same values
   3. gate|up     one launch over (block, N tile), SwiGLU-OAI epilogue, bf16 activations (_moe_grouped)
   4. down        one launch over (block, H tile), bf16 expert output per pair
   5. combine     one launch: out = bf16((sum_a y_a * w_a) * routed_scaling + shared), slots in expert order
@@ -45,7 +46,7 @@ from m3serve.kernels._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels._e2m1_ptx import use_ptx
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels._linear import fresh_x
-from m3serve.kernels._moe_grouped import grouped_combine, grouped_down, grouped_gate_up
+from m3serve.kernels._moe_grouped import grouped_combine, grouped_down, grouped_gate_up, route_group_small
 from m3serve.kernels.catalog import (BF16_REL, FP32_U, Case, Cell, Entry, assert_band, device_rng, gemm_band,
                                      poisoned, true_fp32)
 from m3serve.kernels.linear_mxfp8 import random_e4m3
@@ -98,7 +99,7 @@ class GroupedWorkspace:
     row count costs only its own size) and, after a call, the routing it used (for the compare)."""
     act: torch.Tensor  # [L, I] bf16
     y: torch.Tensor  # [T*A, H] bf16
-    ids: torch.Tensor | None = None  # [T, A] int64, each row ascending
+    ids: torch.Tensor | None = None  # [T, A] int64 (int32 from the decode-batch path), each row ascending
     weights: torch.Tensor | None = None  # [T, A] fp32, sum 1 per row (before routed_scaling)
     pair: torch.Tensor | None = None  # [L] int32
     blk_e: torch.Tensor | None = None  # [NB] int32
@@ -148,6 +149,30 @@ def group_pairs(ids: torch.Tensor, e: int, bm: int) -> tuple[torch.Tensor, torch
     pair.scatter_(0, dest, order.to(torch.int32))                                     # distinct destinations
     blk_e = torch.searchsorted(pend, torch.arange(nb, device=dev) * bm, right=True).to(torch.int32)
     return pair, blk_e
+
+
+# Decode batches (T <= SMALL_T, E <= SMALL_E): after the router GEMM, the routing and the grouping run as one
+# single-program launch (route_group_small) instead of a dozen small torch ops. Its tiles are sized for SMALL_T
+# whatever T is, so one compiled variant serves every decode row count of a cell.
+SMALL_T = 64
+SMALL_E = 256
+
+
+def _route_group_small(x, router_w, router_bias, top_k: int, bm: int, length: int, nb: int):
+    """route_sorted + group_pairs for T <= SMALL_T: (ids int32, weights, pair, blk_e), the same values (weights up
+    to the order of the 4-term renormalising sum)."""
+    t, e = x.shape[0], router_w.shape[0]
+    dev = x.device
+    logits = x.float() @ router_w.float().t()                                        # [T, E], as route
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    pair = torch.empty(length, dtype=torch.int32, device=dev)
+    blk_e = torch.empty(nb, dtype=torch.int32, device=dev)
+    l_max, nb_max = padded_length(SMALL_T, e, top_k, bm)
+    route_group_small[(1,)](logits, router_bias, ids, weights, pair, blk_e, t, e, length, nb, A=top_k, BM=bm,
+                            TP=SMALL_T, EP=triton.next_power_of_2(e), LP=triton.next_power_of_2(l_max),
+                            NBP=triton.next_power_of_2(nb_max), num_warps=16)
+    return ids, weights, pair, blk_e
 
 
 # --- the raw call -------------------------------------------------------------------------------
@@ -254,11 +279,14 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
             raise ValueError(f"workspace.{name}: expected contiguous bf16 {want} on {dev} (make_workspace), found "
                              f"{got.dtype} {tuple(got.shape)} on {got.device}")
 
-    ids, weights = route_sorted(x, router_w, router_bias, top_k)
-    pair, blk_e = group_pairs(ids, e, cfg.BM)
+    cuda, ptx = is_compiled(x), use_ptx(x)
+    if t <= SMALL_T and e <= SMALL_E:
+        ids, weights, pair, blk_e = _route_group_small(x, router_w, router_bias, top_k, cfg.BM, length, nb)
+    else:
+        ids, weights = route_sorted(x, router_w, router_bias, top_k)
+        pair, blk_e = group_pairs(ids, e, cfg.BM)
     ws.ids, ws.weights, ws.pair, ws.blk_e = ids, weights, pair, blk_e
 
-    cuda, ptx = is_compiled(x), use_ptx(x)
     gs = _GS[fmt]
     a13, b13, c13 = _kernel_views(fmt, w13, s13, f13)
     a2, b2, c2 = _kernel_views(fmt, w2, s2, f2)
@@ -518,6 +546,8 @@ INTERP_CELLS = tuple(
         ((9, 9), 4, 4, _ICFG, False, "9 tokens top-4 of 4: 9 pairs per expert, no shared expert"),
         ((40, 40), 8, 2, GroupedConfig(BM=32, BN=32, BK=64, DBN=64, DBK=32, CBH=64, CBT=8), True,
          "40 tokens: runs longer than a block, other down tiles"),
+        ((70, 70), 8, 2, GroupedConfig(BM=32, BN=32, BK=32, CBH=64, CBT=8, GM=4), True,
+         "70 tokens: routing and grouping by torch ops (beyond the decode-batch launch)"),
     )
 )
 

@@ -66,6 +66,25 @@ def test_grouping_covers_every_pair_once_in_fixed_shapes(rows, e, a, bm):
     assert pair2.shape == pair.shape and blk2.shape == blk.shape
 
 
+@pytest.mark.parametrize("rows,e,a,bm", [(1, 8, 2, 16), (5, 4, 4, 16), (37, 128, 4, 16), (64, 128, 4, 16),
+                                         (64, 8, 2, 16)])
+def test_decode_batch_launch_equals_the_torch_route_and_grouping(rows, e, a, bm):
+    """route_group_small (one program, decode batches) vs route_sorted + group_pairs on the same inputs: the same
+    ids, padded positions and block experts; weights to a few fp32 ulps (another order of the renormalising sum,
+    Triton's sigmoid)."""
+    g = torch.Generator().manual_seed(rows * e)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    wr = 0.05 * torch.randn(e, 64, generator=g)
+    bias = 0.1 * torch.randn(e, generator=g)
+    length, nb = G.padded_length(rows, e, a, bm)
+    ids, w, pair, blk = G._route_group_small(x, wr, bias, a, bm, length, nb)
+    ref_ids, ref_w = G.route_sorted(x, wr, bias, a)
+    ref_pair, ref_blk = G.group_pairs(ref_ids, e, bm)
+    assert torch.equal(ids.long(), ref_ids)
+    assert torch.allclose(w, ref_w, rtol=8 * 2.0**-24, atol=0)
+    assert torch.equal(pair, ref_pair) and torch.equal(blk, ref_blk)
+
+
 class _HostSync(RuntimeError):
     pass
 
@@ -97,17 +116,17 @@ def test_raw_call_launches_take_no_host_value(monkeypatch):
     """The whole raw call under the guard, with the Triton launches recorded instead of run: nothing but tensors
     and host ints / floats (fixed by T and the config) reaches a launch."""
     from m3serve.kernels import _jit
-    case = _case(FMT_MXFP8, 5, seed=4)
-    launches = []
-    with _jit.capture_launches() as rec:
-        _forbid_host_syncs(monkeypatch)
-        G.moe_grouped(*case.args, **case.kwargs)
-        monkeypatch.undo()
-        launches = list(rec)
-    assert [k.__name__ for k, *_ in launches] == ["grouped_gate_up", "grouped_down", "grouped_combine"]
-    for _, grid, args, _ in launches:
-        assert all(isinstance(g, int) for g in grid)
-        assert all(isinstance(v, (torch.Tensor, int, float)) for v in args)
+    for rows, first in ((5, ["route_group_small"]), (70, [])):  # decode batch: routing + grouping in one launch
+        case = _case(FMT_MXFP8, rows, seed=4)
+        with _jit.capture_launches() as rec:
+            _forbid_host_syncs(monkeypatch)
+            G.moe_grouped(*case.args, **case.kwargs)
+            monkeypatch.undo()
+            launches = list(rec)
+        assert [k.__name__ for k, *_ in launches] == first + ["grouped_gate_up", "grouped_down", "grouped_combine"]
+        for _, grid, args, _ in launches:
+            assert all(isinstance(g, int) for g in grid)
+            assert all(isinstance(v, (torch.Tensor, int, float)) for v in args)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
