@@ -12,8 +12,6 @@ from m3serve.kernels import moe_grouped as G
 from m3serve.kernels._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.catalog import Cell
 from m3serve.model.moe import MoE, route
-from m3serve.model.qweight import QWeight
-from m3serve.quant.fp8 import cast_to_fp8
 from m3serve.targets import routing
 from m3serve.targets.dispatch import lookup
 
@@ -173,27 +171,12 @@ def test_raw_call_names_bad_arguments():
 # --- the routing hook on the tiny preset, every expert format ------------------------------------------
 
 
-def _fp8_experts(lin) -> None:
-    """A stacked dense expert Linear re-stored as FP8 E4M3 with one DECODE scale per part (gate, up): the layout
-    an FP8 checkpoint loads into (random weights exist only as MXFP8 / NVFP4)."""
-    w = lin.weight.detach().float()                                                  # [E, N, K]
-    e, n, _ = w.shape
-    parts = 2 if lin.name.endswith("w13") else 1
-    wp = w.view(e, parts, n // parts, -1)
-    scale = wp.abs().amax(dim=(2, 3)) / 448.0                                       # [E, P]
-    q = cast_to_fp8(wp / scale[:, :, None, None]).view(e, n, -1)
-    lin.set_weight(QWeight("fp8", {"q": q, "scale": scale.contiguous()}))
-
-
 def _tiny_moe(quant: str):
+    """The first MoE layer of the tiny preset with random weights, experts kept in `quant` (dense: BF16)."""
     from m3serve.model.loader import load_model
     model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True,
-                       quantization=None if quant in ("dense", "fp8") else quant, seed=0, keep_quantized=True)
-    m = next(x for x in model.modules() if isinstance(x, MoE))
-    if quant == "fp8":
-        _fp8_experts(m.w13)
-        _fp8_experts(m.w2)
-    return m
+                       quantization=None if quant == "dense" else quant, seed=0, keep_quantized=True)
+    return next(x for x in model.modules() if isinstance(x, MoE))
 
 
 @pytest.mark.parametrize("quant", ["dense", "fp8", "mxfp8", "nvfp4"])

@@ -91,33 +91,21 @@ def test_no_host_sync(fmt):
     torch.cuda.synchronize()
 
 
-def _fp8_experts(model) -> None:
-    """Re-store every MoE layer's dense experts as FP8 E4M3 with per-part DECODE scales (an FP8 checkpoint's
-    in-memory layout; random weights come only as BF16 / MXFP8 / NVFP4)."""
-    from m3serve.model.moe import MoE
-    from tests.kernels.test_moe_grouped import _fp8_experts as convert
-    for m in model.modules():
-        if isinstance(m, MoE):
-            convert(m.w13)
-            convert(m.w2)
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("quant", [None, "fp8", "mxfp8", "nvfp4"])
-def test_llm_builds_and_captures_every_expert_format(quant, monkeypatch):
+def test_llm_builds_and_captures_every_expert_format(quant):
     """LLM(...) with the defaults (route auto, CUDA graphs) at real dims: minimax-m3:4 (three dense layers and one
-    MoE layer; minimax-m3:2 has no MoE layer). Construction captures the decode graphs through the MoE; a short
-    greedy generation then runs on them (and prefill through moe.grouped)."""
+    MoE layer; minimax-m3:2 has no MoE layer). Construction captures the decode graphs through the MoE, and every
+    bucket must capture (no capture blocker left for the MoE); a short greedy generation then runs on them (and
+    prefill through moe.grouped)."""
     _dev()
-    import m3serve.llm as llm_mod
     from m3serve import LLM, SamplingParams
-    if quant == "fp8":
-        load = llm_mod.load_model
-        monkeypatch.setattr(llm_mod, "load_model", lambda *a, **k: (lambda m: (_fp8_experts(m), m)[1])(load(*a, **k)))
-    llm = LLM("minimax-m3:4", device="cuda", random_weights=True, quantization=None if quant == "fp8" else quant)
     from m3serve.model.moe import MoE
+    llm = LLM("minimax-m3:4", device="cuda", random_weights=True, quantization=quant)
     moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
     assert moe.w13.fmt == {None: "dense"}.get(quant, quant)
+    graphs = llm.engine.graphs
+    assert graphs is not None and not graphs.blocked, f"buckets left eager: {graphs.blocked}"
+    assert set(graphs.captured) == set(graphs.buckets)
     out = llm.generate([{"prompt_token_ids": list(range(1, 200))}] * 3,
                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
