@@ -77,6 +77,20 @@ def row_factor(acc, f_ptr, e, rows, N, P, FMT: tl.constexpr):
     return acc
 
 
+@helper
+def weight_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr,
+                CUDA: tl.constexpr, PTX: tl.constexpr):
+    """The [BN, BK] weight operand: BF16 as one plain tile load (which the compiler can stage through shared memory
+    like any GEMM operand), the other formats decoded in registers by load_w_tile (x_cols order)."""
+    if FMT == 3:
+        w = tl.load(w_ptr + rn[:, None] * K + (k0 + tl.arange(0, BK))[None, :])
+        if not CUDA:
+            w = w.to(tl.float32)  # the interpreter's dot takes fp32 operands (mma)
+        return w
+    else:
+        return load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)
+
+
 @kernel_unspecialized("T", "L", "NB")
 def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T, L, NB, H, I, E, P, stride_x,
                     swiglu_alpha, swiglu_limit, A: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
@@ -96,8 +110,8 @@ def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T,
         u = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, H, BK):
             xt = x_tile(x_ptr, tok, T, k0, stride_x, FMT, BM, BK)
-            g = mma(g, load_w_tile(wp, sp, rn, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
-            u = mma(u, load_w_tile(wp, sp, rn + I, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
+            g = mma(g, weight_tile(wp, sp, rn, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
+            u = mma(u, weight_tile(wp, sp, rn + I, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
         g = row_factor(g, f_ptr, e, rn, 2 * I, P, FMT)
         u = row_factor(u, f_ptr, e, rn + I, 2 * I, P, FMT)
         a = tl.trans(swiglu_oai(g, u, swiglu_alpha, swiglu_limit))  # [BM, BN]
@@ -121,7 +135,7 @@ def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L,
         wp, sp = expert_base(w_ptr, s_ptr, e, H, I, FMT)
         acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, I, BK):
-            w = load_w_tile(wp, sp, rn, k0, I, FMT, BN, BK, GS, CUDA, PTX)
+            w = weight_tile(wp, sp, rn, k0, I, FMT, BN, BK, GS, CUDA, PTX)
             acc = mma(acc, w, x_tile(act_ptr, rm, L, k0, I, FMT, BM, BK), CUDA)
         acc = row_factor(acc, f_ptr, e, rn, H, P, FMT)
         yt = tl.trans(acc)  # [BM, BN]

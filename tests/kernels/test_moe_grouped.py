@@ -229,3 +229,16 @@ def test_explain_names_the_grouped_moe():
     moes = [p for p in module_placements(model, 8) if p.module.endswith(".mlp") and "moe" in (p.entry or "")]
     assert moes and {p.entry for p in moes} == {"moe.grouped"}, [p.line() for p in moes]
     assert all("tiny preset" in p.detail and "nvfp4 experts" in p.detail for p in moes)
+
+
+def test_decode_cell_compiles_for_sm90_without_spills():
+    """The decode-batch cell's launches (route_group_small included, which the prefill cell of test_aot.py does
+    not reach) compile for sm_90 with Triton's ptxas, without register spills."""
+    from m3serve.kernels import aot_check
+    e = G.ENTRY
+    cell = next(c for c in e.cells if c.shape == (FMT_BF16, 128, 6144, 3072, 4) and c.rows[0] == 1)
+    results = aot_check.run([type(e)(**{**e.__dict__, "cells": (cell,)})], arch=90)
+    names = {r.name for _, _, r in results}
+    assert {"route_group_small", "grouped_gate_up", "grouped_down", "grouped_combine"} <= names, names
+    for _, _, r in results:
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.stack} B stack, {r.local} B local"
