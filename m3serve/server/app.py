@@ -2,7 +2,7 @@
 a thread).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
-GET /metrics. Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
+GET /metrics, and vLLM's utility routes (tokenize_routes.py). Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
 an exception that is not an APIError is a server bug and the only path to a 500. The app is run with
 handler_cancellation=True so that a client disconnect cancels its handler, which aborts the request (see
 generate.py).
@@ -32,6 +32,7 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+from m3serve.server import tokenize_routes
 from m3serve.server.engine_loop import SHUTTING_DOWN, EngineLoop
 from m3serve.server.errors import APIError, one_line, short_repr
 from m3serve.server.generate import respond
@@ -279,6 +280,7 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    tokenize_routes.add_routes(app, STATE, read_json)   # /tokenize, /detokenize, /tokenizer_info, /version, /ping
     return app
 
 

@@ -566,3 +566,8 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     return GenRequest("chat", [ids], [text], params, n=n, stream=stream, include_usage=include_usage,
                       logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])
+
+
+# for the utility endpoints (tokenize_routes.py): the same model check and message validation
+check_model = _check_model
+parse_messages = _messages
