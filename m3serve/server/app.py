@@ -39,6 +39,7 @@ from m3serve.server.generate import respond
 from m3serve.server.http_errors import JSONErrorAppRunner
 from m3serve.server.limits import (RequestLimits, body_too_large, check_chat_size, check_completion_size,
                                    check_content_length)
+from m3serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from m3serve.server.metrics import ServerMetrics
 from m3serve.server.protocol import ModelInfo, parse_chat, parse_completion
 from m3serve.server.shutdown import ShutdownSignals
@@ -244,8 +245,7 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    return web.Response(text=s.metrics.render(s.loop.snapshot), content_type="text/plain",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    return web.Response(text=s.metrics.render(s.loop.snapshot), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def build_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
@@ -255,7 +255,7 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     None take RequestLimits.for_model's defaults (32 MiB bodies, max_model_len x 32 prompt characters, 2048
     messages)."""
     import time
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(served_model_name or "m3serve")
     engine = llm.engine
     info = ModelInfo(name=served_model_name or "m3serve",
                      vocab_size=llm.model.cfg.vocab_size, max_model_len=engine.max_model_len,

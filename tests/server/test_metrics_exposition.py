@@ -1,0 +1,86 @@
+"""/metrics through prometheus_client: vLLM's names with a model_name label, the KV usage fraction, process
+metrics, promtool's naming rules (counters _total, gauges not), cumulative histograms; parsed with
+prometheus_client.parser (tests/server/promtext.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from m3serve.server.metrics import CONTENT_TYPE, ServerMetrics
+from tests.server.promtext import parse, value
+
+SNAP = {"alive": 1, "waiting": 3, "running": 2, "kv_pages_total": 10, "kv_pages_free": 6, "preemptions": 5,
+        "steps": 9, "kv_pages_cached": 1, "acceptance_length": 2.5, "spec_draft_tokens": 30,
+        "prefix_cache_queries": 400, "prefix_cache_hits": 288}
+
+
+def _filled() -> ServerMetrics:
+    m = ServerMetrics("tiny-test")
+    m.ttft.observe(0.02)
+    for v in (0.05, 0.1, 0.3):
+        m.e2e.observe(v)
+    m.itl.observe(0.004, 3)
+    m.prompt_tokens.inc(11)
+    m.generation_tokens.inc(4)
+    m.finished.inc(1, "length")
+    m.finished.inc(2, "stop")
+    m.http.inc(1, "200")
+    return m
+
+
+def test_vllm_names_with_the_model_label():
+    types, s = parse(_filled().render(SNAP))
+    lab = {"model_name": "tiny-test"}
+    assert value(s, "vllm:num_requests_waiting", **lab) == 3 and value(s, "vllm:num_requests_running", **lab) == 2
+    assert value(s, "vllm:kv_cache_usage_perc", **lab) == pytest.approx(0.4)
+    assert value(s, "vllm:prompt_tokens_total", **lab) == 11 and value(s, "vllm:generation_tokens_total", **lab) == 4
+    assert value(s, "vllm:request_success_total", finished_reason="stop", **lab) == 2
+    assert value(s, "vllm:request_success_total", finished_reason="length", **lab) == 1
+    assert value(s, "vllm:num_preemptions_total", **lab) == 5
+    assert value(s, "vllm:prefix_cache_queries_total", **lab) == 400
+    assert value(s, "vllm:prefix_cache_hits_total", **lab) == 288
+    assert value(s, "vllm:inter_token_latency_seconds_count", **lab) == 3
+    assert value(s, "vllm:time_to_first_token_seconds_count", **lab) == 1
+    assert value(s, "vllm:e2e_request_latency_seconds_bucket", le="0.1", **lab) == 2     # le is inclusive
+    assert math.isclose(value(s, "vllm:e2e_request_latency_seconds_sum", **lab), 0.45)
+    assert value(s, "m3serve_engine_alive", **lab) == 1 and value(s, "m3serve_kv_pages_used", **lab) == 4
+    assert value(s, "m3serve_kv_pages_capacity", **lab) == 10
+    assert value(s, "m3serve_spec_acceptance_length", **lab) == 2.5 and value(s, "m3serve_spec_draft_tokens") == 30
+    assert value(s, "m3serve_http_responses_total", status="200", **lab) == 1
+    assert types["vllm:request_success"] == "counter" and types["vllm:kv_cache_usage_perc"] == "gauge"
+    for (name, labels), _ in s.items():          # every series but the process collector's carries the model
+        if name.startswith(("vllm:", "m3serve_")):
+            assert ("model_name", "tiny-test") in labels, name
+
+
+def test_process_metrics_and_no_created_series():
+    types, s = parse(_filled().render(SNAP))
+    assert "process_cpu_seconds" in types and value(s, "process_resident_memory_bytes") > 0
+    assert not any(name.endswith("_created") for name, _ in s)
+
+
+def test_engine_death_and_absent_figures():
+    m = _filled()
+    types, s = parse(m.render({"alive": 0}))
+    assert value(s, "m3serve_engine_alive", model_name="tiny-test") == 0
+    assert value(s, "vllm:kv_cache_usage_perc", model_name="tiny-test") == 0     # no pages known: 0, not NaN
+    assert "m3serve_spec_acceptance_length" not in types
+
+
+def test_counters_refuse_to_go_down():
+    with pytest.raises(ValueError, match="only go up"):
+        ServerMetrics("x", process=False).prompt_tokens.inc(-1)
+
+
+def test_content_type_names_the_exposition_version():
+    assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+
+
+def test_two_servers_keep_their_own_series():
+    a, b = ServerMetrics("a", process=False), ServerMetrics("b", process=False)
+    a.generation_tokens.inc(3)
+    _, sb = parse(b.render({}))
+    assert value(sb, "vllm:generation_tokens_total", model_name="b") == 0
+    assert value(parse(a.render({}))[1], "vllm:generation_tokens_total", model_name="a") == 3
