@@ -23,6 +23,15 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 _TP_ONLY = ("keep_quantized", "tp_timeout_s", "tp_load_timeout_s", "tp_grace_s")
 
 
+def embedded_drafter() -> str:
+    """The embedded model's Eagle3 drafter directory, absolute (a speculative_config "model" that works from any
+    working directory): LLM(speculative_config={"method": "eagle3", "model": embedded_drafter(), ...})."""
+    path = os.path.join(DEFAULT_MODEL_DIR, "eagle3")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"the embedded Eagle3 drafter is not in this installation ({path})")
+    return path
+
+
 def default_model() -> str:
     """The embedded trained model when it ships in the package, else the tiny preset (random weights)."""
     return DEFAULT_MODEL_DIR if os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "config.json")) else "tiny"

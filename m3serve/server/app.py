@@ -218,7 +218,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 def _card(s: ServerState) -> dict:
     return {"id": s.info.name, "object": "model", "created": s.created, "owned_by": "m3serve",
-            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size}
+            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size,
+            "device": s.loop.engine.model.device.type}
 
 
 async def _models(request: web.Request) -> web.Response:
