@@ -43,3 +43,32 @@ def test_stream_pieces_concatenate_and_never_pass_a_stop(tok, ids, stop_at, stop
 def test_stream_without_tokenizer_is_empty():
     ts = TextStream(None, ["x"])
     assert ts.push([1, 2]) == "" and ts.finish() == ""
+
+
+def test_stream_uses_decode_stream_without_redecoding(tok):
+    """The plain-decode cases step tokenizers' DecodeStream: no full decode per token, same text."""
+    from m3serve import SamplingParams
+    calls = []
+
+    class Counting:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def decode(self, *a, **k):
+            calls.append(1)
+            return self._inner.decode(*a, **k)
+
+    ids = list(range(5, 300, 7)) + [400, 401, 402]
+    for params in (SamplingParams(), SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)):
+        ts = TextStream(Counting(tok), [], params)
+        assert ts._stream is not None
+        calls.clear()
+        sent = "".join(ts.push([t]) for t in ids)
+        assert not calls
+        sent += ts.finish(None, [], "length", None)
+        assert sent == tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    spaced = TextStream(tok, [], SamplingParams(skip_special_tokens=False))   # " " between special tokens
+    assert spaced._stream is None

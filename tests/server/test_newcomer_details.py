@@ -54,3 +54,27 @@ def test_embedded_drafter_is_absolute():
     from m3serve import embedded_drafter
     path = embedded_drafter()
     assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def test_tokenizer_loads_the_named_fast_class_as_auto_tokenizer_would(model_dir):
+    """load_tokenizer skips AutoTokenizer's import cost; the tokenizer it returns behaves the same."""
+    from transformers import AutoTokenizer
+
+    from m3serve.llm import DEFAULT_MODEL_DIR
+    from m3serve.tokenizer import load_tokenizer
+    text = "Once upon a time <|user|> \u4e2d\u6587 \u00e9"
+    for path in (DEFAULT_MODEL_DIR, model_dir):
+        ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+        assert type(ours) is type(auto)
+        assert ours.encode(text) == auto.encode(text) and ours.chat_template == auto.chat_template
+        assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
+
+
+def test_generate_streams_the_offline_text(capsys):
+    """`m3serve generate` prints the prompt and exactly the offline API's completion (streamed by DecodeStream)."""
+    from m3serve import LLM, SamplingParams
+    from m3serve.cli import main
+    assert main(["generate", "--prompt", "To be, or not", "--max-tokens", "12", "--speculative-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    want = LLM().generate("To be, or not", SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    assert out == "To be, or not" + want[0].outputs[0].text + "\n"
