@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 
+from m3serve.bench import pareto
 from m3serve.bench.plot import load, plot_pareto
 from m3serve.bench.serve import WORKLOADS, BenchConfig, format_table, run_bench
 
@@ -135,6 +136,7 @@ def add_commands(sub) -> None:
     p.add_argument("-o", "--output", default="pareto.png", help="PNG path")
     p.add_argument("--title", default=None, help="chart title")
     p.set_defaults(func=run_plot)
+    pareto.add_command(sub)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
