@@ -72,9 +72,17 @@ def test_tokenizer_loads_the_named_fast_class_as_auto_tokenizer_would(model_dir)
 
 def test_generate_streams_the_offline_text(capsys):
     """`m3serve generate` prints the prompt and exactly the offline API's completion (streamed by DecodeStream)."""
+    import logging
+
     from m3serve import LLM, SamplingParams
     from m3serve.cli import main
-    assert main(["generate", "--prompt", "To be, or not", "--max-tokens", "12", "--speculative-tokens", "0"]) == 0
+    log = logging.getLogger("m3serve")
+    saved = (list(log.handlers), log.level, log.propagate)     # the CLI installs its own handler: put it back
+    try:
+        assert main(["generate", "--prompt", "To be, or not", "--max-tokens", "12", "--speculative-tokens", "0"]) == 0
+    finally:
+        log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+        log.setLevel(saved[1])
     out = capsys.readouterr().out
     want = LLM().generate("To be, or not", SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
     assert out == "To be, or not" + want[0].outputs[0].text + "\n"
