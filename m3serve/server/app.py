@@ -40,7 +40,7 @@ from m3serve.server.http_errors import JSONErrorAppRunner
 from m3serve.server.limits import (RequestLimits, body_too_large, check_chat_size, check_completion_size,
                                    check_content_length)
 from m3serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from m3serve.server.metrics import ServerMetrics
+from m3serve.server.metrics import NAME_SCHEMES, ServerMetrics
 from m3serve.server.protocol import ModelInfo, parse_chat, parse_completion
 from m3serve.server.shutdown import ShutdownSignals
 from m3serve.server.sse import dumps
@@ -246,7 +246,10 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    return web.Response(text=s.metrics.render(s.loop.snapshot), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    names = request.query.get("names", "m3serve")      # ?names=vllm: vLLM's metrics as vllm:<name> (metrics.py)
+    if names not in NAME_SCHEMES:
+        raise APIError(400, f"'names' = {short_repr(names)}: expected one of {list(NAME_SCHEMES)}", param="names")
+    return web.Response(text=s.metrics.render(s.loop.snapshot, names), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def build_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,

@@ -1,23 +1,26 @@
-"""/metrics through prometheus_client: vLLM's metric names (`vllm:`), a `model_name` label on each, this engine's
-own figures under `m3serve_`, and the process collector's `process_*`.
+"""/metrics through prometheus_client: vLLM's metrics under vLLM's names with the `m3serve_` prefix (promtool
+clean), the same series as `vllm:<name>` on request (`/metrics?names=vllm`, for vLLM's dashboards), a
+`model_name` label on each, this engine's own figures, and the process collector's `process_*`.
 
-    vllm:num_requests_running / _waiting          gauge      requests decoding or prefilling / queued
-    vllm:kv_cache_usage_perc                      gauge      fraction of KV pages held by live requests (0..1)
-    vllm:prompt_tokens_total, generation_tokens   counter    prompt tokens admitted, tokens generated
-    vllm:request_success_total{finished_reason}   counter    finished sequences: stop | length | abort
-    vllm:num_preemptions_total                    counter
-    vllm:prefix_cache_queries_total / _hits_total counter    prompt tokens looked up / found in the prefix cache
-    vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds
-                                                  histogram
-    m3serve_engine_alive                          gauge      1 while the engine loop runs (0 once it died)
+    m3serve_num_requests_running / _waiting          gauge      requests decoding or prefilling / queued
+    m3serve_kv_cache_usage_perc                      gauge      fraction of KV pages held by live requests (0..1)
+    m3serve_prompt_tokens_total, _generation_tokens_total   counter   prompt tokens admitted, tokens generated
+    m3serve_request_success_total{finished_reason}   counter    finished sequences: stop | length | abort
+    m3serve_num_preemptions_total                    counter
+    m3serve_prefix_cache_queries_total / _hits_total counter    prompt tokens looked up / found in the prefix cache
+    m3serve_time_to_first_token_seconds, m3serve_inter_token_latency_seconds, m3serve_e2e_request_latency_seconds
+                                                     histogram
+  (the lines above are vLLM's metrics: vllm:<name without m3serve_>; the ones below are this engine's only)
+    m3serve_engine_alive                             gauge      1 while the engine loop runs (0 once it died)
     m3serve_kv_pages_capacity / _free / _used / _cached   gauge   KV pages
     m3serve_engine_steps_total, m3serve_http_responses_total{status}   counter
-    m3serve_spec_*                                gauge      speculative decoding statistics (engine.stats())
+    m3serve_spec_*                                   gauge      speculative decoding statistics (engine.stats())
 
-Engine figures come from the engine loop's latest snapshot, read at scrape time by a collector; latencies and
-token counts are observed on the engine thread as they happen. Each ServerMetrics has its own registry (two
-servers in one process do not share series). The exposition is Prometheus' text format 0.0.4 (what
-Prometheus 2.x scrapes; `_created` series are off).
+promtool's lint refuses ':' in names (it reserves them for recording rules; vLLM's own exposition fails it), so
+the `vllm:` form is the alias, not the default. Engine figures come from the engine loop's latest snapshot, read
+at scrape time by a collector; latencies and token counts are observed on the engine thread as they happen.
+Each ServerMetrics has its own registry (two servers in one process do not share series). The exposition is
+Prometheus' text format 0.0.4 (what Prometheus 2.x scrapes; `_created` series are off).
 """
 
 from __future__ import annotations
@@ -26,11 +29,18 @@ import math
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector,
                                disable_created_metrics, generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "m3serve_"
+# vLLM's metrics, by their names after the prefix (`vllm:` + name in vLLM's exposition)
+VLLM_METRICS = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "request_success", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds"})
+NAME_SCHEMES = ("m3serve", "vllm")
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
@@ -92,19 +102,19 @@ class _EngineCollector:
         s = self.snapshot
         total, free = s.get("kv_pages_total", 0), s.get("kv_pages_free", 0)
         yield self._gauge("m3serve_engine_alive", "1 while the engine loop thread runs.", int(s.get("alive", 0)))
-        yield self._gauge("vllm:num_requests_running", "Requests being prefilled or decoded.", s.get("running", 0))
-        yield self._gauge("vllm:num_requests_waiting", "Requests in the engine's waiting queue.", s.get("waiting", 0))
-        yield self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache pages held by live requests (1 = full).",
+        yield self._gauge("m3serve_num_requests_running", "Requests being prefilled or decoded.", s.get("running", 0))
+        yield self._gauge("m3serve_num_requests_waiting", "Requests in the engine's waiting queue.", s.get("waiting", 0))
+        yield self._gauge("m3serve_kv_cache_usage_perc", "Fraction of KV cache pages held by live requests (1 = full).",
                           (total - free) / total if total else 0.0)
         yield self._gauge("m3serve_kv_pages_capacity", "KV cache pages in all.", total)
         yield self._gauge("m3serve_kv_pages_free", "KV cache pages obtainable now (free or evictable cached).", free)
         yield self._gauge("m3serve_kv_pages_used", "KV cache pages held by live requests.", total - free)
         yield self._gauge("m3serve_kv_pages_cached", "KV cache pages in the prefix cache.", s.get("kv_pages_cached", 0))
-        yield self._counter("vllm:num_preemptions", "Requests preempted (KV dropped, recomputed later).",
+        yield self._counter("m3serve_num_preemptions", "Requests preempted (KV dropped, recomputed later).",
                             s.get("preemptions", 0))
-        yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield self._counter("m3serve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                             s.get("prefix_cache_queries", 0))
-        yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (KV shared).",
+        yield self._counter("m3serve_prefix_cache_hits", "Prompt tokens found in the prefix cache (KV shared).",
                             s.get("prefix_cache_hits", 0))
         yield self._counter("m3serve_engine_steps", "Engine steps run.", s.get("steps", 0))
         if "acceptance_length" in s:
@@ -116,19 +126,45 @@ class _EngineCollector:
                 yield self._gauge(f"m3serve_{key}", f"Speculative decoding statistic {key} (engine.stats()).", v)
 
 
+def vllm_name(name: str) -> str:
+    """The `vllm:` alias of a sample or family name of vLLM's metrics; other names unchanged."""
+    if not name.startswith(PREFIX):
+        return name
+    rest = name[len(PREFIX):]
+    base = next((m for m in VLLM_METRICS if rest == m or rest.startswith(m + "_")), None)
+    return "vllm:" + rest if base is not None else name
+
+
+class _VllmNames:
+    """A registry's families with vLLM's metrics renamed vllm:<name> (generate_latest reads any collect())."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def collect(self):
+        for fam in self.registry.collect():
+            name = vllm_name(fam.name)
+            if name == fam.name:
+                yield fam
+                continue
+            out = Metric(name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s._replace(name=vllm_name(s.name)) for s in fam.samples]
+            yield out
+
+
 class ServerMetrics:
     def __init__(self, model_name: str = "m3serve", process: bool = True):
         self.registry = CollectorRegistry(auto_describe=False)
         r, m = self.registry, model_name
-        self.ttft = _Histogram("vllm:time_to_first_token_seconds",
+        self.ttft = _Histogram("m3serve_time_to_first_token_seconds",
                                "Time from request arrival to its first generated token.", TTFT_BUCKETS, r, m)
-        self.itl = _Histogram("vllm:inter_token_latency_seconds",
+        self.itl = _Histogram("m3serve_inter_token_latency_seconds",
                               "Time between consecutive generated tokens of a request.", ITL_BUCKETS, r, m)
-        self.e2e = _Histogram("vllm:e2e_request_latency_seconds", "Time from request arrival to its last token.",
+        self.e2e = _Histogram("m3serve_e2e_request_latency_seconds", "Time from request arrival to its last token.",
                               E2E_BUCKETS, r, m)
-        self.prompt_tokens = _Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", r, m)
-        self.generation_tokens = _Counter("vllm:generation_tokens", "Generated tokens.", r, m)
-        self.finished = _Counter("vllm:request_success", "Finished sequences (one per choice; with best_of, one "
+        self.prompt_tokens = _Counter("m3serve_prompt_tokens", "Prompt tokens of admitted requests.", r, m)
+        self.generation_tokens = _Counter("m3serve_generation_tokens", "Generated tokens.", r, m)
+        self.finished = _Counter("m3serve_request_success", "Finished sequences (one per choice; with best_of, one "
                                  "per candidate) by finish reason.", r, m, "finished_reason")
         self.http = _Counter("m3serve_http_responses", "HTTP responses by status code.", r, m, "status")
         self.engine = _EngineCollector(m)
@@ -137,7 +173,10 @@ class ServerMetrics:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
 
-    def render(self, snap: dict) -> str:
-        """`snap`: the engine loop's latest stats snapshot (engine.stats() plus loop fields)."""
+    def render(self, snap: dict, names: str = "m3serve") -> str:
+        """`snap`: the engine loop's latest stats snapshot (engine.stats() plus loop fields); names: "m3serve"
+        (promtool clean) or "vllm" (vLLM's metrics as vllm:<name>)."""
+        if names not in NAME_SCHEMES:
+            raise ValueError(f"names: expected one of {NAME_SCHEMES}, found {names!r}")
         self.engine.snapshot = snap
-        return generate_latest(self.registry).decode("utf-8")
+        return generate_latest(self.registry if names == "m3serve" else _VllmNames(self.registry)).decode("utf-8")

@@ -142,7 +142,7 @@ def test_load_500_streams_with_disconnects(model_dir, capsys):
     assert 0 < aborted <= disconnected         # a client that left after the last token needs no abort
     assert leaked == 0 and after["kv_pages_free"] == after["kv_pages_total"]
     assert after["live_seqs"] == 0 and after["requests"] == 0 and after["running"] == after["waiting"] == 0
-    assert any(line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line
+    assert any(line.startswith("m3serve_request_success_total{") and 'finished_reason="abort"' in line
                for line in metrics_text.splitlines())
 
 

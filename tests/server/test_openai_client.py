@@ -204,16 +204,16 @@ def test_metrics_count_the_traffic(client, server):
 
     def grew(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
-    assert grew("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
-    assert grew("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usage) == 15
-    assert grew("vllm:time_to_first_token_seconds_count") == 3
-    assert grew("vllm:inter_token_latency_seconds_count") == 12       # 4 gaps per 5-token request
-    assert grew("vllm:request_success_total", finished_reason="length") == 3
+    assert grew("m3serve_prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert grew("m3serve_generation_tokens_total") == sum(u.completion_tokens for u in usage) == 15
+    assert grew("m3serve_time_to_first_token_seconds_count") == 3
+    assert grew("m3serve_inter_token_latency_seconds_count") == 12       # 4 gaps per 5-token request
+    assert grew("m3serve_request_success_total", finished_reason="length") == 3
     assert grew("m3serve_http_responses_total", status="200") >= 4
     assert value(after, "m3serve_engine_alive") == 1 and value(after, "m3serve_kv_pages_capacity") > 0
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "m3serve_kv_pages_free",
-                 "m3serve_kv_pages_used", "vllm:num_preemptions", "vllm:time_to_first_token_seconds",
-                 "vllm:inter_token_latency_seconds"):
+    for name in ("m3serve_num_requests_waiting", "m3serve_num_requests_running", "m3serve_kv_pages_free",
+                 "m3serve_kv_pages_used", "m3serve_num_preemptions", "m3serve_time_to_first_token_seconds",
+                 "m3serve_inter_token_latency_seconds"):
         assert name in types
 
 

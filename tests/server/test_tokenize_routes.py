@@ -78,3 +78,20 @@ def test_lm_eval_remote_tokenizer(server, ref):
     assert remote.encode("Once upon a time") == tok.encode("Once upon a time", add_special_tokens=False)
     assert remote.decode(tok.encode("a b c", add_special_tokens=False)) == "a b c"
     assert remote.eos_token_id == tok.eos_token_id
+
+
+def test_metrics_name_schemes_over_http(server):
+    import shutil
+    import subprocess
+    import urllib.error
+    status, raw = _get(server.url + "/metrics")
+    text = raw.decode()
+    assert status == 200 and f'm3serve_num_requests_running{{model_name="{EMBEDDED}"}}' in text and "vllm:" not in text
+    if shutil.which("promtool"):
+        r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+    status, raw = _get(server.url + "/metrics?names=vllm")
+    assert f'vllm:num_requests_running{{model_name="{EMBEDDED}"}}' in raw.decode()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _get(server.url + "/metrics?names=prom")
+    assert e.value.code == 400

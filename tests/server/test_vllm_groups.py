@@ -54,9 +54,9 @@ def test_n_runs_as_one_group_sharing_the_prompt_pages(server, ref):
 
     def grew(name):
         return value(after, name) - value(before, name)
-    assert grew("vllm:prefix_cache_queries_total") == n * len(prompt)
-    assert grew("vllm:prefix_cache_hits_total") == (n - 1) * full > 0
-    assert grew("vllm:prompt_tokens_total") == len(prompt)         # one prompt, prefilled once
+    assert grew("m3serve_prefix_cache_queries_total") == n * len(prompt)
+    assert grew("m3serve_prefix_cache_hits_total") == (n - 1) * full > 0
+    assert grew("m3serve_prompt_tokens_total") == len(prompt)         # one prompt, prefilled once
     assert r["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n * 6,
                           "total_tokens": len(prompt) + n * 6}
 
