@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from m3serve.engine.structured_params import StructuredOutputsParams, as_structured
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
@@ -45,6 +47,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # a grammar the output must follow (JSON schema / object, regex, choice, EBNF): m3serve.engine.structured
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +57,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             self.logit_bias = dict(self.logit_bias)
+        self.structured_outputs = as_structured(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -111,6 +116,8 @@ class SamplingParams:
                 if not _is_num(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                     bad("logit_bias", self.logit_bias,
                         f"expected biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], found {b!r} for token {tok}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "expected StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +130,7 @@ class SamplingParams:
 
     @property
     def needs_logits_processing(self) -> bool:
-        """Whether the sampler must change this request's logits before sampling (penalties, bias, min_tokens)."""
+        """Whether the sampler must change this request's logits before sampling (penalties, bias, min_tokens,
+        a structured-output grammar)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None)
