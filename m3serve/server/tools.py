@@ -156,8 +156,8 @@ def _params(name: str, fields: dict) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as e:
-        msg = str(e).replace("SamplingParams.structured_outputs", name)
-        raise APIError(400, msg, param=name) from None
+        why = str(e).split(": ", 1)[-1]          # drop the SamplingParams.structured_outputs.<kind> prefix
+        raise APIError(400, f"'{name}': {why}", param=name) from None
 
 
 def normalize_messages_tools(messages: list[dict]) -> list[dict]:
