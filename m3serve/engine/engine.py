@@ -122,7 +122,7 @@ class LLMEngine:
             from m3serve.runtime.decode_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties,
                                        token_masks=self.token_masks)
-            self.graphs.capture()
+            self.graphs.capture(mode)
         return True
 
     @staticmethod

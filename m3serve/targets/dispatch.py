@@ -49,9 +49,9 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "attn.rope": (((1, 48), "attn.rope"),),
     "mlp.silu_mul": (((1, 48), "mlp.silu_mul"),),
     # a speculative step's bookkeeping (rows = sequences of the bucket; shape = (K,))
-    "spec.inputs": (((1, 48), "spec.inputs"),),
-    "spec.accept": (((1, 48), "spec.accept"),),
-    "spec.commit": (((1, 48), "spec.commit"),),
+    "spec.inputs": (((1, 256), "spec.inputs"),),
+    "spec.accept": (((1, 256), "spec.accept"),),
+    "spec.commit": (((1, 256), "spec.commit"),),
 }
 
 
