@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import threading
 
-import torch
 import xgrammar
 
 from m3serve.engine.structured_params import StructuredOutputsParams, choice_grammar
