@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +83,7 @@ class LLMEngine:
         # the first constrained request: m3serve.engine.structured).
         self.token_masks = TokenMaskRows(config.max_num_seqs, cfg.vocab_size, dev)
         self.grammars = None
+        self._grammars_lock = threading.Lock()
         self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
         self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
         log.info("KV cache: %s", self.kv.describe())
@@ -231,11 +233,18 @@ class LLMEngine:
     def _grammars(self):
         """The structured-output grammars, made on first use (xgrammar takes seconds to import and to index the
         vocabulary; a server that never sees a constrained request never pays for it)."""
-        if self.grammars is None:
-            from m3serve.engine import structured     # heavy optional dependency: loaded on first use
-            compiler = structured.GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self.eos)
-            self.grammars = structured.Grammars(compiler, self.token_masks)
+        with self._grammars_lock:
+            if self.grammars is None:
+                from m3serve.engine import structured     # heavy optional dependency: loaded on first use
+                compiler = structured.GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self.eos)
+                self.grammars = structured.Grammars(compiler, self.token_masks)
         return self.grammars
+
+    def compile_grammar(self, constraint) -> None:
+        """Compile a StructuredOutputsParams into the engine's grammar cache; safe from any thread (the server
+        calls it while parsing a request, so add_request finds it compiled and the engine thread never waits
+        for a compile). Raises ValueError naming the constraint's field when it does not compile."""
+        self._grammars().compiler.compile(constraint)
 
     def _constrained(self, req: Request) -> bool:
         return self.grammars is not None and self.grammars.has(req.request_id)

@@ -46,6 +46,7 @@ class ModelInfo:
     capacity_tokens: int             # tokens the whole KV cache holds
     tokenizer: object | None = None
     max_choices: int = 64            # prompts x candidates (best_of, else n) in one request
+    compile_grammar: object | None = None   # the engine's thread-safe grammar compiler (structured output)
 
 
 @dataclass
@@ -404,7 +405,7 @@ def parse_completion(body: object, info: ModelInfo) -> GenRequest:
     stream, include_usage = _stream(body)
     n, best_of = _n(body, info, len(prompts), stream)
     prompt_logprobs = _prompt_logprobs(body, stream)
-    constraint = structured_request(body)
+    constraint = structured_request(body, compile_grammar=info.compile_grammar)
     params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, n=n,
                       best_of=best_of, prompt_logprobs=prompt_logprobs, structured_outputs=constraint, **common)
               for ids in prompts]
@@ -499,7 +500,7 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
         raise APIError(400, "'messages' is required", param="messages")
     messages = _messages(body["messages"])
     plan = chat_plan(body)
-    constraint = structured_request(body, plan)
+    constraint = structured_request(body, plan, compile_grammar=info.compile_grammar)
     common = _common(body, info)
     want_lp = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS, None)

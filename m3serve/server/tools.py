@@ -112,8 +112,11 @@ def _json_schema_format(fmt: dict) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=schema)
 
 
-def structured_request(body: dict, plan: ChatPlan | None = None) -> StructuredOutputsParams | None:
-    """The request's output constraint (module docstring), or None. APIError names the field."""
+def structured_request(body: dict, plan: ChatPlan | None = None,
+                       compile_grammar=None) -> StructuredOutputsParams | None:
+    """The request's output constraint (module docstring), or None. APIError names the field.
+    compile_grammar: the engine's compiler, called here (off the engine thread) so a grammar that does not
+    compile is a 400 naming its field and the engine finds the others in its cache."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -149,7 +152,15 @@ def structured_request(body: dict, plan: ChatPlan | None = None) -> StructuredOu
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise APIError(400, f"at most one output constraint per request, found {names}", param=found[1][0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    name, constraint = found[0]
+    if compile_grammar is not None:
+        try:
+            compile_grammar(constraint)
+        except ValueError as e:
+            raise APIError(400, f"'{name}': {str(e).split(': ', 1)[-1]}", param=name) from None
+    return constraint
 
 
 def _params(name: str, fields: dict) -> StructuredOutputsParams:

@@ -123,8 +123,9 @@ def test_json_schema_and_guided_fields(client):
     with pytest.raises(BadRequestError, match="at most one output constraint"):
         client.chat.completions.create(model="verse", messages=MSG, max_tokens=5, response_format={"type": "json_object"},
                                        extra_body={"guided_regex": "a"})
-    with pytest.raises(BadRequestError, match="cannot be compiled"):
+    with pytest.raises(BadRequestError, match="cannot be compiled") as e:   # compiled while parsing: a 400
         client.chat.completions.create(model="verse", messages=MSG, max_tokens=5, extra_body={"guided_regex": "(a"})
+    assert e.value.body["param"] == "guided_regex"
 
 
 def test_prefilled_reasoning_streams_as_reasoning_content(client):
