@@ -393,8 +393,11 @@ class LLMEngine:
         """Append each request's new token (and logprobs), check its stop conditions, cache its full pages."""
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_token_ids.append(tok)
-            if self.grammars is not None:
-                self.grammars.advance(req.request_id, tok)
+            if self.grammars is not None and not self.grammars.advance(req.request_id, tok):
+                log.error("request %d: token %d is outside its structured-output grammar (every token the grammar "
+                          "allowed was forbidden by its other logits processing); aborted", req.request_id, tok)
+                self._finish(req, "abort", None)
+                continue
             if req.params.logprobs is not None:
                 top = {tid: lv for tid, lv in zip(lp[1][i][:req.params.logprobs], lp[2][i][:req.params.logprobs])}
                 top[tok] = lp[0][i]
@@ -496,10 +499,15 @@ class LLMEngine:
         if group is not None:
             self._release_candidates(group)
         hit = stopping.stop_hit(req, tok, self.eos, self.tokenizer, self.max_model_len)
+        if hit is None and self.grammars is not None and self.grammars.complete(req.request_id):
+            hit = ("stop", tok)                  # the grammar ended on a stop token (ignore_eos kept going)
         if hit is not None:
-            self.scheduler.finish(req, *hit)
-            self.penalties.release(req)
-            self._release_grammar(req)
+            self._finish(req, *hit)
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        self.penalties.release(req)
+        self._release_grammar(req)
 
     def _release_candidates(self, group: RequestGroup) -> None:
         """Queue the candidates after the leader, first in line: its full prompt pages are committed to the

@@ -118,6 +118,9 @@ class SamplingParams:
                         f"expected biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], found {b!r} for token {tok}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", self.structured_outputs, "expected StructuredOutputsParams or None")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            bad("min_tokens", self.min_tokens, "expected 0 with structured_outputs (the grammar decides where the "
+                                               "output may end)")
 
     @property
     def greedy(self) -> bool:

@@ -93,12 +93,16 @@ class Grammars:
     def release(self, request_id: int) -> None:
         self._matchers.pop(request_id, None)
 
-    def advance(self, request_id: int, token: int) -> None:
-        """The request sampled `token` under its mask: move its matcher past it."""
+    def advance(self, request_id: int, token: int) -> bool:
+        """The request sampled `token` under its mask: move its matcher past it. False when the grammar refuses
+        it (only possible when other logits processing forbade every token the grammar allows)."""
         m = self._matchers.get(request_id)
-        if m is not None and not m.is_terminated() and not m.accept_token(token):
-            raise RuntimeError(f"structured output: token {token} was sampled outside request {request_id}'s "
-                               "grammar (its mask was not applied)")
+        return m is None or m.is_terminated() or m.accept_token(token)
+
+    def complete(self, request_id: int) -> bool:
+        """The request's grammar has ended (it accepted a stop token): nothing more may follow."""
+        m = self._matchers.get(request_id)
+        return m is not None and m.is_terminated()
 
     def fill(self, request_ids: list[int], state_rows: list[int], in_graph: bool) -> bool:
         """Write each constrained request's next-token mask into its state row, and reset a row a constrained

@@ -95,3 +95,27 @@ def test_bad_schema_is_refused_and_nothing_leaks(llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         llm.generate(["x"], SamplingParams(structured_outputs={"regex": "(unclosed"}), use_tqdm=False)
     assert not llm.engine.requests and len(llm.engine.grammars) == 0
+
+
+def test_grammar_end_finishes_even_with_ignore_eos_and_min_tokens_is_refused(llm):
+    so = StructuredOutputsParams(choice=["thee", "thou art"])
+    out = llm.generate(["Shall I compare thee"], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                                structured_outputs=so), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("thee", "thou art")
+    assert len(out.token_ids) < 30
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=3, structured_outputs=so)
+
+
+def test_preempted_constrained_request_keeps_its_grammar():
+    """A KV cache too small for all requests at once: preemption recomputes a constrained request, whose
+    matcher keeps its state; every output still matches its grammar."""
+    small = LLM(device="cpu", dtype="float32", kv_cache_bytes=1 << 20, max_num_seqs=4)
+    so = StructuredOutputsParams(json=SCHEMA)
+    prompts = [("Shall I compare thee to a summer's day? " * 6)[:200 + 7 * i] for i in range(4)]
+    outs = small.generate(prompts, SamplingParams(temperature=0.9, seed=7, max_tokens=80, structured_outputs=so),
+                          use_tqdm=False)
+    assert small.engine.stats()["preemptions"] > 0        # 128 cache slots for 4 x ~64-token prompts + outputs
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop"
+        _check_schema(json.loads(o.outputs[0].text))
