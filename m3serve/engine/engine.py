@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ from m3serve.engine.request import Request, RequestGroup, Status
 from m3serve.engine.sampler import sample, sampling_key, top_logprobs
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
+from m3serve.engine.token_masks import TokenMaskRows
 from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
@@ -77,6 +79,11 @@ class LLMEngine:
             self.eos.add(tokenizer.eos_token_id)
         # Penalties / logit_bias / min_tokens state: one device row per running request that uses them.
         self.penalties = PenaltyState(config.max_num_seqs, cfg.vocab_size, dev, self.eos)
+        # Structured output: allowed-token masks per penalty-state row (device), their grammars (host, made on
+        # the first constrained request: m3serve.engine.structured).
+        self.token_masks = TokenMaskRows(config.max_num_seqs, cfg.vocab_size, dev)
+        self.grammars = None
+        self._grammars_lock = threading.Lock()
         self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
         self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
         log.info("KV cache: %s", self.kv.describe())
@@ -115,7 +122,8 @@ class LLMEngine:
         self.target_attention = True
         if graphs:
             from m3serve.runtime.decode_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties,
+                                       token_masks=self.token_masks)
             self.graphs.capture(mode)
         return True
 
@@ -175,6 +183,9 @@ class LLMEngine:
         if n + 1 > self.capacity_tokens:
             raise ValueError(f"prompt has {n} tokens; the KV cache holds {self.capacity_tokens} tokens in all")
         self._check_sampling_support(params)
+        grammars = self._grammars() if params.structured_outputs is not None else None
+        if grammars is not None:
+            grammars.compiler.compile(params.structured_outputs)     # a bad schema raises before anything is queued
         candidates = groups.candidate_params(params)
         limit = self.scheduler.max_queue
         if limit is not None and len(candidates) > 1 and len(self.scheduler.waiting) + len(candidates) > limit:
@@ -186,6 +197,8 @@ class LLMEngine:
             req.bad_word_ids = bad_words
             req.sample_key = sampling_key(req.params, self.config.seed * 1_000_003 + req.request_id)
             prompt_logprobs.start(req)
+            if grammars is not None:
+                grammars.start(req.request_id, req.params.structured_outputs)
         leader = reqs[0]
         self.scheduler.add(leader)
         if len(reqs) > 1:
@@ -226,12 +239,36 @@ class LLMEngine:
             return
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None), ("min_p", 0.0),
-                              ("allowed_token_ids", None), ("bad_words", None)):
+                              ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None)):
             value = getattr(params, name)
             if value != neutral and not (name in ("logit_bias", "bad_words") and not value):
                 raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {type(self).__name__} "
-                                 "(penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words and "
-                                 "prompt_logprobs are applied by LLMEngine's own sampling step)")
+                                 "(penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words, "
+                                 "prompt_logprobs and structured_outputs are applied by LLMEngine's own sampling "
+                                 "step)")
+
+    def _grammars(self):
+        """The structured-output grammars, made on first use (xgrammar takes seconds to import and to index the
+        vocabulary; a server that never sees a constrained request never pays for it)."""
+        with self._grammars_lock:
+            if self.grammars is None:
+                from m3serve.engine import structured     # heavy optional dependency: loaded on first use
+                compiler = structured.GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self.eos)
+                self.grammars = structured.Grammars(compiler, self.token_masks)
+        return self.grammars
+
+    def compile_grammar(self, constraint) -> None:
+        """Compile a StructuredOutputsParams into the engine's grammar cache; safe from any thread (the server
+        calls it while parsing a request, so add_request finds it compiled and the engine thread never waits
+        for a compile). Raises ValueError naming the constraint's field when it does not compile."""
+        self._grammars().compiler.compile(constraint)
+
+    def _constrained(self, req: Request) -> bool:
+        return self.grammars is not None and self.grammars.has(req.request_id)
+
+    def _release_grammar(self, req: Request) -> None:
+        if self.grammars is not None:
+            self.grammars.release(req.request_id)
 
     def abort(self, request_id: int) -> None:
         """Abort a request; a group leader's id aborts all its candidates."""
@@ -245,6 +282,7 @@ class LLMEngine:
             if not m.is_finished:
                 self.scheduler.finish(m, "abort")
             self.penalties.release(m)
+            self._release_grammar(m)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -310,6 +348,12 @@ class LLMEngine:
     def _overlappable(self, req: Request) -> bool:
         """Its next token can stay on the device until the step after next: chosen inside the graph (argmax, or
         the graphs' sampling variant), no logprobs or logits processing that need the host between steps."""
+        return self._graph_decides(req) and not self._constrained(req)
+
+    def _graph_decides(self, req: Request) -> bool:
+        """A decode graph variant can choose its next token: no logprobs, sampling / penalties / grammar masks
+        inside the graph. A constrained request is not overlappable (its next mask needs this token on the
+        host) but still takes the processed graph."""
         g = self.graphs
         return (req.params.logprobs is None and (req.params.greedy or g.sampling)
                 and (not req.logits_processing or g.penalties is not None) and not req.has_dynamic_bans)
@@ -368,6 +412,11 @@ class LLMEngine:
         """Append each request's new token (and logprobs), check its stop conditions, cache its full pages."""
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_token_ids.append(tok)
+            if self.grammars is not None and not self.grammars.advance(req.request_id, tok):
+                log.error("request %d: token %d is outside its structured-output grammar (every token the grammar "
+                          "allowed was forbidden by its other logits processing); aborted", req.request_id, tok)
+                self._finish(req, "abort", None)
+                continue
             if req.params.logprobs is not None:
                 top = {tid: lv for tid, lv in zip(lp[1][i][:req.params.logprobs], lp[2][i][:req.params.logprobs])}
                 top[tok] = lp[0][i]
@@ -397,9 +446,12 @@ class LLMEngine:
     def _graph_decode(self, reqs: list[Request]) -> tuple[list[int], tuple | None]:
         """A pure decode step as one graph replay; rows that the graph itself can decide (no logprobs, no logits
         processing) read back only token ids, otherwise the step's logits are sampled as an eager step would."""
-        own = all(self._overlappable(r) for r in reqs)     # the graph's argmax / sampling variant is the answer
+        own = all(self._graph_decides(r) for r in reqs)     # the graph's argmax / sampling variant is the answer
+        sampling, rows = self._graph_choice(reqs) if own else (None, None)
+        if rows is not None and self.grammars is not None:
+            self.grammars.fill([r.request_id for r in reqs], rows, in_graph=True)
         launched = self.graphs.run([r.request_id for r in reqs], [_last_token(r) for r in reqs],
-                                   [r.num_computed for r in reqs], *(self._graph_choice(reqs) if own else (None, None)))
+                                   [r.num_computed for r in reqs], sampling, rows)
         if own:
             return self.graphs.fetch_tokens(launched), None
         return self._sample_rows(self.graphs.logits(launched), reqs)
@@ -411,6 +463,9 @@ class LLMEngine:
         if rows is not None:
             self.penalties.refresh()
         scores = logits if rows is None else self.penalties.apply(logits, rows)
+        if rows is not None and self.grammars is not None and self.grammars.fill(
+                [r.request_id for r in reqs], self.penalties.row_ids_for(reqs), in_graph=False):
+            scores = self.token_masks.apply(scores, rows)
         tokens = sample(scores, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
         if rows is not None:
             self.penalties.record(rows, tokens)
@@ -465,9 +520,15 @@ class LLMEngine:
         if group is not None:
             self._release_candidates(group)
         hit = stopping.stop_hit(req, tok, self.eos, self.tokenizer, self.max_model_len)
+        if hit is None and self.grammars is not None and self.grammars.complete(req.request_id):
+            hit = ("stop", tok)                  # the grammar ended on a stop token (ignore_eos kept going)
         if hit is not None:
-            self.scheduler.finish(req, *hit)
-            self.penalties.release(req)
+            self._finish(req, *hit)
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        self.penalties.release(req)
+        self._release_grammar(req)
 
     def _release_candidates(self, group: RequestGroup) -> None:
         """Queue the candidates after the leader, first in line: its full prompt pages are committed to the
@@ -495,11 +556,14 @@ class LLMEngine:
 
     def release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+        self._release_grammar(req)
 
     def stats(self) -> dict:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.kv.num_slots,
-                "preemptions": self.scheduler.num_preemptions}
+                "preemptions": self.scheduler.num_preemptions,
+                "structured_masked_steps": self.grammars.masked_steps if self.grammars is not None else 0,
+                "structured_graph_masked_steps": self.grammars.graph_masked_steps if self.grammars is not None else 0}
 
 
 def _last_token(req: Request) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from m3serve.engine.structured_params import StructuredOutputsParams, as_structured
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
@@ -51,6 +53,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None    # only these may be sampled
     bad_words: list[str] | None = None            # words the output may never complete
     truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens; -1: the context's limit
+    # a grammar the output must follow (JSON schema / object, regex, choice, EBNF): m3serve.engine.structured
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,7 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        self.structured_outputs = as_structured(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -121,6 +126,11 @@ class SamplingParams:
                 if not _is_num(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                     bad("logit_bias", self.logit_bias,
                         f"expected biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], found {b!r} for token {tok}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "expected StructuredOutputsParams or None")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            bad("min_tokens", self.min_tokens, "expected 0 with structured_outputs (the grammar decides where the "
+                                               "output may end)")
         self._validate_token_filters(bad)
 
     def _validate_token_filters(self, bad) -> None:
@@ -150,9 +160,10 @@ class SamplingParams:
     @property
     def needs_logits_processing(self) -> bool:
         """Whether the sampler must change this request's logits before sampling (penalties, bias, min_tokens,
-        the token filters)."""
+        the token filters, a structured-output grammar)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.uses_token_filters)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.uses_token_filters
+                or self.structured_outputs is not None)
 
     @property
     def uses_token_filters(self) -> bool:

@@ -10,7 +10,8 @@ smallest bucket >= its batch size and runs as:
            previous graph step", kept on the device) -> embed -> L x (norms, projections, kv.write,
            [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax (or, in the sampling
            variant, temperature / top-k / top-p and the keyed exponential race; in the processed variant,
-           penalties / logit_bias / min_tokens from the staged state rows first, the tokens counted after)
+           penalties / logit_bias / min_tokens and the structured-output token masks from the staged state
+           rows first, the tokens counted after)
            -> remember it per row
     D2H    the bucket's token ids (8 bytes per row) into a pinned ring slot, then an event
 
@@ -156,7 +157,8 @@ class DecodeGraphs:
     per-request keys: m3serve.engine.sampler.sample_rows) from the staged parameters; greedy steps replay the
     plain argmax variant, so they pay nothing for it."""
 
-    def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None):
+    def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None,
+                 token_masks=None):
         if model.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA model, found {model.device}")
         self.model, self.kv, self.tables = model, kv, tables
@@ -171,6 +173,9 @@ class DecodeGraphs:
         # With a PenaltyState (and sampling): a third variant per bucket applies penalties / logit_bias /
         # min_tokens from the state rows staged per batch row, samples, and counts the tokens in place.
         self.penalties = penalties if sampling else None
+        # With TokenMaskRows (and penalties): the processed variant also applies each row's allowed-token mask
+        # (structured output) after the penalties; rows without a grammar point at all-allowed mask rows.
+        self.token_masks = token_masks if self.penalties is not None else None
         self.processed_graphs: dict[int, _Bucket] = {}
         self.replays = 0
         self.sampled_replays = 0                         # of them, on the sampling variant
@@ -203,6 +208,8 @@ class DecodeGraphs:
             if variant == "processed":
                 prow = stage[off["penalty_row"]].long()
                 scores = self.penalties.apply(logits, prow)
+                if self.token_masks is not None:
+                    scores = self.token_masks.apply(scores, prow)
             tokens = sample_rows(scores, *staged_sampling(stage, bucket, logits.shape[1]))
             if variant == "processed":
                 self.penalties.record(prow, tokens)

@@ -263,7 +263,8 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     engine = llm.engine
     info = ModelInfo(name=served_model_name or "m3serve",
                      vocab_size=llm.model.cfg.vocab_size, max_model_len=engine.max_model_len,
-                     capacity_tokens=engine.capacity_tokens, tokenizer=llm.tokenizer, max_choices=max_choices)
+                     capacity_tokens=engine.capacity_tokens, tokenizer=llm.tokenizer, max_choices=max_choices,
+                     compile_grammar=getattr(engine, "compile_grammar", None))
     limits = RequestLimits.for_model(engine.max_model_len, max_body_bytes=max_body_bytes,
                                      max_prompt_chars=max_prompt_chars, max_messages=max_messages)
     prep = concurrent.futures.ThreadPoolExecutor(max_workers=prep_threads, thread_name_prefix="m3serve-prep")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from m3serve.server import responses as R
+from m3serve.server.chat_output import ChatDeltaStream, whole_message
 from m3serve.server.detok import TextStream, choice_text
 from m3serve.server.engine_loop import Delta, EngineDead, EngineLoop, Job, ShuttingDown
 from m3serve.server.errors import APIError
@@ -120,8 +121,10 @@ async def _whole(info: ModelInfo, req: GenRequest, job: Job) -> web.Response:
                  "stop_reason": c.stop_reason, "prompt_logprobs": shown[p]}
         else:
             lp = R.chat_logprobs(tok, c.ids, c.lps, req.logprobs) if req.logprobs is not None else None
-            d = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                 "finish_reason": R.finish_reason(c.finish), "stop_reason": c.stop_reason}
+            message, called = whole_message(req.chat, text)
+            fin = R.finish_reason(c.finish)
+            d = {"index": i, "message": message, "logprobs": lp,
+                 "finish_reason": "tool_calls" if called and fin == "stop" else fin, "stop_reason": c.stop_reason}
         if req.return_token_ids:
             d["token_ids"] = c.ids
             d["prompt_token_ids"] = req.prompts[p]
@@ -144,6 +147,8 @@ class _ChunkWriter:
         self.make = R.completion_chunk if req.kind == "completion" else R.chat_chunk
         self.texts = [TextStream(info.tokenizer, req.stop, req.params[i // req.n]) for i in range(req.num_choices)]
         self.offsets = [0] * len(self.texts)     # characters sent per choice (text_offset of logprobs)
+        # chat: reasoning / tool-call parsing per choice (m3serve.server.chat_output)
+        self.chat = [ChatDeltaStream(req.chat) for _ in self.texts] if req.chat is not None else None
         self.completion_tokens = 0
 
     def chunk(self, choice: dict) -> bytes:
@@ -176,6 +181,8 @@ class _ChunkWriter:
             lp = R.completion_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs, self.offsets[d.index]) \
                 if req.logprobs is not None else None
             c = {"index": d.index, "text": text, "logprobs": lp, "finish_reason": fin, "stop_reason": d.stop_reason}
+        elif self.chat is not None:
+            return self._chat_delta(d, text, fin)
         else:
             lp = R.chat_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs) \
                 if req.logprobs is not None else None
@@ -185,6 +192,29 @@ class _ChunkWriter:
             c["token_ids"] = d.token_ids
         self.offsets[d.index] += len(text)
         return self.chunk(c)
+
+    def _chat_delta(self, d: Delta, text: str, fin: str | None) -> bytes:
+        """Chat chunks through the choice's reasoning / tool-call parser: the piece's delta, then at the end
+        what the parser held back, in the chunk that carries finish_reason."""
+        req, tok, cs = self.req, self.info.tokenizer, self.chat[d.index]
+        lp = R.chat_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs) if req.logprobs is not None else None
+        deltas = [cs.push(text)]
+        if fin is not None:
+            deltas.append(cs.finish())
+            fin = "tool_calls" if cs.called and fin == "stop" else fin
+        out = b""
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            extra = k == 0 and (lp is not None or req.return_token_ids)
+            if not delta and not (last and fin is not None) and not extra:
+                continue
+            c = {"index": d.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                 "finish_reason": fin if last else None, "stop_reason": d.stop_reason if last else None}
+            if req.return_token_ids:
+                c["token_ids"] = d.token_ids if k == 0 else []
+            out += self.chunk(c)
+        self.offsets[d.index] += len(text)
+        return out
 
     def usage(self) -> bytes:
         use = R.usage(_prompt_tokens(self.req), self.completion_tokens)

@@ -12,8 +12,9 @@ log-likelihood requests); neither streams. n and best_of become one engine reque
 
 Fields nobody defines are accepted and ignored with one warning naming them: vLLM's rule (its request models allow
 extra fields and log "fields were present in the request but ignored"; OpenAI itself answers 400). Fields that
-OpenAI or vLLM define but this engine cannot honour (suffix, beam search, structured output, forced tool
-calls, ...) are refused with a 400 naming them unless they hold their neutral value, rather than silently ignored.
+OpenAI or vLLM define but this engine cannot honour (suffix, beam search, ...) are refused with a 400 naming them
+unless they hold their neutral value, rather than silently ignored. Tools, tool_choice and structured output
+(response_format, guided_*, structured_outputs) are read by m3serve.server.tools.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.server.chat_tokens import ChatTemplateError, chat_encoder
 from m3serve.server.errors import APIError, bad_field, one_line, short_repr
+from m3serve.server.reasoning import prompt_opens_reasoning
+from m3serve.server.tools import STRUCTURED_FIELDS, ChatPlan, chat_plan, normalize_messages_tools, structured_request
 
 log = logging.getLogger("m3serve.server")
 
@@ -46,6 +49,7 @@ class ModelInfo:
     capacity_tokens: int             # tokens the whole KV cache holds
     tokenizer: object | None = None
     max_choices: int = 64            # prompts x candidates (best_of, else n) in one request
+    compile_grammar: object | None = None   # the engine's thread-safe grammar compiler (structured output)
 
 
 @dataclass
@@ -64,6 +68,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     echo_logprobs: bool = False             # echo with logprobs: the prompt's logprobs lead each choice's logprobs
     echo_only: bool = False                 # max_tokens = 0 with echo: the prompt alone (one token is computed, not shown)
+    chat: ChatPlan | None = None            # chat: tools, tool_choice, reasoning (m3serve.server.chat_output)
 
     @property
     def num_choices(self) -> int:
@@ -160,15 +165,16 @@ _SAMPLING_FIELDS = frozenset({
 _UNAVAILABLE = {
     "use_beam_search": (False,),
     "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
-    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "logits_processors": ()}
-_COMPLETION_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (True,), "response_format": ({"type": "text"},)}
+_COMPLETION_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (True,)}
 _CHAT_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (False,), "echo": (False,),
                      "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-                     "chat_template_kwargs": ({},), "documents": (), "functions": (), "function_call": ()}
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix"} | set(_COMPLETION_UNAVAILABLE)
+                     "documents": (), "functions": (), "function_call": ()}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix"} | set(_COMPLETION_UNAVAILABLE) | \
+    set(STRUCTURED_FIELDS)
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
-                                  "response_format"} | set(_CHAT_UNAVAILABLE)
+                                  "parallel_tool_calls", "chat_template_kwargs"} | set(_CHAT_UNAVAILABLE) | \
+    set(STRUCTURED_FIELDS)
 MAX_NAMED_IGNORED = 8
 
 
@@ -451,8 +457,9 @@ def parse_completion(body: object, info: ModelInfo) -> GenRequest:
     prompt_logprobs = _prompt_logprobs(body, stream)
     engine_prompt_lps = max(prompt_logprobs or 0, engine_prompt_lps) if engine_prompt_lps is not None \
         else prompt_logprobs
+    constraint = structured_request(body, compile_grammar=info.compile_grammar)
     params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, n=n,
-                      best_of=best_of, prompt_logprobs=engine_prompt_lps, **common)
+                      best_of=best_of, prompt_logprobs=engine_prompt_lps, structured_outputs=constraint, **common)
               for ids in prompts]
     return GenRequest("completion", prompts, texts, params, n=n, stream=stream, include_usage=include_usage,
                       echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -501,6 +508,8 @@ def _messages(v: object) -> list[dict]:
         tool_calls = m.get("tool_calls")
         if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
             raise bad_field(f"messages[{i}].tool_calls", tool_calls, "a list, on an assistant message")
+        if role == "function":            # OpenAI's legacy tool result: a tool message named after the function
+            role = "tool"
         if content is None and not (role == "assistant" and tool_calls):
             raise APIError(400, f"'messages[{i}].content' is required", param=f"messages[{i}].content")
         msg = {"role": "system" if role == "developer" else role, "content": content or ""}
@@ -512,16 +521,35 @@ def _messages(v: object) -> list[dict]:
         if tool_calls:
             msg["tool_calls"] = tool_calls
         out.append(msg)
-    return out
+    return normalize_messages_tools(out)
 
 
-def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo) -> tuple[list[int], str]:
+def _template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: extra variables for the template (e.g. enable_thinking); not the names the
+    renderer itself takes."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_field("chat_template_kwargs", v, "an object of template variables")
+    taken = {"messages", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message",
+             "chat_template", "return_dict", "return_tensors", "tokenizer_kwargs", "padding", "truncation",
+             "max_length", "return_assistant_tokens_mask", "kwargs"}
+    bad = [k for k in v if not isinstance(k, str) or not k.isidentifier() or k in taken]
+    if bad:
+        raise APIError(400, f"'chat_template_kwargs': {short_repr(bad[0])} cannot be set (reserved, or not a name)",
+                       param="chat_template_kwargs")
+    return dict(v)
+
+
+def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo,
+                 template_vars: dict | None = None) -> tuple[list[int], str]:
     tok = info.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
     # Special-token text inside the messages is encoded as ordinary text: a user cannot forge a turn.
     try:
-        return chat_encoder(tok).encode(messages, tools)
+        return chat_encoder(tok).encode(messages, tools, template_vars=template_vars)
     except ChatTemplateError as e:
         raise APIError(400, f"'messages': the chat template rejected them: {short_repr(str(e), 200)}",
                        param="messages") from None
@@ -534,17 +562,8 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     if "messages" not in body:
         raise APIError(400, "'messages' is required", param="messages")
     messages = _messages(body["messages"])
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad_field("tools", tools, "a list of tools")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise APIError(400, f"'tool_choice' = {short_repr(choice)} is not supported (only 'none' or 'auto')",
-                       param="tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise APIError(400, f"'response_format' = {short_repr(fmt)} is not supported (only {{'type': 'text'}})",
-                       param="response_format")
+    plan = chat_plan(body)
+    constraint = structured_request(body, plan, compile_grammar=info.compile_grammar)
     common = _common(body, info)
     want_lp = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS, None)
@@ -553,7 +572,8 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     logprobs = (top or 0) if want_lp else None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, 1, info.max_model_len, None)
-    ids, text = _chat_prompt(messages, tools or None, info)
+    ids, text = _chat_prompt(messages, plan.tools, info, _template_kwargs(body))
+    plan.reasoning_prefilled = prompt_opens_reasoning(text)
     if common["truncate_prompt_tokens"] is not None:
         cut = _truncated(ids, common["truncate_prompt_tokens"], info)
         ids, text = cut, (text if len(cut) == len(ids) else None)
@@ -562,10 +582,10 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     n, best_of = _n(body, info, 1, stream)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = [_params(max_tokens=_max_tokens(max_tokens, name, ids, info, None), logprobs=logprobs, n=n,
-                      best_of=best_of, prompt_logprobs=prompt_logprobs, **common)]
+                      best_of=best_of, prompt_logprobs=prompt_logprobs, structured_outputs=constraint, **common)]
     return GenRequest("chat", [ids], [text], params, n=n, stream=stream, include_usage=include_usage,
                       logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])
+                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"], chat=plan)
 
 
 # for the utility endpoints (tokenize_routes.py): the same model check and message validation

@@ -60,7 +60,7 @@ BAD_CHAT = {**BAD, "messages": [[], "hi", [1], [{"role": "x", "content": "a"}], 
                                 [{"role": "user", "content": "a" * 200}]],
             "logprobs": [1, "true", []], "top_logprobs": [21, -1, "2"],
             "max_completion_tokens": [0, 65, "3"], "tool_choice": ["required", {"type": "function"}, 3],
-            "response_format": [{"type": "json_object"}, "json", 3], "tools": [{"a": 1}, "x", 3]}
+            "response_format": [{"type": "yaml"}, "json", 3], "tools": [{"a": 1}, "x", 3]}
 
 scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False) |
            st.text(max_size=12))
