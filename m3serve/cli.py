@@ -16,7 +16,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-weights", action="store_true", help="deterministic random weights for a preset")
-    p.add_argument("--quantization", choices=["mxfp8", "nvfp4"], default=None,
+    p.add_argument("--quantization", choices=["fp8", "mxfp8", "nvfp4"], default=None,
                    help="storage format of random weights (the published split)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"])
     p.add_argument("--max-model-len", type=int, default=None)

@@ -149,6 +149,9 @@ class LLM:
                                  f"{self.dtype} on {self.device}")
             return
         self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
+        # compile every prefill / mixed-step variant now, not in front of the first request (engine/warmup.py)
+        from m3serve.engine.warmup import warm_up
+        self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
                   speculative_config: dict | None = None) -> None:

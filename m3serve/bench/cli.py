@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 
+from m3serve.bench import pareto
 from m3serve.bench.plot import load, plot_pareto
 from m3serve.bench.serve import WORKLOADS, BenchConfig, format_table, run_bench
 
@@ -133,6 +134,7 @@ def add_commands(sub) -> None:
     p.add_argument("-o", "--output", default="pareto.png")
     p.add_argument("--title", default=None)
     p.set_defaults(func=run_plot)
+    pareto.add_command(sub)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -126,7 +126,7 @@ class LLMEngine:
         if graphs:
             from m3serve.runtime.decode_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties)
-            self.graphs.capture()
+            self.graphs.capture(mode)
         return True
 
     @staticmethod
