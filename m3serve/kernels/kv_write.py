@@ -466,14 +466,14 @@ INTERP_CELLS = (
          why="interpreter: nvfp4 K/V + scales + bf16 index-K, one-page pool"),
     Cell(rows=(1, 4), shape=(2, 32, 8, 16, FMT_CODE["nvfp4"], FMT_CODE["fp8"]),
          why="interpreter: nvfp4 + fp8 index-K, several slots (slot stride)"),
-    Cell(rows=(5, 6), shape=(2, 64, 8, 16, FMT_CODE["nvfp4"], FMT_CODE["bf16"]), config={"rotate": True},
-         why="interpreter: Hadamard-rotated nvfp4 K/V (D 64, the embedded model's head dim), several slots"),
-    Cell(rows=(3, 3), shape=(3, 128, 8, 16, FMT_CODE["nvfp4"], FMT_CODE["fp8"]), config={"rotate": True},
-         why="interpreter: Hadamard-rotated nvfp4 K/V at M3's D 128 (c_w = 1/8), 3 heads (masked), fp8 index-K"),
     Cell(rows=(7, 7), shape=(3, 16, 4, 0, FMT_CODE["fp8"], NO_INDEX), why="interpreter: fp8 dense, 3 heads (masked)"),
     Cell(rows=(6, 6), shape=(2, 16, 4, 16, FMT_CODE["bf16"], FMT_CODE["bf16"]), why="interpreter: bf16 + index"),
     Cell(rows=(5, 5), shape=(1, 16, 4, 16, FMT_CODE["fp32"], FMT_CODE["fp32"]), why="interpreter: fp32 cache"),
     Cell(rows=(5, 5), shape=(2, 16, 4, 0, FMT_CODE["fp16"], NO_INDEX), why="interpreter: fp16 cache"),
+    Cell(rows=(5, 6), shape=(2, 64, 8, 16, FMT_CODE["nvfp4"], FMT_CODE["bf16"]), config={"rotate": True},
+         why="interpreter: Hadamard-rotated nvfp4 K/V (D 64, the embedded model's head dim), several slots"),
+    Cell(rows=(3, 3), shape=(3, 128, 8, 16, FMT_CODE["nvfp4"], FMT_CODE["fp8"]), config={"rotate": True},
+         why="interpreter: Hadamard-rotated nvfp4 K/V at M3's D 128 (c_w = 1/8), 3 heads (masked), fp8 index-K"),
 )
 
 
