@@ -18,9 +18,8 @@ def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
     """Unnormalised Walsh-Hadamard transform of each row, stage h = 1, 2, ..., D/2: (a, b) -> (a + b, a - b) for a
     at index i and b at i + h of every 2h-group (m3serve.kv.rotation.fwht)."""
     for stage in tl.static_range(LOG2D):
-        h: tl.constexpr = 1 << stage
-        groups: tl.constexpr = D // (2 * h)
-        y = tl.permute(tl.reshape(x, [R, groups, 2, h]), [0, 1, 3, 2])      # [R, groups, h, 2]: (a, b) last
+        # h = 2**stage, D / 2h groups (written inline: a constexpr name cannot be re-bound per unrolled stage)
+        y = tl.permute(tl.reshape(x, [R, D >> (stage + 1), 2, 1 << stage]), [0, 1, 3, 2])  # [R, D/2h, h, (a, b)]
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, D])
     return x

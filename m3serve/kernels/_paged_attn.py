@@ -222,10 +222,13 @@ def _rotate_q(q_row, row_ok, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.constexpr
     m_e = tl.load(rot_ptr + d[:, None] * D + col_e[None, :])
     m_o = tl.load(rot_ptr + d[:, None] * D + col_e[None, :] + 1)
     if CUDA:
-        return tl.dot(q, m_e).to(tl.bfloat16), tl.dot(q, m_o).to(tl.bfloat16)
-    q = q.to(tl.float32)
-    return (tl.dot(q, m_e.to(tl.float32), input_precision="ieee"),
-            tl.dot(q, m_o.to(tl.float32), input_precision="ieee"))
+        q_e = tl.dot(q, m_e).to(tl.bfloat16)
+        q_o = tl.dot(q, m_o).to(tl.bfloat16)
+    else:
+        qf = q.to(tl.float32)
+        q_e = tl.dot(qf, m_e.to(tl.float32), input_precision="ieee")
+        q_o = tl.dot(qf, m_o.to(tl.float32), input_precision="ieee")
+    return q_e, q_o
 
 
 @helper
@@ -233,17 +236,22 @@ def _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.conste
     """[BM, D] fp32 acc in the model's basis from its rotated column halves: acc_e @ M^T[col_e, :] +
     acc_o @ M^T[col_e + 1, :] (M^T[i, j] = M[j, i]); compiled as bf16 hi + lo MMAs."""
     d = tl.arange(0, D)
-    mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
-    mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
     if CUDA:
+        # one half at a time: its operands only (fewer live registers than loading both halves of M^T first)
         hi_e = acc_e.to(tl.bfloat16)
+        lo_e = (acc_e - hi_e.to(tl.float32)).to(tl.bfloat16)
+        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
+        out = tl.dot(lo_e, mt_e, tl.dot(hi_e, mt_e))
         hi_o = acc_o.to(tl.bfloat16)
-        out = tl.dot(hi_e, mt_e)
-        out = tl.dot((acc_e - hi_e.to(tl.float32)).to(tl.bfloat16), mt_e, out)
-        out = tl.dot(hi_o, mt_o, out)
-        return tl.dot((acc_o - hi_o.to(tl.float32)).to(tl.bfloat16), mt_o, out)
-    out = tl.dot(acc_e, mt_e.to(tl.float32), input_precision="ieee")
-    return tl.dot(acc_o, mt_o.to(tl.float32), out, input_precision="ieee")
+        lo_o = (acc_o - hi_o.to(tl.float32)).to(tl.bfloat16)
+        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
+        out = tl.dot(lo_o, mt_o, tl.dot(hi_o, mt_o, out))
+    else:
+        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
+        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
+        out = tl.dot(acc_e, mt_e.to(tl.float32), input_precision="ieee")
+        out = tl.dot(acc_o, mt_o.to(tl.float32), out, input_precision="ieee")
+    return out
 
 
 @helper
