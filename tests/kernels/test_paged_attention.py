@@ -338,7 +338,7 @@ def test_rotated_nvfp4_matches_the_stock_cache_read(topk: int, rows: int, splits
     pc, out, ref = _run(key("nvfp4", topk), rows, cs, seed=topk * 100 + rows * 10 + splits + 7)
     assert pc.cache.spec.is_rotated(pc.layer) and "rot_matrix" in pc.case.kwargs
     ENTRY.compare(out, ref, pc.case)
-    q, table, lens, qstart, sel = pc.case.args[0], pc.case.args[6], pc.case.args[7], pc.case.args[8], pc.case.args[9]
+    q, lens, qstart, sel = pc.case.args[0], pc.case.args[7], pc.case.args[8], pc.case.args[9]
     p = pc.cache.page_size
     for s, length in enumerate(lens.tolist()):
         n = int(qstart[s + 1] - qstart[s])
