@@ -655,6 +655,40 @@ def render_eval_kv(files: list[ResultFile]) -> str:
     return f"{caption}\n\n{md_table(headers, table)}\n\n" + "\n".join(f"- {source_line(rf)}" for rf in files)
 
 
+def render_kv_rotation(files: list[ResultFile]) -> str:
+    """bench/kv_rotation.py: attention-output error of NVFP4 vs BF16 KV per sparse layer, unrotated vs rotated;
+    bench/kv_perhead_scales.py: round-trip MSE with per-tensor vs per-head global scales."""
+    blocks = []
+    for rf in files:
+        d, n = rf.data, rf.name
+        layers = need(d, "layers", n, "dict")
+        if "preset" in d:
+            table = []
+            for layer, row in layers.items():
+                w = f"{n}.layers.{layer}"
+                plain, rot = need(row, "nvfp4", w, "dict"), need(row, "nvfp4_rotated", w, "dict")
+                table.append([layer, f"{need(plain, 'attn_out_rel_err', w + '.nvfp4'):.4f}",
+                              f"{need(rot, 'attn_out_rel_err', w + '.nvfp4_rotated'):.4f}",
+                              f"{need(row, 'ratio_unrotated_over_rotated', w):.2f}x",
+                              f"{need(plain, 'k_rel_err', w):.4f} / {need(rot, 'k_rel_err', w):.4f}",
+                              f"{need(plain, 'v_rel_err', w):.4f} / {need(rot, 'v_rel_err', w):.4f}"])
+            mean = need(d, "mean_attn_out_rel_err", n, "dict")
+            table.append(["mean", f"{need(mean, 'nvfp4', n):.4f}", f"{need(mean, 'nvfp4_rotated', n):.4f}",
+                          f"{need(d, 'mean_ratio_unrotated_over_rotated', n):.2f}x", "", ""])
+            caption = (f"Attention-output error of NVFP4 vs BF16 KV, {need(d, 'preset', n, 'str')} "
+                       f"({d.get('weights', 'random')} weights, {need(d, 'tokens', n, 'int')} tokens, D "
+                       f"{need(d, 'head_dim', n, 'int')})")
+            headers = ["sparse layer", "rel err NVFP4", "rel err rotated", "lower with rotation",
+                       "K rel err (plain / rotated)", "V rel err (plain / rotated)"]
+        else:
+            table = [[key, f"{need(row, 'rel_mse_per_tensor_amax', n):.5f}", f"{need(row, 'rel_mse_per_head_amax', n):.5f}"]
+                     for key, row in layers.items()]
+            caption = "Rotated NVFP4 K/V round-trip relative MSE: per-tensor vs per-head global scale"
+            headers = ["layer.tensor", "per-tensor amax", "per-head amax"]
+        blocks.append(file_block(caption, md_table(headers, table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_generic(files: list[ResultFile]) -> str:
     blocks = []
     for rf in files:
@@ -832,6 +866,9 @@ KINDS = (
          lambda d: _row_keys(d, "rows_per_instr", "unroll"), render_stream_patterns),
     Kind("tiled_layout", "NVFP4 MMA tile layout", (), ("tiled-layout-*.json",),
          lambda d: _row_keys(d, "tiled", "frac_copy_write_flush"), render_tiled_layout),
+    Kind("kv_rotation", "NVFP4 KV rotation: attention-output error and global-scale granularity", (),
+         ("kv-rotation-*.json", "kv-perhead-scales-*.json"), lambda d: isinstance(d.get("layers"), dict),
+         render_kv_rotation),
     Kind("generic", "Other results", (), ("server-hardening*.json",),
          lambda d: False, render_generic),
 )

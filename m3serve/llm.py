@@ -53,7 +53,7 @@ class LLM:
                  tensor_parallel_size: int = 1, cpu_threads: int | None = None,
                  speculative_config: dict | None = None, route: str | None = None, enforce_eager: bool = False,
                  kv_scales: str | None = "auto", kv_fp8_layers: tuple[int, ...] | str = "auto",
-                 tokenizer: str | None = None, **engine_kwargs):
+                 kv_rotation: int | None | str = "auto", tokenizer: str | None = None, **engine_kwargs):
         """route: "off" (stock path), "auto" (certified Triton entries where a module's rows and shape lie in a
         cell, stock elsewhere) or "require" (raise outside the cells). Default: auto on CUDA, off on CPU. The
         mode belongs to this LLM's model (two LLMs in one process route independently); tensor-parallel
@@ -65,6 +65,9 @@ class LLM:
         kv_fp8_layers: sparse layers the hybrid cache (kv_cache_dtype="nvfp4") stores in FP8 instead of NVFP4:
         "auto" = the `fp8_layers` of the kv_scales.json that kv_scales selects (none without one, and none for
         other KV dtypes), or an explicit tuple of sparse layer ids.
+        kv_rotation: seed of the randomized Hadamard rotation of the hybrid cache's NVFP4 K/V (m3serve.kv.rotation),
+        None = unrotated; "auto" = the `rotation` of the kv_scales.json that kv_scales selects (unrotated when
+        that file has none), else the default seed.
         tokenizer: a directory holding the tokenizer (vLLM's argument), when it is not the model's.
         Other keyword arguments: EngineConfig's (max_model_len, max_num_seqs, kv_cache_dtype, ...); vLLM's that do
         not apply here are accepted with one warning naming them (m3serve.vllm_args.IGNORED)."""
@@ -103,6 +106,8 @@ class LLM:
         self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
             model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))
+        engine_kwargs["kv_rotation"] = self._resolve_kv_rotation(
+            model, kv_scales, kv_rotation, engine_kwargs.get("kv_cache_dtype", "auto"))
         if speculative_config is None:
             self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)
             self._apply_kv_scales(model, kv_scales)
@@ -139,6 +144,21 @@ class LLM:
             logging.getLogger("m3serve").info("KV cache: sparse layers %s stored as FP8 (from %s)", list(layers),
                                               source)
         return layers
+
+    def _resolve_kv_rotation(self, model: str, kv_scales: str | None, kv_rotation, kv_cache_dtype: str
+                             ) -> int | None:
+        """The explicit seed (or None), or for "auto" the calibrated rotation (hybrid cache only)."""
+        if not isinstance(kv_rotation, str):
+            return kv_rotation
+        if kv_rotation != "auto":
+            raise ValueError(f"kv_rotation: expected 'auto', None or a non-negative int seed, found {kv_rotation!r}")
+        if kv_cache_dtype != "nvfp4":
+            return None
+        from m3serve.kv.calibrate import resolve_kv_rotation
+        source, seed = resolve_kv_rotation(model, self.model.cfg.num_hidden_layers, kv_scales)
+        logging.getLogger("m3serve").info("KV cache: NVFP4 K/V rotation %s (%s)",
+                                          "off" if seed is None else f"seed {seed}", source or "default")
+        return seed
 
     def _apply_kv_scales(self, model: str, kv_scales: str | None) -> None:
         """Calibrated NVFP4 global scales into the cache's NVFP4 layers (no-op for other KV dtypes)."""

@@ -26,6 +26,7 @@ from m3serve.engine.token_masks import TokenMaskRows
 from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
+from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
 from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
@@ -42,6 +43,9 @@ class EngineConfig:
     # Hybrid cache: sparse layers kept in FP8 (KVCacheSpec.fp8_layers). "auto" = what LLM resolves from the model's
     # kv_scales.json; an engine built without LLM has no model directory to read, so "auto" is none there.
     kv_fp8_layers: tuple[int, ...] | str = "auto"
+    # Hybrid cache: seed of the randomized Hadamard rotation of the NVFP4 layers' K/V (KVCacheSpec.kv_rotation_seed),
+    # None = unrotated. "auto" = LLM's choice from the model's kv_scales.json; without LLM, the default seed.
+    kv_rotation: int | None | str = "auto"
     index_k_dtype: str = "auto"
     kv_cache_bytes: int | None = None         # CPU (or explicit) budget
     gpu_memory_utilization: float = 0.9
@@ -96,9 +100,15 @@ class LLMEngine:
                 raise ValueError(f"EngineConfig.kv_fp8_layers: expected 'auto' or a tuple of sparse layer ids, "
                                  f"found {fp8_layers!r}")
             fp8_layers = ()
+        seed = config.kv_rotation
+        if isinstance(seed, str):
+            if seed != "auto":
+                raise ValueError(f"EngineConfig.kv_rotation: expected 'auto', None or a non-negative int seed, "
+                                 f"found {seed!r}")
+            seed = DEFAULT_ROTATION_SEED if config.kv_cache_dtype == "nvfp4" else None
         return KVCacheSpec.from_model_config(model.cfg, tp_size=model.tp.size, kv_cache_dtype=config.kv_cache_dtype,
                                              index_k_dtype=config.index_k_dtype, model_dtype=model.dtype,
-                                             fp8_layers=fp8_layers, **extra)
+                                             fp8_layers=fp8_layers, kv_rotation_seed=seed, **extra)
 
     def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto") -> bool:
         """The decode target: attention through the paged-cache kernels for every step, and pure decode steps

@@ -30,6 +30,14 @@ with the measured reason and the per-layer sensitivities. A checkpoint may inste
 compressed-tensors, vLLM names; see m3serve.model.weights.read_kv_cache_scales). `LLM` applies, in this
 order of preference, kv_scales.json, then the checkpoint's scales, to every NVFP4 layer of its cache, and
 takes kv_scales.json's `fp8_layers` as its default `kv_fp8_layers`.
+
+Rotation. A rotated hybrid cache (KVCacheSpec.kv_rotation_seed) stores each NVFP4 layer's K and V through the
+randomized Hadamard rotation of m3serve.kv.rotation, so its amaxes are chosen on the rotated values and the
+sensitivity proxy runs the rotated codec. The file records the rotation (`rotation`: kind, seed, head dim,
+Hadamard block and the sign vector), which LLM then applies to its cache: amaxes calibrated in one basis are
+never used in the other. Since the rotation, every sparse layer of the embedded model stays in NVFP4 by
+default: `fp8_layers` is written only when asked for (`fp8_overrides`, `m3serve calibrate-kv --fp8-overrides`);
+the sensitivity is measured and recorded either way.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from m3serve.kv import codec
+from m3serve.kv import codec, rotation
 from m3serve.kv.cache import DEFAULT_NVFP4_KV_AMAX
 from m3serve.quant.fp8 import FP8_MAX
 from m3serve.quant.nvfp4 import E2M1_MAX, nvfp4_global_scale
@@ -248,8 +256,12 @@ def choose_nvfp4_amax(x: Tensor, rel_tol: float = REL_TOL) -> AmaxChoice:
 CachePlan = dict[int, tuple[str, Tensor | None, Tensor | None]]
 
 
-def cache_roundtrip(fmt: str, x: Tensor, gs: Tensor | None) -> Tensor:
-    """x [..., D] through the cache codec's encode and decode in `fmt` (what attention reads back), in x's dtype."""
+def cache_roundtrip(fmt: str, x: Tensor, gs: Tensor | None, signs: Tensor | None = None) -> Tensor:
+    """x [..., D] through the cache codec's encode and decode in `fmt` (what attention reads back), in x's dtype;
+    with `signs` an NVFP4 round trip is rotated before encoding and un-rotated after decoding (PagedKVCache)."""
+    if signs is not None and fmt == "nvfp4":
+        data, scale = codec.encode(fmt, rotation.rotate(x, signs), gs)
+        return rotation.unrotate(codec.decode(fmt, data, scale, gs, torch.float32), signs).to(x.dtype)
     data, scale = codec.encode(fmt, x, gs)
     return codec.decode(fmt, data, scale, gs, x.dtype)
 
@@ -309,11 +321,11 @@ class LayerSensitivity:
         }
 
 
-def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], plans: dict[str, CachePlan]
-               ) -> tuple[dict[str, PlanCost], int]:
+def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], plans: dict[str, CachePlan],
+               signs: Tensor | None = None) -> tuple[dict[str, PlanCost], int]:
     """({plan name: its cost}, scored positions): each sequence runs once with the exact fp32 cache (the reference)
     and once per plan. Sequence j's scored targets are its tokens [score_from[j], T): the rows of logp that
-    predict them are [score_from[j] - 1, T - 1)."""
+    predict them are [score_from[j] - 1, T - 1). signs: the K/V rotation of the NVFP4 layers (None: unrotated)."""
     _check_fp32_model(model)
     if len(score_from) != len(token_seqs) or not token_seqs:
         raise ValueError(f"score_from: expected one start per calibration sequence ({len(token_seqs)}, at least "
@@ -324,7 +336,7 @@ def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], p
         if layer not in active:
             return k, v
         fmt, gs_k, gs_v = active[layer]
-        return cache_roundtrip(fmt, k, gs_k), cache_roundtrip(fmt, v, gs_v)
+        return cache_roundtrip(fmt, k, gs_k, signs), cache_roundtrip(fmt, v, gs_v, signs)
 
     sums = {name: [0.0, 0.0, 0.0] for name in plans}          # KL, delta NLL, top-1 changes (float64 sums)
     positions = 0
@@ -361,7 +373,8 @@ def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], p
 
 def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: Sequence[int],
                               amax: dict[int, tuple[float, float]], factor: float = FP8_OVERRIDE_FACTOR,
-                              min_kl: float = MIN_OVERRIDE_KL) -> LayerSensitivity:
+                              min_kl: float = MIN_OVERRIDE_KL, signs: Tensor | None = None,
+                              choose: bool = True) -> LayerSensitivity:
     """Which sparse layers the hybrid cache should keep in FP8: those whose NVFP4 alone costs more than `factor`
     times the whole FP8 cache and more than `min_kl` (amax: the calibrated {layer: (k_amax, v_amax)} of every
     sparse layer; token_seqs / score_from: see plan_costs).
@@ -393,6 +406,9 @@ def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: S
     tokens and no eval score). Limits: costs of many individually small layers add up, which a per-layer rule
     does not see (the hybrid totals in the result show it), and a model with no sensitive outlier gets no
     override.
+
+    signs: the K/V rotation of a rotated cache (its NVFP4 round trips rotate first). choose=False measures and
+    records every cost but chooses no override (fp8_layers stays empty: every sparse layer NVFP4).
     """
     if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
         raise ValueError(f"factor: expected a finite positive float, found {factor!r}")
@@ -413,12 +429,12 @@ def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: S
     hybrid = {**{i: fp8[i] for i in dense}, **nvfp4}
     plans = {f"layer{i}": {i: nvfp4[i]} for i in sparse}
     plans.update({"fp8_cache": fp8, "hybrid": hybrid})
-    costs, positions = plan_costs(model, token_seqs, score_from, plans)
+    costs, positions = plan_costs(model, token_seqs, score_from, plans, signs)
     threshold = max(factor * costs["fp8_cache"].kl, min_kl)
-    chosen = tuple(i for i in sparse if costs[f"layer{i}"].kl > threshold)
+    chosen = tuple(i for i in sparse if costs[f"layer{i}"].kl > threshold) if choose else ()
     if chosen:
         overridden = {**hybrid, **{i: fp8[i] for i in chosen}}
-        with_fp8 = plan_costs(model, token_seqs, score_from, {"overridden": overridden})[0]["overridden"]
+        with_fp8 = plan_costs(model, token_seqs, score_from, {"overridden": overridden}, signs)[0]["overridden"]
     else:
         with_fp8 = costs["hybrid"]
     return LayerSensitivity({i: costs[f"layer{i}"] for i in sparse}, costs["fp8_cache"], costs["hybrid"],
@@ -434,6 +450,8 @@ class KVCalibration:
     default_mse: dict[int, tuple[float, float]]               # layer -> round-trip MSE of K, V at default_amax
     calibration: dict = field(default_factory=dict)           # text set, seed, items, tokens, dtype
     sensitivity: LayerSensitivity | None = None               # None: not measured (no fp8_layers in the file)
+    rotation_seed: int | None = None                          # the K/V rotation the amaxes were chosen under
+    head_dim: int | None = None                               # (with rotation_seed) the rotated head dim
 
     def amax_table(self) -> dict[int, tuple[float, float]]:
         return {i: (k.amax, v.amax) for i, (k, v) in self.layers.items()}
@@ -458,11 +476,43 @@ class KVCalibration:
             "layers": {str(i): {"k": one(k, self.default_mse[i][0]), "v": one(v, self.default_mse[i][1])}
                        for i, (k, v) in sorted(self.layers.items())},
         }
+        if self.rotation_seed is not None:
+            doc["rotation"] = rotation_record(self.head_dim, self.rotation_seed)
         if self.sensitivity is not None:
             doc["fp8_layers"] = list(self.sensitivity.fp8_layers)
             doc["fp8_layers_reason"] = self.sensitivity.reason()
             doc["sensitivity"] = self.sensitivity.to_json()
         return doc
+
+
+ROTATION_KIND = "randomized-hadamard"
+
+
+def rotation_record(head_dim: int, seed: int) -> dict:
+    """The `rotation` field of kv_scales.json: enough to rebuild (and check) the cache's rotation."""
+    return {"kind": ROTATION_KIND, "seed": seed, "head_dim": head_dim,
+            "hadamard_block": rotation.hadamard_block(head_dim),
+            "applies_to": "K and V of every NVFP4 layer (m3serve.kv.rotation)",
+            "signs": [int(x) for x in rotation.rotation_signs(head_dim, seed).tolist()]}
+
+
+def _read_rotation(path: str, doc: dict) -> int | None:
+    """The rotation seed of a kv_scales.json (None: calibrated unrotated); its recorded signs must be what the
+    seed draws here (amaxes chosen under one rotation are wrong for another)."""
+    rec = doc.get("rotation")
+    if rec is None:
+        return None
+    if not isinstance(rec, dict) or rec.get("kind") != ROTATION_KIND:
+        raise ValueError(f"{path}: field 'rotation': expected an object of kind {ROTATION_KIND!r}, found {rec!r:.120}")
+    seed, d = rec.get("seed"), rec.get("head_dim")
+    for name, val in (("seed", seed), ("head_dim", d)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise ValueError(f"{path}: rotation.{name}: expected a non-negative int, found {val!r}")
+    want = [int(x) for x in rotation.rotation_signs(d, seed).tolist()]
+    if rec.get("signs") != want:
+        raise ValueError(f"{path}: rotation.signs: expected the {d} signs seed {seed} draws "
+                         f"(m3serve.kv.rotation.rotation_signs), found other values; recalibrate (m3serve calibrate-kv)")
+    return seed
 
 
 def encode_calibration_texts(tokenizer, texts: Sequence[str | tuple[str, str]]) -> tuple[list[Tensor], list[int]]:
@@ -496,12 +546,20 @@ def encode_calibration_texts(tokenizer, texts: Sequence[str | tuple[str, str]]) 
 
 def calibrate_kv(model, tokenizer, texts: Sequence[str | tuple[str, str]], layers: Sequence[int] | None = None,
                  description: dict | None = None, sensitivity: bool = True,
-                 factor: float = FP8_OVERRIDE_FACTOR, min_kl: float = MIN_OVERRIDE_KL) -> KVCalibration:
+                 factor: float = FP8_OVERRIDE_FACTOR, min_kl: float = MIN_OVERRIDE_KL,
+                 rotation_seed: int | None = None, fp8_overrides: bool = True) -> KVCalibration:
     """Run `texts` through the fp32 stock model and choose every layer's K and V amax (see the module doc); with
-    `sensitivity` (and a model with sparse layers), also the sparse layers to keep in FP8
-    (measure_layer_sensitivity, scored on the completions of (prompt, completion) texts)."""
+    `sensitivity` (and a model with sparse layers), also measure each sparse layer's NVFP4 cost and, with
+    `fp8_overrides`, choose the sparse layers to keep in FP8 (measure_layer_sensitivity, scored on the
+    completions of (prompt, completion) texts). rotation_seed: calibrate for a rotated cache (the sparse layers'
+    K/V, which the hybrid cache stores in NVFP4, are rotated before the amax search and in the proxy)."""
     seqs, score_from = encode_calibration_texts(tokenizer, texts)
     kv = collect_kv(model, seqs, layers)
+    head_dim = model.cfg.head_dim
+    signs = None if rotation_seed is None else rotation.rotation_signs(head_dim, rotation_seed)
+    if signs is not None:
+        kv = {i: ((rotation.rotate(k, signs), rotation.rotate(v, signs)) if model.layers[i].attn.sparse else (k, v))
+              for i, (k, v) in kv.items()}
     chosen = {i: (choose_nvfp4_amax(k), choose_nvfp4_amax(v)) for i, (k, v) in kv.items()}
     default = {i: (nvfp4_roundtrip_mse(k, DEFAULT_NVFP4_KV_AMAX), nvfp4_roundtrip_mse(v, DEFAULT_NVFP4_KV_AMAX))
                for i, (k, v) in kv.items()}
@@ -515,9 +573,10 @@ def calibrate_kv(model, tokenizer, texts: Sequence[str | tuple[str, str]], layer
             raise ValueError(f"layers: the FP8-override search needs every sparse layer {sparse} calibrated, found "
                              f"{sorted(chosen)}; pass sensitivity=False to calibrate a subset")
         sens = measure_layer_sensitivity(model, seqs, score_from, {i: (c[0].amax, c[1].amax) for i, c in chosen.items()},
-                                         factor, min_kl)
+                                         factor, min_kl, signs=signs, choose=fp8_overrides)
         info["scored_positions"] = sens.positions
-    return KVCalibration(len(model.layers), chosen, DEFAULT_NVFP4_KV_AMAX, default, info, sens)
+    return KVCalibration(len(model.layers), chosen, DEFAULT_NVFP4_KV_AMAX, default, info, sens, rotation_seed,
+                         head_dim if rotation_seed is not None else None)
 
 
 def save_kv_scales(path: str, calib: KVCalibration) -> None:
@@ -530,6 +589,7 @@ def save_kv_scales(path: str, calib: KVCalibration) -> None:
 class KVScalesFile:
     amax: dict[int, tuple[float, float]]     # layer -> (k_amax, v_amax)
     fp8_layers: tuple[int, ...]              # () when the file lists none (or predates the field)
+    rotation_seed: int | None = None         # the K/V rotation the amaxes were chosen under (None: unrotated)
 
 
 def read_kv_scales(path: str, num_layers: int) -> KVScalesFile:
@@ -566,7 +626,7 @@ def read_kv_scales(path: str, num_layers: int) -> KVScalesFile:
             not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers for i in fp8):
         raise ValueError(f"{path}: field 'fp8_layers': expected a list of distinct layer ids in [0, {num_layers}), "
                          f"found {fp8!r}")
-    return KVScalesFile(out, tuple(sorted(fp8)))
+    return KVScalesFile(out, tuple(sorted(fp8)), _read_rotation(path, doc))
 
 
 def load_kv_scales(path: str, num_layers: int) -> dict[int, tuple[float, float]]:
@@ -680,6 +740,16 @@ def resolve_kv_fp8_layers(model_dir: str, layer_types: Sequence[str], kv_scales:
     return path, layers
 
 
+def resolve_kv_rotation(model_dir: str, num_layers: int, kv_scales: str | None = "auto"
+                        ) -> tuple[str | None, int | None]:
+    """(source, seed) of the K/V rotation a hybrid cache should use with `kv_scales` (see kv_scales_file): the
+    kv_scales.json's `rotation` (None when it was calibrated unrotated), else (None, DEFAULT_ROTATION_SEED)."""
+    path = kv_scales_file(model_dir, kv_scales)
+    if path is None:
+        return None, rotation.DEFAULT_ROTATION_SEED
+    return path, read_kv_scales(path, num_layers).rotation_seed
+
+
 def apply_model_kv_scales(cache, model_dir: str, num_layers: int, kv_scales: str | None = "auto") -> str | None:
     """What LLM calls after building its cache: apply the resolved amaxes to its NVFP4 layers (if any).
     Returns the source applied, or None (no NVFP4 layer, or no calibration found)."""
@@ -690,6 +760,13 @@ def apply_model_kv_scales(cache, model_dir: str, num_layers: int, kv_scales: str
         log.info("KV cache: NVFP4 layers use the uncalibrated default amax (no kv_scales.json, no k_scale/v_scale)")
         return None
     source, table = found
+    path = kv_scales_file(model_dir, kv_scales)
+    if path is not None:
+        calibrated = read_kv_scales(path, num_layers).rotation_seed
+        if calibrated != cache.spec.kv_rotation_seed:
+            raise ValueError(f"{path}: field 'rotation': its amaxes were chosen for K/V rotation seed {calibrated}, "
+                             f"the cache uses kv_rotation {cache.spec.kv_rotation_seed}; pass kv_rotation='auto' "
+                             f"(the file's), kv_scales=None, or recalibrate (m3serve calibrate-kv)")
     layers = apply_kv_amax(cache, table, source)
     log.info("KV cache: NVFP4 K/V amax of layers %s from %s", layers, source)
     return source
@@ -697,10 +774,11 @@ def apply_model_kv_scales(cache, model_dir: str, num_layers: int, kv_scales: str
 
 # ----------------------------------------------------------------------------- end to end (m3serve calibrate-kv)
 def calibrate_model_dir(model_dir: str, out: str | None = None, num_items: int = CALIBRATION_ITEMS,
-                        seed: int = CALIBRATION_SEED, factor: float = FP8_OVERRIDE_FACTOR
+                        seed: int = CALIBRATION_SEED, factor: float = FP8_OVERRIDE_FACTOR,
+                        rotation_seed: int | None = rotation.DEFAULT_ROTATION_SEED, fp8_overrides: bool = False
                         ) -> tuple[str, KVCalibration]:
-    """Calibrate a checkpoint directory's K/V amaxes and FP8 layers and write them to `out` (default
-    <model_dir>/kv_scales.json)."""
+    """Calibrate a checkpoint directory's K/V amaxes (for the K/V rotation of `rotation_seed`; None: unrotated)
+    and, with fp8_overrides, its FP8 layers, and write them to `out` (default <model_dir>/kv_scales.json)."""
     from m3serve.model.loader import load_model
     from m3serve.tokenizer import load_tokenizer
 
@@ -717,10 +795,11 @@ def calibrate_model_dir(model_dir: str, out: str | None = None, num_items: int =
     description = {
         "text_set": ("synthetic arithmetic chats (m3serve.train.synthetic, train stream of the seed below), "
                      "rendered with the chat template as question + worked answer; every question of the "
-                     "eval's held-out synthetic set excluded; the FP8-override proxy scores the answer tokens"),
+                     "eval's held-out synthetic set excluded; the NVFP4-sensitivity proxy scores the answer tokens"),
         "seed": seed, "items": num_items,
     }
-    calib = calibrate_kv(model, tokenizer, chats, description=description, factor=factor)
+    calib = calibrate_kv(model, tokenizer, chats, description=description, factor=factor,
+                         rotation_seed=rotation_seed, fp8_overrides=fp8_overrides)
     path = out or os.path.join(model_dir, KV_SCALES_FILE)
     save_kv_scales(path, calib)
     return path, calib

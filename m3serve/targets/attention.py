@@ -5,10 +5,12 @@ target a step carries a `PagedStep` (device metadata built by the engine in its 
 attention layer is four launches at most, none of which syncs the host (so the step can be captured in a CUDA
 graph):
 
-    kv.write             K, V (+ index-K) of every token of the step, quantized on write
+    kv.write             K, V (+ index-K) of every token of the step, quantized on write (rotated NVFP4 layers:
+                         rotated first, m3serve.kv.rotation)
     msa.scores           sparse layers: the lightning indexer's max-pooled block scores     [T, Hk, B]
     msa.select           sparse layers: top-k blocks per (token, KV group), the stock rules [T, Hk, topk]
-    attn.paged           decode / verify / sparse rows (split-KV, ordered combine)
+    attn.paged           decode / verify / sparse rows (split-KV, ordered combine; rotated layers: q rotated
+                         in the prologue, the output un-rotated before the split store)
       or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence
 
 Shape legend
@@ -117,5 +119,6 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
     ws = step.scratch(("attn.paged", t, hq, d, splits), lambda: make_workspace(t, hq, d, splits, q.device))
     paged_attention(q, kp, vp, *scales, kv.kv_global_scale[layer] if fmt == "nvfp4" else None, step.slot_table,
                     step.seq_lens, step.query_start, sel, out, ws, fmt=fmt, sm_scale=scale,
-                    max_query_len=step.max_query_len, num_splits=splits)
+                    max_query_len=step.max_query_len, num_splits=splits,
+                    rot_matrix=kv.kv_rotation_matrix if kv.spec.is_rotated(layer) else None)
     return out
