@@ -41,7 +41,7 @@ from m3serve.kernels import moe_nvfp4, msa_index, paged_attention as pa  # noqa:
 from m3serve.kernels._mma_moe import MmaMoEConfig  # noqa: E402
 from m3serve.kernels._paged_attn_call import TileConfig, tile_config  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
-from m3serve.targets.attention import sparse_tiles_per_block, split_plan  # noqa: E402
+from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("attn", "select", "moe")
 

@@ -26,7 +26,8 @@ from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.step_plan import buckets_up_to, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PAGED_KERNELS, PagedStep
 
 log = logging.getLogger("m3serve")
 
@@ -98,7 +99,6 @@ class LLMEngine:
         replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1 and every attention
         layer's decode kernels in certified cells; otherwise `auto` keeps the stock path (returns False, logs
         why) and `require` raises naming each uncertified placement."""
-        from m3serve.runtime.decode_graphs import buckets_up_to
         from m3serve.targets.explain import uncertified_attention
         if self.model.device.type != "cuda" or self.model.dtype != torch.bfloat16 or self.model.tp.size != 1:
             raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {self.model.dtype} on "
@@ -113,6 +113,7 @@ class LLMEngine:
         if not self._all_certified(missing, "attention", "decode target", mode):
             return False
         self.target_attention = True
+        self.model.use_attention(PAGED_KERNELS)
         if graphs:
             from m3serve.runtime.decode_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties)

@@ -114,7 +114,7 @@ class SpeculativeEngine(LLMEngine):
         below, which is exact too.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
-        from m3serve.runtime.decode_graphs import buckets_up_to
+        from m3serve.runtime.step_plan import buckets_up_to
         from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
         from m3serve.targets.explain import spec_step_placements, uncertified_attention, uncertified_draft_attention
         m = self.model
@@ -139,6 +139,7 @@ class SpeculativeEngine(LLMEngine):
             return False
         from m3serve.targets.routing import install_drafter, mode_of
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
+        m.use_attention(PAGED_KERNELS)   # the drafter runs its target's backend
         self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs,
                                     sampling=sampling)
         self.spec_steps.capture()

@@ -34,29 +34,10 @@ import numpy as np
 import torch
 
 from m3serve.model.m3 import ForwardBatch
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PagedStep
 
 log = logging.getLogger("m3serve")
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48)
-
-
-def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket holding `batch` sequences, or None when the batch is larger than every bucket."""
-    for b in buckets:
-        if b >= batch:
-            return b
-    return None
-
-
-def buckets_up_to(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
-    """The default buckets that a batch of at most max_num_seqs can use (the largest one covering it)."""
-    out = [b for b in buckets if b < max_num_seqs]
-    top = bucket_for(max_num_seqs, buckets)
-    if top is not None:
-        out.append(top)
-    return tuple(out)
-
 
 # The payload of a decode step, S int32 values each, in this order (after the positions of the stage).
 PAYLOAD = ("token_ids", "seq_lens", "temperature", "top_k", "top_p", "key_lo", "key_hi", "penalty_row")

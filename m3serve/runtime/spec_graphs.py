@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from m3serve.model.m3 import ForwardBatch
-from m3serve.runtime.decode_graphs import bucket_for
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PagedStep
 
 log = logging.getLogger("m3serve")
 

@@ -20,6 +20,7 @@ from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.speculative import SpeculativeEngine
 from m3serve.model.loader import load_model
 from m3serve.runtime.spec_graphs import SpecSteps
+from m3serve.targets.attention import PAGED_KERNELS
 from tests.spec.specutil import spec_cfg
 
 PROMPTS = ([5, 17, 99, 230, 7, 44, 81, 12, 9, 300, 41, 200, 6], list(range(20, 58)))
@@ -49,6 +50,7 @@ def _spec(model, target: bool, **kw) -> SpeculativeEngine:
     test), so the step program is attached directly; the interpreter runs the same kernels either way."""
     eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3, **kw))
     if target:
+        model.use_attention(PAGED_KERNELS)
         eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False)
     return eng
 
@@ -114,6 +116,7 @@ def test_sampled_requests_take_the_eager_path_without_the_sampled_variant(model)
 
 def _mixed(model, overlap: bool) -> tuple[list[list[int]], SpeculativeEngine]:
     eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3))
+    model.use_attention(PAGED_KERNELS)
     eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False, sampling=True)
     eng.overlap = overlap
     params = [SamplingParams(max_tokens=MAX_TOKENS[0], temperature=0.0, ignore_eos=True),

@@ -1,0 +1,45 @@
+"""A step's shape plan on the decode target: the graph bucket ladder every padded decode step runs in, and the
+split-KV factors attn.paged uses for a step of that many rows (the same for an eager step and the graph of its
+bucket, so both sum in the same order)."""
+
+from __future__ import annotations
+
+from m3serve.kernels.paged_attention import choose_num_splits, tile_config
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48)
+
+
+def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding `batch` sequences, or None when the batch is larger than every bucket."""
+    for b in buckets:
+        if b >= batch:
+            return b
+    return None
+
+
+def buckets_up_to(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The default buckets that a batch of at most max_num_seqs can use (the largest one covering it)."""
+    out = [b for b in buckets if b < max_num_seqs]
+    top = bucket_for(max_num_seqs, buckets)
+    if top is not None:
+        out.append(top)
+    return tuple(out)
+
+
+def sparse_tiles_per_block(spec) -> int:
+    """Key tiles attn.paged walks per selected block on the MSA layers of a cache spec (tile_config: NVFP4
+    pages go in half-page tiles); the most over the sparse layers' formats."""
+    fmts = {spec.kv_format(i) for i in spec.sparse_layers}
+    return max((spec.page_size // tile_config(1, spec.page_size, 1, True, f == "nvfp4").BN for f in fmts), default=1)
+
+
+def split_plan(query_rows: int, max_blocks: int, kv_heads: int, topk: int,
+               sparse_tiles: int = 1) -> tuple[int, int]:
+    """(dense, sparse) split-KV factors for a step of `query_rows` rows. Decode rows are rounded up to their
+    graph bucket first, so an eager step and the graph of the same bucket split (and so sum) identically.
+    MSA layers split over key tiles (topk blocks x sparse_tiles each): one tile per split is allowed, the
+    fastest on the H200 at batch 1 (bench/results/kernel-variants-h200.json)."""
+    rows = bucket_for(query_rows, DEFAULT_BUCKETS) or query_rows
+    dense = choose_num_splits(rows, max_blocks, kv_heads=kv_heads)
+    sparse = choose_num_splits(rows, max(topk, 1) * sparse_tiles, kv_heads=kv_heads, min_blocks_per_split=1)
+    return dense, sparse
