@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from m3serve.kernels._gemm_tiles import make_workspace  # noqa: E402
 from m3serve.kernels import _linear as L  # noqa: E402
 from m3serve.kernels import linear_mxfp8, linear_nvfp4  # noqa: E402
 from m3serve.kernels._gemv import GemvConfig, gemv_split  # noqa: E402
@@ -104,7 +105,7 @@ def with_config(case: Case, cfg, n: int, device: torch.device) -> Case:
     """The same inputs with a fresh poisoned output, a fresh workspace and another config."""
     inputs = case.args[:-3]
     out = poisoned(tuple(case.args[-3].shape), torch.bfloat16, device)
-    return Case(args=(*inputs, out, L.make_workspace(cfg, n, device), cfg), kwargs={}, bytes_moved=case.bytes_moved)
+    return Case(args=(*inputs, out, make_workspace(cfg, n, device), cfg), kwargs={}, bytes_moved=case.bytes_moved)
 
 
 def cfg_dict(cfg) -> dict:

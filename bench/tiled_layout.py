@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
+from m3serve.kernels._gemm_tiles import make_workspace  # noqa: E402
 from m3serve.kernels import _linear as L  # noqa: E402
 from m3serve.kernels import _mma_gemv as G  # noqa: E402
 from m3serve.kernels import linear_nvfp4 as LN  # noqa: E402
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             ref_bits = {}
             for vname, cfg, tiled in runs:
                 out = poisoned((rows, n), torch.bfloat16, dev)
-                ws = L.make_workspace(cfg, n, dev)
+                ws = make_workspace(cfg, n, dev)
                 if isinstance(cfg, G.MmaGemvConfig):
                     def call(w=None, s=None, cfg=cfg, tiled=tiled, out=out, ws=ws):
                         w = (tp if tiled else packed) if w is None else w

@@ -64,7 +64,7 @@ from m3serve.kernels._decode import (
 from m3serve.kernels._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118, use_ptx
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels._linear import GemmWorkspace, check_gemm_args
+from m3serve.kernels._gemm_tiles import GemmWorkspace, check_gemm_args
 from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 from m3serve.kernels._wstream import apply_alpha
 from m3serve.kernels.catalog import Cell
@@ -74,7 +74,7 @@ GEMV_BMS = (1, 2, 4)
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """A decode-GEMV tile config. Field names BM/BN/BK/SPLIT match _linear.GemmConfig so the same
+    """A decode-GEMV tile config. Field names BM/BN/BK/SPLIT match _gemm_tiles.GemmConfig so the same
     workspace (make_workspace) and argument checks (check_gemm_args) serve both kernels; the type
     itself is what selects this kernel in the linear raw calls."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from m3serve.kernels._gemm_tiles import make_workspace
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_NVFP4
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
@@ -110,7 +111,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     packed, scale, gs = random_nvfp4_weight(n, k, device, gen)
     x = L.fresh_x(rows, k, device, gen)
     out = poisoned((rows, n), torch.bfloat16, device)
-    ws = L.make_workspace(cfg, n, device)
+    ws = make_workspace(cfg, n, device)
     return Case(args=(x, packed, scale, gs, out, ws, cfg), kwargs={},
                 bytes_moved=n * k // 2 + n * k // 16 + rows * k * 2 + rows * n * 2)
 

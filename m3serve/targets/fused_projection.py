@@ -100,7 +100,7 @@ def project(attn, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...] | None
         entry = lookup(f"qkv.{fp.fmt}", t, (n, h), "auto")
         if entry is None:
             return None
-        from m3serve.kernels._linear import make_workspace
+        from m3serve.kernels._gemm_tiles import make_workspace
         cell = entry.cell_for(t, (n, h))
         cfg = cell.config["gemm"]
         ws = module_workspace(attn, ("qkv_workspace", cell.rows), lambda: make_workspace(cfg, n, x.device))
