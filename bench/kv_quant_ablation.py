@@ -120,7 +120,8 @@ def run_plan(model_dir: str, plan, items, max_tokens: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from m3serve.config import M3Config
-    from m3serve.eval.cli import default_model_dir, load_task
+    from m3serve.eval.cli import default_model_dir
+    from m3serve.eval.tasks import load_task
     from m3serve.eval.harness import score_outputs
     from m3serve.eval.mcnemar import discordant, mcnemar_exact_p
 

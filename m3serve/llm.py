@@ -138,7 +138,7 @@ class LLM:
         speculative_config every rank runs the same (replicated) drafter (m3serve.distributed.spec_driver)."""
         import weakref
 
-        from m3serve.distributed.driver import start_tp
+        from m3serve.distributed.startup import start_tp
         from m3serve.distributed.launch import TPLaunchSpec
         from m3serve.model.loader import resolve_config
         from m3serve.model.parallel import check_tp_shapes

@@ -117,7 +117,7 @@ def calibration_chats(num_items: int = CALIBRATION_ITEMS, seed: int = CALIBRATIO
 
 def heldout_questions(model_dir: str) -> set[str]:
     """The questions `m3serve eval --task synthetic` scores for this checkpoint (never calibrated on)."""
-    from m3serve.eval.cli import load_task
+    from m3serve.eval.tasks import load_task
 
     return {it.question for it in load_task("synthetic", model_dir, None)}
 
