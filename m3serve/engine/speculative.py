@@ -54,6 +54,7 @@ from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.eagle3 import Eagle3Drafter, load_drafter, random_drafter
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM
+from m3serve.targets.attention import PAGED_KERNELS
 
 log = logging.getLogger("m3serve")
 
