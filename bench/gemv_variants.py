@@ -15,7 +15,7 @@ as us_seq / frac_copy_seq.
 Usage:
     python3 bench/gemv_variants.py [--iters 20] [--budget-s 210] [--out-dir DIR]   (GPU; ~2-4 min)
     python3 bench/gemv_variants.py --cpu-smoke                                     (interpreter)
-Writes gemv_variants-<date>.json to $OUT (or --out-dir) and bench/results/ (GPU runs).
+Writes gemv_variants-<date>.json to $OUT (or --out-dir) and bench/results/gemv_variants/ (GPU runs).
 A variant still compiling when --budget-s has passed finishes; later ones are skipped (listed).
 """
 
@@ -57,8 +57,8 @@ GEMV_GRID = (
     ("g32x256w4s3", 32, 256, 4, 528, False, 3),  # no manual prefetch: does the pipeliner do it?
 )
 # (name, RP, num_warps, STAGES, target CTAs); SPLIT follows from the target (>= 2 K steps per CTA). The
-# shared-memory (cp.async) ring measured in gemv_variants-h200-smem-ring-2026-12-01.json was removed after it
-# lost to the register ring (its code: commit 15c92c4).
+# shared-memory (cp.async) ring measured in 0596e85:bench/results/gemv_variants-h200-smem-ring-2026-12-01.json
+# (git history) was removed after it lost to the register ring (its code: commit 15c92c4).
 MMA_GRID = (
     ("r1w4s2c1056", 1, 4, 2, 1056),
     ("r1w2s2c2640", 1, 2, 2, 2640),
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
           f"wall {doc['wall_s']:.0f} s")
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     name = f"gemv_variants-{'cpu-smoke' if a.cpu_smoke else 'gpu'}-{date}.json"
-    _load_kernels_bench().write_results(doc, name, a.out_dir, to_results=not a.cpu_smoke)
+    _load_kernels_bench().write_results(doc, name, a.out_dir, to_results=not a.cpu_smoke,
+                                           bench="gemv_variants")
     return 1 if a.cpu_smoke and fails else 0
 
 

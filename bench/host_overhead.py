@@ -14,7 +14,7 @@ re-creation of that pattern for contrast.
 Usage:
     python bench/host_overhead.py --device cpu
     python bench/host_overhead.py --device cuda --steps 200
-Writes bench/results/host_overhead-<device>-<date>.json.
+Writes bench/results/host_overhead/host_overhead-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: one host thread; on a busy 2-core box OpenMP barriers "
                          "made each small CPU op ~1000x slower)")
-    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results" / "host_overhead"))
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)

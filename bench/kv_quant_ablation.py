@@ -12,7 +12,7 @@ Shape legend: k, v [T, Hk, D] (the cache's view of one step's tokens).
 
 Usage:
     python bench/kv_quant_ablation.py [--limit N] [--plans exact,hybrid,...]
-Writes bench/results/kv-quant-ablation-cpu.json (per plan: exact match, b, c, p).
+Writes bench/results/kv_quant_ablation/kv-quant-ablation-cpu.json (per plan: exact match, b, c, p).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--plans", default=None, help="comma-separated plan names (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "kv-quant-ablation-cpu.json"))
+                                                  "kv_quant_ablation", "kv-quant-ablation-cpu.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = M3Config.from_file(args.model)

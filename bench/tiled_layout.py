@@ -10,7 +10,7 @@ order), and the row-major one passes linear.nvfp4's compare. Row 1's certified c
 beside them.
 
     python3 bench/tiled_layout.py [--iters 20] [--out-dir DIR]      (GPU, ~1 min)
-Writes bench/results/tiled-layout-h200.json (and a copy under --out-dir).
+Writes bench/results/tiled_layout/tiled-layout-h200.json (and a copy under --out-dir).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {**{k_: meta[k_] for k_ in ("commit", "gpu", "command", "date", "torch")},
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": bw, "iters": a.iters,
            "l2_flush_bytes": kb.FLUSH_BYTES, "wall_s": time.time() - t0, "results": results}
-    kb.write_results(doc, "tiled-layout-h200.json", a.out_dir)
+    kb.write_results(doc, "tiled-layout-h200.json", a.out_dir, bench="tiled_layout")
     return 0
 
 

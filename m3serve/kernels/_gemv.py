@@ -34,7 +34,7 @@ used where it was loaded:
   and row for the scale. The cross-thread reduction over G happens once, after the K loop.
 
 Instruction count per weight element: `python -m m3serve.kernels.aot_check --sass-stats` (the K
-loop read from the SASS; bench/results/logs/nvfp4-sass-count.txt). The H200 issue budget at 70 %
+loop read from the SASS; 0596e85:bench/results/logs/nvfp4-sass-count.txt). The H200 issue budget at 70 %
 of copy bandwidth is ~5.6 instructions per NVFP4 element (~11 per MXFP8 byte). At one row the
 loop is ~6 per weight with either decoder: besides the ~3 of the decode, x's bf16 -> fp32
 conversion and its broadcast through shared memory cost ~2 per weight (the next thing to cut).

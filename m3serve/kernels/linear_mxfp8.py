@@ -111,7 +111,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 
 # Rows 1-2: the GEMV measured 1.42x / 1.19x faster than the tensor-core cell (family g32x256w4s3); at 3-4
-# rows the tensor-core cell wins (H200, bench/results/gemv_variants-gpu-2026-11-30.json).
+# rows the tensor-core cell wins (H200, bench/results/gemv_variants/gemv_variants-h200-2026-11-30.json).
 # Rows 3-8 with K >= 4096: the register-operand MMA GEMV, 1.02-1.5x the tensor-core cells at 4 / 8 rows; at
 # K = 3072 it measured 0.88-0.92x, so those shapes keep the tensor-core cells (gemv_variants-h200-mma-2026-12-01.json,
 # family r1w4s2c1056).

@@ -117,7 +117,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 
 # Row 1: the register-accumulating GEMV (family g16x512w4), 2.3x the tensor-core cell and, launched alone, ahead
-# of the MMA GEMV (bench/results/gemv_variants-gpu-2026-11-30.json). Rows 2-8: the register-operand MMA GEMV,
+# of the MMA GEMV (bench/results/gemv_variants/gemv_variants-h200-2026-11-30.json). Rows 2-8: the register-operand MMA GEMV,
 # whose cost does not grow with the rows (the 8 token columns ride in one MMA): at 4 / 8 rows 1.5-3.3x the
 # cells it replaces (gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056).
 GEMV_FAMILY = {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528, "PREFETCH": True, "num_stages": 1}

@@ -377,10 +377,10 @@ def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: S
 
     The threshold. The unit is the KL of the whole FP8 cache, measured in the same run: FP8 is the format an
     overridden layer falls back to, and the FP8 cache is statistically indistinguishable from BF16 on the eval
-    (80.2 % vs 81.4 %, McNemar p = 0.26, bench/results/eval-kv-bf16-vs-fp8-cpu.json), so its KL is a cost the
+    (80.2 % vs 81.4 %, McNemar p = 0.26, bench/results/eval/eval-kv-bf16-vs-fp8-cpu.json), so its KL is a cost the
     engine already accepts. A layer whose NVFP4 alone costs more than `factor` = 2 such units goes FP8. On the
     embedded model the layers measure 4.6x (layer 2), 1.16x, 0.28x and 0.03x (layers 3-5) and the held-out
-    ablation (bench/results/kv-quant-ablation-cpu.json) found NVFP4 on layer 2 alone costs 7.0 points (p = 3e-6)
+    ablation (bench/results/kv_quant_ablation/kv-quant-ablation-cpu.json) found NVFP4 on layer 2 alone costs 7.0 points (p = 3e-6)
     and on each of 3-5 nothing (|delta| <= 0.2 point, p = 1): 2 separates them with margin on both sides (1.7x
     above layer 3, 2.3x below layer 2). The factor was set with that ablation's verdict in view; the proxy never
     reads the held-out items. A relative rule alone would flag layers of a model on which even the FP8 cache is

@@ -38,7 +38,7 @@ def split_plan(query_rows: int, max_blocks: int, kv_heads: int, topk: int,
     """(dense, sparse) split-KV factors for a step of `query_rows` rows. Decode rows are rounded up to their
     graph bucket first, so an eager step and the graph of the same bucket split (and so sum) identically.
     MSA layers split over key tiles (topk blocks x sparse_tiles each): one tile per split is allowed, the
-    fastest on the H200 at batch 1 (bench/results/kernel-variants-h200.json)."""
+    fastest on the H200 at batch 1 (bench/results/kernel_variants/kernel-variants-h200.json)."""
     rows = bucket_for(query_rows, DEFAULT_BUCKETS) or query_rows
     dense = choose_num_splits(rows, max_blocks, kv_heads=kv_heads)
     sparse = choose_num_splits(rows, max(topk, 1) * sparse_tiles, kv_heads=kv_heads, min_blocks_per_split=1)
