@@ -45,10 +45,15 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from m3serve.eval.tasks import load_task
 from m3serve.kv import codec
 from m3serve.kv.cache import DEFAULT_NVFP4_KV_AMAX
 from m3serve.kv.scales import FILE_FORMAT, FILE_VERSION, KV_SCALES_FILE
+from m3serve.model.loader import load_model
 from m3serve.quant.nvfp4 import nvfp4_global_scale
+from m3serve.tokenizer import load_tokenizer
+from m3serve.train.synthetic import make_split
+from m3serve.train.tokenizer import chat_prompt, render_chat
 
 log = logging.getLogger("m3serve")
 
@@ -79,9 +84,6 @@ def calibration_chats(num_items: int = CALIBRATION_ITEMS, seed: int = CALIBRATIO
                       exclude_questions: Iterable[str] = ()) -> list[tuple[str, str]]:
     """The same transcripts split as (generation prompt, completion): the prompt is exactly what the eval feeds
     the model (chat_prompt(question)), the completion the worked answer and its end-of-turn token."""
-    from m3serve.train.synthetic import make_split
-    from m3serve.train.tokenizer import chat_prompt, render_chat
-
     if not isinstance(num_items, int) or num_items <= 0:
         raise ValueError(f"num_items: expected a positive int, found {num_items!r}")
     banned = set(exclude_questions)
@@ -114,8 +116,6 @@ def calibration_chats(num_items: int = CALIBRATION_ITEMS, seed: int = CALIBRATIO
 
 def heldout_questions(model_dir: str) -> set[str]:
     """The questions `m3serve eval --task synthetic` scores for this checkpoint (never calibrated on)."""
-    from m3serve.eval.tasks import load_task
-
     return {it.question for it in load_task("synthetic", model_dir, None)}
 
 
@@ -529,9 +529,6 @@ def calibrate_model_dir(model_dir: str, out: str | None = None, num_items: int =
                         ) -> tuple[str, KVCalibration]:
     """Calibrate a checkpoint directory's K/V amaxes and FP8 layers and write them to `out` (default
     <model_dir>/kv_scales.json)."""
-    from m3serve.model.loader import load_model
-    from m3serve.tokenizer import load_tokenizer
-
     if not os.path.isdir(model_dir) or not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"model_dir: expected a checkpoint directory with config.json, found {model_dir!r}")
     tokenizer = load_tokenizer(model_dir)

@@ -28,6 +28,7 @@ from m3serve.model.attention_backend import STOCK, StockAttention
 from m3serve.model.layers import Linear, RMSNorm, VocabEmbedding, apply_rope, rope_cos_sin
 from m3serve.model.moe import DenseMLP, MoE
 from m3serve.model.parallel import SINGLE, TPGroup
+from m3serve.model.random_init import init_dense_random
 
 
 @dataclass
@@ -241,5 +242,4 @@ class M3ForCausalLM(nn.Module):
     def init_random(self, seed: int = 0, std: float = 0.02, nontrivial_norms: bool = False) -> None:
         """Dense random weights (training start, tests). Norm weights are zero (scale 1) unless
         `nontrivial_norms`, which also gives the router bias real values so tests see them matter."""
-        from m3serve.model.random_init import init_dense_random
         init_dense_random(self, seed, std, nontrivial_norms)
