@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from m3serve.engine.sampler import sample_rows
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
 from m3serve.targets.attention import PagedStep
@@ -174,7 +175,6 @@ class DecodeGraphs:
         if variant == "greedy":
             tokens = logits.argmax(-1)
         else:
-            from m3serve.engine.sampler import sample_rows
             scores = logits
             if variant == "processed":
                 prow = stage[off["penalty_row"]].long()

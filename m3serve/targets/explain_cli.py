@@ -8,10 +8,11 @@ decode target, or why the module runs stock.
 
 from __future__ import annotations
 
+from m3serve.cli import _add_model_args, build_llm
+from m3serve.targets.explain import explain
+
 
 def cmd_explain(args) -> int:
-    from m3serve.cli import build_llm
-    from m3serve.targets.explain import explain
     buckets = tuple(int(b) for b in args.batch.split(","))
     args.route = "off"                       # placements are computed, nothing is compiled or captured
     llm = build_llm(args, max_num_seqs=max(buckets))
@@ -27,7 +28,6 @@ def cmd_explain(args) -> int:
 
 
 def register(sub) -> None:
-    from m3serve.cli import _add_model_args
     p = sub.add_parser("explain", help="which catalog entry and cell each module runs on the decode target")
     _add_model_args(p)
     p.add_argument("--batch", default="1,8", help="decode batch buckets to explain (comma list)")
