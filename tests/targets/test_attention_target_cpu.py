@@ -33,7 +33,9 @@ def _run(model, target: bool, kv: str):
     return [r.output_token_ids for r in reqs]
 
 
-@pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
+# The NVFP4 cache runs its E2M1 decode in the interpreter: ~6 min on 2 cores, so it is in the slow tier
+# (`pytest -m slow`, .ci/run's second step); the BF16 case keeps the same path in the fast tier.
+@pytest.mark.parametrize("kv", ["bf16", pytest.param("nvfp4", marks=pytest.mark.slow)])
 def test_target_attention_matches_stock(model, kv):
     ref = _run(model, False, kv)
     got = _run(model, True, kv)
