@@ -5,6 +5,7 @@ counts, at the top of a file or inside a function. Pure AST, well under a second
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "m3serve"
@@ -79,6 +80,11 @@ def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
     return edges
 
 
+@functools.cache
+def _package_edges() -> dict[str, set[str]]:
+    return _edges(_modules())
+
+
 def _layer(mod: str) -> int:
     best, depth = None, -1
     for i, (_, prefixes) in enumerate(LAYERS):
@@ -121,12 +127,12 @@ def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circles():
-    circles = _circles(_edges(_modules()))
+    circles = _circles(_package_edges())
     assert circles == [], "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
 def test_upward_imports_are_only_the_listed_ones():
-    edges = _edges(_modules())
+    edges = _package_edges()
     up = {(a, b) for a, ts in edges.items() for b in ts if _layer(b) > _layer(a)}
     assert up <= ALLOWED_UP, f"imports from a lower layer up to a higher one (docs/architecture.md): {sorted(up - ALLOWED_UP)}"
     assert len(ALLOWED_UP) <= MAX_UP
@@ -139,7 +145,7 @@ def test_the_checker_sees_a_circle_and_an_upward_import():
 
 
 def test_model_imports_nothing_above_it():
-    edges = _edges(_modules())
+    edges = _package_edges()
     model = _layer("model.m3")
     above = sorted((a, b) for a, ts in edges.items() if a.startswith("model.") for b in ts if _layer(b) > model)
     assert above == [], above
