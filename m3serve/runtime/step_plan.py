@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from m3serve.kernels.paged_attention import choose_num_splits, tile_config
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48)
+# Buckets of sequences per decode step; a configuration uses those up to max_num_seqs (buckets_up_to), so the
+# default max_num_seqs = 64 ends at 64 and a larger one extends through 96, 128, ... (and max_num_seqs itself past
+# the last). Each bucket costs its graph's retained outputs (logits [S, V] fp32 per variant) in the shared pool.
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
@@ -18,12 +21,11 @@ def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
 
 
 def buckets_up_to(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
-    """The default buckets that a batch of at most max_num_seqs can use (the largest one covering it)."""
-    out = [b for b in buckets if b < max_num_seqs]
-    top = bucket_for(max_num_seqs, buckets)
-    if top is not None:
-        out.append(top)
-    return tuple(out)
+    """The buckets a batch of at most max_num_seqs can use: the defaults below it, then max_num_seqs itself as
+    the last (so every batch size the scheduler can form has a graph and no bucket pads past the limit)."""
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs: expected a positive int, found {max_num_seqs!r}")
+    return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
 
 
 def sparse_tiles_per_block(spec) -> int:

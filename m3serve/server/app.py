@@ -2,7 +2,7 @@
 a thread).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
-GET /metrics. Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
+GET /metrics, and vLLM's utility routes (tokenize_routes.py). Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
 an exception that is not an APIError is a server bug and the only path to a 500. The app is run with
 handler_cancellation=True so that a client disconnect cancels its handler, which aborts the request (see
 generate.py).
@@ -32,13 +32,15 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+from m3serve.server import tokenize_routes
 from m3serve.server.engine_loop import SHUTTING_DOWN, EngineLoop
 from m3serve.server.errors import APIError, one_line, short_repr
 from m3serve.server.generate import respond
 from m3serve.server.http_errors import JSONErrorAppRunner
 from m3serve.server.limits import (RequestLimits, body_too_large, check_chat_size, check_completion_size,
                                    check_content_length)
-from m3serve.server.metrics import ServerMetrics
+from m3serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from m3serve.server.metrics import NAME_SCHEMES, ServerMetrics
 from m3serve.server.protocol import ModelInfo, parse_chat, parse_completion
 from m3serve.server.shutdown import ShutdownSignals
 from m3serve.server.sse import dumps
@@ -216,7 +218,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 def _card(s: ServerState) -> dict:
     return {"id": s.info.name, "object": "model", "created": s.created, "owned_by": "m3serve",
-            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size}
+            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size,
+            "device": s.loop.engine.model.device.type}
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -243,8 +246,10 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    return web.Response(text=s.metrics.render(s.loop.snapshot), content_type="text/plain",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    names = request.query.get("names", "m3serve")      # ?names=vllm: vLLM's metrics as vllm:<name> (metrics.py)
+    if names not in NAME_SCHEMES:
+        raise APIError(400, f"'names' = {short_repr(names)}: expected one of {list(NAME_SCHEMES)}", param="names")
+    return web.Response(text=s.metrics.render(s.loop.snapshot, names), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def build_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
@@ -254,7 +259,7 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     None take RequestLimits.for_model's defaults (32 MiB bodies, max_model_len x 32 prompt characters, 2048
     messages)."""
     import time
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(served_model_name or "m3serve")
     engine = llm.engine
     info = ModelInfo(name=served_model_name or "m3serve",
                      vocab_size=llm.model.cfg.vocab_size, max_model_len=engine.max_model_len,
@@ -279,6 +284,7 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    tokenize_routes.add_routes(app, STATE, read_json)   # /tokenize, /detokenize, /tokenizer_info, /version, /ping
     return app
 
 
