@@ -17,6 +17,7 @@ from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.spec_config import SpecConfig
 from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.warmup import warm_up
 from m3serve.kv.scales import apply_model_kv_scales, resolve_kv_fp8_layers
 from m3serve.model.loader import load_model, resolve_config
 from m3serve.model.parallel import check_tp_shapes
@@ -162,7 +163,6 @@ class LLM:
             return
         self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
         # compile every prefill / mixed-step variant now, not in front of the first request (engine/warmup.py)
-        from m3serve.engine.warmup import warm_up
         self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
