@@ -60,6 +60,9 @@ def greedy_reference(model):
     return _run(_spec(model, False))[0]
 
 
+# Slow tier (`pytest -m slow`): minutes each in the interpreter. The fast tier keeps the forced-acceptance run
+# with the overlap loop, which drives the same step program through every accepted count.
+@pytest.mark.slow
 def test_greedy_equals_the_eager_engine(model, greedy_reference):
     """Both are exact greedy decoding (the eager engine's own tests compare it with plain greedy)."""
     ref = greedy_reference
@@ -76,7 +79,7 @@ def forced_reference(model):
     return out, eager.stats()["spec_decode"]["accepted_per_position"]
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, forced_reference, overlap):
     """overlap: each step is launched before the previous one is read back, its rows' n, x and drafts taken
     from the device."""
@@ -129,6 +132,7 @@ def _mixed(model, overlap: bool) -> tuple[list[list[int]], SpeculativeEngine]:
     return [list(r.output_token_ids) for r in reqs], eng
 
 
+@pytest.mark.slow
 def test_sampled_variant_keeps_greedy_rows_exact_and_is_reproducible(model, greedy_reference):
     """A greedy and a sampled request share SpecSteps' sampled variant: the greedy one's tokens equal the eager
     engine's greedy tokens (greedy rows reduce to the prefix rule exactly), the sampled one gets all its tokens,
