@@ -15,7 +15,7 @@ kernels, graph launches, copies). The roofline is the bytes a step must read (we
 copy bandwidth measured in the same run.
 
     python bench/decode.py --models m3-tiny-verse,minimax-m3:5 --batch 1,8 --context 512
-writes bench/results/decode-target-h200.json (or --out).
+writes bench/results/decode/decode-target-h200.json (or --out).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--presence-penalty", type=float, default=0.0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode-target-h200.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode", "decode-target-h200.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
     batches = [int(b) for b in args.batch.split(",")]

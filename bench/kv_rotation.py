@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length (random token ids)")
     ap.add_argument("--seed", type=int, default=0, help="weights seed; the prompts use seed + 1")
     ap.add_argument("--rotation-seed", type=int, default=rotation.DEFAULT_ROTATION_SEED)
-    ap.add_argument("--json", default=None, help="write the result here (e.g. bench/results/kv-rotation-h200.json)")
+    ap.add_argument("--json", default=None, help="write the result here (e.g. bench/results/kv_rotation/kv-rotation-h200.json)")
     args = ap.parse_args(argv)
     if args.tokens < 2:
         raise ValueError(f"--tokens: expected at least 2, found {args.tokens}")

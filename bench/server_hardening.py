@@ -1,6 +1,6 @@
 """Server hardening on CPU (issue 17): big requests, shutdown under load, chat-template injection.
 
-    python3 bench/server_hardening.py [--model DIR] [--out bench/results/server-hardening-cpu.json]
+    python3 bench/server_hardening.py [--model DIR] [--out bench/results/server_hardening/server-hardening-cpu.json]
 
 Runs `m3serve serve` (the embedded model by default) as a child process on 127.0.0.1 and measures:
   dos       : 10 POSTs of a 20 MB prompt ("the " * 5242880, max_tokens 2) and one chat of 2,000 long messages,
@@ -282,7 +282,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL_DIR)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "server-hardening-cpu.json"))
+                                                  "server_hardening", "server-hardening-cpu.json"))
     args = ap.parse_args()
     t0 = time.monotonic()
     res = {"meta": {**run_metadata(), "machine": f"{os.cpu_count()} CPU cores, CPU only (shared)",

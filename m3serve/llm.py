@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 
+from m3serve.distributed.launch import TPLaunchSpec
+from m3serve.distributed.startup import start_tp
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.model.loader import load_model
+from m3serve.engine.spec_config import SpecConfig
+from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.warmup import warm_up
+from m3serve.kv.scales import apply_model_kv_scales, resolve_kv_fp8_layers, resolve_kv_rotation
+from m3serve.model.loader import load_model, resolve_config
+from m3serve.model.parallel import check_tp_shapes
+from m3serve.server.chat_tokens import chat_encoder
+from m3serve.targets import routing
 from m3serve.tokenizer import load_tokenizer
 from m3serve.vllm_args import split_kwargs
 
@@ -100,7 +110,6 @@ class LLM:
                                 quantization=quantization, seed=seed)
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
         if self.route != "off":
-            from m3serve.targets import routing
             routing.install(self.model, self.route)
             routing.warmup(self.model)
         self.tokenizer = self._load_tokenizer(model)
@@ -113,7 +122,6 @@ class LLM:
             self._apply_kv_scales(model, kv_scales)
             self._enable_target(enforce_eager)
         else:  # vLLM's shape: {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K, ...}
-            from m3serve.engine.speculative import SpeculativeEngine
             self.engine = SpeculativeEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer,
                                             speculative_config=speculative_config)
             self._apply_kv_scales(model, kv_scales)
@@ -137,7 +145,6 @@ class LLM:
             raise ValueError(f"kv_fp8_layers: expected 'auto' or a tuple of sparse layer ids, found {kv_fp8_layers!r}")
         if kv_cache_dtype != "nvfp4":
             return ()
-        from m3serve.kv.calibrate import resolve_kv_fp8_layers
         source, layers = resolve_kv_fp8_layers(model, self.model.cfg.layer_types, kv_scales)
         if layers:
             self.kv_fp8_layers_source = source
@@ -154,7 +161,6 @@ class LLM:
             raise ValueError(f"kv_rotation: expected 'auto', None or a non-negative int seed, found {kv_rotation!r}")
         if kv_cache_dtype != "nvfp4":
             return None
-        from m3serve.kv.calibrate import resolve_kv_rotation
         source, seed = resolve_kv_rotation(model, self.model.cfg.num_hidden_layers, kv_scales)
         logging.getLogger("m3serve").info("KV cache: NVFP4 K/V rotation %s (%s)",
                                           "off" if seed is None else f"seed {seed}", source or "default")
@@ -162,7 +168,6 @@ class LLM:
 
     def _apply_kv_scales(self, model: str, kv_scales: str | None) -> None:
         """Calibrated NVFP4 global scales into the cache's NVFP4 layers (no-op for other KV dtypes)."""
-        from m3serve.kv.calibrate import apply_model_kv_scales
         self.kv_scales_source = apply_model_kv_scales(self.engine.kv, model, self.model.cfg.num_hidden_layers,
                                                       kv_scales)
 
@@ -177,7 +182,6 @@ class LLM:
             return
         self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
         # compile every prefill / mixed-step variant now, not in front of the first request (engine/warmup.py)
-        from m3serve.engine.warmup import warm_up
         self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
@@ -187,17 +191,9 @@ class LLM:
         returns, the other ranks serve it and exit when it shuts down. `shutdown()` (or `with LLM(...)`)
         stops the workers early; they also stop when this object is collected or at exit. With a
         speculative_config every rank runs the same (replicated) drafter (m3serve.distributed.spec_driver)."""
-        import weakref
-
-        from m3serve.distributed.driver import start_tp
-        from m3serve.distributed.launch import TPLaunchSpec
-        from m3serve.model.loader import resolve_config
-        from m3serve.model.parallel import check_tp_shapes
-
         check_tp_shapes(resolve_config(model), size)       # a bad size fails here, before any process starts
         spec_dict = None
         if speculative_config is not None:                  # a bad config fails here too; a dir is made absolute
-            from m3serve.engine.spec_config import SpecConfig
             spec_dict = SpecConfig.from_dict(speculative_config).to_dict()
             if spec_dict["model"] is not None:
                 spec_dict["model"] = os.path.abspath(spec_dict["model"])
@@ -332,7 +328,6 @@ class LLM:
         if add_generation_prompt and continue_final_message:
             raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be True")
         # The server's encoder: special-token text inside message content stays ordinary text (no forged turns).
-        from m3serve.server.chat_tokens import chat_encoder
         kwargs = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message)
         if chat_template is not None:

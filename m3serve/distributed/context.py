@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from m3serve.distributed.protocol import HEADER_LEN, OP_STOP
 from m3serve.model.parallel import TPGroup
 
 CONTROL_TIMEOUT = _dt.timedelta(days=365)
@@ -184,7 +185,6 @@ class TPContext:
         stopped = False
         if self.rank == 0 and graceful and healthy and self.control is not None:
             try:
-                from m3serve.distributed.protocol import HEADER_LEN, OP_STOP
                 stop = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 stop[0] = OP_STOP
                 dist.broadcast(stop, 0, group=self.control)

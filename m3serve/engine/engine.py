@@ -23,13 +23,17 @@ from m3serve.engine.sampler import sample, sampling_key, top_logprobs
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
 from m3serve.engine.token_masks import TokenMaskRows
+from m3serve.kernels.catalog import all_entries
 from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
 from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.decode_graphs import DecodeGraphs, sampling_row
+from m3serve.runtime.step_plan import buckets_up_to, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PAGED_KERNELS, PagedStep
+from m3serve.targets.explain import uncertified_attention
 
 log = logging.getLogger("m3serve")
 
@@ -115,8 +119,6 @@ class LLMEngine:
         replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1 and every attention
         layer's decode kernels in certified cells; otherwise `auto` keeps the stock path (returns False, logs
         why) and `require` raises naming each uncertified placement."""
-        from m3serve.runtime.decode_graphs import buckets_up_to
-        from m3serve.targets.explain import uncertified_attention
         if self.model.device.type != "cuda" or self.model.dtype != torch.bfloat16 or self.model.tp.size != 1:
             raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {self.model.dtype} on "
                              f"{self.model.device} at TP {self.model.tp.size}")
@@ -130,8 +132,8 @@ class LLMEngine:
         if not self._all_certified(missing, "attention", "decode target", mode):
             return False
         self.target_attention = True
+        self.model.use_attention(PAGED_KERNELS)
         if graphs:
-            from m3serve.runtime.decode_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties,
                                        token_masks=self.token_masks)
             self.graphs.capture(mode)
@@ -151,7 +153,6 @@ class LLMEngine:
     def _certified_table_width(self) -> int:
         """msa.select compiles per block-table width (padded to a power of two) and is certified at the model's
         full context; use the smallest certified width that holds max_model_len (or keep ours)."""
-        from m3serve.kernels.catalog import all_entries
         cfg, need = self.model.cfg, self.tables.max_blocks
         if not any(t == "sparse" for t in cfg.layer_types):
             return need
@@ -380,7 +381,6 @@ class LLMEngine:
 
     @staticmethod
     def _graph_sampling_row(req: Request) -> tuple:
-        from m3serve.runtime.decode_graphs import sampling_row
         p = req.params
         req.graph_sampling = sampling_row(p.temperature, p.top_k, p.top_p, req.sample_key)
         return req.graph_sampling

@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Callable
 
 from m3serve.eval.harness import Comparison, GenerateFn, compare, format_report
-from m3serve.eval.tasks import TaskItem, load_task_file, parse_items
+from m3serve.eval.tasks import load_task
 
 Builder = Callable[[str, str, str], GenerateFn]
 BUILDERS: dict[str, Builder] = {}
-SYNTHETIC_TASK_FILE = "synthetic_heldout.jsonl"
-SYNTHETIC_HELDOUT_N = 500  # the training default (presets.RUN_PRESETS["m3-tiny-verse"].n_syn_heldout)
 
 
 def default_model_dir() -> Path:
@@ -122,20 +120,6 @@ def _recorded_builder(model_dir: str, options: str, device: str) -> GenerateFn:
 
 
 register_config("recorded", _recorded_builder)
-
-
-def load_task(spec: str, model_dir: str, limit: int | None) -> list[TaskItem]:
-    """`synthetic`: the model's held-out synthetic file if it ships one, else regenerated (seed 0)."""
-    if spec != "synthetic":
-        return load_task_file(spec, limit)
-    shipped = Path(model_dir) / SYNTHETIC_TASK_FILE
-    if shipped.exists():
-        return load_task_file(shipped, limit)
-    from m3serve.train.synthetic import make_split
-
-    _, held = make_split(0, SYNTHETIC_HELDOUT_N, seed=0)
-    items = parse_items([p.to_json() for p in held], "synthetic")
-    return items[:limit] if limit is not None else items
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -28,13 +28,13 @@ from torch import Tensor
 from m3serve.device import canonical_device
 from m3serve.kv import codec
 from m3serve.kv import rotation
+from m3serve.kv.draft_view import DraftKVView
 from m3serve.kv.layout import SlotLayout, SubPage, SubpageGeometry
 from m3serve.kv.spec import NVFP4_BLOCK, KVCacheSpec
 from m3serve.quant.nvfp4 import nvfp4_global_scale
 
 if TYPE_CHECKING:
     from m3serve.kv.block_manager import BlockManager
-    from m3serve.kv.draft_view import DraftKVView
 
 # Calibration amax behind the default NVFP4 global scale gs = 448*6/amax (m3serve.quant.nvfp4).
 # It is the clip bound: |x| > amax saturates (the block scale tops out at 448). A 16-value block
@@ -299,8 +299,6 @@ class PagedKVCache:
     def draft_view(self, manager: BlockManager, *, tree_drafts: bool = False, relocate_accepted_tokens: bool = False,
                    ring_size: int = 3) -> DraftKVView:
         """The shared draft layer presented as a single-pool cache (see draft_view.py)."""
-        from m3serve.kv.draft_view import DraftKVView
-
         return DraftKVView(self, manager, tree_drafts=tree_drafts,
                            relocate_accepted_tokens=relocate_accepted_tokens, ring_size=ring_size)
 

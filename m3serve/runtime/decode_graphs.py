@@ -34,33 +34,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from m3serve.engine.sampler import sample_rows
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PagedStep
 
 log = logging.getLogger("m3serve")
-
-# Buckets of sequences per decode step; a configuration uses those up to max_num_seqs (buckets_up_to), so the
-# default max_num_seqs = 64 ends at 64 and a larger one extends through 96, 128, ... (and max_num_seqs itself past
-# the last). Each bucket costs its graph's retained outputs (logits [S, V] fp32 per variant) in the shared pool.
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket holding `batch` sequences, or None when the batch is larger than every bucket."""
-    for b in buckets:
-        if b >= batch:
-            return b
-    return None
-
-
-def buckets_up_to(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
-    """The buckets a batch of at most max_num_seqs can use: the defaults below it, then max_num_seqs itself as
-    the last (so every batch size the scheduler can form has a graph and no bucket pads past the limit)."""
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs: expected a positive int, found {max_num_seqs!r}")
-    return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
-
 
 # The payload of a decode step, S int32 values each, in this order (after the positions of the stage).
 PAYLOAD = ("token_ids", "seq_lens", "temperature", "top_k", "top_p", "key_lo", "key_hi", "penalty_row")
@@ -203,7 +183,6 @@ class DecodeGraphs:
         if variant == "greedy":
             tokens = logits.argmax(-1)
         else:
-            from m3serve.engine.sampler import sample_rows
             scores = logits
             if variant == "processed":
                 prow = stage[off["penalty_row"]].long()

@@ -8,6 +8,9 @@ decode target, or why the module runs stock.
 
 from __future__ import annotations
 
+from m3serve.cli import _add_model_args, build_llm
+from m3serve.targets.explain import explain
+
 
 def routing_note(device_type: str) -> str | None:
     """Off CUDA nothing is routed: say so before the placements, which describe a GPU run."""
@@ -18,8 +21,6 @@ def routing_note(device_type: str) -> str | None:
 
 
 def cmd_explain(args) -> int:
-    from m3serve.cli import build_llm
-    from m3serve.targets.explain import explain
     buckets = tuple(int(b) for b in args.batch.split(","))
     args.route = "off"                       # placements are computed, nothing is compiled or captured
     llm = build_llm(args, max_num_seqs=max(buckets))
@@ -38,7 +39,6 @@ def cmd_explain(args) -> int:
 
 
 def register(sub) -> None:
-    from m3serve.cli import _add_model_args
     p = sub.add_parser("explain", help="which catalog entry and cell each module runs on the decode target")
     _add_model_args(p)
     p.add_argument("--batch", default="1,8", help="decode batch buckets to explain (comma list)")

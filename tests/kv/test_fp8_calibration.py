@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from m3serve.kv.calibrate import (
-    FP8_OVERRIDE_FACTOR, KV_SCALES_FILE, MIN_OVERRIDE_KL, calibrate_kv, calibration_chats, calibration_texts,
-    encode_calibration_texts, measure_layer_sensitivity, plan_costs, read_kv_scales, resolve_kv_fp8_layers,
-    save_kv_scales)
+    FP8_OVERRIDE_FACTOR, MIN_OVERRIDE_KL, calibrate_kv, calibration_chats, calibration_texts,
+    encode_calibration_texts, measure_layer_sensitivity, plan_costs, save_kv_scales)
+from m3serve.kv.scales import KV_SCALES_FILE, read_kv_scales, resolve_kv_fp8_layers
 from m3serve.model.loader import load_model
 from m3serve.quant.fp8 import cast_to_fp8
 from m3serve.quant.nvfp4 import dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from m3serve.kv import PagedKVCache, codec, rotation
-from m3serve.kv.calibrate import (KVCalibration, choose_nvfp4_amax, read_kv_scales, rotation_record,
-                                  save_kv_scales)
+from m3serve.kv.calibrate import KVCalibration, choose_nvfp4_amax, save_kv_scales
+from m3serve.kv.scales import read_kv_scales, rotation_record
 from m3serve.kv.spec import KVCacheSpec
 
 
