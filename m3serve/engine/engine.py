@@ -232,6 +232,11 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
+    def fault(self) -> str | None:
+        """Why this engine can run no more steps (None while it can). A tensor-parallel driver reports its
+        group's (a worker that exited, a failed step); a single-process engine never becomes unusable."""
+        return None
+
     def drain(self) -> list[Request]:
         """Read back the graph step in flight, if any (its tokens are accepted as a step would; a request that
         finished meanwhile has its token discarded). Afterwards no launched step is outstanding: the graphs may

@@ -35,6 +35,7 @@ from aiohttp.http import HttpVersion11
 from m3serve.server.engine_loop import SHUTTING_DOWN, EngineLoop
 from m3serve.server.errors import APIError, one_line, short_repr
 from m3serve.server.generate import respond
+from m3serve.server.health import DEAD_EXIT_DELAY_S, engine_dead_error, wait_stop_or_death
 from m3serve.server.http_errors import JSONErrorAppRunner
 from m3serve.server.limits import (RequestLimits, body_too_large, check_chat_size, check_completion_size,
                                    check_content_length)
@@ -63,6 +64,7 @@ class ServerState:
     draining: bool = False                    # shutdown began: /v1 answers 503, /health 503
     inflight: int = 0                         # /v1 requests inside the middleware (event-loop side)
     idle: asyncio.Event = field(default_factory=asyncio.Event)    # set while inflight == 0
+    dead: asyncio.Event = field(default_factory=asyncio.Event)    # set once the engine died (health.py)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -138,6 +140,8 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         state.inflight += 1
         state.idle.clear()
     try:
+        if api and state.loop.dead is not None:
+            raise engine_dead_error(state.loop.dead)
         if api and state.draining:
             raise _shutting_down()
         check_content_length(request.content_length, state.limits)
@@ -234,6 +238,8 @@ async def _model(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     s = request.app[STATE]
+    if s.loop.dead is not None:
+        raise engine_dead_error(s.loop.dead)
     if s.draining:
         raise APIError(503, SHUTTING_DOWN, code="server_shutting_down")
     if not s.loop.alive:
@@ -267,6 +273,8 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     app[STATE] = state
 
     async def engine_ctx(app: web.Application):
+        aloop = asyncio.get_running_loop()
+        state.loop.on_dead = lambda reason: aloop.call_soon_threadsafe(state.dead.set)
         state.loop.start()
         yield
         state.prep.shutdown(wait=False, cancel_futures=True)
@@ -325,17 +333,19 @@ def _host_for_url(host: str) -> str:
 
 
 def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
-          on_ready: Callable[[str], None] | None = None, grace_s: float = DEFAULT_GRACE_S) -> None:
+          on_ready: Callable[[str], None] | None = None, grace_s: float = DEFAULT_GRACE_S,
+          dead_exit_delay: float = DEAD_EXIT_DELAY_S) -> int:
     """Run until SIGINT/SIGTERM (blocking), then stop gracefully (graceful_stop); a second signal exits at once
-    (shutdown.py). on_ready(url) is called once the socket listens."""
-    async def main() -> None:
+    (shutdown.py). on_ready(url) is called once the socket listens. Returns the process's exit status: 0, or
+    health.EXIT_ENGINE_DEAD when the engine died (after dead_exit_delay s of 503s; see health.py)."""
+    async def main() -> int:
         runner, url = await start_site(app, host, port, grace_s)
         stop = asyncio.Event()
         ShutdownSignals(stop.set).install(asyncio.get_running_loop())
         if on_ready is not None:
             on_ready(url)
         try:
-            await stop.wait()
+            return await wait_stop_or_death(stop, app[STATE].dead, dead_exit_delay)
         finally:
             await graceful_stop(runner, grace_s)
 
@@ -346,7 +356,7 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
     except ImportError:
         pass
     with asyncio.Runner(loop_factory=factory) as r:
-        r.run(main())
+        return r.run(main())
 
 
 class BackgroundServer:
@@ -357,8 +367,10 @@ class BackgroundServer:
     """
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0,
-                 grace_s: float = DEFAULT_GRACE_S):
+                 grace_s: float = DEFAULT_GRACE_S, dead_exit_delay: float = DEAD_EXIT_DELAY_S):
         self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
+        self.dead_exit_delay = dead_exit_delay
+        self.exit_code: int | None = None     # serve()'s status once stopped (health.EXIT_ENGINE_DEAD: engine died)
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -395,7 +407,7 @@ class BackgroundServer:
             self.port = int(self.url.rsplit(":", 1)[1])
             self._ready.set()
             try:
-                await self._stop.wait()
+                self.exit_code = await wait_stop_or_death(self._stop, self.state.dead, self.dead_exit_delay)
             finally:
                 await graceful_stop(runner, self.grace_s)
         asyncio.run(main())

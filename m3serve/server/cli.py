@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-messages", type=int, default=None, help="messages in one chat request (default 2048)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds requests in flight get to end after SIGTERM/SIGINT (a second signal exits at once)")
+    p.add_argument("--dead-exit-delay", type=float, default=2.0,
+                   help="after the engine died (e.g. a tensor-parallel worker exited): seconds of 503 answers "
+                        "before the server exits with status 3 for its supervisor to restart it (default 2)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks (worker processes are started here)")
     p.add_argument("--speculative-tokens", type=int, default=0,
@@ -60,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model_pos and args.model and args.model_pos != args.model:
         print(f"m3serve serve: MODEL {args.model_pos!r} and --model {args.model!r} disagree", file=sys.stderr)
+        return 2
+    if not args.dead_exit_delay >= 0:
+        print(f"m3serve serve: --dead-exit-delay: expected seconds >= 0, found {args.dead_exit_delay}",
+              file=sys.stderr)
         return 2
     if not args.shutdown_grace >= 0:
         print(f"m3serve serve: --shutdown-grace: expected seconds >= 0, found {args.shutdown_grace}", file=sys.stderr)
@@ -92,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"m3serve: serving {name!r} at {url}  (OpenAI base_url {url}/v1)", flush=True)
 
-    serve(app, args.host, args.port, on_ready=ready, grace_s=args.shutdown_grace)
-    return 0
+    return serve(app, args.host, args.port, on_ready=ready, grace_s=args.shutdown_grace,
+                 dead_exit_delay=args.dead_exit_delay)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
