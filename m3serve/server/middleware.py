@@ -21,7 +21,8 @@ def needs_key(path: str, public_metrics: bool) -> bool:
 
 
 def check_content_type(request: web.Request) -> None:
-    if request.method != "POST":
+    """415 for a POST to a route that exists (an unknown one keeps its 404) without a JSON Content-Type."""
+    if request.method != "POST" or request.match_info.http_exception is not None:
         return
     header = request.headers.get("Content-Type")
     mime = (header or "").split(";", 1)[0].strip().lower()
