@@ -205,6 +205,9 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"SamplingParams.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
         own = all(getattr(type(self), m) is getattr(LLMEngine, m) for m in ("step", "_forward_sample", "_sample_rows"))
         if own:
             return

@@ -41,7 +41,7 @@ from m3serve.server.limits import (DEFAULT_BODY_TIMEOUT_S, RequestLimits, check_
                                    check_content_length)
 from m3serve.server.metrics import ServerMetrics
 from m3serve.server.middleware import check_content_type, needs_key, set_server_header
-from m3serve.server.protocol import ModelInfo, parse_chat, parse_completion
+from m3serve.server.protocol import ModelInfo, finish_completion, parse_chat, plan_completion
 from m3serve.server.shutdown import ShutdownSignals
 from m3serve.server.sse import dumps
 
@@ -181,7 +181,10 @@ def _authorize(request: web.Request, key: str) -> None:
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request, check_completion_size)
-    return await respond(request, state.loop, state.info, await state.prepare(parse_completion, body, state.info))
+    plan = await state.prepare(plan_completion, body, state.info)
+    # One pool task per prompt: another request's work gets its turn between two of this one's prompts.
+    encoded = [await state.prepare(state.info.tokenizer.encode, text) for text in plan.texts]
+    return await respond(request, state.loop, state.info, finish_completion(plan, encoded))
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:

@@ -93,10 +93,24 @@ def check_completion_size(body: object, limits: RequestLimits) -> None:
         return
     prompt = body.get("prompt")
     items = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+    total = 0
     for k, p in enumerate(items):
-        if isinstance(p, str) and len(p) > limits.max_prompt_chars:
-            raise _prompt_too_long("prompt", len(p), limits, "the prompt" if isinstance(prompt, str)
-                                   else f"prompt {k}")
+        if isinstance(p, str):
+            if len(p) > limits.max_prompt_chars:
+                raise _prompt_too_long("prompt", len(p), limits, "the prompt" if isinstance(prompt, str)
+                                       else f"prompt {k}")
+            total += len(p)
+    candidates = max(_count(body.get("n")), _count(body.get("best_of")))
+    if total * candidates > limits.max_request_chars:
+        raise APIError(400, f"'prompt': this request's {len(items)} prompts have {total} characters, x {candidates} "
+                            f"candidates (n / best_of) = {total * candidates}; this server accepts at most "
+                            f"{limits.max_request_chars} per request (--max-request-chars) before tokenizing",
+                       param="prompt", code="request_too_large")
+
+
+def _count(v: object) -> int:
+    """n / best_of as far as the budget goes: a valid count, else 1 (the protocol names a bad value)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 1
 
 
 def text_chars(value: object) -> int:

@@ -243,13 +243,17 @@ def _check_prompt_len(ids: list[int], info: ModelInfo, param: str) -> None:
 
 
 def _max_tokens(explicit: int | None, name: str, ids: list[int], info: ModelInfo, default: int | None) -> int:
-    room = info.max_model_len - len(ids)
+    """vLLM's rule: prompt + max_tokens must fit one sequence (the context and the whole KV cache), else 400;
+    unset, it is clamped to what fits. A request admitted here is never cut short for want of room."""
+    fits = min(info.max_model_len, info.capacity_tokens)
+    room = fits - len(ids)
     if explicit is None:
         return room if default is None else min(default, room)
     if explicit > room:
-        raise APIError(400, f"'{name}' = {explicit} plus the prompt's {len(ids)} tokens exceeds this model's "
-                            f"context limit (max_model_len) of {info.max_model_len} tokens; at most {room} can be "
-                            "generated for this prompt", param=name, code="context_length_exceeded")
+        raise APIError(400, f"'{name}' = {explicit} plus the prompt's {len(ids)} tokens exceeds the {fits} tokens "
+                            f"one sequence can hold (this model's context limit, max_model_len, is "
+                            f"{info.max_model_len} tokens and the KV cache holds {info.capacity_tokens}); at most "
+                            f"{room} can be generated for this prompt", param=name, code="context_length_exceeded")
     return explicit
 
 
@@ -347,7 +351,8 @@ def _object(body: object) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- /v1/completions
-def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], list[str | None]]:
+def _completion_items(v: object, info: ModelInfo) -> list[str | list[int]]:
+    """The prompts of a /v1/completions body, each a text (to tokenize) or checked token ids."""
     want = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(v, str):
         items: list = [v]
@@ -359,14 +364,11 @@ def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], li
         raise bad_field("prompt", v, want)
     if len(items) > info.max_choices:
         raise APIError(400, f"'prompt': {len(items)} prompts; at most {info.max_choices} per request", param="prompt")
-    ids_out, texts = [], []
     for p in items:
         if isinstance(p, str):
             if info.tokenizer is None:
                 raise APIError(400, "'prompt': this model has no tokenizer, so prompts must be token ids",
                                param="prompt")
-            ids_out.append(list(info.tokenizer.encode(p)))
-            texts.append(p)
         else:
             if not p:
                 raise bad_field("prompt", p, "a non-empty list of token ids")
@@ -374,20 +376,32 @@ def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], li
             if bad is not None:
                 raise APIError(400, f"'prompt': expected token ids in [0, {info.vocab_size}), found "
                                     f"{short_repr(p[bad])} at position {bad}", param="prompt")
-            ids_out.append(list(p))
-            texts.append(None)
-    for ids in ids_out:
-        _check_prompt_len(ids, info, "prompt")
-    return ids_out, texts
+    return items
 
 
-def parse_completion(body: object, info: ModelInfo) -> GenRequest:
+@dataclass
+class CompletionPlan:
+    """A /v1/completions body validated in everything but its prompts' token counts: `texts` still need
+    tokenizing (finish_completion takes their ids). Splitting the two lets the server tokenize prompt by prompt
+    as separate pool tasks, so one request with many prompts cannot hold the tokenizer threads."""
+    info: ModelInfo
+    items: list                     # per prompt: its text (to tokenize) or its token ids
+    fields: dict                    # GenRequest fields
+    sampling: dict                  # SamplingParams keyword arguments shared by every prompt
+    max_tokens: int | None
+
+    @property
+    def texts(self) -> list[str]:
+        return [p for p in self.items if isinstance(p, str)]
+
+
+def plan_completion(body: object, info: ModelInfo) -> CompletionPlan:
     body = _object(body)
     _check_model(body, info)
     _screen_fields(body, COMPLETION_FIELDS, _COMPLETION_UNAVAILABLE, "/v1/completions")
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
-    prompts, texts = _completion_prompts(body["prompt"], info)
+    items = _completion_items(body["prompt"], info)
     common = _common(body, info)
     _unsupported(body, "suffix", "")
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS, None)
@@ -397,14 +411,36 @@ def parse_completion(body: object, info: ModelInfo) -> GenRequest:
                        param="echo")
     max_tokens = _int(body, "max_tokens", 1, info.max_model_len, None)
     stream, include_usage = _stream(body)
-    n, best_of = _n(body, info, len(prompts), stream)
+    n, best_of = _n(body, info, len(items), stream)       # prompts x candidates judged before tokenizing
     prompt_logprobs = _prompt_logprobs(body, stream)
-    params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, n=n,
-                      best_of=best_of, prompt_logprobs=prompt_logprobs, **common)
+    fields = dict(n=n, stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
+                  prompt_logprobs=prompt_logprobs, return_token_ids=_bool(body, "return_token_ids", False),
+                  stop=common["stop"])
+    sampling = dict(logprobs=logprobs, n=n, best_of=best_of, prompt_logprobs=prompt_logprobs, **common)
+    return CompletionPlan(info, items, fields, sampling, max_tokens)
+
+
+def finish_completion(plan: CompletionPlan, encoded: list[list[int]]) -> GenRequest:
+    """`encoded`: the token ids of plan.texts, in order."""
+    ids_of_texts = iter(encoded)
+    prompts, texts = [], []
+    for p in plan.items:
+        if isinstance(p, str):
+            prompts.append(list(next(ids_of_texts)))
+            texts.append(p)
+        else:
+            prompts.append(list(p))
+            texts.append(None)
+    for ids in prompts:
+        _check_prompt_len(ids, plan.info, "prompt")
+    params = [_params(max_tokens=_max_tokens(plan.max_tokens, "max_tokens", ids, plan.info, 16), **plan.sampling)
               for ids in prompts]
-    return GenRequest("completion", prompts, texts, params, n=n, stream=stream, include_usage=include_usage,
-                      echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])
+    return GenRequest("completion", prompts, texts, params, **plan.fields)
+
+
+def parse_completion(body: object, info: ModelInfo) -> GenRequest:
+    plan = plan_completion(body, info)
+    return finish_completion(plan, [info.tokenizer.encode(t) for t in plan.texts])
 
 
 # ---------------------------------------------------------------------------------------- /v1/chat/completions
@@ -461,6 +497,10 @@ def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo) -> t
         return chat_encoder(tok).encode(messages, tools)
     except ChatTemplateError as e:
         raise APIError(400, f"'messages': the chat template rejected them: {short_repr(str(e), 200)}",
+                       param="messages") from None
+    except Exception as e:    # the encoder only ever sees these messages: whatever it raises on them is a 400
+        log.info("chat encoding failed: %s: %s", type(e).__name__, one_line(str(e)))
+        raise APIError(400, f"'messages': could not be encoded ({type(e).__name__}: {short_repr(str(e), 200)})",
                        param="messages") from None
 
 
