@@ -310,7 +310,7 @@ async def start_site(app: web.Application, host: str, port: int,
     # auto_decompress off: body.py undoes Content-Encoding itself, bounded and off the event loop.
     runner = JSONErrorAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
                                 lingering_time=LINGER_S, auto_decompress=False, keepalive_timeout=state.keep_alive_s,
-                                header_timeout=state.header_timeout_s)
+                                header_timeout=state.header_timeout_s, max_chunk_bytes=state.limits.max_body_bytes)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -25,6 +25,7 @@ import zlib
 from aiohttp import web
 
 from m3serve.server.errors import APIError, one_line, short_repr
+from m3serve.server.http_errors import ChunkTooLarge
 from m3serve.server.limits import RequestLimits, body_too_large
 
 SCAN_PIECE = 1 << 16             # bytes of non-string text, or one string, per step of the shape scan
@@ -53,6 +54,8 @@ async def read_wire(request: web.Request, limits: RequestLimits) -> bytes:
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s "
                             "(--body-timeout)", code="request_timeout", headers={"Connection": "close"}) from None
+    except ChunkTooLarge as e:
+        raise body_too_large(limits, e.declared, "a chunk of") from None
     except web.RequestPayloadError as e:     # bad chunking, a connection cut mid-body
         raise APIError(400, f"the request body could not be read: {one_line(str(e))}") from None
     return bytes(buf)

@@ -13,6 +13,10 @@ no request in progress, its head must be complete within header_timeout seconds,
 and the connection closes (aiohttp's keep-alive timer closes idle connections; body.py times the body). A
 connection that has started a request is no longer idle, so the keep-alive close is pushed past the header
 deadline.
+
+Chunked bodies: given max_chunk_bytes, the connection parses with aiohttp's Python parser (the C one keeps a
+chunk's declared size to itself), and a chunk declared larger than the body limit fails the request's payload
+with ChunkTooLarge the moment its size line is parsed, before any of it is read (body.py answers 413).
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from aiohttp.helpers import DEFAULT_CHUNK_SIZE
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_parser import HttpRequestParserPy
+from aiohttp.web_protocol import MAX_MSG_QUEUE_SIZE
 
 from m3serve.server.errors import APIError, one_line
 from m3serve.server.middleware import SERVER_NAME
@@ -29,23 +36,46 @@ from m3serve.server.sse import dumps
 log = logging.getLogger("m3serve.server")
 
 
-class JSONErrorHandler(web.RequestHandler):
-    __slots__ = ("_header_timeout", "_header_timer")
+class ChunkTooLarge(web.RequestPayloadError):
+    """A chunk of a chunked body declared more bytes than a whole body may have."""
 
-    def __init__(self, *args, header_timeout: float | None = None, **kwargs):
+    def __init__(self, declared: int, limit: int):
+        super().__init__(f"a chunk declares {declared} bytes; bodies may have at most {limit}")
+        self.declared, self.limit = declared, limit
+
+
+class JSONErrorHandler(web.RequestHandler):
+    __slots__ = ("_header_timeout", "_header_timer", "_max_chunk_bytes")
+
+    def __init__(self, *args, header_timeout: float | None = None, max_chunk_bytes: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._header_timeout = header_timeout
         self._header_timer = None
+        self._max_chunk_bytes = max_chunk_bytes
+        if max_chunk_bytes is not None:
+            self._parser = HttpRequestParserPy(
+                self, self._loop, kwargs.get("read_bufsize", DEFAULT_CHUNK_SIZE),
+                max_line_size=kwargs.get("max_line_size", 8190), max_field_size=kwargs.get("max_field_size", 8190),
+                max_headers=kwargs.get("max_headers", 128), payload_exception=web.RequestPayloadError,
+                auto_decompress=kwargs.get("auto_decompress", True), max_msg_queue_size=MAX_MSG_QUEUE_SIZE)
 
     def data_received(self, data: bytes) -> None:
         heads = self._request_count            # requests whose head the parser completed on this connection
         super().data_received(data)
+        if self._max_chunk_bytes is not None:
+            self._check_chunk()
         if self._request_count != heads:
             self._cancel_header_timer()
         elif data and self._header_timeout and self._header_timer is None and self._current_request is None \
                 and not self._messages and not self._force_close:
             self._header_timer = self._loop.call_later(self._header_timeout, self._head_overdue, heads)
             self._next_keepalive_close_time = self._loop.time() + self._header_timeout + 1.0
+
+    def _check_chunk(self) -> None:
+        body = getattr(self._parser, "_payload_parser", None)       # the Python parser's state of this body
+        declared = getattr(body, "_chunk_size", 0)
+        if declared > self._max_chunk_bytes and body.payload.exception() is None:
+            body.payload.set_exception(ChunkTooLarge(declared, self._max_chunk_bytes))
 
     def _cancel_header_timer(self) -> None:
         if self._header_timer is not None:

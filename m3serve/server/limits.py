@@ -67,8 +67,8 @@ class RequestLimits:
                    body_timeout_s=body_timeout_s)
 
 
-def body_too_large(limits: RequestLimits, found: int | None = None) -> APIError:
-    said = f" (Content-Length: {found})" if found is not None else ""
+def body_too_large(limits: RequestLimits, found: int | None = None, what: str = "Content-Length:") -> APIError:
+    said = f" ({what} {found})" if found is not None else ""
     return APIError(413, f"the request body is larger than this server accepts{said}: at most "
                          f"{limits.max_body_bytes} bytes (--max-body-bytes)", code="request_too_large",
                     headers={"Connection": "close"})

@@ -200,3 +200,18 @@ def test_keep_alive_connection_survives_between_quick_requests(server):
             time.sleep(TIMEOUT_S / 3)
     finally:
         s.close()
+
+
+def test_a_chunk_declared_over_the_limit_is_refused_before_it_is_read(server):
+    t0 = time.monotonic()
+    status, headers, body, _ = exchange(server.url, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                                        b"application/json\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffff\r\n{",
+                                        timeout=30)
+    err = openai_error(body)
+    assert status == 413 and "a chunk of 2814749767106" in err["message"] and "--max-body-bytes" in err["message"], err
+    assert time.monotonic() - t0 < 5
+    ok = json.dumps({"model": MODEL_NAME, "prompt": [5], "max_tokens": 1}).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(ok[i:i + 7]), ok[i:i + 7]) for i in range(0, len(ok), 7)) + b"0\r\n\r\n"
+    status, _, body, _ = exchange(server.url, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                                  b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+    assert status == 200, body
