@@ -28,12 +28,13 @@ from m3serve.server.errors import APIError, one_line, short_repr
 from m3serve.server.http_errors import ChunkTooLarge
 from m3serve.server.limits import RequestLimits, body_too_large
 
-SCAN_PIECE = 1 << 16             # bytes of non-string text, or one string, per step of the shape scan
+SCAN_PIECE = 1 << 16             # bytes of non-string text, or of a string's plain text, per step of the scan
 INFLATE_STEP = 1 << 20           # bytes produced per zlib call
 
-# A JSON string (escapes included) or a run of bytes outside strings; UTF-8 continuation bytes never equal an
-# ASCII quote or backslash, so working on the raw bytes is exact.
-_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]{1,%d}|"' % SCAN_PIECE, re.S)
+# Runs of bytes outside strings and inside them (up to an escape or the closing quote); UTF-8 continuation
+# bytes never equal an ASCII quote or backslash, so working on the raw bytes is exact.
+_OUTSIDE = re.compile(rb'[^"]{1,%d}' % SCAN_PIECE)
+_INSIDE = re.compile(rb'[^"\\]{0,%d}(?:\\.[^"\\]{0,4096}){0,256}' % SCAN_PIECE, re.S)   # <= ~1 MB a step
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _CODINGS = ("identity", "gzip", "x-gzip", "deflate")
@@ -110,29 +111,46 @@ def inflate(raw: bytes, coding: str, limits: RequestLimits) -> bytes:
 def check_shape(raw: bytes, limits: RequestLimits) -> None:
     """Refuse (400) a JSON text deeper than max_json_depth or with more than max_json_keys object keys or
     max_json_values values, without parsing it. Only structure outside strings is counted; malformed JSON
-    is left for json.loads to name."""
-    depth = keys = values = 0
-    deepest = 0
-    for m in _TOKEN.finditer(raw):
-        piece = m.group()
-        if piece[:1] == b'"':
+    is left for json.loads to name. Every step handles at most SCAN_PIECE bytes, so the GIL is free between
+    steps however long one string is."""
+    depth = keys = values = deepest = 0
+    pos, end = 0, len(raw)
+    while pos < end:
+        m = _OUTSIDE.match(raw, pos)
+        if m is not None:                       # structure: count it
+            piece = m.group()
+            pos = m.end()
+            keys += piece.count(b":")
+            values += piece.count(b",")
+            brackets = piece.translate(None, _NOT_BRACKETS)
+            if brackets:
+                run = list(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets), initial=depth))
+                deepest = max(deepest, max(run))
+                depth = run[-1]
+            _over(deepest, keys, values, limits)
             continue
-        keys += piece.count(b":")
-        values += piece.count(b",")
-        brackets = piece.translate(None, _NOT_BRACKETS)
-        if brackets:
-            run = list(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets), initial=depth))
-            deepest = max(deepest, max(run))
-            depth = run[-1]
-        if deepest > limits.max_json_depth:
-            raise APIError(400, f"the request body is nested more than {limits.max_json_depth} levels deep",
-                           code="body_too_complex")
-        if keys > limits.max_json_keys:
-            raise APIError(400, f"the request body has more than {limits.max_json_keys} object keys",
-                           code="body_too_complex")
-        if values > limits.max_json_values:
-            raise APIError(400, f"the request body has more than {limits.max_json_values} values (token ids, "
-                                "list items, fields); no request needs that many", code="body_too_complex")
+        pos += 1                                # an opening quote: skip the string's contents
+        while pos < end:
+            stop = _INSIDE.match(raw, pos).end()     # text and escapes (it may match nothing)
+            if stop > pos:
+                pos = stop
+            elif raw[pos] == 0x5C:              # a backslash as the last byte: nothing left to escape
+                pos += 2
+            else:                               # the closing quote
+                pos += 1
+                break
+
+
+def _over(deepest: int, keys: int, values: int, limits: RequestLimits) -> None:
+    if deepest > limits.max_json_depth:
+        raise APIError(400, f"the request body is nested more than {limits.max_json_depth} levels deep",
+                       code="body_too_complex")
+    if keys > limits.max_json_keys:
+        raise APIError(400, f"the request body has more than {limits.max_json_keys} object keys",
+                       code="body_too_complex")
+    if values > limits.max_json_values:
+        raise APIError(400, f"the request body has more than {limits.max_json_values} values (token ids, "
+                            "list items, fields); no request needs that many", code="body_too_complex")
 
 
 def _reject_constant(name: str):
