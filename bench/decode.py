@@ -154,7 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="m3-tiny-verse,minimax-m3:5",
                     help="comma list: m3-tiny-verse (the embedded model) or presets (random weights)")
-    ap.add_argument("--quantization", default="nvfp4", choices=["none", "mxfp8", "nvfp4"],
+    ap.add_argument("--quantization", default="nvfp4", choices=["none", "fp8", "mxfp8", "nvfp4"],
                     help="for presets (the embedded model is BF16)")
     ap.add_argument("--kv-cache-dtype", default="nvfp4", help="for presets (the embedded model keeps BF16 KV)")
     ap.add_argument("--batch", default="1,8")

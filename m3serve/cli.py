@@ -16,7 +16,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-weights", action="store_true", help="deterministic random weights for a preset")
-    p.add_argument("--quantization", choices=["mxfp8", "nvfp4"], default=None,
+    p.add_argument("--quantization", choices=["fp8", "mxfp8", "nvfp4"], default=None,
                    help="storage format of random weights (the published split)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"])
     p.add_argument("--max-model-len", type=int, default=None)
@@ -39,6 +39,7 @@ def build_llm(args, **extra):
 
 def cmd_generate(args) -> int:
     from m3serve.engine.sampling_params import SamplingParams
+    from m3serve.server.detok import TextStream
     t0 = time.perf_counter()
     llm = build_llm(args)
     load_s = time.perf_counter() - t0
@@ -61,16 +62,17 @@ def cmd_generate(args) -> int:
     req = eng.add_request(ids, params, prompt)
     if prompt is not None and not args.chat:
         sys.stdout.write(prompt)
-    shown = ""
+    stream = TextStream(tok, params.stop, params)      # each step decodes its new tokens only (DecodeStream)
+    seen = 0
     t1 = time.perf_counter()
     while not req.is_finished:
         eng.step()
         if tok is not None:
-            text = eng.detokenize(req) if req.is_finished else tok.decode(req.output_token_ids,
-                                                                           skip_special_tokens=True)
-            if text.startswith(shown):
-                sys.stdout.write(text[len(shown):])
-                shown = text
+            new, seen = req.output_token_ids[seen:], len(req.output_token_ids)
+            if req.is_finished:
+                sys.stdout.write(stream.finish(None, new, req.finish_reason, req.stop_reason))
+            else:
+                sys.stdout.write(stream.push(new))
         elif req.output_token_ids:
             sys.stdout.write(f" {req.output_token_ids[-1]}")
         sys.stdout.flush()

@@ -1,5 +1,6 @@
 """Offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`, `LLM.chat(messages, ...)`,
-`LLM.get_tokenizer()`."""
+`LLM.get_tokenizer()`. vLLM's constructor arguments that do not apply here are accepted with one warning
+(m3serve.vllm_args); `LLM.encode` is vLLM's pooling API, which a generation-only engine refuses."""
 
 from __future__ import annotations
 
@@ -13,10 +14,22 @@ from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.model.loader import load_model
 from m3serve.tokenizer import load_tokenizer
+from m3serve.vllm_args import split_kwargs
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "m3-tiny-verse")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# keyword arguments only a tensor-parallel launch reads (LLM._start_tp)
+_TP_ONLY = ("keep_quantized", "tp_timeout_s", "tp_load_timeout_s", "tp_grace_s")
+
+
+def embedded_drafter() -> str:
+    """The embedded model's Eagle3 drafter directory, absolute (a speculative_config "model" that works from any
+    working directory): LLM(speculative_config={"method": "eagle3", "model": embedded_drafter(), ...})."""
+    path = os.path.join(DEFAULT_MODEL_DIR, "eagle3")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"the embedded Eagle3 drafter is not in this installation ({path})")
+    return path
 
 
 def default_model() -> str:
@@ -30,7 +43,7 @@ def parse_dtype(dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)} or 'auto'")
+        raise ValueError(f"LLM: dtype {dtype!r}: expected one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
 
 
@@ -39,7 +52,8 @@ class LLM:
                  random_weights: bool | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, cpu_threads: int | None = None,
                  speculative_config: dict | None = None, route: str | None = None, enforce_eager: bool = False,
-                 kv_scales: str | None = "auto", kv_fp8_layers: tuple[int, ...] | str = "auto", **engine_kwargs):
+                 kv_scales: str | None = "auto", kv_fp8_layers: tuple[int, ...] | str = "auto",
+                 tokenizer: str | None = None, **engine_kwargs):
         """route: "off" (stock path), "auto" (certified Triton entries where a module's rows and shape lie in a
         cell, stock elsewhere) or "require" (raise outside the cells). Default: auto on CUDA, off on CPU. The
         mode belongs to this LLM's model (two LLMs in one process route independently); tensor-parallel
@@ -50,8 +64,13 @@ class LLM:
         else the checkpoint's k_scale/v_scale, else the uncalibrated default; a kv_scales.json path; or None.
         kv_fp8_layers: sparse layers the hybrid cache (kv_cache_dtype="nvfp4") stores in FP8 instead of NVFP4:
         "auto" = the `fp8_layers` of the kv_scales.json that kv_scales selects (none without one, and none for
-        other KV dtypes), or an explicit tuple of sparse layer ids."""
+        other KV dtypes), or an explicit tuple of sparse layer ids.
+        tokenizer: a directory holding the tokenizer (vLLM's argument), when it is not the model's.
+        Other keyword arguments: EngineConfig's (max_model_len, max_num_seqs, kv_cache_dtype, ...); vLLM's that do
+        not apply here are accepted with one warning naming them (m3serve.vllm_args.IGNORED)."""
+        engine_kwargs = split_kwargs(engine_kwargs, EngineConfig, _TP_ONLY, tensor_parallel_size != 1)
         model = model or default_model()
+        self._tokenizer_dir = tokenizer
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and (cpu_threads is not None or "OMP_NUM_THREADS" not in os.environ):
             # Decode on CPU is a stream of tiny ops; on small shared machines OpenMP's thread hand-off costs
@@ -81,7 +100,7 @@ class LLM:
             from m3serve.targets import routing
             routing.install(self.model, self.route)
             routing.warmup(self.model)
-        self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
+        self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
             model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))
         if speculative_config is None:
@@ -94,6 +113,15 @@ class LLM:
                                             speculative_config=speculative_config)
             self._apply_kv_scales(model, kv_scales)
             self._enable_target(enforce_eager)   # decode steps as SpecSteps graphs (spec_graphs.py)
+
+    def _load_tokenizer(self, model: str):
+        path = self._tokenizer_dir
+        if path is None:
+            return load_tokenizer(model if os.path.isdir(model) else None)
+        tok = load_tokenizer(path)
+        if tok is None:
+            raise ValueError(f"LLM: tokenizer={path!r} is not a directory holding a tokenizer (tokenizer.json, ...)")
+        return tok
 
     def _resolve_kv_fp8_layers(self, model: str, kv_scales: str | None, kv_fp8_layers, kv_cache_dtype: str
                                ) -> tuple[int, ...]:
@@ -128,6 +156,9 @@ class LLM:
                                  f"{self.dtype} on {self.device}")
             return
         self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
+        # compile every prefill / mixed-step variant now, not in front of the first request (engine/warmup.py)
+        from m3serve.engine.warmup import warm_up
+        self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
                   speculative_config: dict | None = None) -> None:
@@ -160,7 +191,7 @@ class LLM:
         spec = TPLaunchSpec(model=os.path.abspath(model) if os.path.isdir(model) else model, world_size=size,
                             device=str(self.device), dtype=self.dtype, seed=seed, random_weights=random_weights,
                             quantization=quantization, speculative_config=spec_dict, **tp_kw)
-        self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
+        self.tokenizer = self._load_tokenizer(model)
         self.tp_context, self.model, self.engine = start_tp(spec, kw, self.tokenizer)
         self.device = self.model.device
         self._finalizer = weakref.finalize(self, self.tp_context.shutdown)
@@ -176,7 +207,13 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def encode(self, prompt) -> tuple[list[int], str | None]:
+    def encode(self, *args, **kwargs):
+        """vLLM's LLM.encode runs a pooling model (embeddings); m3serve only generates."""
+        raise NotImplementedError("LLM.encode is vLLM's pooling API (embeddings), which m3serve does not offer; "
+                                  "use generate() / chat(), or get_tokenizer().encode(text) for token ids")
+
+    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
+        """A generate() prompt (text or {"prompt_token_ids": [...]}) -> (token ids, its text if known)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError(f"prompt dict: expected key 'prompt_token_ids', found {sorted(prompt)}")
@@ -202,7 +239,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        encoded = [self.encode(p) for p in prompts]          # validate everything before queueing anything
+        encoded = [self._prompt_ids(p) for p in prompts]          # validate everything before queueing anything
         reqs = []
         try:
             for (ids, text), p in zip(encoded, params):

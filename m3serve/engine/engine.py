@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3serve.engine import groups, prompt_logprobs, stopping
+from m3serve.engine import groups, prompt_logprobs, stopping, token_filters
 from m3serve.engine.detokenize import output_text
 from m3serve.engine.penalties import PenaltyState
 from m3serve.engine.request import Request, RequestGroup, Status
@@ -116,7 +116,7 @@ class LLMEngine:
         if graphs:
             from m3serve.runtime.decode_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties)
-            self.graphs.capture()
+            self.graphs.capture(mode)
         return True
 
     @staticmethod
@@ -163,6 +163,7 @@ class LLMEngine:
         params.validate()
         if not prompt_token_ids:
             raise ValueError("prompt: empty (at least one token is needed)")
+        prompt_token_ids = self._truncated(prompt_token_ids, params)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -179,8 +180,10 @@ class LLMEngine:
         if limit is not None and len(candidates) > 1 and len(self.scheduler.waiting) + len(candidates) > limit:
             raise OverflowError(f"the waiting queue is full ({limit} requests; this one has {len(candidates)} "
                                 "candidates)")
+        bad_words = token_filters.bad_word_sequences(params.bad_words, self.tokenizer)
         reqs = [Request(next(self._ids), list(prompt_token_ids), p, prompt=prompt) for p in candidates]
         for req in reqs:
+            req.bad_word_ids = bad_words
             req.sample_key = sampling_key(req.params, self.config.seed * 1_000_003 + req.request_id)
             prompt_logprobs.start(req)
         leader = reqs[0]
@@ -199,6 +202,15 @@ class LLMEngine:
             self._prompt_lp_pending[leader.request_id] = leader
         return leader
 
+    def _truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last k tokens (-1: as many as leave room for one new token)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        if k == -1:
+            k = self.max_model_len - 1
+        return list(prompt_token_ids[-k:])
+
     def _check_sampling_support(self, params: SamplingParams) -> None:
         """What depends on the model or on this engine's sampling step (ValueError naming the field)."""
         vocab = self.model.cfg.vocab_size
@@ -208,16 +220,21 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.allowed_token_ids or []) if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.allowed_token_ids: token id {bad[0]} outside the vocabulary "
+                             f"[0, {vocab})")
         own = all(getattr(type(self), m) is getattr(LLMEngine, m) for m in ("step", "_forward_sample", "_sample_rows"))
         if own:
             return
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None)):
+                              ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None), ("min_p", 0.0),
+                              ("allowed_token_ids", None), ("bad_words", None)):
             value = getattr(params, name)
-            if value != neutral and not (name == "logit_bias" and not value):
+            if value != neutral and not (name in ("logit_bias", "bad_words") and not value):
                 raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {type(self).__name__} "
-                                 "(penalties, logit_bias, min_tokens and prompt_logprobs are applied by "
-                                 "LLMEngine's own sampling step)")
+                                 "(penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words and "
+                                 "prompt_logprobs are applied by LLMEngine's own sampling step)")
 
     def abort(self, request_id: int) -> None:
         """Abort a request; a group leader's id aborts all its candidates."""
@@ -303,7 +320,7 @@ class LLMEngine:
         the graphs' sampling variant), no logprobs or logits processing that need the host between steps."""
         g = self.graphs
         return (req.params.logprobs is None and (req.params.greedy or g.sampling)
-                and (not req.logits_processing or g.penalties is not None))
+                and (not req.logits_processing or g.penalties is not None) and not req.has_dynamic_bans)
 
     def _graph_choice(self, reqs: list[Request]) -> tuple[list | None, list[int] | None]:
         """(sampling, penalty_rows) for DecodeGraphs.run: the rows' sampling parameters (None when every row is
@@ -311,6 +328,8 @@ class LLMEngine:
         rows = self.penalties.row_ids_for(reqs)
         if rows is None and all(r.params.greedy for r in reqs):
             return None, None
+        if rows is not None:
+            self.penalties.refresh()
         return [r.graph_sampling or self._graph_sampling_row(r) for r in reqs], rows
 
     @staticmethod
@@ -397,6 +416,8 @@ class LLMEngine:
         """logits [R, V] -> one token per row; penalties, logit_bias and min_tokens change the scores the token
         is chosen from (on the device, only when a request in the batch asks for them), logprobs stay raw."""
         rows = self.penalties.rows_for(reqs)
+        if rows is not None:
+            self.penalties.refresh()
         scores = logits if rows is None else self.penalties.apply(logits, rows)
         tokens = sample(scores, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
         if rows is not None:

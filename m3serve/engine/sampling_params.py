@@ -4,6 +4,8 @@ Penalties follow vLLM: repetition_penalty r over the prompt and the output (a se
 when l > 0, else l * r), frequency_penalty f and presence_penalty p over the output only
 (l -= f * count + p * [count > 0]). logit_bias adds to the logits first; min_tokens forbids EOS and stop ids until
 that many tokens are out, and no stop string ends the output before it. Range checks name the field.
+vLLM's token filters (min_p, allowed_token_ids, bad_words: m3serve.engine.token_filters) are logits processing
+too; truncate_prompt_tokens keeps the prompt's last k tokens (-1: as many as the context allows).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0                            # drop tokens below min_p x the top probability (after temperature)
+    allowed_token_ids: list[int] | None = None    # only these may be sampled
+    bad_words: list[str] | None = None            # words the output may never complete
+    truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens; -1: the context's limit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +64,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             self.logit_bias = dict(self.logit_bias)
+        if isinstance(self.allowed_token_ids, (tuple, set, range)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
 
     def validate(self) -> None:
@@ -116,6 +126,22 @@ class SamplingParams:
                 if not _is_num(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                     bad("logit_bias", self.logit_bias,
                         f"expected biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], found {b!r} for token {tok}")
+        self._validate_token_filters(bad)
+
+    def _validate_token_filters(self, bad) -> None:
+        """min_p, allowed_token_ids, bad_words, truncate_prompt_tokens (vLLM's ranges)."""
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", self.min_p, "expected a number in [0, 1] (0 disables it)")
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids)):
+            bad("allowed_token_ids", ids, "expected a non-empty list of non-negative token ids or None")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, list) or not all(isinstance(w, str) and w.strip()
+                                                                         for w in words)):
+            bad("bad_words", words, "expected a list of non-blank strings or None")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", k, "expected an integer >= 1, -1 (the context's limit) or None")
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +154,12 @@ class SamplingParams:
 
     @property
     def needs_logits_processing(self) -> bool:
-        """Whether the sampler must change this request's logits before sampling (penalties, bias, min_tokens)."""
+        """Whether the sampler must change this request's logits before sampling (penalties, bias, min_tokens,
+        the token filters)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.uses_token_filters)
+
+    @property
+    def uses_token_filters(self) -> bool:
+        """min_p, allowed_token_ids or bad_words (m3serve.engine.token_filters)."""
+        return (self.min_p > 0.0 and not self.greedy) or self.allowed_token_ids is not None or bool(self.bad_words)

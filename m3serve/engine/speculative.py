@@ -132,6 +132,13 @@ class SpeculativeEngine(LLMEngine):
         width = self._certified_table_width()
         if width != self.tables.max_blocks:
             self._make_tables(width)
+        # buckets past the bookkeeping launches' certified sequences are dropped (their batches take the eager
+        # speculative step); require raises for them below
+        certified = tuple(b for b in buckets if all(p.entry is not None for p in spec_step_placements((b,), k)))
+        if mode != "require" and certified and certified != buckets:
+            log.warning("speculative graphs: buckets %s dropped (spec.* launches certified up to %d sequences)",
+                        [b for b in buckets if b not in certified], certified[-1])
+            buckets = certified
         missing = (uncertified_attention(m, self.kv, width, buckets, query_len=k + 1)
                    + uncertified_draft_attention(self.drafter, self.kv, buckets, k)
                    + [p for p in spec_step_placements(buckets, k) if p.entry is None])
@@ -141,7 +148,7 @@ class SpeculativeEngine(LLMEngine):
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
         self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs,
                                     sampling=sampling)
-        self.spec_steps.capture()
+        self.spec_steps.capture(mode)
         return True
 
     def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:

@@ -366,11 +366,12 @@ def commit_make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Gen
     return Case(args=args, kwargs={}, bytes_moved=0)
 
 
-# rows = S sequences; shape = (K,). The graphs take S (K + 1) <= 48 verify rows (spec_graphs.MAX_ROWS); these
-# launches are certified for up to 48 sequences at every K so the table covers one row range for all shapes.
+# rows = S sequences; shape = (K,). One program per sequence, so the row count only sizes the grid; certified for
+# 1-256 sequences (the largest default graph bucket) at every K so the table covers one row range for all shapes.
 STEP = {"vocab": 200064, "page": 128}
-CELLS = tuple(Cell(rows=(1, 48), shape=(k,), config=STEP, why=f"speculative step, K = {k} drafts, 1-48 sequences")
-              for k in range(1, 9))
+MAX_SEQS = 256
+CELLS = tuple(Cell(rows=(1, MAX_SEQS), shape=(k,), config=STEP,
+                   why=f"speculative step, K = {k} drafts, 1-{MAX_SEQS} sequences") for k in range(1, 9))
 INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(3,), config={"vocab": 50, "page": 4}, why="interpreter: K = 3, tiny pages"),
     Cell(rows=(2, 2), shape=(1,), config={"vocab": 50, "page": 4}, why="interpreter: K = 1 (no later passes)"),

@@ -4,6 +4,7 @@
 under `language_model.`) or the transformers text layout, optionally quantized with the published split:
   nvfp4: routed and shared experts NVFP4 (ModelOpt names), attention and dense-MLP projections MXFP8
   mxfp8: every projection and expert MXFP8
+  fp8:   every projection and expert FP8 E4M3 with one fp32 scale per tensor (per expert)
   router, correction bias, indexer, norms, embedding and head stay unquantized.
 `random_tensors` yields the same names for deterministic random weights, generated directly in the storage
 format on the target device (how real-size benchmarks get a model), one layer at a time.
@@ -21,11 +22,11 @@ from safetensors.torch import save_file
 
 from m3serve.config import M3Config
 from m3serve.quant import check_finite
-from m3serve.quant.fp8 import cast_to_fp8
+from m3serve.quant.fp8 import cast_to_fp8, quantize_fp8
 from m3serve.quant.mxfp8 import quantize_mxfp8
 from m3serve.quant.nvfp4 import E2M1_VALUES, nvfp4_global_scale, quantize_nvfp4
 
-QUANTIZATIONS = (None, "mxfp8", "nvfp4")
+QUANTIZATIONS = (None, "fp8", "mxfp8", "nvfp4")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -33,8 +34,8 @@ def _linear_format(quantization: str | None, role: str) -> str:
     """role: "proj" (attention q/k/v/o, dense MLP), "expert" (routed / shared), "plain" (never quantized)."""
     if quantization is None or role == "plain":
         return "dense"
-    if quantization == "mxfp8":
-        return "mxfp8"
+    if quantization in ("fp8", "mxfp8"):
+        return quantization
     if quantization == "nvfp4":
         return "nvfp4" if role == "expert" else "mxfp8"
     raise ValueError(f"quantization {quantization!r}: expected one of {QUANTIZATIONS}")
@@ -45,6 +46,9 @@ def quantize_tensors(name: str, w: torch.Tensor, fmt: str, dtype: torch.dtype) -
     if fmt == "dense":
         return {f"{name}.weight": w.to(dtype).contiguous()}
     check_finite(f"{name}.weight", w)
+    if fmt == "fp8":                       # per-tensor E4M3 (one fp32 scale per linear, per expert)
+        q, s = quantize_fp8(w.float())
+        return {f"{name}.weight": q, f"{name}.weight_scale": s.reshape(()).float()}
     if fmt == "mxfp8":
         q, s = quantize_mxfp8(w.float())
         return {f"{name}.weight": q, f"{name}.weight_scale_inv": s}
@@ -150,6 +154,8 @@ def quantization_config(quantization: str) -> dict:
     ignored = ["lm_head", "model.embed_tokens", "*.gate", "*.index_q_proj", "*.index_k_proj"]
     if quantization == "mxfp8":
         return {"quant_method": "mxfp8", "weight_block_size": [1, 32], "ignored_layers": ignored}
+    if quantization == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignored}
     return {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
             "moe_quant_algo": "NVFP4", "group_size": 16, "projection_quant_algo": "MXFP8",
             "ignored_layers": ignored}
@@ -205,6 +211,12 @@ class _RandomStream:
             exponent = round(torch.log2(torch.tensor(std / 16.0)).item())
             s = torch.full((n, -(-k // 32)), 127 + exponent, dtype=torch.uint8, device=self.device)
             return {f"{name}.weight": q, f"{name}.weight_scale_inv": s}
+        if fmt == "fp8":
+            # E4M3 elements of RMS 16 under one per-tensor fp32 scale std / 16.
+            return {f"{name}.weight": cast_to_fp8(self.normal(name, shape, 16.0)),
+                    f"{name}.weight_scale": torch.tensor(std / 16.0, dtype=torch.float32, device=self.device)}
+        if fmt != "nvfp4":
+            raise ValueError(f"{name}: unknown weight format {fmt!r}")
         # nvfp4: uniformly random codes (two per byte), unit block scales, a global scale giving RMS ~ std.
         packed = torch.randint(0, 256, (n, k // 2), generator=self.gen(name), device=self.device,
                                dtype=torch.uint8)

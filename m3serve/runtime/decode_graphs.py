@@ -34,11 +34,15 @@ import numpy as np
 import torch
 
 from m3serve.model.m3 import ForwardBatch
+from m3serve.runtime import capture_check
 from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
 
 log = logging.getLogger("m3serve")
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48)
+# Buckets of sequences per decode step; a configuration uses those up to max_num_seqs (buckets_up_to), so the
+# default max_num_seqs = 64 ends at 64 and a larger one extends through 96, 128, ... (and max_num_seqs itself past
+# the last). Each bucket costs its graph's retained outputs (logits [S, V] fp32 per variant) in the shared pool.
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
@@ -50,12 +54,11 @@ def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
 
 
 def buckets_up_to(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
-    """The default buckets that a batch of at most max_num_seqs can use (the largest one covering it)."""
-    out = [b for b in buckets if b < max_num_seqs]
-    top = bucket_for(max_num_seqs, buckets)
-    if top is not None:
-        out.append(top)
-    return tuple(out)
+    """The buckets a batch of at most max_num_seqs can use: the defaults below it, then max_num_seqs itself as
+    the last (so every batch size the scheduler can form has a graph and no bucket pads past the limit)."""
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs: expected a positive int, found {max_num_seqs!r}")
+    return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
 
 
 # The payload of a decode step, S int32 values each, in this order (after the positions of the stage).
@@ -178,6 +181,8 @@ class DecodeGraphs:
         self._ring = [(torch.empty(top, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
         self._next = 0
         self._offsets: dict[int, tuple[int, ...]] = {}   # bucket -> staged layout its graph expands
+        self.blocked: dict[int, capture_check.CaptureBlocker] = {}   # buckets left eager, and why
+        self.captured: tuple[int, ...] = ()                          # buckets with graphs (after capture)
 
     # ------------------------------------------------------------------ capture
     def _forward(self, bucket: int, step: PagedStep, variant: str = "greedy") -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,10 +231,14 @@ class DecodeGraphs:
         cache (every row is the padding row: slot 0, token slot -1, sequence length 0)."""
         self._stage(bucket, [], [], [])
 
-    def capture(self) -> None:
-        """Capture every bucket, largest first (later, smaller graphs reuse the shared pool's blocks)."""
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+    def capture(self, mode: str = "auto") -> None:
+        """Capture every bucket, largest first (later, smaller graphs reuse the shared pool's blocks). A bucket
+        whose warm-up syncs the host (a module on a path that capture forbids, runtime/capture_check.py) or
+        whose capture fails is left out: `auto` logs the module and reason and that bucket's batches run
+        eagerly; `require` raises GraphCaptureError naming it."""
+        dev = self.model.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.inference_mode(), torch.cuda.stream(stream):
             sparse_tiles = sparse_tiles_per_block(self.kv.spec)
             for bucket in sorted(self.buckets, reverse=True):
@@ -238,23 +247,40 @@ class DecodeGraphs:
                                            self.model.cfg.index_topk_blocks, sparse_tiles)
                 step = PagedStep(slot_table=self.tables.slot_table[:bucket],
                                  seq_lens=self.tables._dev_stage[off["seq_lens"]],
-                                 query_start=torch.arange(bucket + 1, dtype=torch.int32, device=self.model.device),
+                                 query_start=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
                                  max_query_len=1, num_splits=dense, num_splits_sparse=sparse)
+                blocker = None
                 for variant, store in self._variants():
                     self._safe_inputs(bucket)
-                    self._forward(bucket, step, variant)        # compile + allocate the step's scratch
-                    torch.cuda.synchronize(self.model.device)
+                    blocker = capture_check.probe(lambda: self._forward(bucket, step, variant), self.model,
+                                                  f"decode ({variant})", bucket)   # compiles + allocates scratch
+                    torch.cuda.synchronize(dev)
+                    if blocker is not None:
+                        break
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        tokens, logits = self._forward(bucket, step, variant)
+                    try:
+                        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                            tokens, logits = self._forward(bucket, step, variant)
+                    except RuntimeError as exc:
+                        blocker = capture_check.blocker_from(exc, f"decode ({variant})", bucket, "-")
+                        torch.cuda.synchronize(dev)
+                        break
                     store[bucket] = _Bucket(graph, step, tokens, logits)
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
-        torch.cuda.synchronize(self.model.device)
-        log.info("decode graphs captured for buckets %s", self.buckets)
+                if blocker is not None:
+                    for _, store in self._variants():
+                        store.pop(bucket, None)
+                    self.blocked[bucket] = blocker
+                    capture_check.handle(blocker, mode)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+        self.captured = tuple(b for b in self.buckets if b in self.graphs)
+        log.info("decode graphs captured for buckets %s%s", self.captured,
+                 f" (eager: {sorted(self.blocked)})" if self.blocked else "")
 
     # ------------------------------------------------------------------ replay
     def bucket_for(self, batch: int) -> int | None:
-        return bucket_for(batch, self.buckets)
+        """The smallest captured bucket holding `batch` sequences (None: run the step eagerly)."""
+        return bucket_for(batch, self.captured)
 
     def run(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
             sampling: list[SamplingRow] | None = None, penalty_rows: list[int] | None = None) -> Launched:
@@ -265,7 +291,8 @@ class DecodeGraphs:
         rows without processing), with `sampling` given; None: no penalties this step."""
         bucket = self.bucket_for(len(seq_ids))
         if bucket is None:
-            raise ValueError(f"seq_ids: {len(seq_ids)} sequences; the largest graph bucket is {self.buckets[-1]}")
+            raise ValueError(f"seq_ids: {len(seq_ids)} sequences; no captured graph bucket holds them "
+                             f"(captured: {self.captured})")
         if sampling is not None and not self.sampling:
             raise ValueError("sampling: these graphs were captured without the sampling variant")
         if penalty_rows is not None and (self.penalties is None or sampling is None):

@@ -48,15 +48,16 @@ import numpy as np
 import torch
 
 from m3serve.model.m3 import ForwardBatch
+from m3serve.runtime import capture_check
 from m3serve.runtime.decode_graphs import bucket_for
 from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
 
 log = logging.getLogger("m3serve")
 
-# Verify rows per step (S(K+1)) the graphs take: the decode cells' row range (moe.nvfp4 and the norms certify
-# 1-48 tokens; outside it the stock MoE loop syncs the host, which capture forbids). Larger batches take the
-# eager speculative step.
-MAX_ROWS = 48
+# Verify rows per step (S(K+1)) the fixed-shape programs take: the tables' token budget bounds them too. Modules
+# outside their entries' cells at these rows run stock code inside the graph; a bucket whose stock code cannot
+# be captured runs its program eagerly (capture_check).
+MAX_ROWS = 4096
 
 
 @dataclass
@@ -134,6 +135,7 @@ class SpecSteps:
         self._bufs: dict[int, StepBuffers] = {}
         self._graph: dict[int, torch.cuda.CUDAGraph] = {}
         self._result: dict[int, torch.Tensor] = {}
+        self.blocked: dict[tuple[int, bool], capture_check.CaptureBlocker] = {}   # (bucket, sampled) left eager
         top = self.buckets[-1]
         pin = dev.type == "cuda"
         self._ring = [torch.empty(top, 2 * k + 2, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -324,10 +326,12 @@ class SpecSteps:
     def _variants(self) -> tuple[bool, ...]:
         return (False, True) if self.sampling else (False,)
 
-    def capture(self) -> None:
+    def capture(self, mode: str = "auto") -> None:
         """Capture every bucket (and variant), largest first, each after an eager warm-up (Triton compiles on first
         call, which capture forbids). Warm-up and capture run padding rows only: nothing is read or written in
-        the cache."""
+        the cache. A bucket whose warm-up syncs the host (runtime/capture_check.py) or whose capture fails keeps
+        no graph: `auto` logs the module and reason and runs that bucket's fixed-shape program eagerly;
+        `require` raises GraphCaptureError naming it."""
         if not self.graphs:
             return
         dev = self.model.device
@@ -337,17 +341,28 @@ class SpecSteps:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for bucket in sorted(self.buckets, reverse=True):
                 for sampled in self._variants():
+                    what = f"speculative ({'sampled' if sampled else 'greedy'}, K = {self.k})"
                     self.stage(bucket, [], [], [], [])
-                    self._program(bucket, sampled)
+                    blocker = capture_check.probe(lambda: self._program(bucket, sampled), self.model, what, bucket)
                     torch.cuda.synchronize(dev)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._result[bucket, sampled] = self._program(bucket, sampled)
-                    self._graph[bucket, sampled] = graph
+                    if blocker is None:
+                        graph = torch.cuda.CUDAGraph()
+                        try:
+                            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                                self._result[bucket, sampled] = self._program(bucket, sampled)
+                            self._graph[bucket, sampled] = graph
+                        except RuntimeError as exc:
+                            blocker = capture_check.blocker_from(exc, what, bucket, "-")
+                            self._result.pop((bucket, sampled), None)
+                            torch.cuda.synchronize(dev)
+                    if blocker is not None:
+                        self.blocked[bucket, sampled] = blocker
+                        capture_check.handle(blocker, mode)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
-        log.info("speculative graphs (K = %d) captured for buckets %s%s", self.k, self.buckets,
-                 " (greedy and sampled)" if self.sampling else "")
+        log.info("speculative graphs (K = %d) captured for buckets %s%s%s", self.k,
+                 sorted({b for b, _ in self._graph}), " (greedy and sampled)" if self.sampling else "",
+                 f"; eager programs for {sorted(self.blocked)}" if self.blocked else "")
 
     def run(self, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]], positions: list[int],
             forced: list[int] | None = None, sampling: list | None = None,
@@ -364,7 +379,7 @@ class SpecSteps:
         self.stage(bucket, seq_ids, last_tokens, drafts, positions, forced, sampling)
         if sampled:
             self._stage_q(seq_ids, drafts, positions, q)
-        if self.graphs:
+        if (bucket, sampled) in self._graph:
             self._graph[bucket, sampled].replay()
             result = self._result[bucket, sampled]
         else:

@@ -2,7 +2,7 @@
 a thread).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
-GET /metrics. Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
+GET /metrics, and vLLM's utility routes (tokenize_routes.py). Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
 an exception that is not an APIError is a server bug and the only path to a 500. The app is run with
 handler_cancellation=True so that a client disconnect cancels its handler, which aborts the request (see
 generate.py).
@@ -31,6 +31,7 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+from m3serve.server import tokenize_routes
 from m3serve.server.engine_loop import SHUTTING_DOWN, EngineLoop
 from m3serve.server.errors import APIError, short_repr
 from m3serve.server.body import content_coding, decode_json, read_wire
@@ -39,7 +40,8 @@ from m3serve.server.health import DEAD_EXIT_DELAY_S, engine_dead_error, wait_sto
 from m3serve.server.http_errors import JSONErrorAppRunner
 from m3serve.server.limits import (DEFAULT_BODY_TIMEOUT_S, RequestLimits, check_chat_size, check_completion_size,
                                    check_content_length)
-from m3serve.server.metrics import ServerMetrics
+from m3serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from m3serve.server.metrics import NAME_SCHEMES, ServerMetrics
 from m3serve.server.middleware import check_content_type, needs_key, set_server_header
 from m3serve.server.protocol import ModelInfo, finish_completion, parse_chat, plan_completion
 from m3serve.server.shutdown import ShutdownSignals
@@ -90,7 +92,7 @@ def _error_response(e: APIError) -> web.Response:
     return resp
 
 
-async def read_json(request: web.Request, check_size: Callable[[object, RequestLimits], None]) -> object:
+async def read_json(request: web.Request, check_size: Callable[[object, RequestLimits], None] | None = None) -> object:
     """The body as JSON, sized by check_size: read on the event loop (body.read_wire: limit and deadline),
     decoded, shape-checked, parsed and sized on the prep pool (body.decode_json)."""
     state = request.app[STATE]
@@ -101,7 +103,8 @@ async def read_json(request: web.Request, check_size: Callable[[object, RequestL
 
 def _decode_and_size(raw: bytes, coding: str, limits: RequestLimits, check_size) -> object:
     body = decode_json(raw, coding, limits)
-    check_size(body, limits)
+    if check_size is not None:
+        check_size(body, limits)
     return body
 
 
@@ -195,7 +198,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 def _card(s: ServerState) -> dict:
     return {"id": s.info.name, "object": "model", "created": s.created, "owned_by": "m3serve",
-            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size}
+            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size,
+            "device": s.loop.engine.model.device.type}
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -224,8 +228,10 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    return web.Response(text=s.metrics.render(s.loop.snapshot), content_type="text/plain",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    names = request.query.get("names", "m3serve")      # ?names=vllm: vLLM's metrics as vllm:<name> (metrics.py)
+    if names not in NAME_SCHEMES:
+        raise APIError(400, f"'names' = {short_repr(names)}: expected one of {list(NAME_SCHEMES)}", param="names")
+    return web.Response(text=s.metrics.render(s.loop.snapshot, names), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def build_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
@@ -242,7 +248,7 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
         if not (isinstance(v, (int, float)) and v > 0):
             raise ValueError(f"{name}: expected seconds > 0, found {v!r}")
     import time
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(served_model_name or "m3serve")
     engine = llm.engine
     info = ModelInfo(name=served_model_name or "m3serve",
                      vocab_size=llm.model.cfg.vocab_size, max_model_len=engine.max_model_len,
@@ -274,6 +280,7 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    tokenize_routes.add_routes(app, STATE, read_json)   # /tokenize, /detokenize, /tokenizer_info, /version, /ping
     return app
 
 

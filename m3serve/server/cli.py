@@ -8,6 +8,7 @@ The lead's m3serve/cli.py calls register(subparsers); `python -m m3serve.server`
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -64,6 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks (worker processes are started here)")
     p.add_argument("--speculative-tokens", type=int, default=0,
                    help="Eagle3 draft length with the drafter in <model>/eagle3 (0: off)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s flag: e.g. \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\' '
+                        '("model": null = a random drafter, with "forced_acceptance" for benchmarks)')
+    p.add_argument("--route", choices=["off", "auto", "require"], default=None,
+                   help="kernel routing: off = stock PyTorch, auto = certified Triton entries where they serve "
+                        "(stock elsewhere), require = raise outside them (default: auto on CUDA, off on CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="keep the kernels but run every step eagerly (no CUDA graphs), as vLLM's flag")
     p.add_argument("--log-level", default="info")
 
 
@@ -86,6 +95,18 @@ def run(args: argparse.Namespace) -> int:
     extra = {}
     if args.tp != 1:
         extra["tensor_parallel_size"] = args.tp
+    if args.speculative_config is not None:
+        if args.speculative_tokens:
+            print("m3serve serve: give --speculative-config or --speculative-tokens, not both", file=sys.stderr)
+            return 2
+        try:
+            extra["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            print(f"m3serve serve: --speculative-config: not JSON ({e})", file=sys.stderr)
+            return 2
+        if not isinstance(extra["speculative_config"], dict):
+            print("m3serve serve: --speculative-config: expected a JSON object", file=sys.stderr)
+            return 2
     if args.speculative_tokens:
         drafter = os.path.join(model, "eagle3")
         if not os.path.exists(os.path.join(drafter, "config.json")):
@@ -97,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
               kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=not args.no_prefix_caching, max_queue=args.max_queue)
+              enable_prefix_caching=not args.no_prefix_caching, max_queue=args.max_queue,
+              route=args.route, enforce_eager=args.enforce_eager)
     name = args.served_model_name or model_name(model)
     try:
         app = build_app(llm, served_model_name=name, api_key=args.api_key, max_choices=args.max_choices,

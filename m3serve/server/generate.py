@@ -102,15 +102,23 @@ async def _whole(info: ModelInfo, req: GenRequest, job: Job) -> web.Response:
             if d.prompt_logprobs is not None:
                 prompt_lps[d.index // req.n] = d.prompt_logprobs
     rid, created, tok = R.new_id("cmpl" if req.kind == "completion" else "chatcmpl"), R.now(), info.tokenizer
-    shown = [None if lps is None else R.prompt_logprobs(tok, lps, req.prompt_logprobs) for lps in prompt_lps]
+    shown = [None if lps is None or req.prompt_logprobs is None else R.prompt_logprobs(tok, lps, req.prompt_logprobs)
+             for lps in prompt_lps]
     out = []
+    if req.echo_only:      # max_tokens = 0: the one computed token is not part of the answer
+        for c in choices:
+            c.ids, c.lps, c.finish, c.stop_reason, c.final_text = [], [], "length", None, ""
     for i, c in enumerate(choices):
         p = i // req.n
         text = choice_text(tok, c.ids, req.params[p], c.finish, c.stop_reason, c.final_text)
         prefix = _prompt_text(info, req, p) if req.echo else ""
         if req.kind == "completion":
-            lp = R.completion_logprobs(tok, c.ids, c.lps, req.logprobs, len(prefix)) \
-                if req.logprobs is not None else None
+            if req.echo_logprobs:
+                lp = R.echo_logprobs(tok, req.prompts[p], prompt_lps[p], c.ids, c.lps, req.logprobs)
+            elif req.logprobs is not None:
+                lp = R.completion_logprobs(tok, c.ids, c.lps, req.logprobs, len(prefix))
+            else:
+                lp = None
             d = {"index": i, "text": prefix + text, "logprobs": lp, "finish_reason": R.finish_reason(c.finish),
                  "stop_reason": c.stop_reason, "prompt_logprobs": shown[p]}
         else:

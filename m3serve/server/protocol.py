@@ -5,11 +5,14 @@ Penalties follow OpenAI's ranges (presence_penalty, frequency_penalty in [-2, 2]
 [-100, 100]}). Extensions (vLLM's names and meanings): top_k, ignore_eos, stop_token_ids, return_token_ids,
 repetition_penalty (> 0), min_tokens (<= max_tokens), skip_special_tokens, spaces_between_special_tokens,
 include_stop_str_in_output, prompt_logprobs (not with stream, as vLLM), best_of (>= n; not with stream when > n,
-as OpenAI). n and best_of become one engine request group per prompt (SamplingParams.n / best_of).
+as OpenAI), min_p, allowed_token_ids, bad_words, truncate_prompt_tokens (the prompt's last k tokens). Completions
+with echo and logprobs return the prompt tokens' logprobs first in the `logprobs` object (null for the first
+token), as vLLM does, and max_tokens = 0 with echo scores the prompt without generating (lm-eval's
+log-likelihood requests); neither streams. n and best_of become one engine request group per prompt (SamplingParams.n / best_of).
 
 Fields nobody defines are accepted and ignored with one warning naming them: vLLM's rule (its request models allow
 extra fields and log "fields were present in the request but ignored"; OpenAI itself answers 400). Fields that
-OpenAI or vLLM define but this engine cannot honour (suffix, beam search, min_p, structured output, forced tool
+OpenAI or vLLM define but this engine cannot honour (suffix, beam search, structured output, forced tool
 calls, ...) are refused with a 400 naming them unless they hold their neutral value, rather than silently ignored.
 """
 
@@ -59,6 +62,8 @@ class GenRequest:
     prompt_logprobs: int | None = None      # top-k alternatives per prompt token; None: none
     return_token_ids: bool = False
     stop: list[str] = field(default_factory=list)
+    echo_logprobs: bool = False             # echo with logprobs: the prompt's logprobs lead each choice's logprobs
+    echo_only: bool = False                 # max_tokens = 0 with echo: the prompt alone (one token is computed, not shown)
 
     @property
     def num_choices(self) -> int:
@@ -148,12 +153,13 @@ _SAMPLING_FIELDS = frozenset({
     "model", "n", "best_of", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "user", "stream",
     "stream_options", "max_tokens", "logprobs", "prompt_logprobs", "return_token_ids", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output"})
+    "spaces_between_special_tokens", "include_stop_str_in_output", "min_p", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens"})
 # Defined by OpenAI or vLLM, not available here (they change the output, so ignoring them would mislead):
 # {name: neutral values}; null is always accepted.
 _UNAVAILABLE = {
-    "min_p": (0, 0.0), "use_beam_search": (False,), "allowed_token_ids": (), "bad_words": ([],),
-    "truncate_prompt_tokens": (), "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
+    "use_beam_search": (False,),
+    "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "logits_processors": ()}
 _COMPLETION_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (True,), "response_format": ({"type": "text"},)}
@@ -286,6 +292,41 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
     return out
 
 
+def _token_ids(body: dict, name: str, vocab: int) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or len(v) > vocab or not all(_is_int(t) and 0 <= t < vocab for t in v):
+        raise bad_field(name, v, f"a non-empty list of token ids in [0, {vocab})")
+    return list(v)
+
+
+def _bad_words(body: dict) -> list[str] | None:
+    v = body.get("bad_words")
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS or not all(isinstance(w, str) and w.strip() for w in v):
+        raise bad_field("bad_words", v, f"a list of at most {MAX_STOP_TOKEN_IDS} non-blank strings")
+    return list(v)
+
+
+def _truncate_prompt_tokens(body: dict, info: ModelInfo) -> int | None:
+    v = body.get("truncate_prompt_tokens")
+    if v is None:
+        return None
+    if not _is_int(v) or not (1 <= v <= info.max_model_len or v == -1):
+        raise bad_field("truncate_prompt_tokens", v, f"an integer in [1, {info.max_model_len}] or -1 (the context's "
+                                                     "limit)")
+    return v
+
+
+def _truncated(ids: list[int], k: int | None, info: ModelInfo) -> list[int]:
+    """The prompt's last k tokens (-1: as many as leave room for one generated token)."""
+    if k is None:
+        return ids
+    return ids[-(_prompt_limit(info) if k == -1 else k):]
+
+
 def _common(body: dict, info: ModelInfo) -> dict:
     """Sampling and text fields shared by both endpoints -> SamplingParams keyword arguments (no max_tokens,
     logprobs, n / best_of)."""
@@ -306,7 +347,11 @@ def _common(body: dict, info: ModelInfo) -> dict:
                 logit_bias=_logit_bias(body, info.vocab_size),
                 skip_special_tokens=_bool(body, "skip_special_tokens", True),
                 spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens", True),
-                include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
+                include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+                min_p=_num(body, "min_p", 0.0, 1.0, 0.0),
+                allowed_token_ids=_token_ids(body, "allowed_token_ids", info.vocab_size),
+                bad_words=_bad_words(body),
+                truncate_prompt_tokens=_truncate_prompt_tokens(body, info))
 
 
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
@@ -389,6 +434,7 @@ class CompletionPlan:
     fields: dict                    # GenRequest fields
     sampling: dict                  # SamplingParams keyword arguments shared by every prompt
     max_tokens: int | None
+    truncate: int | None            # truncate_prompt_tokens
 
     @property
     def texts(self) -> list[str]:
@@ -401,28 +447,30 @@ def plan_completion(body: object, info: ModelInfo) -> CompletionPlan:
     _screen_fields(body, COMPLETION_FIELDS, _COMPLETION_UNAVAILABLE, "/v1/completions")
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
-    items = _completion_items(body["prompt"], info)
     common = _common(body, info)
+    items = _completion_items(body["prompt"], info)
     _unsupported(body, "suffix", "")
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS, None)
     echo = _bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise APIError(400, "'echo' together with 'logprobs' is not supported (ask for 'prompt_logprobs' instead)",
-                       param="echo")
-    max_tokens = _int(body, "max_tokens", 1, info.max_model_len, None)
     stream, include_usage = _stream(body)
+    max_tokens = _int(body, "max_tokens", 0, info.max_model_len, None)
+    echo_only, engine_prompt_lps = _echo_mode(echo, logprobs, max_tokens, stream)
+    if echo_only:
+        max_tokens = 1       # the engine computes one token: the response shows the prompt only
     n, best_of = _n(body, info, len(items), stream)       # prompts x candidates judged before tokenizing
     prompt_logprobs = _prompt_logprobs(body, stream)
+    engine_prompt_lps = max(prompt_logprobs or 0, engine_prompt_lps) if engine_prompt_lps is not None \
+        else prompt_logprobs
     fields = dict(n=n, stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
                   prompt_logprobs=prompt_logprobs, return_token_ids=_bool(body, "return_token_ids", False),
-                  stop=common["stop"])
-    sampling = dict(logprobs=logprobs, n=n, best_of=best_of, prompt_logprobs=prompt_logprobs, **common)
-    return CompletionPlan(info, items, fields, sampling, max_tokens)
+                  stop=common["stop"], echo_logprobs=echo and logprobs is not None, echo_only=echo_only)
+    sampling = dict(logprobs=logprobs, n=n, best_of=best_of, prompt_logprobs=engine_prompt_lps, **common)
+    return CompletionPlan(info, items, fields, sampling, max_tokens, common["truncate_prompt_tokens"])
 
 
 def finish_completion(plan: CompletionPlan, encoded: list[list[int]]) -> GenRequest:
     """`encoded`: the token ids of plan.texts, in order."""
-    ids_of_texts = iter(encoded)
+    info, ids_of_texts = plan.info, iter(encoded)
     prompts, texts = [], []
     for p in plan.items:
         if isinstance(p, str):
@@ -431,9 +479,13 @@ def finish_completion(plan: CompletionPlan, encoded: list[list[int]]) -> GenRequ
         else:
             prompts.append(list(p))
             texts.append(None)
+    if plan.truncate is not None:   # a truncated prompt's text is its tokens' (echo shows what the model saw)
+        cut = [_truncated(ids, plan.truncate, info) for ids in prompts]
+        texts = [t if len(c) == len(ids) else None for t, c, ids in zip(texts, cut, prompts)]
+        prompts = cut
     for ids in prompts:
-        _check_prompt_len(ids, plan.info, "prompt")
-    params = [_params(max_tokens=_max_tokens(plan.max_tokens, "max_tokens", ids, plan.info, 16), **plan.sampling)
+        _check_prompt_len(ids, info, "prompt")
+    params = [_params(max_tokens=_max_tokens(plan.max_tokens, "max_tokens", ids, info, 16), **plan.sampling)
               for ids in prompts]
     return GenRequest("completion", prompts, texts, params, **plan.fields)
 
@@ -441,6 +493,16 @@ def finish_completion(plan: CompletionPlan, encoded: list[list[int]]) -> GenRequ
 def parse_completion(body: object, info: ModelInfo) -> GenRequest:
     plan = plan_completion(body, info)
     return finish_completion(plan, [info.tokenizer.encode(t) for t in plan.texts])
+
+
+def _echo_mode(echo: bool, logprobs: int | None, max_tokens: int | None, stream: bool) -> tuple[bool, int | None]:
+    """(echo_only, prompt logprobs the engine must compute for echo) of a completion request."""
+    if max_tokens == 0 and not echo:
+        raise bad_field("max_tokens", 0, "an integer >= 1 (0 only with 'echo': true, which scores the prompt)")
+    if echo and stream and (logprobs is not None or max_tokens == 0):
+        raise APIError(400, "'echo' with 'logprobs' or 'max_tokens' = 0 is not available when 'stream' is true "
+                            "(the prompt's logprobs come in a whole response)", param="echo")
+    return max_tokens == 0, (logprobs if echo and logprobs is not None else None)
 
 
 # ---------------------------------------------------------------------------------------- /v1/chat/completions
@@ -531,6 +593,9 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, 1, info.max_model_len, None)
     ids, text = _chat_prompt(messages, tools or None, info)
+    if common["truncate_prompt_tokens"] is not None:
+        cut = _truncated(ids, common["truncate_prompt_tokens"], info)
+        ids, text = cut, (text if len(cut) == len(ids) else None)
     _check_prompt_len(ids, info, "messages")
     stream, include_usage = _stream(body)
     n, best_of = _n(body, info, 1, stream)
@@ -540,3 +605,8 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     return GenRequest("chat", [ids], [text], params, n=n, stream=stream, include_usage=include_usage,
                       logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])
+
+
+# for the utility endpoints (tokenize_routes.py): the same model check and message validation
+check_model = _check_model
+parse_messages = _messages

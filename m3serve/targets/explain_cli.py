@@ -9,6 +9,14 @@ decode target, or why the module runs stock.
 from __future__ import annotations
 
 
+def routing_note(device_type: str) -> str | None:
+    """Off CUDA nothing is routed: say so before the placements, which describe a GPU run."""
+    if device_type == "cuda":
+        return None
+    return (f"device {device_type}: routing is off here (every module runs the stock torch path); the placements "
+            "below are what a CUDA run with route=auto would use")
+
+
 def cmd_explain(args) -> int:
     from m3serve.cli import build_llm
     from m3serve.targets.explain import explain
@@ -19,6 +27,9 @@ def cmd_explain(args) -> int:
     width = eng._certified_table_width()
     rows = explain(llm.model, eng.kv, width, buckets)
     print(f"model {args.model or 'm3-tiny-verse'}: KV {eng.kv.spec.split_summary()}; block tables {width} pages wide")
+    note = routing_note(llm.device.type)
+    if note:
+        print(note)
     for p in rows:
         print(p.line())
     stock = sum(p.entry is None for p in rows)

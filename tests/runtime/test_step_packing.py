@@ -13,9 +13,13 @@ from m3serve.runtime.decode_graphs import bucket_for, buckets_up_to, pack_decode
 
 
 def test_buckets():
-    assert buckets_up_to(64) == (1, 2, 4, 8, 16, 24, 32, 48)
-    assert buckets_up_to(20) == (1, 2, 4, 8, 16, 24)
+    assert buckets_up_to(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)       # the default max_num_seqs has its graph
+    assert buckets_up_to(20) == (1, 2, 4, 8, 16, 20)                   # never padded past the limit
+    assert buckets_up_to(256) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert buckets_up_to(300)[-2:] == (256, 300)
     assert buckets_up_to(1) == (1,)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        buckets_up_to(0)
     assert bucket_for(3, (1, 2, 4, 8)) == 4 and bucket_for(8, (1, 2, 4, 8)) == 8
     assert bucket_for(9, (1, 2, 4, 8)) is None
 

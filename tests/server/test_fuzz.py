@@ -42,7 +42,10 @@ BAD = {
     "spaces_between_special_tokens": [1, "no"],
     "include_stop_str_in_output": [1, "true"],
     "prompt_logprobs": [21, -1, "1", True, 1.5],
-    "min_p": [0.5, "0.1"],
+    "min_p": [1.5, "0.1", -0.1],
+    "allowed_token_ids": [[], [512], "1", [1.5]],
+    "bad_words": [[""], "ab", [1]],
+    "truncate_prompt_tokens": [0, -2, "3", 1.5],
     "use_beam_search": [True],
     "user": [1, [], {}],
 }

@@ -1,0 +1,65 @@
+"""Graph-capture blockers (runtime/capture_check.py) on CPU: the probe names the module and the op that would
+sync the host, `auto` logs and leaves the bucket eager, `require` raises. On CPU the device's sync checker is
+not armed, so the tests make the blocking op raise the way it does under torch.cuda.set_sync_debug_mode."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from m3serve.model.loader import load_model
+from m3serve.runtime import capture_check
+from m3serve.runtime.decode_graphs import DecodeGraphs
+
+SYNC_ERROR = "called a synchronizing CUDA operation"
+
+
+@pytest.fixture
+def tolist_syncs(monkeypatch):
+    """Tensor.tolist raises as it does on CUDA with the sync checker set to "error"."""
+    def boom(self):
+        raise RuntimeError(SYNC_ERROR)
+    monkeypatch.setattr(torch.Tensor, "tolist", boom)
+
+
+def test_probe_names_the_stock_moe_of_a_128_expert_style_model(tolist_syncs):
+    model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True)
+    x = torch.randn(3, model.cfg.hidden_size)
+    moe = model.layers[1].mlp                               # the stock loop: torch.unique(ids).tolist()
+    blocker = capture_check.probe(lambda: moe(x), model, "decode (greedy)", 4)
+    assert blocker is not None
+    assert blocker.module == "layers.1.mlp (MoE)", blocker
+    assert blocker.where.startswith("model/moe.py:"), blocker
+    assert SYNC_ERROR in blocker.reason and blocker.bucket == 4
+    line = blocker.line()
+    assert "decode (greedy) bucket 4" in line and "layers.1.mlp (MoE)" in line
+
+
+def test_probe_passes_a_clean_run_and_restores_module_hooks():
+    model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True)
+    x = torch.randn(2, model.cfg.hidden_size)
+    before = dict(torch.nn.modules.module._global_forward_pre_hooks)
+    assert capture_check.probe(lambda: model.layers[0].mlp(x), model, "decode", 2) is None
+    assert dict(torch.nn.modules.module._global_forward_pre_hooks) == before
+    assert len(torch.nn.modules.module._global_forward_hooks) == 0
+
+
+def test_policy_auto_logs_require_raises(caplog):
+    b = capture_check.CaptureBlocker("decode (greedy)", 64, "layers.3.mlp (MoE)", "model/moe.py:72 (forward)",
+                                     SYNC_ERROR)
+    with caplog.at_level(logging.WARNING, logger="m3serve"):
+        capture_check.handle(b, "auto")
+    assert "layers.3.mlp (MoE)" in caplog.text and "runs eagerly" in caplog.text
+    with pytest.raises(capture_check.GraphCaptureError, match=r"require.*bucket 64.*layers\.3\.mlp \(MoE\)"):
+        capture_check.handle(b, "require")
+
+
+def test_a_blocked_bucket_is_served_by_the_next_captured_one_or_eagerly():
+    g = DecodeGraphs.__new__(DecodeGraphs)                  # capture itself needs a GPU: set its outcome
+    g.buckets = (1, 2, 4, 8, 16)
+    g.captured = (1, 2, 4, 16)                              # bucket 8 was blocked
+    assert g.bucket_for(1) == 1 and g.bucket_for(3) == 4
+    assert g.bucket_for(5) == 16                            # padded into the next captured bucket
+    assert g.bucket_for(17) is None                         # past every graph: an eager step
