@@ -460,7 +460,8 @@ def bench_tp_death(model: str, exit_delay: float = 3.0) -> dict:
         detected = time.monotonic() - t_kill
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
         conn.request("GET", "/metrics")
-        alive = re.search(r"^m3serve_engine_alive (\S+)$", conn.getresponse().read().decode(), re.M).group(1)
+        text = conn.getresponse().read().decode()
+        alive = re.search(r"^m3serve_engine_alive(?:\{[^}]*\})? (\S+)$", text, re.M).group(1)
         conn.close()
         status, data, _ = _post(srv.port, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
         err = json.loads(data)["error"]

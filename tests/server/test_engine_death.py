@@ -21,7 +21,7 @@ EXIT_DELAY_S = 6.0       # long enough for the probes below on a loaded 2-core m
 
 
 def _alive_gauge(text: str) -> float:
-    return float(re.search(r"^m3serve_engine_alive (\S+)$", text, re.M).group(1))
+    return float(re.search(r"^m3serve_engine_alive(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))
 
 
 def _children(pid: int) -> list[int]:
