@@ -238,6 +238,11 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("text prompt given but the model has no tokenizer; pass "
                                  "{'prompt_token_ids': [...]} instead")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:      # a lone surrogate ("\ud800"): not text, the tokenizer would fail
+                raise ValueError(f"prompt: invalid Unicode at character {e.start} ({prompt[e.start]!r}: a lone "
+                                 "UTF-16 surrogate)") from None
             return self.tokenizer.encode(prompt), prompt
         raise TypeError(f"prompt: expected str or {{'prompt_token_ids': [...]}}, found {type(prompt).__name__}")
 

@@ -84,6 +84,15 @@ class TPContext:
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
 
+    def fault(self) -> str | None:
+        """Why this group can run no more steps (None while it can): a failed step, a worker gone, shut down."""
+        if self.failure is not None:
+            return self.failure
+        dead = self.dead_worker()
+        if dead is None and self.closed:
+            return "tensor-parallel group is shut down"
+        return dead
+
     def dead_worker(self) -> str | None:
         """A message for the first worker process that has exited (spawn mode), else None."""
         for r, p in self.procs.items():

@@ -19,6 +19,9 @@ class TPDriverEngine(LLMEngine):
         self._step_no = 0
         super().__init__(model, config, tokenizer)
 
+    def fault(self) -> str | None:
+        return self.ctx.fault()
+
     def _forward_sample(self, batch, reqs):
         mode, k = protocol.choose_mode([r.params.greedy for r in reqs], [r.params.logprobs for r in reqs])
         header, payload = protocol.pack_step(batch, mode, k, self._step_no)

@@ -241,6 +241,9 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"SamplingParams.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
         bad = [t for t in (params.allowed_token_ids or []) if t >= vocab]
         if bad:
             raise ValueError(f"SamplingParams.allowed_token_ids: token id {bad[0]} outside the vocabulary "
@@ -297,6 +300,11 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
+
+    def fault(self) -> str | None:
+        """Why this engine can run no more steps (None while it can). A tensor-parallel driver reports its
+        group's (a worker that exited, a failed step); a single-process engine never becomes unusable."""
+        return None
 
     def drain(self) -> list[Request]:
         """Read back the graph step in flight, if any (its tokens are accepted as a step would; a request that

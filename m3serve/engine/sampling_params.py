@@ -59,6 +59,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):      # list() of an int or a dict would fail without the name
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise ValueError(f"SamplingParams.{name} = {v!r}: expected a list" +
+                                 (" of strings (or one string)" if name == "stop" else " of token ids"))
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):

@@ -123,8 +123,8 @@ class ChatEncoder:
         for cp in _MARKERS:
             if chr(cp) not in taken:
                 return chr(cp)
-        raise ValueError("messages: every private-use character U+E000-U+F8FF occurs in the request; cannot "
-                         "mark special-token text in it")
+        raise ChatTemplateError("every private-use character U+E000-U+F8FF occurs in the request, so its "
+                                "special-token text cannot be marked as ordinary text")
 
     def _encode_template_specials_only(self, rendered: str, marker: str) -> list[int]:
         """Special tokens located by the tokenizer itself in `rendered` (all the template's), plain text between."""

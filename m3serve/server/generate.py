@@ -18,7 +18,8 @@ from aiohttp import web
 from m3serve.server import responses as R
 from m3serve.server.chat_output import ChatDeltaStream, whole_message
 from m3serve.server.detok import TextStream, choice_text
-from m3serve.server.engine_loop import Delta, EngineDead, EngineLoop, Job, ShuttingDown
+from m3serve.server.engine_loop import (ENGINE_DEAD_CODE, Delta, EngineDead, EngineFailed, EngineLoop, Job,
+                                        ShuttingDown)
 from m3serve.server.errors import APIError
 from m3serve.server.protocol import GenRequest, ModelInfo
 from m3serve.server.sse import DONE, dumps, event
@@ -57,6 +58,8 @@ async def submit(loop: EngineLoop, req: GenRequest) -> Job:
                        headers={"Retry-After": "1"}) from None
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
+    except EngineFailed as e:
+        raise APIError(503, str(e), code=ENGINE_DEAD_CODE) from None
     except ShuttingDown as e:
         raise APIError(503, f"{e}; no new requests are admitted", code="server_shutting_down") from None
     except EngineDead as e:

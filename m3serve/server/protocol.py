@@ -255,13 +255,17 @@ def _check_prompt_len(ids: list[int], info: ModelInfo, param: str) -> None:
 
 
 def _max_tokens(explicit: int | None, name: str, ids: list[int], info: ModelInfo, default: int | None) -> int:
-    room = info.max_model_len - len(ids)
+    """vLLM's rule: prompt + max_tokens must fit one sequence (the context and the whole KV cache), else 400;
+    unset, it is clamped to what fits. A request admitted here is never cut short for want of room."""
+    fits = min(info.max_model_len, info.capacity_tokens)
+    room = fits - len(ids)
     if explicit is None:
         return room if default is None else min(default, room)
     if explicit > room:
-        raise APIError(400, f"'{name}' = {explicit} plus the prompt's {len(ids)} tokens exceeds this model's "
-                            f"context limit (max_model_len) of {info.max_model_len} tokens; at most {room} can be "
-                            "generated for this prompt", param=name, code="context_length_exceeded")
+        raise APIError(400, f"'{name}' = {explicit} plus the prompt's {len(ids)} tokens exceeds the {fits} tokens "
+                            f"one sequence can hold (this model's context limit, max_model_len, is "
+                            f"{info.max_model_len} tokens and the KV cache holds {info.capacity_tokens}); at most "
+                            f"{room} can be generated for this prompt", param=name, code="context_length_exceeded")
     return explicit
 
 
@@ -398,8 +402,8 @@ def _object(body: object) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- /v1/completions
-def _completion_prompts(v: object, info: ModelInfo, truncate: int | None = None
-                        ) -> tuple[list[list[int]], list[str | None]]:
+def _completion_items(v: object, info: ModelInfo) -> list[str | list[int]]:
+    """The prompts of a /v1/completions body, each a text (to tokenize) or checked token ids."""
     want = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(v, str):
         items: list = [v]
@@ -411,14 +415,11 @@ def _completion_prompts(v: object, info: ModelInfo, truncate: int | None = None
         raise bad_field("prompt", v, want)
     if len(items) > info.max_choices:
         raise APIError(400, f"'prompt': {len(items)} prompts; at most {info.max_choices} per request", param="prompt")
-    ids_out, texts = [], []
     for p in items:
         if isinstance(p, str):
             if info.tokenizer is None:
                 raise APIError(400, "'prompt': this model has no tokenizer, so prompts must be token ids",
                                param="prompt")
-            ids_out.append(list(info.tokenizer.encode(p)))
-            texts.append(p)
         else:
             if not p:
                 raise bad_field("prompt", p, "a non-empty list of token ids")
@@ -426,25 +427,34 @@ def _completion_prompts(v: object, info: ModelInfo, truncate: int | None = None
             if bad is not None:
                 raise APIError(400, f"'prompt': expected token ids in [0, {info.vocab_size}), found "
                                     f"{short_repr(p[bad])} at position {bad}", param="prompt")
-            ids_out.append(list(p))
-            texts.append(None)
-    if truncate is not None:        # a truncated prompt's text is its tokens' (echo shows what the model saw)
-        cut = [_truncated(ids, truncate, info) for ids in ids_out]
-        texts = [t if len(c) == len(ids) else None for t, c, ids in zip(texts, cut, ids_out)]
-        ids_out = cut
-    for ids in ids_out:
-        _check_prompt_len(ids, info, "prompt")
-    return ids_out, texts
+    return items
 
 
-def parse_completion(body: object, info: ModelInfo) -> GenRequest:
+@dataclass
+class CompletionPlan:
+    """A /v1/completions body validated in everything but its prompts' token counts: `texts` still need
+    tokenizing (finish_completion takes their ids). Splitting the two lets the server tokenize prompt by prompt
+    as separate pool tasks, so one request with many prompts cannot hold the tokenizer threads."""
+    info: ModelInfo
+    items: list                     # per prompt: its text (to tokenize) or its token ids
+    fields: dict                    # GenRequest fields
+    sampling: dict                  # SamplingParams keyword arguments shared by every prompt
+    max_tokens: int | None
+    truncate: int | None            # truncate_prompt_tokens
+
+    @property
+    def texts(self) -> list[str]:
+        return [p for p in self.items if isinstance(p, str)]
+
+
+def plan_completion(body: object, info: ModelInfo) -> CompletionPlan:
     body = _object(body)
     _check_model(body, info)
     _screen_fields(body, COMPLETION_FIELDS, _COMPLETION_UNAVAILABLE, "/v1/completions")
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
     common = _common(body, info)
-    prompts, texts = _completion_prompts(body["prompt"], info, common["truncate_prompt_tokens"])
+    items = _completion_items(body["prompt"], info)
     _unsupported(body, "suffix", "")
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS, None)
     echo = _bool(body, "echo", False)
@@ -453,18 +463,44 @@ def parse_completion(body: object, info: ModelInfo) -> GenRequest:
     echo_only, engine_prompt_lps = _echo_mode(echo, logprobs, max_tokens, stream)
     if echo_only:
         max_tokens = 1       # the engine computes one token: the response shows the prompt only
-    n, best_of = _n(body, info, len(prompts), stream)
+    n, best_of = _n(body, info, len(items), stream)       # prompts x candidates judged before tokenizing
     prompt_logprobs = _prompt_logprobs(body, stream)
     engine_prompt_lps = max(prompt_logprobs or 0, engine_prompt_lps) if engine_prompt_lps is not None \
         else prompt_logprobs
+    fields = dict(n=n, stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
+                  prompt_logprobs=prompt_logprobs, return_token_ids=_bool(body, "return_token_ids", False),
+                  stop=common["stop"], echo_logprobs=echo and logprobs is not None, echo_only=echo_only)
     constraint = structured_request(body, compile_grammar=info.compile_grammar)
-    params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, n=n,
-                      best_of=best_of, prompt_logprobs=engine_prompt_lps, structured_outputs=constraint, **common)
+    sampling = dict(logprobs=logprobs, n=n, best_of=best_of, prompt_logprobs=engine_prompt_lps,
+                    structured_outputs=constraint, **common)
+    return CompletionPlan(info, items, fields, sampling, max_tokens, common["truncate_prompt_tokens"])
+
+
+def finish_completion(plan: CompletionPlan, encoded: list[list[int]]) -> GenRequest:
+    """`encoded`: the token ids of plan.texts, in order."""
+    info, ids_of_texts = plan.info, iter(encoded)
+    prompts, texts = [], []
+    for p in plan.items:
+        if isinstance(p, str):
+            prompts.append(list(next(ids_of_texts)))
+            texts.append(p)
+        else:
+            prompts.append(list(p))
+            texts.append(None)
+    if plan.truncate is not None:   # a truncated prompt's text is its tokens' (echo shows what the model saw)
+        cut = [_truncated(ids, plan.truncate, info) for ids in prompts]
+        texts = [t if len(c) == len(ids) else None for t, c, ids in zip(texts, cut, prompts)]
+        prompts = cut
+    for ids in prompts:
+        _check_prompt_len(ids, info, "prompt")
+    params = [_params(max_tokens=_max_tokens(plan.max_tokens, "max_tokens", ids, info, 16), **plan.sampling)
               for ids in prompts]
-    return GenRequest("completion", prompts, texts, params, n=n, stream=stream, include_usage=include_usage,
-                      echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"],
-                      echo_logprobs=echo and logprobs is not None, echo_only=echo_only)
+    return GenRequest("completion", prompts, texts, params, **plan.fields)
+
+
+def parse_completion(body: object, info: ModelInfo) -> GenRequest:
+    plan = plan_completion(body, info)
+    return finish_completion(plan, [info.tokenizer.encode(t) for t in plan.texts])
 
 
 def _echo_mode(echo: bool, logprobs: int | None, max_tokens: int | None, stream: bool) -> tuple[bool, int | None]:
@@ -552,6 +588,10 @@ def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo,
         return chat_encoder(tok).encode(messages, tools, template_vars=template_vars)
     except ChatTemplateError as e:
         raise APIError(400, f"'messages': the chat template rejected them: {short_repr(str(e), 200)}",
+                       param="messages") from None
+    except Exception as e:    # the encoder only ever sees these messages: whatever it raises on them is a 400
+        log.info("chat encoding failed: %s: %s", type(e).__name__, one_line(str(e)))
+        raise APIError(400, f"'messages': could not be encoded ({type(e).__name__}: {short_repr(str(e), 200)})",
                        param="messages") from None
 
 

@@ -175,7 +175,8 @@ def test_client_errors_are_openai_shaped_4xx(client, server):
     assert e.value.body["param"] == "model"
     for method, path, status in (("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404),
                                  ("POST", "/v1/completions", 400)):
-        code, body, _ = _http(server.url + path, method, b"{bad json" if method == "POST" else None)
+        code, body, _ = _http(server.url + path, method, b"{bad json" if method == "POST" else None,
+                              {"Content-Type": "application/json"})
         assert code == status and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
@@ -189,7 +190,9 @@ def test_api_key_required_when_set(model_dir):
         assert _http(srv.url + "/v1/models")[0] == 401
         good = OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=2).usage.completion_tokens >= 1
-        assert _http(srv.url + "/health")[0] == 200 and _http(srv.url + "/metrics")[0] == 200
+        assert _http(srv.url + "/health")[0] == 200                  # probes need no key
+        assert _http(srv.url + "/metrics")[0] == 401                 # metrics do (issue 34; --public-metrics)
+        assert _http(srv.url + "/metrics", headers={"Authorization": "Bearer s3cret"})[0] == 200
     finally:
         srv.stop()
 
