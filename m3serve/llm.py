@@ -111,7 +111,7 @@ class LLM:
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
         if self.route != "off":
             routing.install(self.model, self.route)
-            routing.warmup(self.model)
+            routing.warmup(self.model, max_rows=_max_step_rows(engine_kwargs, speculative_config))
         self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
             model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))
@@ -339,3 +339,11 @@ class LLM:
             kwargs["chat_template"] = chat_template
         ids, text = chat_encoder(tok).encode(list(conversation), tools, **kwargs)
         return {"prompt_token_ids": list(ids), "prompt": text}
+
+
+def _max_step_rows(engine_kwargs: dict, speculative_config: dict | None) -> int:
+    """The most tokens one forward can carry under these limits (a prefill chunk, a decode batch, a verify pass of
+    max_num_seqs x (K + 1)): warm-up compiles every routed kernel variant up to it."""
+    k = int((speculative_config or {}).get("num_speculative_tokens", 0) or 0)
+    seqs = engine_kwargs.get("max_num_seqs", EngineConfig.max_num_seqs)
+    return max(engine_kwargs.get("max_num_batched_tokens", EngineConfig.max_num_batched_tokens), seqs * (k + 1))

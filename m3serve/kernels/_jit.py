@@ -123,9 +123,9 @@ def capture_launches() -> Iterator[list]:
 
 
 class DualKernel:
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, do_not_specialize: tuple[str, ...] = ()) -> None:
         self.fn = fn
-        self.gpu = JITFunction(fn)
+        self.gpu = JITFunction(fn, do_not_specialize=list(do_not_specialize) or None)
         self.cpu = InterpretedFunction(fn)
         self.__name__ = fn.__name__
         # kernels with a PDL constexpr follow _pdl's contract and are launched with programmatic dependence
@@ -156,6 +156,13 @@ class DualKernel:
 
 def kernel(fn: Callable) -> DualKernel:
     return DualKernel(fn)
+
+
+def kernel_unspecialized(*names: str) -> Callable[[Callable], DualKernel]:
+    """@kernel whose integer arguments `names` are not specialised (== 1, divisible by 16): one compiled variant
+    serves every value, so a kernel launched at thousands of row counts compiles once per config (warm-up can
+    then reach every variant with one call per cell)."""
+    return lambda fn: DualKernel(fn, names)
 
 
 def is_compiled(t: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 from m3serve.kernels._gemm_tiles import make_workspace
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_FP8
+from m3serve.kernels._tiled_gemm import TiledGemmConfig, launch_tiled_gemm
 from m3serve.kernels.catalog import Case, Cell, Entry, assert_band, check_tensor, gemm_band, poisoned, true_fp32
 from m3serve.kernels.linear_mxfp8 import random_e4m3
 from m3serve.quant.fp8 import dequantize_fp8
@@ -34,10 +35,13 @@ def check_fp8_weight(q: torch.Tensor, scale: torch.Tensor, n: int, k: int, devic
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-               workspace: L.GemmWorkspace, config: L.GemmConfig) -> torch.Tensor:
+               workspace: L.GemmWorkspace, config: L.GemmConfig | TiledGemmConfig) -> torch.Tensor:
     """Raw call. Writes and returns `out`."""
     n, k = q.shape
     stride = check_fp8_weight(q, scale, n, k, x.device)
+    if isinstance(config, TiledGemmConfig):  # prefill rows (linear.fp8.tiled, _tiled_gemm.py), same contract
+        return launch_tiled_gemm(x, q.view(torch.uint8), scale, scale, stride, out, fmt=FMT_FP8, alpha_mode=1,
+                                 gs=16, n=n, k=k, cfg=config)
     return L.launch_gemm(x, q.view(torch.uint8), scale, scale, stride, out, workspace,
                          fmt=FMT_FP8, alpha_mode=1, gs=16, n=n, k=k, cfg=config)
 

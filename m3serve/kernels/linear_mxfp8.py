@@ -19,6 +19,7 @@ from m3serve.kernels._decode import FMT_MXFP8
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels._mma_gemv import MmaGemvConfig, interpreted_config, launch_mma_gemv
+from m3serve.kernels._tiled_gemm import TiledGemmConfig, launch_tiled_gemm
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
 from m3serve.quant.mxfp8 import dequantize_mxfp8
@@ -53,6 +54,9 @@ def mxfp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: tor
     """Raw call. Writes and returns `out`. A GemvConfig selects the decode GEMV (_gemv.py)."""
     n, k = q.shape
     check_mxfp8_weight(q, scale, n, k)
+    if isinstance(config, TiledGemmConfig):  # prefill rows (linear.mxfp8.tiled, _tiled_gemm.py), same contract
+        return launch_tiled_gemm(x, q.view(torch.uint8), scale, _one(x.device), 0, out, fmt=FMT_MXFP8,
+                                 alpha_mode=0, gs=32, n=n, k=k, cfg=config)
     if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (_gemv.py), same contract
         return launch_gemv(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
                            fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k, cfg=config)

@@ -19,6 +19,7 @@ from m3serve.kernels._decode import FMT_NVFP4
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels._mma_gemv import MmaGemvConfig, interpreted_config, launch_mma_gemv
+from m3serve.kernels._tiled_gemm import TiledGemmConfig, launch_tiled_gemm
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
 from m3serve.quant.nvfp4 import dequantize_nvfp4
@@ -39,7 +40,8 @@ def check_nvfp4_weight(packed: torch.Tensor, block_scale: torch.Tensor, n: int, 
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                 out: torch.Tensor, workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig | MmaGemvConfig) -> torch.Tensor:
+                 out: torch.Tensor, workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig | MmaGemvConfig | TiledGemmConfig
+                 ) -> torch.Tensor:
     """Raw call. Writes and returns `out`. `global_scale` may also be a [N] fp32 vector (one
     ENCODE scale per output row; used by the fused projection entry)."""
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -48,6 +50,9 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     if global_scale.numel() not in (1, n) or global_scale.dim() > 1:
         raise ValueError(f"global_scale: expected a 0-dim/1-element or [{n}] tensor, found {tuple(global_scale.shape)}")
     stride = 1 if global_scale.numel() == n and n > 1 else 0
+    if isinstance(config, TiledGemmConfig):  # prefill rows (linear.nvfp4.tiled, _tiled_gemm.py), same contract
+        return launch_tiled_gemm(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride,
+                                 out, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k, cfg=config)
     if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (_gemv.py), same contract
         return launch_gemv(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride, out,
                            workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k, cfg=config)

@@ -24,13 +24,15 @@ MODES = ("off", "auto", "require")
 
 # kind -> ((first row, last row), entry name), ranges disjoint and ascending.
 TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
-    "linear.nvfp4": (((1, 48), "linear.nvfp4"),),
-    "linear.mxfp8": (((1, 48), "linear.mxfp8"),),
-    "linear.fp8": (((1, 48), "linear.fp8"),),
+    "linear.nvfp4": (((1, 48), "linear.nvfp4"), ((49, 16384), "linear.nvfp4.tiled")),
+    "linear.mxfp8": (((1, 48), "linear.mxfp8"), ((49, 16384), "linear.mxfp8.tiled")),
+    "linear.fp8": (((1, 48), "linear.fp8"), ((49, 16384), "linear.fp8.tiled")),
     "qkv.nvfp4": (((1, 48), "qkv.nvfp4"),),
     "qkv.mxfp8": (((1, 48), "qkv.mxfp8"),),
     "qkv.fp8": (((1, 48), "qkv.fp8"),),
     "moe.nvfp4": (((1, 48), "moe.nvfp4"),),
+    # every expert format, decode batches to prefill chunks (NVFP4 1-48 rows stay on moe.nvfp4 where it serves)
+    "moe.grouped": (((1, 16384), "moe.grouped"),),
     "norm.add_rms": (((1, 256), "norm.add_rms"),),
     "head.bf16": (((1, 48), "head.bf16"),),
     "head.head12": (((1, 48), "head.head12"),),

@@ -19,7 +19,7 @@ from m3serve.model.m3 import Attention
 from m3serve.model.moe import MoE
 from m3serve.targets.dispatch import lookup
 from m3serve.targets.fused_projection import QUANT_FORMATS, projection_parts
-from m3serve.targets.routing import ALL_EXPERTS_MAX
+from m3serve.targets.routing import ALL_EXPERTS_MAX, grouped_shape, nvfp4_shape
 
 
 @dataclass(frozen=True)
@@ -103,18 +103,18 @@ def module_placements(model, bucket: int) -> list[Placement]:
             out.append(placed)
             fused_parts.update((id(p), placed.module) for p in parts)
         elif isinstance(mod, MoE):
-            if mod.w13.fmt == "nvfp4" and mod.w2.fmt == "nvfp4":
-                sh = mod.shared
-                shape = (mod.w13.num_experts, mod.w13.in_features, mod.w2.in_features,
-                         int(sh is not None and sh.gate_up_proj.fmt == "dense"))
-                out.append(_place(name, bucket, "moe.nvfp4", bucket, shape))
-            elif mod.w13.fmt == "dense" and mod.w13.num_experts <= ALL_EXPERTS_MAX:
+            nv = nvfp4_shape(mod)
+            if mod.w13.fmt == "dense" and mod.w2.fmt == "dense" and mod.w13.num_experts <= ALL_EXPERTS_MAX:
                 out.append(Placement(name, bucket, "torch:all-experts",
                                      f"dense experts ({mod.w13.num_experts} <= {ALL_EXPERTS_MAX}): every expert on "
                                      "every token, masked (no host sync, capturable)"))
+            elif nv is not None and lookup("moe.nvfp4", bucket, nv, "auto") is not None:
+                out.append(_place(name, bucket, "moe.nvfp4", bucket, nv))
+            elif grouped_shape(mod) is not None:
+                out.append(_place(name, bucket, "moe.grouped", bucket, grouped_shape(mod)))
             else:
-                out.append(Placement(name, bucket, None, f"{mod.w13.fmt} experts with {mod.w13.num_experts} "
-                                     "experts: the stock loop (syncs the host: not capturable)"))
+                out.append(Placement(name, bucket, None, f"experts gate|up {mod.w13.fmt} / down {mod.w2.fmt}: no "
+                                     "entry takes them; the stock loop (syncs the host: not capturable)"))
         elif isinstance(mod, RMSNorm) and (name == "norm" or name.endswith(("input_norm", "post_norm"))):
             # every decoder-level norm but the first follows a residual add and fuses with it
             kind = "norm.rms" if name == "layers.0.input_norm" else "norm.add_rms"

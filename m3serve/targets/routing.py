@@ -21,7 +21,9 @@ import torch
 
 import functools
 
+from m3serve.kernels.moe_grouped import make_workspace as grouped_workspace
 from m3serve.targets import fused_projection
+from m3serve.kernels.catalog import all_entries
 from m3serve.targets.dispatch import MODES, lookup, module_workspace
 
 
@@ -342,27 +344,40 @@ def moe_all_experts(m, x: torch.Tensor, mode: str = "off") -> torch.Tensor:
 
 
 def _moe(m, x: torch.Tensor, mode: str):
+    """The MoE layer: dense experts (at most ALL_EXPERTS_MAX) on all experts; NVFP4 at 1-48 rows on moe.nvfp4 where
+    one of its cells serves; everything else (every format, 1..16384 rows) on moe.grouped."""
     if x.device.type != "cuda":
         return None
     if m.w13.fmt == "dense" and m.w2.fmt == "dense" and m.w13.num_experts <= ALL_EXPERTS_MAX:
         return moe_all_experts(m, x, mode)
+    y = _moe_nvfp4(m, x)
+    return y if y is not None else _moe_grouped(m, x, mode)
+
+
+def nvfp4_shape(m) -> tuple[int, ...] | None:
+    """moe.nvfp4's cell shape key (E, H, I, shared_bf16) for MoE layer m, or None when that entry cannot take it
+    (experts not NVFP4, no NVFP4 / BF16 shared expert as wide as the routed ones, or not top-4)."""
     if m.w13.fmt != "nvfp4" or m.w2.fmt != "nvfp4":
-        if mode == "require":
-            raise ValueError(f"moe: require mode routes NVFP4 experts or dense ones with at most "
-                             f"{ALL_EXPERTS_MAX} experts; found {m.w13.fmt} with {m.w13.num_experts} experts")
         return None
     sh = m.shared
     shared_bf16 = int(sh is not None and sh.gate_up_proj.fmt == "dense")
-    e, h, i = m.w13.num_experts, m.w13.in_features, m.w2.in_features
-    if (sh is None or (not shared_bf16 and sh.gate_up_proj.fmt != "nvfp4") or x.dtype != torch.bfloat16
-            or sh.down_proj.in_features != i or m.top_k != 4):
-        if mode == "require":
-            raise ValueError("moe: require mode needs bf16 activations, top-4 routing and an NVFP4 or BF16 shared "
-                             "expert as wide as the routed ones")
+    i = m.w2.in_features
+    if sh is None or (not shared_bf16 and sh.gate_up_proj.fmt != "nvfp4") or sh.down_proj.in_features != i \
+            or m.top_k != 4:
         return None
-    shape = (e, h, i, shared_bf16)
+    return (m.w13.num_experts, m.w13.in_features, i, shared_bf16)
+
+
+def _moe_nvfp4(m, x: torch.Tensor):
+    """moe.nvfp4 (the tuned 1-48 row NVFP4 entry) where one of its cells serves, else None: looked up in auto
+    mode whatever the model's mode, since moe.grouped serves (or, under require, names) whatever it leaves."""
+    shape = nvfp4_shape(m)
+    if shape is None or x.dtype != torch.bfloat16:
+        return None
+    e, h, i, shared_bf16 = shape
+    sh = m.shared
     rows = x.shape[0]
-    entry = lookup("moe.nvfp4", rows, shape, mode)
+    entry = lookup("moe.nvfp4", rows, shape, "auto")
     if entry is None:
         return None
     cell = entry.cell_for(rows, shape)
@@ -383,12 +398,62 @@ def _moe(m, x: torch.Tensor, mode: str):
     return out
 
 
+# moe.grouped's format codes (m3serve.kernels._decode) by QWeight format
+GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
+
+
+def grouped_shape(m) -> tuple[int, ...] | None:
+    """moe.grouped's cell shape key (FMT, E, H, I, A) for MoE layer m, or None when its experts are in no format
+    the entry takes (gate|up and down in different formats, or dense weights other than bf16)."""
+    fmt = m.w13.fmt
+    if fmt != m.w2.fmt or fmt not in GROUPED_FMT or (fmt == "dense" and m.w13.weight.dtype != torch.bfloat16):
+        return None
+    return (GROUPED_FMT[fmt], m.w13.num_experts, m.w13.in_features, m.w2.in_features, m.top_k)
+
+
+def _expert_args(lin) -> tuple:
+    """A stacked expert Linear's tensors as moe.grouped takes them: (w, group scale, per-part factors [E, P])."""
+    e = lin.num_experts
+    if lin.fmt == "dense":
+        return lin.weight, None, None
+    if lin.fmt == "fp8":
+        return lin.q_q, None, lin.q_scale.reshape(e, -1)
+    if lin.fmt == "mxfp8":
+        return lin.q_q, lin.q_scale, None
+    return lin.q_packed, lin.q_scale, lin.q_global_scale.reshape(e, -1)
+
+
+def _moe_grouped(m, x: torch.Tensor, mode: str):
+    """moe.grouped: routing, grouping and both expert GEMMs on the device in fixed shapes (graph-safe); the shared
+    expert through the model's own DenseMLP (its linears routed as usual)."""
+    shape = grouped_shape(m)
+    if shape is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] == 0:
+        if mode == "require":
+            raise ValueError(f"{m.w13.name}: require mode, but moe.grouped takes bf16 activations [T, H] and "
+                             f"experts in one of {tuple(GROUPED_FMT)} (bf16 when dense); found {x.dtype} "
+                             f"{tuple(x.shape)}, gate|up {m.w13.fmt} / down {m.w2.fmt}")
+        return None
+    rows = x.shape[0]
+    entry = lookup("moe.grouped", rows, shape, mode)
+    if entry is None:
+        return None
+    cfg = entry.cell_for(rows, shape).config["moe"]
+    _, e, h, i, a = shape
+    ws = grouped_workspace(cfg, rows, e, h, i, a, x.device)  # per call: sized by this step's rows only
+    shared = m.shared(x).contiguous() if m.shared is not None else None
+    out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
+    return entry.raw_call(x.contiguous(), m.router, m.e_score_correction_bias, shape[0], *_expert_args(m.w13),
+                          *_expert_args(m.w2), shared, m.scaling, out, ws, cfg, top_k=m.top_k,
+                          swiglu_alpha=m.alpha, swiglu_limit=m.limit)
+
+
 def warmup(model, max_rows: int = 48) -> int:
-    """Compile, before serving, every kernel variant the model's routed modules can reach: for each distinct
-    weight shape, run the module once at EVERY row count 1..max_rows on zero activations. Every row count,
-    not one per cell, because Triton also specializes on integer arguments (== 1, divisible by 16), so a
-    cell compiles up to three variants. Triton compiles on first use; doing it here keeps JIT time out of
-    the first requests and out of any later CUDA-graph capture. Returns the number of module calls made."""
+    """Compile, before serving, every kernel variant the model's routed modules can reach in steps of up to
+    max_rows tokens: for each distinct weight shape, run the module on zero activations at EVERY row count
+    1..min(max_rows, 48) for the decode entries (Triton also specializes on integer arguments (== 1, divisible
+    by 16), so a cell compiles up to three variants), and once per reachable cell for moe.grouped (whose
+    kernels do not specialize on the row count). Triton compiles on first use; doing it here keeps JIT time
+    out of the first requests and out of any later CUDA-graph capture. Returns the number of module calls."""
     from m3serve.model.layers import Linear
     from m3serve.model.moe import MoE
     from m3serve.targets.dispatch import TABLES
@@ -397,24 +462,49 @@ def warmup(model, max_rows: int = 48) -> int:
     calls, seen = 0, set()
     with torch.no_grad():
         for mod in model.modules():
+            if isinstance(mod, MoE):
+                calls += _warm_grouped(mod, max_rows, seen, model.device)
             if isinstance(mod, Linear) and mod.num_experts is None and mod.fmt in ("nvfp4", "mxfp8", "fp8"):
                 kind, shape, run = f"linear.{mod.fmt}", (mod.out_features, mod.in_features), mod
                 width = mod.in_features
-            elif isinstance(mod, MoE) and mod.w13.fmt == "nvfp4":
-                sh = mod.shared
-                shape = (mod.w13.num_experts, mod.w13.in_features, mod.w2.in_features,
-                         int(sh is not None and sh.gate_up_proj.fmt == "dense"))
-                kind, run, width = "moe.nvfp4", mod, mod.w13.in_features
+            elif isinstance(mod, MoE) and nvfp4_shape(mod) is not None:
+                kind, shape, run, width = "moe.nvfp4", nvfp4_shape(mod), mod, mod.w13.in_features
             else:
                 continue
-            for (lo, hi), _ in TABLES[kind]:
+            for (lo, hi), name in TABLES[kind]:
                 for rows in range(lo, min(hi, max_rows) + 1):
                     entry = lookup(kind, rows, shape, "auto")
                     cell = entry.cell_for(rows, shape) if entry is not None else None
-                    if cell is None or (kind, shape, rows) in seen:
+                    # row-count-agnostic kernels (the prefill linears): one call per cell compiles it
+                    key = (kind, shape, cell.rows if name in ROW_AGNOSTIC else rows) if cell else None
+                    if cell is None or key in seen:
                         continue
-                    seen.add((kind, shape, rows))
+                    seen.add(key)
                     run(torch.zeros(rows, width, dtype=torch.bfloat16, device=model.device))
                     calls += 1
     torch.cuda.synchronize(model.device)
+    return calls
+
+
+# entries whose kernels do not specialise on the row count (kernel_unspecialized): warm-up runs one call per cell
+ROW_AGNOSTIC = frozenset({"linear.nvfp4.tiled", "linear.mxfp8.tiled", "linear.fp8.tiled", "moe.grouped"})
+
+
+def _warm_grouped(m, max_rows: int, seen: set, device: torch.device) -> int:
+    """One call of MoE layer m per moe.grouped cell of its shape that steps of 1..max_rows tokens reach, at the
+    cell's first row count the hook sends there (NVFP4 rows that moe.nvfp4 serves do not count)."""
+    shape = grouped_shape(m)
+    if shape is None or (m.w13.fmt == "dense" and m.w13.num_experts <= ALL_EXPERTS_MAX):
+        return 0
+    nv = nvfp4_shape(m)
+    calls = 0
+    for lo, hi in sorted({c.rows for c in all_entries()["moe.grouped"].cells if c.shape == shape}):
+        for rows in range(lo, min(hi, max_rows) + 1):
+            if nv is not None and lookup("moe.nvfp4", rows, nv, "auto") is not None:
+                continue
+            if lookup("moe.grouped", rows, shape, "auto") is not None and ("moe.grouped", shape, lo) not in seen:
+                seen.add(("moe.grouped", shape, lo))
+                m(torch.zeros(rows, m.w13.in_features, dtype=torch.bfloat16, device=device))
+                calls += 1
+            break
     return calls

@@ -10,8 +10,9 @@ from m3serve.kernels.catalog import all_entries
 
 ENTRIES = all_entries()
 # one real cell per kernel family: split-K GEMM per weight format, both heads, the norm, the MoE
-PICK = {"linear.nvfp4": 0, "linear.mxfp8": 0, "linear.fp8": 0, "head.bf16": 0, "head.head12": 0,
-        "norm.add_rms": 0, "moe.nvfp4": 0, "kv.write": 0, "msa.scores": 0, "msa.select": 0,
+PICK = {"linear.nvfp4": 0, "linear.mxfp8": 0, "linear.fp8": 0, "linear.nvfp4.tiled": 1, "linear.mxfp8.tiled": 1,
+        "linear.fp8.tiled": 1, "head.bf16": 0, "head.head12": 0,
+        "norm.add_rms": 0, "moe.nvfp4": 0, "moe.grouped": 45, "kv.write": 0, "msa.scores": 0, "msa.select": 0,
         "attn.paged": 4, "attn.prefill": 0, "norm.rms": 0, "attn.qk_prep": 0, "mlp.swiglu_oai": 0, "moe.route_small": 0}
 
 

@@ -20,7 +20,8 @@ ROW_PARALLEL = ("norm.rms", "norm.add_rms", "attn.qk_prep", "mlp.swiglu_oai", "m
 
 def test_entries_are_complete() -> None:
     assert set(ENTRIES) == {"linear.nvfp4", "linear.mxfp8", "linear.fp8", "qkv.nvfp4", "qkv.mxfp8", "qkv.fp8",
-                            "norm.add_rms", "head.bf16", "head.head12", "moe.nvfp4",
+                            "linear.nvfp4.tiled", "linear.mxfp8.tiled", "linear.fp8.tiled",
+                            "norm.add_rms", "head.bf16", "head.head12", "moe.nvfp4", "moe.grouped",
                             "kv.write", "msa.scores", "msa.select", "attn.paged", "attn.prefill",
                             "norm.rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small",
                             "attn.rope", "mlp.silu_mul", "spec.inputs", "spec.accept", "spec.commit"}
@@ -34,6 +35,8 @@ def test_entries_are_complete() -> None:
             top = 16384 if e.kind == "attn.prefill" else top  # rows = query tokens per sequence (prefill chunks)
             # row-parallel elementwise entries and the speculative bookkeeping serve every decode graph bucket
             top = catalog.ROW_CELLS_MAX if e.kind in ROW_PARALLEL else top
+            # prefill chunks (rows = tokens of the step): the grouped MoE and the M-tiled quantized linears
+            top = 16384 if e.kind == "moe.grouped" or name.endswith(".tiled") else top
             assert 1 <= c.rows[0] <= c.rows[1] <= top, f"{name}: rows {c.rows}"
         # raw call and reference share the signature (the reference may ignore outputs/workspaces)
         assert list(inspect.signature(e.raw_call).parameters)[:3] == list(inspect.signature(e.reference).parameters)[:3]

@@ -23,7 +23,8 @@ def test_auto_inside_and_outside_cells() -> None:
     e = lookup("linear.nvfp4", 4, (6144, 8192), "auto")
     assert e is ENTRIES["linear.nvfp4"]
     assert e.cell_for(4, (6144, 8192)).rows == (2, 8)  # row 1: the GEMV cell, rows 2-8: the MMA GEMV cell
-    assert lookup("linear.nvfp4", 49, (6144, 8192), "auto") is None  # beyond the table
+    assert lookup("linear.nvfp4", 49, (6144, 8192), "auto") is ENTRIES["linear.nvfp4.tiled"]  # prefill rows
+    assert lookup("linear.nvfp4", 16385, (6144, 8192), "auto") is None  # beyond the table
     assert lookup("linear.nvfp4", 4, (6144, 1000), "auto") is None  # uncertified shape
     assert lookup("moe.nvfp4", 48, (128, 6144, 1536, 0), "auto") is ENTRIES["moe.nvfp4"]
     assert lookup("moe.nvfp4", 3, (128, 6144, 3072, 1), "auto") is ENTRIES["moe.nvfp4"]  # BF16 shared expert
