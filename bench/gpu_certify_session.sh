@@ -23,28 +23,21 @@ phase() {  # name, seconds, command...
   tail -5 "$OUT/$name.log"
 }
 case "${1:-tests}" in
-tests)
-  phase pytest-gpu-cells ${T_CELLS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 190 -rfE \
-    tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled"
-  phase pytest-gpu-paths ${T_PATHS:-330} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
-    ${GPU_TESTS:-tests/runtime tests/kernels/test_kv_write.py tests/kernels/test_paged_attention_gpu.py}
-  ;;
-measure)
-  phase graph-buckets 100 python3 bench/debug/graph_buckets.py
-  phase decode-m3_5-bf16 ${T_DECODE:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+tests)   # certification + the decode-step side-by-side runs (one call)
+  phase pytest-gpu-cells ${T_CELLS:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
+    tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
+  phase pytest-gpu-paths ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
+    ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_paged_attention_gpu.py}
+  phase graph-buckets 60 python3 bench/debug/graph_buckets.py
+  phase decode-m3_5-bf16 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
-  phase decode-m3_5-nvfp4-rotated ${T_DECODE:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
-    --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation auto --out "$OUT/decode-target-h200.json"
-  phase decode-m3_5-nvfp4-unrotated ${T_DECODE:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
-    --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation off \
-    --out "$OUT/decode-target-h200-kv-unrotated.json"
   ;;
-serve)
-  phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+serve)   # serving sweeps, prefill TTFT beside transformers, KV rotation at real dims, rotation cost on the step
+  phase serve-pareto ${T_SERVE:-110} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
     --out "$OUT/serve-pareto-h200.json"
-  phase prefill ${T_PREFILL:-200} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,none \
+  phase prefill ${T_PREFILL:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,none \
     --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
-  phase kv-rotation ${T_KVROT:-150} python3 bench/kv_rotation.py --preset minimax-m3:5 --device cuda --tokens 4096 \
-    --json "$OUT/kv-rotation-h200.json"
+  phase decode-m3_5-nvfp4-rotated ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
+    --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation auto --out "$OUT/decode-target-h200.json"
   ;;
 esac
