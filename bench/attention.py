@@ -34,7 +34,7 @@ The entry modules are imported when the run starts; a missing one fails the run 
                                [--decode-step-steps 12] [--out-dir DIR]
     python3 bench/attention.py --only decode_step             # only the whole decode-step rows
     python3 bench/attention.py --device cpu --quick          # smoke test on the interpreter (no decode_step)
-Writes bench/results/attention-h200.json on CUDA (--out FILE to change; CPU writes only with --out).
+Writes bench/results/attention/attention-h200.json on CUDA (--out FILE to change; CPU writes only with --out).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.config import is_preset, preset  # noqa: E402
 from m3serve.kv.cache import PagedKVCache  # noqa: E402
 from m3serve.kv.spec import KVCacheSpec  # noqa: E402
-from m3serve.targets.attention import sparse_tiles_per_block, split_plan  # noqa: E402
+from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("decode", "msa", "kv_write", "prefill", "decode_step")
 MODULES = ("m3serve.kernels.kv_write", "m3serve.kernels.msa_index", "m3serve.kernels.paged_attention",
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer points (CPU: tiny shapes)")
     ap.add_argument("--iters", type=int, default=None, help="timed repetitions (default 50 CUDA, 2 CPU)")
     ap.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated subset of {GROUPS}")
-    ap.add_argument("--out", default=None, help="results file (CUDA default bench/results/attention-h200.json)")
+    ap.add_argument("--out", default=None, help="results file (CUDA default bench/results/attention/attention-h200.json)")
     ap.add_argument("--out-dir", default=None, help="also write a copy here")
     ap.add_argument("--decode-step-model", default="minimax-m3:5", help="decode_step: preset (random weights)")
     ap.add_argument("--decode-step-contexts", default="4096,131072", help="decode_step: comma-separated contexts")
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
            "preset": "tiny" if dev.type == "cpu" else "minimax-m3", "iters": iters,
            "l2_flush_bytes": FLUSH_BYTES if dev.type == "cuda" else 0, "copy_bandwidth_Bps": bw, "results": rows,
            "decode_step": steps, "decode_step_setup": step_setup}
-    out = a.out or (str(Path(__file__).resolve().parent / "results" / "attention-h200.json") if dev.type == "cuda"
+    out = a.out or (str(Path(__file__).resolve().parent / "results" / "attention" / "attention-h200.json") if dev.type == "cuda"
                     else None)
     text = json.dumps(doc, indent=1)
     for path in [out, str(Path(a.out_dir) / "attention-h200.json") if a.out_dir else None]:

@@ -15,7 +15,7 @@ kernels, graph launches, copies). The roofline is the bytes a step must read (we
 copy bandwidth measured in the same run.
 
     python bench/decode.py --models m3-tiny-verse,minimax-m3:5 --batch 1,8 --context 512
-writes bench/results/decode-target-h200.json (or --out).
+writes bench/results/decode/decode-target-h200.json (or --out).
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="nvfp4", choices=["none", "fp8", "mxfp8", "nvfp4"],
                     help="for presets (the embedded model is BF16)")
     ap.add_argument("--kv-cache-dtype", default="nvfp4", help="for presets (the embedded model keeps BF16 KV)")
+    ap.add_argument("--kv-rotation", default="auto",
+                    help="hybrid cache's NVFP4 K/V rotation (m3serve.kv.rotation): auto (the default seed, or the "
+                         "model's kv_scales.json), off, or a seed; run once each way for the side-by-side cost")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
@@ -167,7 +170,7 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--presence-penalty", type=float, default=0.0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode-target-h200.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "decode", "decode-target-h200.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
     batches = [int(b) for b in args.batch.split(",")]
@@ -179,6 +182,10 @@ def main() -> None:
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, **penalties,
                     "seed": 1}
     routes = args.routes.split(",")
+    kv_rotation = {"auto": "auto", "off": None}.get(args.kv_rotation) if not args.kv_rotation.isdigit() else int(
+        args.kv_rotation)
+    if args.kv_rotation not in ("auto", "off") and not args.kv_rotation.isdigit():
+        raise ValueError(f"--kv-rotation: expected auto, off or a non-negative int seed, found {args.kv_rotation!r}")
     bw = copy_bandwidth(dev)
     results, loads = [], {}
     for name in args.models.split(","):
@@ -187,7 +194,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(None if embedded else name, device="cuda", dtype="bfloat16", random_weights=not embedded,
                   quantization=quant, kv_cache_dtype="auto" if embedded else args.kv_cache_dtype,
-                  max_num_seqs=max(batches),
+                  kv_rotation=kv_rotation, max_num_seqs=max(batches),
                   max_num_batched_tokens=max(2048, args.context), gpu_memory_utilization=0.85,
                   max_model_len=args.context + WINDOW * args.steps + 64, route="auto")
         loads[name] = time.perf_counter() - t0
@@ -216,7 +223,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         # written after every model, so a run cut short by a time limit keeps what it measured
         out = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
-               "kv_cache_dtype": args.kv_cache_dtype, "load_s": loads, "sampling": sampling, "results": results}
+               "kv_cache_dtype": args.kv_cache_dtype, "kv_rotation": args.kv_rotation, "load_s": loads, "sampling": sampling, "results": results}
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

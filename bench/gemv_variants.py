@@ -15,7 +15,7 @@ as us_seq / frac_copy_seq.
 Usage:
     python3 bench/gemv_variants.py [--iters 20] [--budget-s 210] [--out-dir DIR]   (GPU; ~2-4 min)
     python3 bench/gemv_variants.py --cpu-smoke                                     (interpreter)
-Writes gemv_variants-<date>.json to $OUT (or --out-dir) and bench/results/ (GPU runs).
+Writes gemv_variants-<date>.json to $OUT (or --out-dir) and bench/results/gemv_variants/ (GPU runs).
 A variant still compiling when --budget-s has passed finishes; later ones are skipped (listed).
 """
 
@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from m3serve.kernels._gemm_tiles import make_workspace  # noqa: E402
 from m3serve.kernels import _linear as L  # noqa: E402
 from m3serve.kernels import linear_mxfp8, linear_nvfp4  # noqa: E402
 from m3serve.kernels._gemv import GemvConfig, gemv_split  # noqa: E402
@@ -56,8 +57,8 @@ GEMV_GRID = (
     ("g32x256w4s3", 32, 256, 4, 528, False, 3),  # no manual prefetch: does the pipeliner do it?
 )
 # (name, RP, num_warps, STAGES, target CTAs); SPLIT follows from the target (>= 2 K steps per CTA). The
-# shared-memory (cp.async) ring measured in gemv_variants-h200-smem-ring-2026-12-01.json was removed after it
-# lost to the register ring (its code: commit 15c92c4).
+# shared-memory (cp.async) ring measured in 0596e85:bench/results/gemv_variants-h200-smem-ring-2026-12-01.json
+# (git history) was removed after it lost to the register ring (its code: commit 15c92c4).
 MMA_GRID = (
     ("r1w4s2c1056", 1, 4, 2, 1056),
     ("r1w2s2c2640", 1, 2, 2, 2640),
@@ -104,7 +105,7 @@ def with_config(case: Case, cfg, n: int, device: torch.device) -> Case:
     """The same inputs with a fresh poisoned output, a fresh workspace and another config."""
     inputs = case.args[:-3]
     out = poisoned(tuple(case.args[-3].shape), torch.bfloat16, device)
-    return Case(args=(*inputs, out, L.make_workspace(cfg, n, device), cfg), kwargs={}, bytes_moved=case.bytes_moved)
+    return Case(args=(*inputs, out, make_workspace(cfg, n, device), cfg), kwargs={}, bytes_moved=case.bytes_moved)
 
 
 def cfg_dict(cfg) -> dict:
@@ -282,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
           f"wall {doc['wall_s']:.0f} s")
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     name = f"gemv_variants-{'cpu-smoke' if a.cpu_smoke else 'gpu'}-{date}.json"
-    _load_kernels_bench().write_results(doc, name, a.out_dir, to_results=not a.cpu_smoke)
+    _load_kernels_bench().write_results(doc, name, a.out_dir, to_results=not a.cpu_smoke,
+                                           bench="gemv_variants")
     return 1 if a.cpu_smoke and fails else 0
 
 

@@ -14,7 +14,7 @@ re-creation of that pattern for contrast.
 Usage:
     python bench/host_overhead.py --device cpu
     python bench/host_overhead.py --device cuda --steps 200
-Writes bench/results/host_overhead-<device>-<date>.json.
+Writes bench/results/host_overhead/host_overhead-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def run_point(batch: int, context: int, device: torch.device, steps: int, warmup
     seq_idx = torch.arange(batch, dtype=torch.int64, device=device)
     build_us, slot_us, uploaded, prepare_us, stage_us = [], [], [], [], []
     tok_np = np.arange(batch, dtype=np.int64)
-    from m3serve.runtime.decode_graphs import bucket_for, buckets_up_to, pack_decode, sampling_row
+    from m3serve.runtime.decode_graphs import pack_decode, sampling_row
+    from m3serve.runtime.step_plan import bucket_for, buckets_up_to
     bucket = bucket_for(batch, buckets_up_to(max(batch, 1)))
     sampling = [sampling_row(0.8, 40, 0.9, 1234 + i) for i in range(batch)]   # made once per request
     for step in range(warmup + steps):
@@ -173,7 +174,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: one host thread; on a busy 2-core box OpenMP barriers "
                          "made each small CPU op ~1000x slower)")
-    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results" / "host_overhead"))
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)

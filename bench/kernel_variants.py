@@ -17,7 +17,7 @@ fp32 reference. A failed check is recorded ("ok": false) and the run continues.
              beside the default and the certified cells it replaces (--moe-mma-only)
     python3 bench/kernel_variants.py [--only attn,select,moe] [--moe-tokens 1,4,16] [--moe-mma-only]
                                      [--iters 30] [--name FILE] [--out-dir DIR]   (GPU)
-Writes bench/results/FILE (default kernel-variants-h200.json; and a copy under --out-dir).
+Writes bench/results/kernel_variants/FILE (default kernel-variants-h200.json; and a copy under --out-dir).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from m3serve.kernels import moe_nvfp4, msa_index, paged_attention as pa  # noqa:
 from m3serve.kernels._mma_moe import MmaMoEConfig  # noqa: E402
 from m3serve.kernels._paged_attn_call import TileConfig, tile_config  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
-from m3serve.targets.attention import sparse_tiles_per_block, split_plan  # noqa: E402
+from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("attn", "select", "moe")
 
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {**{k: meta[k] for k in ("commit", "gpu", "command", "date", "torch")},
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": r.bw, "iters": a.iters,
            "l2_flush_bytes": KB.FLUSH_BYTES, "wall_s": time.time() - t0, "results": r.rows}
-    KB.write_results(doc, a.name, a.out_dir)
+    KB.write_results(doc, a.name, a.out_dir, bench="kernel_variants")
     return 0
 
 

@@ -17,7 +17,7 @@ and us_read_flush.
 
 Usage (on the device machine, repository root):
     python3 bench/kernels.py [--entry NAME ...] [--iters 50] [--out-dir DIR] [--quick]
-Writes bench/results/kernels-<date>.json (and a copy in --out-dir).
+Writes bench/results/kernels/kernels-<date>.json (and a copy in --out-dir).
 """
 
 from __future__ import annotations
@@ -123,10 +123,11 @@ def moe_bytes(case) -> int:
     return touched * per_expert + shared + router_w.numel() * router_w.element_size() + 2 * x.numel() * 2
 
 
-def write_results(doc: dict, name: str, out_dir: str | None, to_results: bool = True) -> list[Path]:
-    """One results document as JSON: under bench/results/ (to_results) and a copy under out_dir (the device
-    run's $OUT, which comes back to the developer's machine)."""
-    results = Path(__file__).resolve().parent / "results"
+def write_results(doc: dict, name: str, out_dir: str | None, to_results: bool = True,
+                  bench: str = "kernels") -> list[Path]:
+    """One results document as JSON: under bench/results/<bench>/ (to_results; bench: the script that measured
+    it) and a copy under out_dir (the device run's $OUT, which comes back to the developer's machine)."""
+    results = Path(__file__).resolve().parent / "results" / bench
     paths = ([results / name] if to_results else []) + ([Path(out_dir) / name] if out_dir else [])
     text = json.dumps(doc, indent=1)
     for p in paths:
@@ -235,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
            "date": dt.datetime.now(dt.timezone.utc).isoformat(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": bw, "iters": a.iters,
            "l2_flush_bytes": FLUSH_BYTES, "wall_s": time.time() - t0, "results": rows_out, "goals": g}
-    res_dir = Path(__file__).resolve().parent / "results"
-    res_dir.mkdir(exist_ok=True)
+    res_dir = Path(__file__).resolve().parent / "results" / "kernels"
+    res_dir.mkdir(parents=True, exist_ok=True)
     path = res_dir / (a.name or f"kernels-{date}.json")
     path.write_text(json.dumps(doc, indent=1))
     if a.out_dir:

@@ -12,7 +12,7 @@ Shape legend: k, v [T, Hk, D] (the cache's view of one step's tokens).
 
 Usage:
     python bench/kv_quant_ablation.py [--limit N] [--plans exact,hybrid,...]
-Writes bench/results/kv-quant-ablation-cpu.json (per plan: exact match, b, c, p).
+Writes bench/results/kv_quant_ablation/kv-quant-ablation-cpu.json (per plan: exact match, b, c, p).
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def run_plan(model_dir: str, plan, items, max_tokens: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from m3serve.config import M3Config
-    from m3serve.eval.cli import default_model_dir, load_task
+    from m3serve.eval.cli import default_model_dir
+    from m3serve.eval.tasks import load_task
     from m3serve.eval.harness import score_outputs
     from m3serve.eval.mcnemar import discordant, mcnemar_exact_p
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--plans", default=None, help="comma-separated plan names (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "kv-quant-ablation-cpu.json"))
+                                                  "kv_quant_ablation", "kv-quant-ablation-cpu.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = M3Config.from_file(args.model)

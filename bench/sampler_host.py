@@ -10,7 +10,7 @@ step (TorchDispatchMode): the host cost driver, expected constant in what is ena
 Usage:
     python bench/sampler_host.py --device cpu
     python bench/sampler_host.py --device cuda --vocab 200064
-Writes bench/results/sampler_host-<device>-<date>.json.
+Writes bench/results/sampler_host/sampler_host-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main() -> None:
                   f"(p90 {r['host_us_p90']:9.1f})", flush=True)
     meta = run_metadata()
     out = {**meta, "meta": meta, "batch": BATCH, "device": str(device), "results": results}
-    path = Path(args.out) if args.out else Path(__file__).parent / "results" / \
+    path = Path(args.out) if args.out else Path(__file__).parent / "results" / "sampler_host" / \
         f"sampler_host-{device.type}-{dt.date.today().isoformat()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

@@ -81,8 +81,9 @@ def main() -> None:
     out = {"bench": "spec_decode", **run_metadata(), "device": str(plain.device), "dtype": str(plain.dtype),
            "model": "m3-tiny-verse", "drafter": args.drafter, "k": args.k, "max_tokens": args.max_tokens,
            "results": results}
-    path = args.out or os.path.join(os.path.dirname(__file__), "results",
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", "spec_decode",
                                     f"spec-decode-{plain.device.type}-{out['date'][:10]}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     print(f"wrote {path}")

@@ -6,7 +6,7 @@ flip. This runs the plain decode target and the speculative one (overlap loop on
 and for every prompt whose outputs differ reports the first differing position and the stock forward's top-1 -
 top-2 logit gap at it (fp32 logits of the bf16 model, the whole prefix at once).
 
-    python bench/spec_divergence.py --batch 4 --prompts 16 --out bench/results/spec-divergence-h200.json
+    python bench/spec_divergence.py --batch 4 --prompts 16 --out bench/results/spec_divergence/spec-divergence-h200.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ for both engines); each configuration runs once untimed first (compilation, allo
     minimax-m3:N (random weights):  a random drafter with FORCED acceptance (--forced-al, the seed's 2.78): the
                                     drafts are accepted by count, so outputs are not the plain ones (null)
 
-    python bench/spec_target.py --models m3-tiny-verse,minimax-m3:5 --batch 1,4 --k 3 --out bench/results/spec-target-h200.json
+    python bench/spec_target.py --models m3-tiny-verse,minimax-m3:5 --batch 1,4 --k 3 --out bench/results/spec_target/spec-target-h200.json
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main() -> None:
                     help="> 0: sampled requests (the speculative target's rejection-sampling graphs; one seed per "
                          "request, outputs not comparable token for token)")
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec-target-h200.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "spec_target", "spec-target-h200.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/spec_target.py: needs a CUDA GPU (the decode target's graphs)")

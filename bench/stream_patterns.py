@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
            "date": dt.datetime.now(dt.timezone.utc).isoformat(), "copy_bandwidth_Bps": bw, "matrix": [n, kbytes],
            "results": res}
     name = f"stream-patterns-h200-{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d')}.json"
-    for d in ([Path(a.out_dir)] if a.out_dir else []) + [ROOT / "bench" / "results"]:
+    for d in ([Path(a.out_dir)] if a.out_dir else []) + [ROOT / "bench" / "results" / "stream_patterns"]:
         d.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(json.dumps(doc, indent=1))
     return 0

@@ -10,7 +10,7 @@ order), and the row-major one passes linear.nvfp4's compare. Row 1's certified c
 beside them.
 
     python3 bench/tiled_layout.py [--iters 20] [--out-dir DIR]      (GPU, ~1 min)
-Writes bench/results/tiled-layout-h200.json (and a copy under --out-dir).
+Writes bench/results/tiled_layout/tiled-layout-h200.json (and a copy under --out-dir).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
+from m3serve.kernels._gemm_tiles import make_workspace  # noqa: E402
 from m3serve.kernels import _linear as L  # noqa: E402
 from m3serve.kernels import _mma_gemv as G  # noqa: E402
 from m3serve.kernels import linear_nvfp4 as LN  # noqa: E402
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             ref_bits = {}
             for vname, cfg, tiled in runs:
                 out = poisoned((rows, n), torch.bfloat16, dev)
-                ws = L.make_workspace(cfg, n, dev)
+                ws = make_workspace(cfg, n, dev)
                 if isinstance(cfg, G.MmaGemvConfig):
                     def call(w=None, s=None, cfg=cfg, tiled=tiled, out=out, ws=ws):
                         w = (tp if tiled else packed) if w is None else w
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {**{k_: meta[k_] for k_ in ("commit", "gpu", "command", "date", "torch")},
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": bw, "iters": a.iters,
            "l2_flush_bytes": kb.FLUSH_BYTES, "wall_s": time.time() - t0, "results": results}
-    kb.write_results(doc, "tiled-layout-h200.json", a.out_dir)
+    kb.write_results(doc, "tiled-layout-h200.json", a.out_dir, bench="tiled_layout")
     return 0
 
 

@@ -22,7 +22,7 @@ fp32: rel_rms(TP2 - TP1) <= 2 x rel_rms(TP1_bf16 - TP1_fp32), per row, worst row
 fp32 as TP1 is (rel_rms(TP2 - fp32) <= 1.5 x rel_rms(TP1 - fp32) + 1e-3). Without the fp32 run a fixed bound
 of 5e-2 applies (bf16 keeps 8 bits: 2^-8 = 3.9e-3 per rounding, compounded over two reductions per layer).
 Greedy agreement is reported, not required: one near-tie flip changes every later token.
-Writes bench/results/tp-<device>-<preset>-<date>.json (GPU, commit, command, date) on rank 0.
+Writes bench/results/tp/tp-<device>-<preset>-<date>.json (GPU, commit, command, date) on rank 0.
 """
 
 from __future__ import annotations
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ar-iters", type=int, default=None, help="all-reduces per timing loop (1000 CUDA, 50 CPU)")
     ap.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not under torchrun")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tp"))
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     args.preset = args.preset or ("minimax-m3:auto" if cuda else "tiny")

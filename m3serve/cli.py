@@ -39,6 +39,7 @@ def build_llm(args, **extra):
 
 def cmd_generate(args) -> int:
     from m3serve.engine.sampling_params import SamplingParams
+    from m3serve.server.detok import TextStream
     t0 = time.perf_counter()
     llm = build_llm(args)
     load_s = time.perf_counter() - t0
@@ -61,16 +62,17 @@ def cmd_generate(args) -> int:
     req = eng.add_request(ids, params, prompt)
     if prompt is not None and not args.chat:
         sys.stdout.write(prompt)
-    shown = ""
+    stream = TextStream(tok, params.stop, params)      # each step decodes its new tokens only (DecodeStream)
+    seen = 0
     t1 = time.perf_counter()
     while not req.is_finished:
         eng.step()
         if tok is not None:
-            text = eng.detokenize(req) if req.is_finished else tok.decode(req.output_token_ids,
-                                                                           skip_special_tokens=True)
-            if text.startswith(shown):
-                sys.stdout.write(text[len(shown):])
-                shown = text
+            new, seen = req.output_token_ids[seen:], len(req.output_token_ids)
+            if req.is_finished:
+                sys.stdout.write(stream.finish(None, new, req.finish_reason, req.stop_reason))
+            else:
+                sys.stdout.write(stream.push(new))
         elif req.output_token_ids:
             sys.stdout.write(f" {req.output_token_ids[-1]}")
         sys.stdout.flush()
@@ -104,13 +106,16 @@ def cmd_quantize(args) -> int:
 def cmd_calibrate_kv(args) -> int:
     from m3serve.kv.calibrate import calibrate_model_dir
     path, calib = calibrate_model_dir(args.model_dir, args.out, num_items=args.items, seed=args.seed,
-                                      factor=args.fp8_factor)
+                                      factor=args.fp8_factor, fp8_overrides=args.fp8_overrides,
+                                      rotation_seed=None if args.no_rotation else args.rotation_seed)
     for layer, (k, v) in sorted(calib.layers.items()):
         print(f"layer {layer}: K amax {k.amax:.4g} (max|k| {k.observed_amax:.4g}, rel MSE {k.mse / k.mean_square:.4g})  "
               f"V amax {v.amax:.4g} (max|v| {v.observed_amax:.4g}, rel MSE {v.mse / v.mean_square:.4g})")
     if calib.sensitivity is not None:
         print(calib.sensitivity.reason())
-        print(f"FP8 layers of the hybrid cache: {list(calib.fp8_layers)}")
+        print(f"FP8 layers of the hybrid cache: {list(calib.fp8_layers) or 'none (every sparse layer NVFP4)'}")
+    if calib.rotation_seed is not None:
+        print(f"K/V rotation: randomized Hadamard, seed {calib.rotation_seed}")
     print(f"wrote {path} ({calib.calibration['texts']} texts, {calib.calibration['tokens']} tokens)")
     return 0
 
@@ -147,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seed", type=int, default=1, help="seed of the calibration problems (the eval uses 0)")
     c.add_argument("--fp8-factor", type=float, default=2.0,
                    help="a sparse layer goes FP8 when NVFP4 on it alone costs more than this many times the whole "
-                        "FP8 cache's KL (m3serve.kv.calibrate.measure_layer_sensitivity)")
+                        "FP8 cache's KL (m3serve.kv.calibrate.measure_layer_sensitivity); with --fp8-overrides only")
+    c.add_argument("--fp8-overrides", action="store_true",
+                   help="write the sparse layers the --fp8-factor rule picks as fp8_layers (the FP8 escape; default: "
+                        "every sparse layer NVFP4)")
+    c.add_argument("--rotation-seed", type=int, default=31,
+                   help="seed of the randomized Hadamard K/V rotation the amaxes are calibrated for (m3serve.kv.rotation)")
+    c.add_argument("--no-rotation", action="store_true", help="calibrate for an unrotated NVFP4 cache")
     c.set_defaults(fn=cmd_calibrate_kv)
 
     import importlib

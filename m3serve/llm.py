@@ -1,22 +1,45 @@
 """Offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`, `LLM.chat(messages, ...)`,
-`LLM.get_tokenizer()`."""
+`LLM.get_tokenizer()`. vLLM's constructor arguments that do not apply here are accepted with one warning
+(m3serve.vllm_args); `LLM.encode` is vLLM's pooling API, which a generation-only engine refuses."""
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 
+from m3serve.distributed.launch import TPLaunchSpec
+from m3serve.distributed.startup import start_tp
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.model.loader import load_model
+from m3serve.engine.spec_config import SpecConfig
+from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.warmup import warm_up
+from m3serve.kv.scales import apply_model_kv_scales, resolve_kv_fp8_layers, resolve_kv_rotation
+from m3serve.model.loader import load_model, resolve_config
+from m3serve.model.parallel import check_tp_shapes
+from m3serve.server.chat_tokens import chat_encoder
+from m3serve.targets import routing
 from m3serve.tokenizer import load_tokenizer
+from m3serve.vllm_args import split_kwargs
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "m3-tiny-verse")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# keyword arguments only a tensor-parallel launch reads (LLM._start_tp)
+_TP_ONLY = ("keep_quantized", "tp_timeout_s", "tp_load_timeout_s", "tp_grace_s")
+
+
+def embedded_drafter() -> str:
+    """The embedded model's Eagle3 drafter directory, absolute (a speculative_config "model" that works from any
+    working directory): LLM(speculative_config={"method": "eagle3", "model": embedded_drafter(), ...})."""
+    path = os.path.join(DEFAULT_MODEL_DIR, "eagle3")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"the embedded Eagle3 drafter is not in this installation ({path})")
+    return path
 
 
 def default_model() -> str:
@@ -30,7 +53,7 @@ def parse_dtype(dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)} or 'auto'")
+        raise ValueError(f"LLM: dtype {dtype!r}: expected one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
 
 
@@ -39,7 +62,8 @@ class LLM:
                  random_weights: bool | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, cpu_threads: int | None = None,
                  speculative_config: dict | None = None, route: str | None = None, enforce_eager: bool = False,
-                 kv_scales: str | None = "auto", kv_fp8_layers: tuple[int, ...] | str = "auto", **engine_kwargs):
+                 kv_scales: str | None = "auto", kv_fp8_layers: tuple[int, ...] | str = "auto",
+                 kv_rotation: int | None | str = "auto", tokenizer: str | None = None, **engine_kwargs):
         """route: "off" (stock path), "auto" (certified Triton entries where a module's rows and shape lie in a
         cell, stock elsewhere) or "require" (raise outside the cells). Default: auto on CUDA, off on CPU. The
         mode belongs to this LLM's model (two LLMs in one process route independently); tensor-parallel
@@ -50,8 +74,16 @@ class LLM:
         else the checkpoint's k_scale/v_scale, else the uncalibrated default; a kv_scales.json path; or None.
         kv_fp8_layers: sparse layers the hybrid cache (kv_cache_dtype="nvfp4") stores in FP8 instead of NVFP4:
         "auto" = the `fp8_layers` of the kv_scales.json that kv_scales selects (none without one, and none for
-        other KV dtypes), or an explicit tuple of sparse layer ids."""
+        other KV dtypes), or an explicit tuple of sparse layer ids.
+        kv_rotation: seed of the randomized Hadamard rotation of the hybrid cache's NVFP4 K/V (m3serve.kv.rotation),
+        None = unrotated; "auto" = the `rotation` of the kv_scales.json that kv_scales selects (unrotated when
+        that file has none), else the default seed.
+        tokenizer: a directory holding the tokenizer (vLLM's argument), when it is not the model's.
+        Other keyword arguments: EngineConfig's (max_model_len, max_num_seqs, kv_cache_dtype, ...); vLLM's that do
+        not apply here are accepted with one warning naming them (m3serve.vllm_args.IGNORED)."""
+        engine_kwargs = split_kwargs(engine_kwargs, EngineConfig, _TP_ONLY, tensor_parallel_size != 1)
         model = model or default_model()
+        self._tokenizer_dir = tokenizer
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and (cpu_threads is not None or "OMP_NUM_THREADS" not in os.environ):
             # Decode on CPU is a stream of tiny ops; on small shared machines OpenMP's thread hand-off costs
@@ -78,22 +110,31 @@ class LLM:
                                 quantization=quantization, seed=seed)
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
         if self.route != "off":
-            from m3serve.targets import routing
             routing.install(self.model, self.route)
             routing.warmup(self.model, max_rows=_max_step_rows(engine_kwargs, speculative_config))
-        self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
+        self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
             model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))
+        engine_kwargs["kv_rotation"] = self._resolve_kv_rotation(
+            model, kv_scales, kv_rotation, engine_kwargs.get("kv_cache_dtype", "auto"))
         if speculative_config is None:
             self.engine = LLMEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer)
             self._apply_kv_scales(model, kv_scales)
             self._enable_target(enforce_eager)
         else:  # vLLM's shape: {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K, ...}
-            from m3serve.engine.speculative import SpeculativeEngine
             self.engine = SpeculativeEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer,
                                             speculative_config=speculative_config)
             self._apply_kv_scales(model, kv_scales)
             self._enable_target(enforce_eager)   # decode steps as SpecSteps graphs (spec_graphs.py)
+
+    def _load_tokenizer(self, model: str):
+        path = self._tokenizer_dir
+        if path is None:
+            return load_tokenizer(model if os.path.isdir(model) else None)
+        tok = load_tokenizer(path)
+        if tok is None:
+            raise ValueError(f"LLM: tokenizer={path!r} is not a directory holding a tokenizer (tokenizer.json, ...)")
+        return tok
 
     def _resolve_kv_fp8_layers(self, model: str, kv_scales: str | None, kv_fp8_layers, kv_cache_dtype: str
                                ) -> tuple[int, ...]:
@@ -104,7 +145,6 @@ class LLM:
             raise ValueError(f"kv_fp8_layers: expected 'auto' or a tuple of sparse layer ids, found {kv_fp8_layers!r}")
         if kv_cache_dtype != "nvfp4":
             return ()
-        from m3serve.kv.calibrate import resolve_kv_fp8_layers
         source, layers = resolve_kv_fp8_layers(model, self.model.cfg.layer_types, kv_scales)
         if layers:
             self.kv_fp8_layers_source = source
@@ -112,9 +152,22 @@ class LLM:
                                               source)
         return layers
 
+    def _resolve_kv_rotation(self, model: str, kv_scales: str | None, kv_rotation, kv_cache_dtype: str
+                             ) -> int | None:
+        """The explicit seed (or None), or for "auto" the calibrated rotation (hybrid cache only)."""
+        if not isinstance(kv_rotation, str):
+            return kv_rotation
+        if kv_rotation != "auto":
+            raise ValueError(f"kv_rotation: expected 'auto', None or a non-negative int seed, found {kv_rotation!r}")
+        if kv_cache_dtype != "nvfp4":
+            return None
+        source, seed = resolve_kv_rotation(model, self.model.cfg.num_hidden_layers, kv_scales)
+        logging.getLogger("m3serve").info("KV cache: NVFP4 K/V rotation %s (%s)",
+                                          "off" if seed is None else f"seed {seed}", source or "default")
+        return seed
+
     def _apply_kv_scales(self, model: str, kv_scales: str | None) -> None:
         """Calibrated NVFP4 global scales into the cache's NVFP4 layers (no-op for other KV dtypes)."""
-        from m3serve.kv.calibrate import apply_model_kv_scales
         self.kv_scales_source = apply_model_kv_scales(self.engine.kv, model, self.model.cfg.num_hidden_layers,
                                                       kv_scales)
 
@@ -129,7 +182,6 @@ class LLM:
             return
         self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
         # compile every prefill / mixed-step variant now, not in front of the first request (engine/warmup.py)
-        from m3serve.engine.warmup import warm_up
         self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
@@ -139,17 +191,9 @@ class LLM:
         returns, the other ranks serve it and exit when it shuts down. `shutdown()` (or `with LLM(...)`)
         stops the workers early; they also stop when this object is collected or at exit. With a
         speculative_config every rank runs the same (replicated) drafter (m3serve.distributed.spec_driver)."""
-        import weakref
-
-        from m3serve.distributed.driver import start_tp
-        from m3serve.distributed.launch import TPLaunchSpec
-        from m3serve.model.loader import resolve_config
-        from m3serve.model.parallel import check_tp_shapes
-
         check_tp_shapes(resolve_config(model), size)       # a bad size fails here, before any process starts
         spec_dict = None
         if speculative_config is not None:                  # a bad config fails here too; a dir is made absolute
-            from m3serve.engine.spec_config import SpecConfig
             spec_dict = SpecConfig.from_dict(speculative_config).to_dict()
             if spec_dict["model"] is not None:
                 spec_dict["model"] = os.path.abspath(spec_dict["model"])
@@ -163,7 +207,7 @@ class LLM:
         spec = TPLaunchSpec(model=os.path.abspath(model) if os.path.isdir(model) else model, world_size=size,
                             device=str(self.device), dtype=self.dtype, seed=seed, random_weights=random_weights,
                             quantization=quantization, speculative_config=spec_dict, **tp_kw)
-        self.tokenizer = load_tokenizer(model if os.path.isdir(model) else None)
+        self.tokenizer = self._load_tokenizer(model)
         self.tp_context, self.model, self.engine = start_tp(spec, kw, self.tokenizer)
         self.device = self.model.device
         self._finalizer = weakref.finalize(self, self.tp_context.shutdown)
@@ -179,7 +223,13 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def encode(self, prompt) -> tuple[list[int], str | None]:
+    def encode(self, *args, **kwargs):
+        """vLLM's LLM.encode runs a pooling model (embeddings); m3serve only generates."""
+        raise NotImplementedError("LLM.encode is vLLM's pooling API (embeddings), which m3serve does not offer; "
+                                  "use generate() / chat(), or get_tokenizer().encode(text) for token ids")
+
+    def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
+        """A generate() prompt (text or {"prompt_token_ids": [...]}) -> (token ids, its text if known)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError(f"prompt dict: expected key 'prompt_token_ids', found {sorted(prompt)}")
@@ -188,6 +238,11 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("text prompt given but the model has no tokenizer; pass "
                                  "{'prompt_token_ids': [...]} instead")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:      # a lone surrogate ("\ud800"): not text, the tokenizer would fail
+                raise ValueError(f"prompt: invalid Unicode at character {e.start} ({prompt[e.start]!r}: a lone "
+                                 "UTF-16 surrogate)") from None
             return self.tokenizer.encode(prompt), prompt
         raise TypeError(f"prompt: expected str or {{'prompt_token_ids': [...]}}, found {type(prompt).__name__}")
 
@@ -200,7 +255,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        encoded = [self.encode(p) for p in prompts]          # validate everything before queueing anything
+        encoded = [self._prompt_ids(p) for p in prompts]          # validate everything before queueing anything
         reqs = []
         try:
             for (ids, text), p in zip(encoded, params):
@@ -278,7 +333,6 @@ class LLM:
         if add_generation_prompt and continue_final_message:
             raise ValueError("chat: add_generation_prompt and continue_final_message cannot both be True")
         # The server's encoder: special-token text inside message content stays ordinary text (no forged turns).
-        from m3serve.server.chat_tokens import chat_encoder
         kwargs = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message)
         if chat_template is not None:

@@ -49,25 +49,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", metavar="MODEL", default=None,
                    help="start `m3serve serve MODEL` on a free local port for the run (overrides --base-url)")
     p.add_argument("--server-args", default="", help="extra arguments for the launched server (one string)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None, help="model name (default: the server's first /v1/models entry)")
-    p.add_argument("--workload", choices=WORKLOADS, default=d.workload)
+    p.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    p.add_argument("--model", default=None, help="model name (default: %(default)s = the server's first /v1/models entry)")
+    p.add_argument("--workload", choices=WORKLOADS, default=d.workload, help="traffic shape")
     p.add_argument("--concurrency", type=_int_list, default=d.concurrency, help="comma-separated levels")
     p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens (agentic: new tokens per turn)")
-    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--output-len", type=int, default=d.output_len, help="tokens generated per request")
     p.add_argument("--requests-per-user", type=int, default=d.requests_per_user, help="fixed workload")
     p.add_argument("--turns", type=int, default=d.turns, help="agentic workload")
     p.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len, help="agentic workload")
-    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
     p.add_argument("--num-gpus", type=int, default=d.num_gpus, help="divides throughput for the per-GPU figures")
     p.add_argument("--token-range", type=_range, default=None, help="LO,HI: prompt token ids drawn from [LO, HI)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the prompts drawn")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed for the whole run")
     p.add_argument("--label", default=None, help="series name in charts")
     p.add_argument("--out", default="bench_serve.json", help="JSON results path")
     p.add_argument("--plot", default=None, metavar="PNG", help="also write the Pareto chart here")
     p.add_argument("--compare", nargs="*", default=[], metavar="JSON", help="result files to overlay on the chart")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def launch_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -126,13 +126,15 @@ def run_plot(args: argparse.Namespace) -> int:
 
 def add_commands(sub) -> None:
     """Add `serve` and `plot` to an existing `bench` subparsers object."""
-    s = sub.add_parser("serve", help="closed-loop serving benchmark (JSON + Pareto PNG)")
+    s = sub.add_parser("serve", help="closed-loop serving benchmark (JSON + Pareto PNG)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_arguments(s)
     s.set_defaults(func=run_serve)
-    p = sub.add_parser("plot", help="overlay result files on one Pareto chart")
+    p = sub.add_parser("plot", help="overlay result files on one Pareto chart",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("files", nargs="+", metavar="JSON")
-    p.add_argument("-o", "--output", default="pareto.png")
-    p.add_argument("--title", default=None)
+    p.add_argument("-o", "--output", default="pareto.png", help="PNG path")
+    p.add_argument("--title", default=None, help="chart title")
     p.set_defaults(func=run_plot)
     pareto.add_command(sub)
 

@@ -265,6 +265,7 @@ async def run_bench(cfg: BenchConfig) -> dict:
     meta = asdict(cfg)
     meta.pop("api_key", None)
     meta["label"] = cfg.label or f"{cfg.model} {cfg.workload}"
+    meta["server_device"] = card.get("device")       # "cuda" / "cpu" from an m3serve server, else unknown
     meta["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     meta["x_axis"] = "interactivity_x90 = 1000 / P90(ITL ms), tokens/s/user"
     meta["y_axis"] = "total_tokens_per_s_per_gpu = (input + output tokens) / s / num_gpus"

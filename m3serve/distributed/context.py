@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from m3serve.distributed.protocol import HEADER_LEN, OP_STOP
 from m3serve.model.parallel import TPGroup
 
 CONTROL_TIMEOUT = _dt.timedelta(days=365)
@@ -82,6 +83,15 @@ class TPContext:
             raise WorkerDiedError("tensor-parallel group is shut down")
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
+
+    def fault(self) -> str | None:
+        """Why this group can run no more steps (None while it can): a failed step, a worker gone, shut down."""
+        if self.failure is not None:
+            return self.failure
+        dead = self.dead_worker()
+        if dead is None and self.closed:
+            return "tensor-parallel group is shut down"
+        return dead
 
     def dead_worker(self) -> str | None:
         """A message for the first worker process that has exited (spawn mode), else None."""
@@ -184,7 +194,6 @@ class TPContext:
         stopped = False
         if self.rank == 0 and graceful and healthy and self.control is not None:
             try:
-                from m3serve.distributed.protocol import HEADER_LEN, OP_STOP
                 stop = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 stop[0] = OP_STOP
                 dist.broadcast(stop, 0, group=self.control)

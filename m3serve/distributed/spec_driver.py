@@ -19,6 +19,9 @@ class TPSpecDriverEngine(SpeculativeEngine):
         self._step_no = 0
         super().__init__(model, config, tokenizer, speculative_config=speculative_config, drafter=drafter)
 
+    def fault(self) -> str | None:
+        return self.ctx.fault()
+
     def _run_target(self, batch, mode):
         header, payload = spec_protocol.pack_target(batch, mode, self._step_no)
         return broadcast_and_run(self, header, payload, lambda: self.runner.target(batch, mode))

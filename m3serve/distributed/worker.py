@@ -29,7 +29,11 @@ from m3serve.distributed.protocol import (
     run_step,
     unpack_step,
 )
+from m3serve.distributed.spec_protocol import SPEC_OPS, run_spec_op
+from m3serve.engine.spec_runner import DraftLayerIO, SpecRunner
+from m3serve.engine.speculative import SpecConfig, build_drafter
 from m3serve.kv.cache import PagedKVCache
+from m3serve.model.loader import load_model
 
 FAULT_ENV = "M3SERVE_TP_FAULT"   # tests: "<rank>:load" or "<rank>:step<N>" makes that rank fail there
 
@@ -42,8 +46,6 @@ def _fault(rank: int, where: str) -> None:
 def follow(ctx: TPContext, model, kv: PagedKVCache, runner=None) -> int:
     """Run broadcast steps until rank 0 sends STOP; returns the number of steps run. runner: the
     speculative passes' SpecRunner (m3serve.engine.spec_runner) when rank 0 speculates."""
-    from m3serve.distributed.spec_protocol import SPEC_OPS, run_spec_op
-    from m3serve.engine.spec_runner import DraftLayerIO
     draft_io = DraftLayerIO(kv) if runner is not None else None
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     step = 0
@@ -68,7 +70,6 @@ def follow(ctx: TPContext, model, kv: PagedKVCache, runner=None) -> int:
 
 def serve_follower(ctx: TPContext, spec: TPLaunchSpec) -> int:
     """Load, agree on the KV size with rank 0, follow. Errors are published for rank 0, then re-raised."""
-    from m3serve.model.loader import load_model
     try:
         torch.manual_seed(spec.seed)
         _fault(ctx.rank, "load")
@@ -77,8 +78,6 @@ def serve_follower(ctx: TPContext, spec: TPLaunchSpec) -> int:
                            keep_quantized=spec.keep_quantized)
         runner = None
         if spec.speculative_config is not None:        # the drafter is replicated: the same one as rank 0's
-            from m3serve.engine.spec_runner import SpecRunner
-            from m3serve.engine.speculative import SpecConfig, build_drafter
             drafter = build_drafter(SpecConfig.from_dict(spec.speculative_config), model).attach_target(model).eval()
             runner = SpecRunner(model, drafter)
         kv_spec = rank_kv_spec(model, spec.kv_cache_dtype, spec.index_k_dtype,

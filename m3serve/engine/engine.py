@@ -9,24 +9,31 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from m3serve.engine import groups, prompt_logprobs, stopping
+from m3serve.engine import groups, prompt_logprobs, stopping, token_filters
 from m3serve.engine.detokenize import output_text
 from m3serve.engine.penalties import PenaltyState
 from m3serve.engine.request import Request, RequestGroup, Status
 from m3serve.engine.sampler import sample, sampling_key, top_logprobs
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
+from m3serve.engine.token_masks import TokenMaskRows
+from m3serve.kernels.catalog import all_entries
 from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
+from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.decode_graphs import DecodeGraphs, sampling_row
+from m3serve.runtime.step_plan import buckets_up_to, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PAGED_KERNELS, PagedStep
+from m3serve.targets.explain import uncertified_attention
 
 log = logging.getLogger("m3serve")
 
@@ -40,6 +47,9 @@ class EngineConfig:
     # Hybrid cache: sparse layers kept in FP8 (KVCacheSpec.fp8_layers). "auto" = what LLM resolves from the model's
     # kv_scales.json; an engine built without LLM has no model directory to read, so "auto" is none there.
     kv_fp8_layers: tuple[int, ...] | str = "auto"
+    # Hybrid cache: seed of the randomized Hadamard rotation of the NVFP4 layers' K/V (KVCacheSpec.kv_rotation_seed),
+    # None = unrotated. "auto" = LLM's choice from the model's kv_scales.json; without LLM, the default seed.
+    kv_rotation: int | None | str = "auto"
     index_k_dtype: str = "auto"
     kv_cache_bytes: int | None = None         # CPU (or explicit) budget
     gpu_memory_utilization: float = 0.9
@@ -77,6 +87,11 @@ class LLMEngine:
             self.eos.add(tokenizer.eos_token_id)
         # Penalties / logit_bias / min_tokens state: one device row per running request that uses them.
         self.penalties = PenaltyState(config.max_num_seqs, cfg.vocab_size, dev, self.eos)
+        # Structured output: allowed-token masks per penalty-state row (device), their grammars (host, made on
+        # the first constrained request: m3serve.engine.structured).
+        self.token_masks = TokenMaskRows(config.max_num_seqs, cfg.vocab_size, dev)
+        self.grammars = None
+        self._grammars_lock = threading.Lock()
         self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
         self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
         log.info("KV cache: %s", self.kv.describe())
@@ -89,17 +104,21 @@ class LLMEngine:
                 raise ValueError(f"EngineConfig.kv_fp8_layers: expected 'auto' or a tuple of sparse layer ids, "
                                  f"found {fp8_layers!r}")
             fp8_layers = ()
+        seed = config.kv_rotation
+        if isinstance(seed, str):
+            if seed != "auto":
+                raise ValueError(f"EngineConfig.kv_rotation: expected 'auto', None or a non-negative int seed, "
+                                 f"found {seed!r}")
+            seed = DEFAULT_ROTATION_SEED if config.kv_cache_dtype == "nvfp4" else None
         return KVCacheSpec.from_model_config(model.cfg, tp_size=model.tp.size, kv_cache_dtype=config.kv_cache_dtype,
                                              index_k_dtype=config.index_k_dtype, model_dtype=model.dtype,
-                                             fp8_layers=fp8_layers, **extra)
+                                             fp8_layers=fp8_layers, kv_rotation_seed=seed, **extra)
 
     def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto") -> bool:
         """The decode target: attention through the paged-cache kernels for every step, and pure decode steps
         replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1 and every attention
         layer's decode kernels in certified cells; otherwise `auto` keeps the stock path (returns False, logs
         why) and `require` raises naming each uncertified placement."""
-        from m3serve.runtime.decode_graphs import buckets_up_to
-        from m3serve.targets.explain import uncertified_attention
         if self.model.device.type != "cuda" or self.model.dtype != torch.bfloat16 or self.model.tp.size != 1:
             raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {self.model.dtype} on "
                              f"{self.model.device} at TP {self.model.tp.size}")
@@ -113,9 +132,10 @@ class LLMEngine:
         if not self._all_certified(missing, "attention", "decode target", mode):
             return False
         self.target_attention = True
+        self.model.use_attention(PAGED_KERNELS)
         if graphs:
-            from m3serve.runtime.decode_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties,
+                                       token_masks=self.token_masks)
             self.graphs.capture(mode)
         return True
 
@@ -133,7 +153,6 @@ class LLMEngine:
     def _certified_table_width(self) -> int:
         """msa.select compiles per block-table width (padded to a power of two) and is certified at the model's
         full context; use the smallest certified width that holds max_model_len (or keep ours)."""
-        from m3serve.kernels.catalog import all_entries
         cfg, need = self.model.cfg, self.tables.max_blocks
         if not any(t == "sparse" for t in cfg.layer_types):
             return need
@@ -163,6 +182,7 @@ class LLMEngine:
         params.validate()
         if not prompt_token_ids:
             raise ValueError("prompt: empty (at least one token is needed)")
+        prompt_token_ids = self._truncated(prompt_token_ids, params)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -174,15 +194,22 @@ class LLMEngine:
         if n + 1 > self.capacity_tokens:
             raise ValueError(f"prompt has {n} tokens; the KV cache holds {self.capacity_tokens} tokens in all")
         self._check_sampling_support(params)
+        grammars = self._grammars() if params.structured_outputs is not None else None
+        if grammars is not None:
+            grammars.compiler.compile(params.structured_outputs)     # a bad schema raises before anything is queued
         candidates = groups.candidate_params(params)
         limit = self.scheduler.max_queue
         if limit is not None and len(candidates) > 1 and len(self.scheduler.waiting) + len(candidates) > limit:
             raise OverflowError(f"the waiting queue is full ({limit} requests; this one has {len(candidates)} "
                                 "candidates)")
+        bad_words = token_filters.bad_word_sequences(params.bad_words, self.tokenizer)
         reqs = [Request(next(self._ids), list(prompt_token_ids), p, prompt=prompt) for p in candidates]
         for req in reqs:
+            req.bad_word_ids = bad_words
             req.sample_key = sampling_key(req.params, self.config.seed * 1_000_003 + req.request_id)
             prompt_logprobs.start(req)
+            if grammars is not None:
+                grammars.start(req.request_id, req.params.structured_outputs)
         leader = reqs[0]
         self.scheduler.add(leader)
         if len(reqs) > 1:
@@ -199,22 +226,63 @@ class LLMEngine:
             self._prompt_lp_pending[leader.request_id] = leader
         return leader
 
+    def _truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last k tokens (-1: as many as leave room for one new token)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        if k == -1:
+            k = self.max_model_len - 1
+        return list(prompt_token_ids[-k:])
+
     def _check_sampling_support(self, params: SamplingParams) -> None:
         """What depends on the model or on this engine's sampling step (ValueError naming the field)."""
         vocab = self.model.cfg.vocab_size
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"SamplingParams.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.allowed_token_ids or []) if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.allowed_token_ids: token id {bad[0]} outside the vocabulary "
+                             f"[0, {vocab})")
         own = all(getattr(type(self), m) is getattr(LLMEngine, m) for m in ("step", "_forward_sample", "_sample_rows"))
         if own:
             return
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None)):
+                              ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None), ("min_p", 0.0),
+                              ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None)):
             value = getattr(params, name)
-            if value != neutral and not (name == "logit_bias" and not value):
+            if value != neutral and not (name in ("logit_bias", "bad_words") and not value):
                 raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {type(self).__name__} "
-                                 "(penalties, logit_bias, min_tokens and prompt_logprobs are applied by "
-                                 "LLMEngine's own sampling step)")
+                                 "(penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words, "
+                                 "prompt_logprobs and structured_outputs are applied by LLMEngine's own sampling "
+                                 "step)")
+
+    def _grammars(self):
+        """The structured-output grammars, made on first use (xgrammar takes seconds to import and to index the
+        vocabulary; a server that never sees a constrained request never pays for it)."""
+        with self._grammars_lock:
+            if self.grammars is None:
+                from m3serve.engine import structured     # heavy optional dependency: loaded on first use
+                compiler = structured.GrammarCompiler(self.tokenizer, self.model.cfg.vocab_size, self.eos)
+                self.grammars = structured.Grammars(compiler, self.token_masks)
+        return self.grammars
+
+    def compile_grammar(self, constraint) -> None:
+        """Compile a StructuredOutputsParams into the engine's grammar cache; safe from any thread (the server
+        calls it while parsing a request, so add_request finds it compiled and the engine thread never waits
+        for a compile). Raises ValueError naming the constraint's field when it does not compile."""
+        self._grammars().compiler.compile(constraint)
+
+    def _constrained(self, req: Request) -> bool:
+        return self.grammars is not None and self.grammars.has(req.request_id)
+
+    def _release_grammar(self, req: Request) -> None:
+        if self.grammars is not None:
+            self.grammars.release(req.request_id)
 
     def abort(self, request_id: int) -> None:
         """Abort a request; a group leader's id aborts all its candidates."""
@@ -228,9 +296,15 @@ class LLMEngine:
             if not m.is_finished:
                 self.scheduler.finish(m, "abort")
             self.penalties.release(m)
+            self._release_grammar(m)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
+
+    def fault(self) -> str | None:
+        """Why this engine can run no more steps (None while it can). A tensor-parallel driver reports its
+        group's (a worker that exited, a failed step); a single-process engine never becomes unusable."""
+        return None
 
     def drain(self) -> list[Request]:
         """Read back the graph step in flight, if any (its tokens are accepted as a step would; a request that
@@ -293,9 +367,15 @@ class LLMEngine:
     def _overlappable(self, req: Request) -> bool:
         """Its next token can stay on the device until the step after next: chosen inside the graph (argmax, or
         the graphs' sampling variant), no logprobs or logits processing that need the host between steps."""
+        return self._graph_decides(req) and not self._constrained(req)
+
+    def _graph_decides(self, req: Request) -> bool:
+        """A decode graph variant can choose its next token: no logprobs, sampling / penalties / grammar masks
+        inside the graph. A constrained request is not overlappable (its next mask needs this token on the
+        host) but still takes the processed graph."""
         g = self.graphs
         return (req.params.logprobs is None and (req.params.greedy or g.sampling)
-                and (not req.logits_processing or g.penalties is not None))
+                and (not req.logits_processing or g.penalties is not None) and not req.has_dynamic_bans)
 
     def _graph_choice(self, reqs: list[Request]) -> tuple[list | None, list[int] | None]:
         """(sampling, penalty_rows) for DecodeGraphs.run: the rows' sampling parameters (None when every row is
@@ -303,11 +383,12 @@ class LLMEngine:
         rows = self.penalties.row_ids_for(reqs)
         if rows is None and all(r.params.greedy for r in reqs):
             return None, None
+        if rows is not None:
+            self.penalties.refresh()
         return [r.graph_sampling or self._graph_sampling_row(r) for r in reqs], rows
 
     @staticmethod
     def _graph_sampling_row(req: Request) -> tuple:
-        from m3serve.runtime.decode_graphs import sampling_row
         p = req.params
         req.graph_sampling = sampling_row(p.temperature, p.top_k, p.top_p, req.sample_key)
         return req.graph_sampling
@@ -349,6 +430,11 @@ class LLMEngine:
         """Append each request's new token (and logprobs), check its stop conditions, cache its full pages."""
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             req.output_token_ids.append(tok)
+            if self.grammars is not None and not self.grammars.advance(req.request_id, tok):
+                log.error("request %d: token %d is outside its structured-output grammar (every token the grammar "
+                          "allowed was forbidden by its other logits processing); aborted", req.request_id, tok)
+                self._finish(req, "abort", None)
+                continue
             if req.params.logprobs is not None:
                 top = {tid: lv for tid, lv in zip(lp[1][i][:req.params.logprobs], lp[2][i][:req.params.logprobs])}
                 top[tok] = lp[0][i]
@@ -378,9 +464,12 @@ class LLMEngine:
     def _graph_decode(self, reqs: list[Request]) -> tuple[list[int], tuple | None]:
         """A pure decode step as one graph replay; rows that the graph itself can decide (no logprobs, no logits
         processing) read back only token ids, otherwise the step's logits are sampled as an eager step would."""
-        own = all(self._overlappable(r) for r in reqs)     # the graph's argmax / sampling variant is the answer
+        own = all(self._graph_decides(r) for r in reqs)     # the graph's argmax / sampling variant is the answer
+        sampling, rows = self._graph_choice(reqs) if own else (None, None)
+        if rows is not None and self.grammars is not None:
+            self.grammars.fill([r.request_id for r in reqs], rows, in_graph=True)
         launched = self.graphs.run([r.request_id for r in reqs], [_last_token(r) for r in reqs],
-                                   [r.num_computed for r in reqs], *(self._graph_choice(reqs) if own else (None, None)))
+                                   [r.num_computed for r in reqs], sampling, rows)
         if own:
             return self.graphs.fetch_tokens(launched), None
         return self._sample_rows(self.graphs.logits(launched), reqs)
@@ -389,7 +478,12 @@ class LLMEngine:
         """logits [R, V] -> one token per row; penalties, logit_bias and min_tokens change the scores the token
         is chosen from (on the device, only when a request in the batch asks for them), logprobs stay raw."""
         rows = self.penalties.rows_for(reqs)
+        if rows is not None:
+            self.penalties.refresh()
         scores = logits if rows is None else self.penalties.apply(logits, rows)
+        if rows is not None and self.grammars is not None and self.grammars.fill(
+                [r.request_id for r in reqs], self.penalties.row_ids_for(reqs), in_graph=False):
+            scores = self.token_masks.apply(scores, rows)
         tokens = sample(scores, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
         if rows is not None:
             self.penalties.record(rows, tokens)
@@ -444,9 +538,15 @@ class LLMEngine:
         if group is not None:
             self._release_candidates(group)
         hit = stopping.stop_hit(req, tok, self.eos, self.tokenizer, self.max_model_len)
+        if hit is None and self.grammars is not None and self.grammars.complete(req.request_id):
+            hit = ("stop", tok)                  # the grammar ended on a stop token (ignore_eos kept going)
         if hit is not None:
-            self.scheduler.finish(req, *hit)
-            self.penalties.release(req)
+            self._finish(req, *hit)
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        self.penalties.release(req)
+        self._release_grammar(req)
 
     def _release_candidates(self, group: RequestGroup) -> None:
         """Queue the candidates after the leader, first in line: its full prompt pages are committed to the
@@ -474,11 +574,14 @@ class LLMEngine:
 
     def release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+        self._release_grammar(req)
 
     def stats(self) -> dict:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.kv.num_slots,
-                "preemptions": self.scheduler.num_preemptions}
+                "preemptions": self.scheduler.num_preemptions,
+                "structured_masked_steps": self.grammars.masked_steps if self.grammars is not None else 0,
+                "structured_graph_masked_steps": self.grammars.graph_masked_steps if self.grammars is not None else 0}
 
 
 def _last_token(req: Request) -> int:

@@ -5,6 +5,9 @@ For a row with bias b, token counts c over the output so far, s = [token in the 
     x[stop ids] = -inf                    while fewer than min_tokens tokens are out (EOS unless ignore_eos)
     x = where(s, where(x > 0, x / r, x * r), x)          repetition_penalty r (prompt + output)
     x = x - f * c - p * [c > 0]                          frequency f, presence p (output only)
+    x[v] = -inf where x[v] - max(x) < floor              min_p (floor = T ln min_p; m3serve.engine.token_filters)
+allowed_token_ids and bad words are -inf entries of the bias row (a bad word of several tokens: written by the
+host before each step where the output ends with its other tokens, see refresh).
 Logprobs stay those of the raw logits (vLLM's default); only the token choice sees x.
 
 Per-request state lives in preallocated device tensors, one state row per running request that needs it;
@@ -15,12 +18,13 @@ batch rows without processing point at the neutral row S:
     stop_mask   bool [S+1, V]     ids forbidden before min_tokens
     coef        fp32 [S+1, 3, 1]  (r, f, p)
     remaining   fp32 [S+1, 1]     min_tokens - tokens out (stop ids are forbidden while > 0)
+    floor       fp32 [S+1, 1]     min_p's floor on x - max(x) (-inf: off)
 A step is apply(logits, rows) then record(rows, tokens): a fixed sequence of ~20 + 5 device ops whatever is
 enabled and however many rows use it, no host sync, the sampled ids counted in place (index_add_) -
 so it can run inside a captured CUDA graph with `rows` in a static buffer. The host writes a request's row once
 (its prompt, its output so far, its parameters), not per token; a batch without any processed request skips
-all of it (rows_for returns None). The neutral row has bias 0, r = 1, f = p = 0, remaining <= 0: every rule is
-the identity there for any counts (x / 1, x * 1, x - 0 are exact), so record() counts into it too rather than
+all of it (rows_for returns None). The neutral row has bias 0, r = 1, f = p = 0, remaining <= 0, floor -inf: every rule
+is the identity there for any counts (x / 1, x * 1, x - 0 are exact), so record() counts into it too rather than
 spend ops on masking it out.
 
 Shape legend: S max_num_seqs (state rows), V vocab, R rows sampled this step.
@@ -28,8 +32,11 @@ Shape legend: S max_num_seqs (state rows), V vocab, R rows sampled this step.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from m3serve.engine import token_filters
 from m3serve.engine.request import Request, Status
 from m3serve.engine.sampling_params import SamplingParams
 
@@ -54,6 +61,8 @@ class PenaltyState:
         self._row_of: dict[int, int] = {}
         self._epoch = 0                              # bumped whenever a row changes hands
         self._cached: tuple[tuple[int, ...], int, torch.Tensor] | None = None
+        # rows whose bad words ban tokens only after some outputs: row -> (request, bans written now)
+        self._dynamic: dict[int, tuple[Request, set[int]]] = {}
         self.counts = None                           # allocated on first use: no memory unless a request needs it
 
     def _allocate(self) -> None:
@@ -70,6 +79,7 @@ class PenaltyState:
         self.stop_mask = torch.zeros(s, v, dtype=torch.bool, device=dev)
         self.coef = torch.tensor([[1.0, 0.0, 0.0]] * s, dtype=torch.float32, device=dev).unsqueeze(-1)
         self.remaining = torch.zeros(s, 1, dtype=torch.float32, device=dev)
+        self.floor = torch.full((s, 1), -math.inf, dtype=torch.float32, device=dev)
         self._one = torch.ones((), dtype=torch.float32, device=dev)
         self._minus_one = -self._one
         self._true = torch.ones((), dtype=torch.bool, device=dev)
@@ -120,6 +130,7 @@ class PenaltyState:
         for i, o in enumerate(self._owner):
             if o.status is not Status.RUNNING:
                 del self._row_of[o.request_id]
+                self._dynamic.pop(i, None)
                 return i
         raise RuntimeError(f"PenaltyState: all {self.max_rows} rows belong to running requests (max_num_seqs)")
 
@@ -144,16 +155,54 @@ class PenaltyState:
         self.coef[row] = torch.tensor([[p.repetition_penalty], [p.frequency_penalty], [p.presence_penalty]],
                                       dtype=torch.float32, device=dev)
         self.remaining[row] = p.min_tokens - len(req.output_token_ids)
+        self._write_filters(row, req)
         self._owner[row] = req
         self._row_of[req.request_id] = row
         self._epoch += 1
         return row
+
+    def _write_filters(self, row: int, req: Request) -> None:
+        """allowed_token_ids and one-token bad words into the bias row, min_p's floor (token_filters)."""
+        p, dev = req.params, self.device
+        static = token_filters.static_bans(p, req.bad_word_ids, self.vocab)
+        if static:
+            self.bias[row, torch.tensor(static, dtype=torch.int64, device=dev)] = -math.inf
+        self.floor[row] = token_filters.min_p_floor(p)
+        self._dynamic.pop(row, None)
+        if token_filters.has_dynamic_bans(req.bad_word_ids):
+            self._dynamic[row] = (req, set())
+            self._refresh_row(row)
+
+    def refresh(self) -> None:
+        """Host, before a step samples: rewrite the bans of multi-token bad words for the rows that have them
+        from their outputs so far (such requests never run in the overlap loop, so the host knows them)."""
+        for row in list(self._dynamic):
+            self._refresh_row(row)
+
+    def _refresh_row(self, row: int) -> None:
+        req, now = self._dynamic[row]
+        want = token_filters.dynamic_bans(req.bad_word_ids, req.output_token_ids)
+        if want == now:
+            return
+        dev = self.device
+        lifted = sorted(now - want)
+        if lifted:          # back to the row's own value: -inf if also banned statically, else its logit_bias
+            bias = req.params.logit_bias or {}
+            vals = [-math.inf if token_filters.banned_statically(req.params, req.bad_word_ids, t) else
+                    bias.get(t, 0.0) for t in lifted]
+            self.bias[row, torch.tensor(lifted, dtype=torch.int64, device=dev)] = \
+                torch.tensor(vals, dtype=torch.float32, device=dev)
+        added = sorted(want - now)
+        if added:
+            self.bias[row, torch.tensor(added, dtype=torch.int64, device=dev)] = -math.inf
+        self._dynamic[row] = (req, want)
 
     def release(self, req: Request) -> None:
         """The request is done: its row is free for the next one (a no-op for requests without a row)."""
         row = self._row_of.pop(req.request_id, None)
         if row is not None:
             self._owner[row] = None
+            self._dynamic.pop(row, None)
             self._epoch += 1
 
     # ------------------------------------------------------------------ device: every step
@@ -167,7 +216,8 @@ class PenaltyState:
         x = x.masked_fill(self.stop_mask[rows] & (self.remaining[rows] > 0), float("-inf"))
         x = torch.where(self.seen[rows], torch.where(x > 0, x / rep, x * rep), x)
         counts = self.counts[rows]
-        return x - freq * counts - pres * counts.clamp(max=1.0)
+        x = x - freq * counts - pres * counts.clamp(max=1.0)
+        return x.masked_fill(x - x.amax(-1, keepdim=True) < self.floor[rows], float("-inf"))
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count the sampled tokens [R] into their rows, in place (neutral-row duplicates accumulate harmlessly)."""
@@ -179,12 +229,20 @@ class PenaltyState:
 
 
 def reference_process(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], params: SamplingParams,
-                      eos_ids) -> torch.Tensor:
+                      eos_ids, bad_word_ids: tuple = ()) -> torch.Tensor:
     """Plain fp32 reference for one row [V]: a Python loop over tokens, written from the definitions above
-    independently of PenaltyState (tests compare the two)."""
+    independently of PenaltyState (tests compare the two). bad_word_ids: the bad words' token sequences."""
     x = logits.detach().float().clone()
     for tok, b in (params.logit_bias or {}).items():
         x[tok] += b
+    if params.allowed_token_ids is not None:
+        for tok in range(x.shape[0]):
+            if tok not in params.allowed_token_ids:
+                x[tok] = float("-inf")
+    for seq in bad_word_ids:
+        *head, last = seq
+        if not head or (len(output_ids) >= len(head) and list(output_ids[len(output_ids) - len(head):]) == head):
+            x[last] = float("-inf")
     if len(output_ids) < params.min_tokens:
         for tok in stop_ids_before_min_tokens(params, eos_ids, x.shape[0]):
             x[tok] = float("-inf")
@@ -198,6 +256,9 @@ def reference_process(logits: torch.Tensor, prompt_ids: list[int], output_ids: l
     p = torch.tensor(params.presence_penalty, dtype=torch.float32)
     for tok, c in counts.items():
         x[tok] = x[tok] - f * float(c) - p
+    if params.min_p > 0 and not params.greedy:      # in probability space, as the definition reads
+        probs = torch.softmax(x / params.temperature, dim=-1)
+        x = torch.where(probs < params.min_p * probs.max(), float("-inf"), x)
     return x
 
 

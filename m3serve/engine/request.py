@@ -43,12 +43,18 @@ class Request:
     prompt_logprobs_left: int = 0        # entries of prompt_logprobs still to compute
     stop_scan_chars: int | None = None   # output text characters already searched for stop strings
     logits_processing: bool = field(init=False, default=False)   # penalties / bias / min_tokens (cached)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()     # params.bad_words as token sequences (the engine spells them)
     # Tokens sampled by graph steps still in flight (the overlap loop): their ids are on the device only.
     # They count for scheduling (num_tokens) but are not in output_token_ids yet.
     pending: int = 0
 
     def __post_init__(self) -> None:
         self.logits_processing = self.params.needs_logits_processing
+
+    @property
+    def has_dynamic_bans(self) -> bool:
+        """A bad word of several tokens: its ban depends on the output so far, which the host must know."""
+        return any(len(s) > 1 for s in self.bad_word_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

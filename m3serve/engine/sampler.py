@@ -23,54 +23,14 @@ from __future__ import annotations
 
 import torch
 
+from m3serve.engine.keyed_noise import exponential_noise, noise_from_seeds, row_seed_host
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.spec_rng import mix32
-
-_M32 = 0xFFFFFFFF
 
 
 def sampling_key(params: SamplingParams, fallback: int) -> int:
     """The request's sampling key in [0, 2^63): its seed when given, else `fallback` (the engine's per-request
     default, derived from its own seed and the request id)."""
     return params.seed if params.seed is not None else fallback % (2 ** 63)
-
-
-_GOLDEN = 0x9E3779B9
-
-
-def _mix32_int(x: int) -> int:
-    """spec_rng.mix32 on one Python int in [0, 2^32) (the host half of the row seed)."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def row_seed_host(key: int, counter: int) -> int:
-    """The 32-bit seed of one row's draws: three mixing rounds over (key, counter); equals row_seed."""
-    k = key & 0x7FFFFFFFFFFFFFFF
-    return _mix32_int(_mix32_int(_mix32_int(k & _M32) ^ ((k >> 32) & _M32)) ^ (counter & _M32)) ^ ((counter >> 32) & _M32)
-
-
-def row_seed(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """row_seed_host on the device: int64 [R] keys and counters -> int64 [R] seeds in [0, 2^32)."""
-    k = keys & 0x7FFFFFFFFFFFFFFF
-    return mix32(mix32(mix32(k & _M32) ^ ((k >> 32) & _M32)) ^ (counters & _M32)) ^ ((counters >> 32) & _M32)
-
-
-def noise_from_seeds(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) draws fp32 [R, V], strictly positive: one mixing round over seed + v * golden (mod 2^32), the
-    top 24 bits taken at bin centres in (0, 1)."""
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = mix32((seeds[:, None] + v[None, :] * _GOLDEN) & _M32) >> 8
-    return (-torch.log((bits.double() + 0.5) * 2.0 ** -24)).float()
-
-
-def exponential_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) draws fp32 [R, V]: a hash of (keys[r], counters[r], v), independent of R.
-    keys, counters: int64 [R] on the target device."""
-    return noise_from_seeds(row_seed(keys, counters), vocab)
 
 
 def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

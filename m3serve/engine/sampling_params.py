@@ -4,12 +4,16 @@ Penalties follow vLLM: repetition_penalty r over the prompt and the output (a se
 when l > 0, else l * r), frequency_penalty f and presence_penalty p over the output only
 (l -= f * count + p * [count > 0]). logit_bias adds to the logits first; min_tokens forbids EOS and stop ids until
 that many tokens are out, and no stop string ends the output before it. Range checks name the field.
+vLLM's token filters (min_p, allowed_token_ids, bad_words: m3serve.engine.token_filters) are logits processing
+too; truncate_prompt_tokens keeps the prompt's last k tokens (-1: as many as the context allows).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from m3serve.engine.structured_params import StructuredOutputsParams, as_structured
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -45,14 +49,30 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0                            # drop tokens below min_p x the top probability (after temperature)
+    allowed_token_ids: list[int] | None = None    # only these may be sampled
+    bad_words: list[str] | None = None            # words the output may never complete
+    truncate_prompt_tokens: int | None = None     # keep the prompt's last k tokens; -1: the context's limit
+    # a grammar the output must follow (JSON schema / object, regex, choice, EBNF): m3serve.engine.structured
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):      # list() of an int or a dict would fail without the name
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise ValueError(f"SamplingParams.{name} = {v!r}: expected a list" +
+                                 (" of strings (or one string)" if name == "stop" else " of token ids"))
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             self.logit_bias = dict(self.logit_bias)
+        if isinstance(self.allowed_token_ids, (tuple, set, range)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.structured_outputs = as_structured(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -111,6 +131,27 @@ class SamplingParams:
                 if not _is_num(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                     bad("logit_bias", self.logit_bias,
                         f"expected biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], found {b!r} for token {tok}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "expected StructuredOutputsParams or None")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            bad("min_tokens", self.min_tokens, "expected 0 with structured_outputs (the grammar decides where the "
+                                               "output may end)")
+        self._validate_token_filters(bad)
+
+    def _validate_token_filters(self, bad) -> None:
+        """min_p, allowed_token_ids, bad_words, truncate_prompt_tokens (vLLM's ranges)."""
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", self.min_p, "expected a number in [0, 1] (0 disables it)")
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids)):
+            bad("allowed_token_ids", ids, "expected a non-empty list of non-negative token ids or None")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, list) or not all(isinstance(w, str) and w.strip()
+                                                                         for w in words)):
+            bad("bad_words", words, "expected a list of non-blank strings or None")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", k, "expected an integer >= 1, -1 (the context's limit) or None")
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +164,13 @@ class SamplingParams:
 
     @property
     def needs_logits_processing(self) -> bool:
-        """Whether the sampler must change this request's logits before sampling (penalties, bias, min_tokens)."""
+        """Whether the sampler must change this request's logits before sampling (penalties, bias, min_tokens,
+        the token filters, a structured-output grammar)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.uses_token_filters
+                or self.structured_outputs is not None)
+
+    @property
+    def uses_token_filters(self) -> bool:
+        """min_p, allowed_token_ids or bad_words (m3serve.engine.token_filters)."""
+        return (self.min_p > 0.0 and not self.greedy) or self.allowed_token_ids is not None or bool(self.bad_words)

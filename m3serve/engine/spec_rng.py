@@ -21,29 +21,14 @@ from __future__ import annotations
 
 import torch
 
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32): split c in 16-bit halves so no product leaves int64."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (Wellons' lowbias32) on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+from m3serve.engine.keyed_noise import M32, mix32, noise_from_seeds, row_seed
 
 
 class DeviceRNG:
     """Counter-based uniforms on the device (module docstring). state: int64 [2] = (seed, offset)."""
 
     def __init__(self, seed: int, device: torch.device | str):
-        self.state = torch.tensor([int(seed) & _M32, 0], dtype=torch.int64, device=device)
+        self.state = torch.tensor([int(seed) & M32, 0], dtype=torch.int64, device=device)
 
     def _bits(self, rows: int, cols: int, keys: torch.Tensor) -> torch.Tensor:
         """int64 [rows, cols] of 24 random bits; advances the offset by rows*cols in place."""
@@ -51,8 +36,8 @@ class DeviceRNG:
             raise ValueError(f"keys: expected int64 [{rows}], found {keys.dtype} {tuple(keys.shape)}")
         dev = self.state.device
         ctr = self.state[1] + torch.arange(rows * cols, device=dev, dtype=torch.int64).view(rows, cols)
-        k = mix32(((keys ^ (keys >> 32)) & _M32).to(dev) ^ mix32(self.state[0] & _M32))
-        h = mix32(mix32(k[:, None] ^ (ctr & _M32)) ^ ((ctr >> 32) & _M32))
+        k = mix32(((keys ^ (keys >> 32)) & M32).to(dev) ^ mix32(self.state[0] & M32))
+        h = mix32(mix32(k[:, None] ^ (ctr & M32)) ^ ((ctr >> 32) & M32))
         self.state[1] += rows * cols
         return h >> 8
 
@@ -73,7 +58,7 @@ def sample_categorical(weights: torch.Tensor, rng: DeviceRNG, keys: torch.Tensor
 
 
 # Keyed (stateless) draws for the speculative step on the target: a draw is a hash of (request key, index of the
-# token it concerns, purpose), the same scheme as the decode graphs' sampling (sampler.row_seed), so a captured
+# token it concerns, purpose), the same scheme as the decode graphs' sampling (keyed_noise.row_seed), so a captured
 # graph needs no RNG state and a request's draws do not depend on its batch or its step boundaries. Distinct
 # purposes at one index are independent streams; a purpose is drawn at most once per (key, index) in any
 # emitted decision (an index is drafted again only after its earlier draws were discarded unused).
@@ -82,7 +67,6 @@ TAG_ACCEPT, TAG_TARGET, TAG_DRAFT = 1, 2, 3
 
 def keyed_seeds(keys: torch.Tensor, counters: torch.Tensor, tag: int) -> torch.Tensor:
     """int64 seeds in [0, 2^32) of (keys, counters) broadcast together, in the stream `tag` (1..127)."""
-    from m3serve.engine.sampler import row_seed
     return row_seed(keys ^ (tag << 56), counters)
 
 
@@ -94,7 +78,6 @@ def keyed_uniform(keys: torch.Tensor, counters: torch.Tensor, tag: int) -> torch
 def keyed_categorical(weights: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor, tag: int) -> torch.Tensor:
     """weights [R, V] >= 0 (unnormalised) -> int64 [R] ~ weights / sum, by the exponential race with Exp(1)
     noise keyed by (keys [R], counters [R], tag)."""
-    from m3serve.engine.sampler import noise_from_seeds
     return (weights.float() / noise_from_seeds(keyed_seeds(keys, counters, tag), weights.shape[1])).argmax(-1)
 
 

@@ -54,6 +54,12 @@ from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.eagle3 import Eagle3Drafter, load_drafter, random_drafter
 from m3serve.model.m3 import ForwardBatch, M3ForCausalLM
+from m3serve.runtime.decode_graphs import sampling_row
+from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
+from m3serve.runtime.step_plan import buckets_up_to
+from m3serve.targets.attention import PAGED_KERNELS
+from m3serve.targets.explain import spec_step_placements, uncertified_attention, uncertified_draft_attention
+from m3serve.targets.routing import install_drafter, mode_of
 
 log = logging.getLogger("m3serve")
 
@@ -114,9 +120,6 @@ class SpeculativeEngine(LLMEngine):
         below, which is exact too.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
-        from m3serve.runtime.decode_graphs import buckets_up_to
-        from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
-        from m3serve.targets.explain import spec_step_placements, uncertified_attention, uncertified_draft_attention
         m = self.model
         if m.device.type != "cuda" and graphs:
             raise ValueError(f"decode target: CUDA graphs need a CUDA model, found {m.device}")
@@ -144,8 +147,8 @@ class SpeculativeEngine(LLMEngine):
                    + [p for p in spec_step_placements(buckets, k) if p.entry is None])
         if not self._all_certified(missing, "speculative attention", "speculative decode target", mode):
             return False
-        from m3serve.targets.routing import install_drafter, mode_of
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
+        m.use_attention(PAGED_KERNELS)   # the drafter runs its target's backend
         self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs,
                                     sampling=sampling)
         self.spec_steps.capture(mode)
@@ -282,7 +285,6 @@ class SpeculativeEngine(LLMEngine):
         moving = [flight.get(r.request_id) == r.num_preemptions for r in reqs]
         sampling = q = None
         if any(not r.params.greedy for r in reqs):
-            from m3serve.runtime.decode_graphs import sampling_row
             p = [r.params for r in reqs]
             sampling = [sampling_row(x.temperature, x.top_k, x.top_p, self._key(r)) for x, r in zip(p, reqs)]
             q = [None if m else self._state[r.request_id].q for r, m in zip(reqs, moving)]

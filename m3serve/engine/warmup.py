@@ -52,11 +52,14 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
         span = max(vocab - 16, 1)
         return [16 + (seed * 7919 + salt * 104729 + i * 31) % span for i in range(n)]
 
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     waves = [
-        [(n, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)) for n in lengths],
+        [(n, greedy) for n in lengths],
         [(n, SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, seed=seed, ignore_eos=True))
          for n in lengths[:3]],
     ]
+    # a prompt alone in its step (one sequence is its own specialization of the kernels' sequence count)
+    waves += [[(n, greedy)] for n in lengths if n <= engine.config.max_num_batched_tokens]
     for w, wave in enumerate(waves):
         reqs = [engine.add_request(prompt(n, w * 100 + i), params) for i, (n, params) in enumerate(wave)]
         # a late arrival joins while the others decode: a mixed prefill + decode step

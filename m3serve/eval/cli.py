@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Callable
 
 from m3serve.eval.harness import Comparison, GenerateFn, compare, format_report
-from m3serve.eval.tasks import TaskItem, load_task_file, parse_items
+from m3serve.eval.tasks import load_task
 
 Builder = Callable[[str, str, str], GenerateFn]
 BUILDERS: dict[str, Builder] = {}
-SYNTHETIC_TASK_FILE = "synthetic_heldout.jsonl"
-SYNTHETIC_HELDOUT_N = 500  # the training default (presets.RUN_PRESETS["m3-tiny-verse"].n_syn_heldout)
 
 
 def default_model_dir() -> Path:
@@ -60,12 +58,14 @@ register_config("reference", _reference_builder)
 def _engine_builder(model_dir: str, options: str, device: str) -> GenerateFn:
     """`engine[:key=value,...]` with keys dtype (fp32|bf16|auto), kv (auto|bf16|fp8|nvfp4), max_tokens,
     route (off|auto|require: the stock path or the decode target), eager (1: no CUDA graphs), max_seqs, kv_gib
-    (the KV cache's GiB on a GPU, default 2)."""
+    (the KV cache's GiB on a GPU, default 2), rot (the hybrid cache's K/V rotation: a seed, `off`, or `auto` =
+    the model's kv_scales.json), fp8 (sparse layers the hybrid cache keeps in FP8, `+`-separated, e.g. fp8=2;
+    `none`; default the kv_scales.json's list), kv_scales (a kv_scales.json path, or `none`)."""
     from m3serve.engine.sampling_params import SamplingParams
     from m3serve.llm import LLM
 
     opts = dict(kv.split("=", 1) for kv in options.split(",") if kv) if options else {}
-    keys = ("dtype", "kv", "max_tokens", "route", "eager", "max_seqs", "kv_gib")
+    keys = ("dtype", "kv", "max_tokens", "route", "eager", "max_seqs", "kv_gib", "rot", "fp8", "kv_scales")
     unknown = set(opts) - set(keys)
     if unknown:
         raise ValueError(f"engine options: unknown keys {sorted(unknown)}; expected one of {', '.join(keys)}")
@@ -76,6 +76,13 @@ def _engine_builder(model_dir: str, options: str, device: str) -> GenerateFn:
         # an eval builds two engines in one process: each gets a fixed KV budget (kv_gib, default 2) rather than
         # "90 % of the GPU", which the first would take from the second
         extra["kv_cache_bytes"] = int(float(opts.get("kv_gib", 2)) * (1 << 30))
+    rot = opts.get("rot", "auto")
+    extra["kv_rotation"] = None if rot == "off" else rot if rot == "auto" else int(rot)
+    fp8 = opts.get("fp8", "auto")
+    extra["kv_fp8_layers"] = "auto" if fp8 == "auto" else () if fp8 == "none" else tuple(
+        int(i) for i in fp8.split("+"))
+    if "kv_scales" in opts:
+        extra["kv_scales"] = None if opts["kv_scales"] == "none" else opts["kv_scales"]
     llm = LLM(model_dir, device=device, dtype=opts.get("dtype", "auto"), kv_cache_dtype=opts.get("kv", "auto"),
               enforce_eager=opts.get("eager", "0") == "1", **extra)
     params = SamplingParams(max_tokens=int(opts.get("max_tokens", 64)), temperature=0.0)
@@ -113,20 +120,6 @@ def _recorded_builder(model_dir: str, options: str, device: str) -> GenerateFn:
 
 
 register_config("recorded", _recorded_builder)
-
-
-def load_task(spec: str, model_dir: str, limit: int | None) -> list[TaskItem]:
-    """`synthetic`: the model's held-out synthetic file if it ships one, else regenerated (seed 0)."""
-    if spec != "synthetic":
-        return load_task_file(spec, limit)
-    shipped = Path(model_dir) / SYNTHETIC_TASK_FILE
-    if shipped.exists():
-        return load_task_file(shipped, limit)
-    from m3serve.train.synthetic import make_split
-
-    _, held = make_split(0, SYNTHETIC_HELDOUT_N, seed=0)
-    items = parse_items([p.to_json() for p in held], "synthetic")
-    return items[:limit] if limit is not None else items
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

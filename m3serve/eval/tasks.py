@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m3serve.eval.extract import reference_answer
+from m3serve.train.synthetic import make_split
+
+SYNTHETIC_TASK_FILE = "synthetic_heldout.jsonl"
+SYNTHETIC_HELDOUT_N = 500  # the training default (presets.RUN_PRESETS["m3-tiny-verse"].n_syn_heldout)
 
 
 @dataclass(frozen=True)
@@ -54,3 +58,15 @@ def load_task_file(path: str | Path, limit: int | None = None) -> list[TaskItem]
     if not records:
         raise ValueError(f"{p}: expected at least one item, found none")
     return parse_items(records, str(p))
+
+
+def load_task(spec: str, model_dir: str, limit: int | None) -> list[TaskItem]:
+    """`synthetic`: the model's held-out synthetic file if it ships one, else regenerated (seed 0)."""
+    if spec != "synthetic":
+        return load_task_file(spec, limit)
+    shipped = Path(model_dir) / SYNTHETIC_TASK_FILE
+    if shipped.exists():
+        return load_task_file(shipped, limit)
+    _, held = make_split(0, SYNTHETIC_HELDOUT_N, seed=0)
+    items = parse_items([p.to_json() for p in held], "synthetic")
+    return items[:limit] if limit is not None else items

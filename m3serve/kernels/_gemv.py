@@ -34,7 +34,7 @@ used where it was loaded:
   and row for the scale. The cross-thread reduction over G happens once, after the K loop.
 
 Instruction count per weight element: `python -m m3serve.kernels.aot_check --sass-stats` (the K
-loop read from the SASS; bench/results/logs/nvfp4-sass-count.txt). The H200 issue budget at 70 %
+loop read from the SASS; 0596e85:bench/results/logs/nvfp4-sass-count.txt). The H200 issue budget at 70 %
 of copy bandwidth is ~5.6 instructions per NVFP4 element (~11 per MXFP8 byte). At one row the
 loop is ~6 per weight with either decoder: besides the ~3 of the decode, x's bf16 -> fp32
 conversion and its broadcast through shared memory cost ~2 per weight (the next thing to cut).
@@ -64,7 +64,7 @@ from m3serve.kernels._decode import (
 from m3serve.kernels._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118, use_ptx
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels._linear import GemmWorkspace, check_gemm_args
+from m3serve.kernels._gemm_tiles import GemmWorkspace, check_gemm_args
 from m3serve.kernels._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 from m3serve.kernels._wstream import apply_alpha
 from m3serve.kernels.catalog import Cell
@@ -74,7 +74,7 @@ GEMV_BMS = (1, 2, 4)
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """A decode-GEMV tile config. Field names BM/BN/BK/SPLIT match _linear.GemmConfig so the same
+    """A decode-GEMV tile config. Field names BM/BN/BK/SPLIT match _gemm_tiles.GemmConfig so the same
     workspace (make_workspace) and argument checks (check_gemm_args) serve both kernels; the type
     itself is what selects this kernel in the linear raw calls."""
 

@@ -1,4 +1,5 @@
-"""Launch, tile configs, workspaces and cells shared by the weight-streaming linear entries.
+"""Launch and cells shared by the weight-streaming linear entries (tile configs, workspaces and argument checks:
+_gemm_tiles).
 
 Shape legend:
     x      [M, K]            bf16, M = rows (tokens in the step), unit column stride
@@ -9,15 +10,17 @@ Shape legend:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from m3serve.kernels._e2m1_ptx import use_ptx
+from m3serve.kernels._gemm_tiles import GemmConfig, GemmWorkspace, check_gemm_args
+from m3serve.kernels._gemv import GemvConfig, gemv_split
 from m3serve.kernels._jit import is_compiled
+from m3serve.kernels._mma_gemv import MmaGemvConfig, mma_split
 from m3serve.kernels._wstream import wstream_gemm
-from m3serve.kernels.catalog import Cell, check_tensor, device_rng
+from m3serve.kernels.catalog import Cell, device_rng
 
 # Row ranges served by one compiled variant each; BM is the padded MMA width for the range.
 ROW_RANGES = ((1, 4), (5, 16), (17, 32), (33, 48))
@@ -40,22 +43,6 @@ M3_LINEAR_SHAPES: tuple[tuple[tuple[int, int], str], ...] = (
     ((6144, 3072), "shared-expert down projection, TP1"),
     ((6144, 1536), "shared-expert down projection, TP2 (K halved)"),
 )
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    BM: int
-    BN: int
-    BK: int
-    SPLIT: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-@dataclass
-class GemmWorkspace:
-    part: torch.Tensor
-    count: torch.Tensor
 
 
 def bm_for(rows_hi: int) -> int:
@@ -95,8 +82,6 @@ def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[
     num_warps, programs, PREFETCH, num_stages; `mma`: RP, num_warps, STAGES, ctas and optionally min_k (shapes
     with fewer columns keep the tensor-core cells at those rows) — the families chosen
     from the H200 measurements (bench/results/gemv_variants-*.json)."""
-    from m3serve.kernels._gemv import GemvConfig, gemv_split
-    from m3serve.kernels._mma_gemv import MmaGemvConfig, mma_split
     cells = []
     for (n, k), why in shapes:
         bn, bk = gemv["BN"], gemv["BK"]
@@ -138,44 +123,10 @@ def interp_cells(shapes: tuple[tuple[int, int], ...], mma: bool = False) -> tupl
         out.append(Cell(rows=(17, 17), shape=(n, k), why="interpreter: BM 32 padding",
                         config={"gemm": GemmConfig(BM=32, BN=64, BK=128, SPLIT=1)}))
         if mma and n % 32 == 0 and k % 256 == 0:
-            from m3serve.kernels._mma_gemv import MmaGemvConfig
             out.append(Cell(rows=(1, 8), shape=(n, k), why="interpreter: an MMA GEMV config (CPU runs its tiles "
                             "through _wstream; the PTX itself is emulated in test_mma_gemv.py)",
                             config={"gemm": MmaGemvConfig(SPLIT=2, RP=1, num_warps=2)}))
     return tuple(out)
-
-
-def make_workspace(cfg: GemmConfig, n: int, device: torch.device) -> GemmWorkspace:
-    """Per call site, allocated once (before graph capture); the counters must start at zero and
-    are left at zero by every completed launch. Two launches in flight at once (two streams)
-    must not share a workspace."""
-    part = torch.empty(max(cfg.SPLIT, 1) * cfg.BM * n if cfg.SPLIT > 1 else 1, dtype=torch.float32, device=device)
-    count = torch.zeros(max(n // cfg.BN, 1), dtype=torch.int32, device=device)
-    return GemmWorkspace(part=part, count=count)
-
-
-def check_gemm_args(x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: GemmConfig, ws: GemmWorkspace) -> int:
-    check_tensor("x", x, torch.bfloat16)
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"x: expected [M, {k}] with unit column stride, found shape {tuple(x.shape)} "
-                         f"strides {tuple(x.stride())}")
-    m = x.shape[0]
-    if not 1 <= m <= cfg.BM:
-        raise ValueError(f"x: this config (BM={cfg.BM}) serves 1..{cfg.BM} rows, found M={m}")
-    check_tensor("out", out, torch.bfloat16, (m, n), x.device)
-    if out.stride(1) != 1:
-        raise ValueError(f"out: expected unit column stride, found strides {tuple(out.stride())}")
-    if n % cfg.BN or k % (cfg.BK * cfg.SPLIT):
-        raise ValueError(f"shape (N={n}, K={k}): expected N % {cfg.BN} == 0 and K % {cfg.BK * cfg.SPLIT} == 0 "
-                         f"for config {cfg}")
-    if cfg.SPLIT > 1:
-        check_tensor("workspace.part", ws.part, torch.float32)
-        if ws.part.numel() < cfg.SPLIT * cfg.BM * n:
-            raise ValueError(f"workspace.part: expected >= {cfg.SPLIT * cfg.BM * n} fp32, found {ws.part.numel()}")
-        check_tensor("workspace.count", ws.count, torch.int32)
-        if ws.count.numel() < n // cfg.BN:
-            raise ValueError(f"workspace.count: expected >= {n // cfg.BN} int32, found {ws.count.numel()}")
-    return m
 
 
 def launch_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,

@@ -43,7 +43,7 @@ import triton.language as tl
 from m3serve.kernels import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels._linear import GemmConfig, GemmWorkspace, check_gemm_args
+from m3serve.kernels._gemm_tiles import GemmConfig, GemmWorkspace, check_gemm_args
 from m3serve.kernels._splitk import ordered_sum, release_ticket, take_ticket
 from m3serve.kernels._wstream import apply_alpha
 
@@ -54,7 +54,7 @@ RPS = (1, 2)
 
 @dataclass(frozen=True)
 class MmaGemvConfig:
-    """BM/BN/BK/SPLIT as _linear.GemmConfig (same workspace and checks); the type selects this kernel."""
+    """BM/BN/BK/SPLIT as _gemm_tiles.GemmConfig (same workspace and checks); the type selects this kernel."""
 
     SPLIT: int
     RP: int = 1  # row pairs per thread

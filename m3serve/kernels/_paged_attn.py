@@ -12,6 +12,7 @@ Shape legend:
     out          [T, Hq, D]      bf16
     acc          [NS, T, Hq, D]  fp32 unnormalised partial outputs of each split (NS > 1)
     ml           [NS, T, Hq, 2]  fp32 running max (log2 units) and sum of each split
+    rot          [D, D]          bf16 rotation.query_matrix M of a rotated NVFP4 layer (ROT only)
 
 Program (row t, KV head kh, split) of paged_attn_split serves the query rows t .. t+QB-1 of one
 sequence (QB > 1 only for dense multi-token steps: the block's rows share each key tile; a
@@ -32,6 +33,13 @@ acc carry the same 2**14, so out = acc / l and the split combine are unchanged. 
 reads FP8 pages as 16-bit column pairs, one cvt per pair. NVFP4 tiles come as two
 column halves in the order of _kv_tiles.nvfp4_columns, so q is loaded in that order, q.k is the
 sum of two half dots, and each half of the output is stored to its own columns.
+
+Rotated NVFP4 layers (ROT; m3serve.kv.rotation): the pages hold K and V in the rotated basis. q is rotated in
+the prologue by two MMAs with M's even / odd columns (the decoded tiles' order), q_rot = q @ M, rounded to bf16
+as an MMA operand (interpreted: fp32); the output is un-rotated in the epilogue, before the split's store,
+o = acc_rot @ M^T, with acc split into bf16 hi + lo (within 2**-18 of acc) against M's exact +-2^-k entries.
+The un-rotation is linear, so the partials of a split-KV launch are stored un-rotated and the combine is
+unchanged: no extra launch.
 """
 
 from __future__ import annotations
@@ -48,13 +56,14 @@ P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 
 
 
 @kernel
-def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
+def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
                      out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
                      stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr = False):
+                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr,
+                     ROT: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
@@ -99,11 +108,14 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
     q_row = q_ptr + trow * stride_qt + head * stride_qh
     if FMT == 0:
         col_e = nvfp4_columns(DH)  # the decoded tiles' column order, q and out follow it
-        q_e = tl.load(q_row[:, None] + col_e[None, :], mask=row_ok[:, None], other=0.0)
-        q_o = tl.load(q_row[:, None] + col_e[None, :] + 1, mask=row_ok[:, None], other=0.0)
-        if not CUDA:
-            q_e = q_e.to(tl.float32)
-            q_o = q_o.to(tl.float32)
+        if ROT:
+            q_e, q_o = _rotate_q(q_row, row_ok, rot_ptr, col_e, D, CUDA)
+        else:
+            q_e = tl.load(q_row[:, None] + col_e[None, :], mask=row_ok[:, None], other=0.0)
+            q_o = tl.load(q_row[:, None] + col_e[None, :] + 1, mask=row_ok[:, None], other=0.0)
+            if not CUDA:
+                q_e = q_e.to(tl.float32)
+                q_o = q_o.to(tl.float32)
         acc_e = tl.zeros([BM, DH], tl.float32)
         acc_o = tl.zeros([BM, DH], tl.float32)
         gs_k = tl.load(gs_ptr)
@@ -187,7 +199,11 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
             else:
                 acc = tl.dot(p, v, acc, input_precision="ieee")
 
-    if FMT == 0:
+    if FMT == 0 and ROT:
+        acc = _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D, CUDA)
+        _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
+                   stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+    elif FMT == 0:
         _store_out(acc_e, m_i, l_i, col_e, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
                    stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
         _store_out(acc_o, m_i, l_i, col_e + 1, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
@@ -195,6 +211,47 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, slot_ptr, len_
     else:
         _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
                    stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+
+
+@helper
+def _rotate_q(q_row, row_ok, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.constexpr):
+    """q_rot = q @ M in the decoded tiles' column halves: (q_rot[:, col_e], q_rot[:, col_e + 1]), [BM, D/2]
+    each; bf16 MMA operands when compiled (q and M exact in bf16, fp32 sums, one rounding), fp32 interpreted."""
+    d = tl.arange(0, D)
+    q = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    m_e = tl.load(rot_ptr + d[:, None] * D + col_e[None, :])
+    m_o = tl.load(rot_ptr + d[:, None] * D + col_e[None, :] + 1)
+    if CUDA:
+        q_e = tl.dot(q, m_e).to(tl.bfloat16)
+        q_o = tl.dot(q, m_o).to(tl.bfloat16)
+    else:
+        qf = q.to(tl.float32)
+        q_e = tl.dot(qf, m_e.to(tl.float32), input_precision="ieee")
+        q_o = tl.dot(qf, m_o.to(tl.float32), input_precision="ieee")
+    return q_e, q_o
+
+
+@helper
+def _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.constexpr):
+    """[BM, D] fp32 acc in the model's basis from its rotated column halves: acc_e @ M^T[col_e, :] +
+    acc_o @ M^T[col_e + 1, :] (M^T[i, j] = M[j, i]); compiled as bf16 hi + lo MMAs."""
+    d = tl.arange(0, D)
+    if CUDA:
+        # one half at a time: its operands only (fewer live registers than loading both halves of M^T first)
+        hi_e = acc_e.to(tl.bfloat16)
+        lo_e = (acc_e - hi_e.to(tl.float32)).to(tl.bfloat16)
+        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
+        out = tl.dot(lo_e, mt_e, tl.dot(hi_e, mt_e))
+        hi_o = acc_o.to(tl.bfloat16)
+        lo_o = (acc_o - hi_o.to(tl.float32)).to(tl.bfloat16)
+        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
+        out = tl.dot(lo_o, mt_o, tl.dot(hi_o, mt_o, out))
+    else:
+        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
+        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
+        out = tl.dot(acc_e, mt_e.to(tl.float32), input_precision="ieee")
+        out = tl.dot(acc_o, mt_o.to(tl.float32), out, input_precision="ieee")
+    return out
 
 
 @helper

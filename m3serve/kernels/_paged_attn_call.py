@@ -18,6 +18,9 @@ Shape legend:
     sel           [T, Hk, topk] int32  selected block ids, ascending, -1 padded; None = dense causal
     out           [T, Hq, D]           bf16
     workspace     make_workspace(max_rows, Hq, D, num_splits): acc [NS, T, Hq, D], ml [NS, T, Hq, 2]
+    rot_matrix    [D, D] bf16          a rotated NVFP4 layer's kv.kv_rotation_matrix (m3serve.kv.rotation), else
+                                       None: the pages hold K/V in the rotated basis; q is rotated and the output
+                                       un-rotated inside the split kernel
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def _positive_int(name: str, v) -> int:
 
 
 def _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, query_start, sel, out, workspace,
-           fmt, sm_scale, max_query_len, num_splits) -> tuple[int, int, int, int, int, int, int]:
+           fmt, sm_scale, max_query_len, num_splits, rot_matrix=None) -> tuple[int, int, int, int, int, int, int]:
     if fmt not in FMT_CODES:
         raise ValueError(f"fmt: expected one of {tuple(FMT_CODES)}, found {fmt!r}")
     check_tensor("q", q)
@@ -159,6 +162,12 @@ def _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, q
         for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
             if sc is not None:
                 raise ValueError(f"{name}: expected None for fmt {fmt}, found a tensor")
+    if rot_matrix is not None:
+        if fmt != "nvfp4":
+            raise ValueError(f"rot_matrix: the K/V rotation applies to NVFP4 layers, found fmt {fmt!r}")
+        check_tensor("rot_matrix", rot_matrix, torch.bfloat16, (d, d), dev)
+        if not rot_matrix.is_contiguous():
+            raise ValueError(f"rot_matrix: expected a contiguous [D, D], found strides {tuple(rot_matrix.stride())}")
     check_tensor("slot_table", slot_table, torch.int32, device=dev)
     if slot_table.dim() != 2 or not slot_table.is_contiguous():
         raise ValueError(f"slot_table: expected a contiguous [S, B], found shape {tuple(slot_table.shape)} "
@@ -200,13 +209,13 @@ def _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, q
 
 def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, query_start, sel, out,
                     workspace, *, fmt: str, sm_scale: float, max_query_len: int, num_splits: int,
-                    tile: TileConfig | None = None) -> torch.Tensor:
+                    tile: TileConfig | None = None, rot_matrix: torch.Tensor | None = None) -> torch.Tensor:
     """Raw call: the split launch (grid T x Hk x num_splits) and, with num_splits > 1, the
     combine launch (grid T x Hq). Writes and returns `out`. No host sync, no allocation.
     tile: a TileConfig in place of tile_config()'s choice (tile sweeps; QB and BM must match it)."""
     t_rows, hq, hk, d, p, n_seq, topk = _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens,
                                                query_start, sel, out, workspace, fmt, sm_scale, max_query_len,
-                                               num_splits)
+                                               num_splits, rot_matrix)
     g = hq // hk
     cfg = tile_config(g, p, max_query_len, topk > 0, fmt == "nvfp4")
     if tile is not None:
@@ -230,12 +239,14 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
     scale_strides = ((ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1)) if fmt == "nvfp4" else (0, 0, 0, 0))
     qk_scale = float(sm_scale * math.log2(math.e))
     cuda = is_compiled(q)
+    rot = rot_matrix if rot_matrix is not None else q
     paged_attn_split[(t_rows, hk, num_splits)](
-        q, kp, vp, ks, vs, gs, slot_table, seq_lens, query_start, sel_t, out, workspace.acc, workspace.ml,
+        q, kp, vp, ks, vs, gs, rot, slot_table, seq_lens, query_start, sel_t, out, workspace.acc, workspace.ml,
         n_seq, t_rows, slot_table.shape[1], qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), *scale_strides, *sel_strides,
         FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, NUM_SPLITS=num_splits,
-        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if num_splits > 1:
         sp = triton.next_power_of_2(num_splits)
         paged_attn_combine[(t_rows, hq)](

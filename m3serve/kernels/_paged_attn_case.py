@@ -19,6 +19,7 @@ import torch
 from m3serve.kernels._paged_attn_call import FMT_NAMES, choose_num_splits, make_workspace
 from m3serve.kernels.catalog import Case, device_rng, poisoned
 from m3serve.kv.cache import PagedKVCache
+from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model import msa
 
@@ -35,6 +36,7 @@ class CaseShape:
     num_splits: int | None = None  # None: choose_num_splits
     padding: bool = True
     orphan_rows: int = 0
+    rotate: bool = False  # NVFP4 only: a Hadamard-rotated layer (KVCacheSpec.kv_rotation_seed)
 
 
 @dataclass
@@ -57,7 +59,8 @@ def build_case(shape_key: tuple[int, ...], rows: int, device: torch.device, gen:
     fmt = FMT_NAMES[code]
     kv_dtype, model_dtype = _SPEC_FOR[fmt]
     spec = KVCacheSpec(page_size=p, num_layers=2, sparse_layers=(1,), num_kv_heads=hk, head_dim=d, index_head_dim=16,
-                       kv_cache_dtype=kv_dtype, model_dtype=model_dtype)
+                       kv_cache_dtype=kv_dtype, model_dtype=model_dtype,
+                       kv_rotation_seed=DEFAULT_ROTATION_SEED if cs.rotate else None)
     layer = 1 if topk > 0 or fmt == "nvfp4" else 0
     if rows > cs.context:
         raise ValueError(f"rows: {rows} query tokens do not fit in a context of {cs.context} keys")
@@ -123,6 +126,8 @@ def build_case(shape_key: tuple[int, ...], rows: int, device: torch.device, gen:
             torch.tensor(lens, dtype=torch.int32).to(device), torch.tensor(qs, dtype=torch.int32).to(device), sel,
             poisoned((t_rows, hq, d), torch.bfloat16, device), ws)
     kwargs = dict(fmt=fmt, sm_scale=d ** -0.5, max_query_len=rows, num_splits=num_splits)
+    if cs.rotate:
+        kwargs["rot_matrix"] = cache.kv_rotation_matrix
     per_token = hk * (2 * d * spec_bits(fmt) // 8 + (2 * d // 16 if fmt == "nvfp4" else 0))
     if topk > 0:
         kv_tokens = sum(n * min(length, topk * p) for n, length in zip(ns, lens))

@@ -8,6 +8,12 @@ Shape legend:
     out, vbar [T, Hq, D]           fp32 reference output and sum_j p_j |v_j| / sum_j p_j
     qk_abs    [T, Hq]              max over visible keys of sum_d |q_d k_jd| * sm_scale
     keys      [T, Hq]              visible keys of each (row, head)
+    M         [D, D]               rotation.query_matrix of a rotated layer (rot_matrix): pages hold K, V @ M^-T
+
+Rotated layers: the tokens are decoded in the stored (rotated) basis exactly as the kernel decodes them (bf16),
+then un-rotated in fp32 (y @ M^T, as PagedKVCache.read does up to fp32 rounding), and attended with the
+un-rotated q: the reference is the model's attention on the dequantized cache. Its bound terms are computed in
+the rotated basis, where the kernel's arithmetic happens (see compare).
 """
 
 from __future__ import annotations
@@ -40,14 +46,15 @@ def gather_tokens(pages: Tensor, scales: Tensor | None, gs: Tensor | None, slots
 @dataclass
 class AttnReference:
     out: Tensor  # fp32 [T, Hq, D]; 0 on rows without keys (padding)
-    vbar: Tensor  # fp32 [T, Hq, D]
-    qk_abs: Tensor  # fp32 [T, Hq]
+    vbar: Tensor  # fp32 [T, Hq, D]  (rotated layers: sum_j p_j |v_rot_j| / sum_j p_j, in the rotated basis)
+    qk_abs: Tensor  # fp32 [T, Hq]  (rotated layers: of q_rot and the stored K)
     keys: Tensor  # fp32 [T, Hq]
+    rot_scale: float | None = None  # rotated layers: c_r, the magnitude of M's entries
 
 
 def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, query_start, sel,
                               out=None, workspace=None, *, fmt: str, sm_scale: float, max_query_len: int,
-                              num_splits: int) -> AttnReference:
+                              num_splits: int, rot_matrix: Tensor | None = None) -> AttnReference:
     t_rows, hq, d = q.shape
     hk, p = k_pages.shape[1], k_pages.shape[2]
     g = hq // hk
@@ -55,7 +62,9 @@ def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot
     ref = AttnReference(out=torch.zeros(t_rows, hq, d, dtype=torch.float32, device=dev),
                         vbar=torch.zeros(t_rows, hq, d, dtype=torch.float32, device=dev),
                         qk_abs=torch.zeros(t_rows, hq, dtype=torch.float32, device=dev),
-                        keys=torch.zeros(t_rows, hq, dtype=torch.float32, device=dev))
+                        keys=torch.zeros(t_rows, hq, dtype=torch.float32, device=dev),
+                        rot_scale=None if rot_matrix is None else float(rot_matrix.float().abs().max()))
+    m = None if rot_matrix is None else rot_matrix.float()
     qs = query_start.tolist()
     lens = seq_lens.tolist()
     gs_k = kv_gs[0] if fmt == "nvfp4" else None
@@ -68,6 +77,11 @@ def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot
         slots = slot_table[s, :-(-length // p)].long()
         k = gather_tokens(k_pages, k_scale, gs_k, slots, length, fmt, "k")
         v = gather_tokens(v_pages, v_scale, gs_v, slots, length, fmt, "v")
+        k_bound, v_bound, q_bound = k, v, q[rows]
+        if m is not None:
+            with true_fp32():
+                k_bound, v_bound, q_bound = k.float(), v.float(), q[rows].float() @ m
+                k, v = k_bound @ m.T, v_bound @ m.T
         q_pos = torch.arange(length - n, length, device=dev)
         mask = None
         if sel is not None:
@@ -75,8 +89,9 @@ def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot
         qr = q[rows][None]
         with true_fp32():
             ref.out[rows] = msa.attend(qr, k[None], v[None], q_pos[None], sm_scale, mask)[0]
-            ref.vbar[rows] = msa.attend(qr, k[None], v.abs()[None], q_pos[None], sm_scale, mask)[0]
-            a = torch.einsum("nhgd,lhd->nhgl", q[rows].float().abs().view(n, hk, g, d), k.float().abs()) * sm_scale
+            ref.vbar[rows] = msa.attend(qr, k[None], v_bound.abs()[None], q_pos[None], sm_scale, mask)[0]
+            a = torch.einsum("nhgd,lhd->nhgl", q_bound.float().abs().view(n, hk, g, d),
+                             k_bound.float().abs()) * sm_scale
         allowed = torch.arange(length, device=dev).view(1, 1, 1, length) <= q_pos.view(n, 1, 1, 1)
         if mask is not None:
             allowed = allowed & mask[0].permute(1, 0, 2)[:, :, None, :]  # [n, Hk, 1, L]
@@ -100,6 +115,12 @@ def compare(out: Tensor, ref: AttnReference, case: Case) -> None:
     * fp32 accumulation of sum p v and sum p: the classical worst case keys*u for each side and
       each of numerator and denominator, plus one rounding per online-softmax rescale (<= keys),
       the split combine (num_splits terms) and the final IEEE division: 2 (2 keys + splits + 8) u.
+
+    Rotated layers (rot_scale = c_r): the kernel's arithmetic runs in the rotated basis, so the terms above bound
+    each rotated output column i by beta * vbar_rot_i; q_rot's rounding to bf16 (2**-9 of each |q_rot_d|) moves
+    every score by <= 2**-9 qk_abs, adding 2**-8 qk_abs to dp; un-rotating acc through bf16 hi + lo (2**-18) and
+    an fp32 sum of D terms (2 (D + 2) u) adds to beta; and a rotated-basis error e maps to |e @ M^T|_j <=
+    c_r sum_i |e_i|. Band: 2**-7 |ref| + c_r (beta + 2**-17 + 2 (D + 2) u) sum_i vbar_rot_i.
     """
     t_rows = out.shape[0]
     if tuple(out.shape) != tuple(ref.out.shape):
@@ -107,6 +128,12 @@ def compare(out: Tensor, ref: AttnReference, case: Case) -> None:
     d = out.shape[2]
     ns = case.kwargs["num_splits"]
     dp = (2 * d + 8) * FP32_U * ref.qk_abs + 2.0**-21
+    if ref.rot_scale is not None:
+        dp = dp + 2.0**-8 * ref.qk_abs
     beta = 2.01 * dp + 2.0**-17 + 2.0 * (2.0 * ref.keys + ns + 8) * FP32_U
-    band = BF16_REL * ref.out.abs() + beta[:, :, None] * ref.vbar + 1e-30
+    if ref.rot_scale is None:
+        band = BF16_REL * ref.out.abs() + beta[:, :, None] * ref.vbar + 1e-30
+    else:
+        spread = ref.rot_scale * (beta + 2.0**-17 + 2.0 * (d + 2) * FP32_U) * ref.vbar.sum(-1)
+        band = BF16_REL * ref.out.abs() + spread[:, :, None] + 1e-30
     assert_band(f"attn.paged ({case.kwargs['fmt']}, {t_rows} rows)", out, ref.out, band)

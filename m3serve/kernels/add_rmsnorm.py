@@ -19,7 +19,7 @@ import triton.language as tl
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.catalog import BF16_REL, Case, Cell, Entry, assert_band, check_tensor, poisoned
+from m3serve.kernels.catalog import ROW_CELLS_MAX, BF16_REL, Case, Cell, Entry, assert_band, check_tensor, poisoned
 
 ENABLED = True  # the one switch: False sends norm.add_rms calls down the stock path
 
@@ -116,9 +116,9 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 
 CELLS = (
-    Cell(rows=(1, 48), shape=(6144,), why="hidden 6144: the two norms of every decoder layer and the final norm; "
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(6144,), why="hidden 6144: the two norms of every decoder layer and the final norm; "
          "one program per row, so every row count uses the same compiled variant"),
-    Cell(rows=(1, 48), shape=(256,), why="embedded model hidden 256: the residual boundaries of every layer"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(256,), why="embedded model hidden 256: the residual boundaries of every layer"),
 )
 INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(256,), why="interpreter: power-of-two H"),

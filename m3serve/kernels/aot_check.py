@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from m3serve.kernels import _e2m1_ptx
 from m3serve.kernels._jit import AotResult, aot_compile, capture_launches
 from m3serve.kernels.catalog import Entry, all_entries
 
@@ -157,8 +158,6 @@ def _variants_with_rows(entries: list[Entry]) -> dict[tuple, tuple]:
 def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> list[str]:
     """One row per weight-streaming variant (kernels with BN/BK tiles): K-loop instructions and
     thread instructions per weight under each NVFP4 decoder mode, and the K-loop mix of the last."""
-    from m3serve.kernels import _e2m1_ptx
-
     saved = _e2m1_ptx.PTX_E2M1
     rows: dict[tuple, dict[str, tuple]] = {}
     info: dict[tuple, tuple] = {}

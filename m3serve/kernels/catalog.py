@@ -26,6 +26,10 @@ import torch
 
 ARCHS = ("sm_90",)
 
+# Row-parallel elementwise entries (one program per token row: norms, q/k prep, activations, the small router) are
+# certified up to this many rows, the largest default decode graph bucket, so every bucket's step runs them.
+ROW_CELLS_MAX = 256
+
 # Entry modules, imported lazily by all_entries() so that importing the catalog stays cheap.
 ENTRY_MODULES = (
     "m3serve.kernels.linear_nvfp4",

@@ -15,6 +15,11 @@ Shape legend:
     k_scale, v_scale  [N, Hk, P*G]    float8_e4m3fn scale pages (nvfp4 only), G = D/16
     kv_gs             [2]          fp32 NVFP4 ENCODE scales of K and V (nvfp4 only)
     index_pages       [N, P, Di]   bf16 / fp8 / ... index-K pages (sparse layers) or None
+    rot_signs         [D]          fp32 +-1 signs of the K/V rotation (a rotated NVFP4 layer) or None
+
+Rotated layers (KVCacheSpec.is_rotated): K and V are rotated in registers before the NVFP4 encode by
+_hadamard.rotate_rows, the same fp32 butterfly as m3serve.kv.rotation.rotate, so the stored bytes stay
+bit-exact with PagedKVCache.write. (A non-finite value spreads over its head's rotated vector; see rotation.py.)
 
 A flat slot >= N*P cannot raise without a host sync: such a token is not written (the bounds
 are the caller's, as with PagedKVCache.check_bounds = False), so a bad slot cannot corrupt memory.
@@ -33,10 +38,11 @@ import triton.language as tl
 
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._encode import f32_to_e4m3, nvfp4_encode
+from m3serve.kernels._hadamard import rotate_rows
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import Case, Cell, Entry, check_operand, check_shape
-from m3serve.kv import codec
+from m3serve.kv import codec, rotation
 from m3serve.kv.cache import PagedKVCache
 from m3serve.kv.spec import FMT_TORCH_DTYPE, NVFP4_BLOCK, KVCacheSpec
 
@@ -87,12 +93,13 @@ def _write_heads(x, gs, page, head_stride, scale, scale_head_stride, off, store,
 
 
 @kernel
-def _kv_write_kernel(slot_ptr, k_ptr, v_ptr, ik_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, gs_ptr, ip_ptr,
+def _kv_write_kernel(slot_ptr, k_ptr, v_ptr, ik_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, gs_ptr, ip_ptr, rot_ptr,
                      num_flat, stride_kt, stride_kh, stride_vt, stride_vh, stride_it,
                      kp_slot, kp_head, kp_tok, vp_slot, vp_head, vp_tok,
                      ks_slot, ks_head, vs_slot, vs_head, ip_slot, ip_tok, gs_stride,
                      HK: tl.constexpr, HKP: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, P: tl.constexpr,
-                     FMT: tl.constexpr, IFMT: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+                     FMT: tl.constexpr, IFMT: tl.constexpr, CUDA: tl.constexpr, ROT: tl.constexpr = False,
+                     LOG2D: tl.constexpr = 0, E_W: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0).to(tl.int64)
@@ -110,9 +117,14 @@ def _kv_write_kernel(slot_ptr, k_ptr, v_ptr, ik_ptr, kp_ptr, vp_ptr, ks_ptr, vs_
         gs_k = tl.load(gs_ptr)
         gs_v = tl.load(gs_ptr + gs_stride)
     xk = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=h < HK, other=0.0)
+    if ROT:
+        signs = tl.load(rot_ptr + tl.arange(0, D))
+        xk = rotate_rows(xk.to(tl.float32), signs, HKP, D, LOG2D, E_W)
     _write_heads(xk, gs_k, kp_ptr + slot * kp_slot + off * kp_tok, kp_head, ks_ptr + slot * ks_slot, ks_head,
                  off, store, HKP, D, FMT, False, CUDA)
     xv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=h < HK, other=0.0)
+    if ROT:
+        xv = rotate_rows(xv.to(tl.float32), signs, HKP, D, LOG2D, E_W)
     _write_heads(xv, gs_v, vp_ptr + slot * vp_slot + off * vp_tok, vp_head, vs_ptr + slot * vs_slot, vs_head,
                  off, store, HKP, D, FMT, True, CUDA)
     if IFMT >= 0:
@@ -133,10 +145,10 @@ def _pow2(name: str, n: int, least: int) -> None:
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None, slot_mapping: torch.Tensor,
              k_pages: torch.Tensor, v_pages: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-             kv_gs: torch.Tensor | None, index_pages: torch.Tensor | None, *, fmt: str, index_fmt: str | None
-             ) -> tuple[torch.Tensor, ...]:
+             kv_gs: torch.Tensor | None, index_pages: torch.Tensor | None, *, fmt: str, index_fmt: str | None,
+             rot_signs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Raw call: write T tokens of one layer; returns the written views
-    (k_pages, v_pages, k_scale, v_scale, index_pages)."""
+    (k_pages, v_pages, k_scale, v_scale, index_pages). rot_signs: rotate K and V first (NVFP4 only)."""
     if fmt not in FMT_CODE:
         raise ValueError(f"fmt: expected one of {tuple(FMT_CODE)}, found {fmt!r}")
     dev = slot_mapping.device if isinstance(slot_mapping, torch.Tensor) else None
@@ -170,6 +182,11 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None, slo
             if s is not None:
                 raise ValueError(f"{name}: only NVFP4 has block scales, expected None for fmt {fmt!r}, "
                                  f"found a {type(s).__name__}")
+    if rot_signs is not None:
+        if fmt != "nvfp4":
+            raise ValueError(f"rot_signs: the K/V rotation applies to NVFP4 layers, found fmt {fmt!r}")
+        _require("rot_signs", rot_signs, (torch.float32,), 1, dev)
+        _require_shape("rot_signs", rot_signs, (d,), "[D]")
     if index_k is None:
         if index_pages is not None:
             raise ValueError("index_pages: expected None when index_k is None (dense/draft layer), found a tensor")
@@ -199,13 +216,15 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None, slo
     gs = slot_mapping if kv_gs is None else kv_gs
     ik = k if index_k is None else index_k
     ip = kp if ip is None else ip
+    rot = gs if rot_signs is None else rot_signs
     _kv_write_kernel[(t,)](
-        slot_mapping, k, v, ik, kp, vp, ks, vs, gs, ip, n * p,
+        slot_mapping, k, v, ik, kp, vp, ks, vs, gs, ip, rot, n * p,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), ik.stride(0),
         kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), ip.stride(0), ip.stride(1) if ip.dim() > 1 else 0,
         gs.stride(0),
         HK=hk, HKP=triton.next_power_of_2(hk), D=d, DI=di, P=p, FMT=FMT_CODE[fmt], IFMT=ifmt,
+        ROT=rot_signs is not None, LOG2D=d.bit_length() - 1, E_W=rotation.scale_exponents(d)[0],
         # ~128 values per warp (at 4 warps for a [2, 128] tile ptxas keeps an unused 2-byte local depot)
         CUDA=is_compiled(k), num_warps=max(1, min(4, triton.next_power_of_2(hk) * d // 128)),
     )
@@ -228,15 +247,19 @@ def write_layer(kv: PagedKVCache, layer: int, slot_mapping: torch.Tensor, k: tor
     kv_write(k, v, index_k, slot_mapping, kv.pages(layer, "k"), kv.pages(layer, "v"),
              kv.pages(layer, "k_scale") if nvfp4 else None, kv.pages(layer, "v_scale") if nvfp4 else None,
              kv.kv_global_scale[layer] if nvfp4 else None, kv.pages(layer, "index_k") if sparse else None,
-             fmt=fmt, index_fmt=kv.spec.index_k_format() if sparse else None)
+             fmt=fmt, index_fmt=kv.spec.index_k_format() if sparse else None,
+             rot_signs=kv.kv_rotation_signs if kv.spec.is_rotated(layer) else None)
 
 
 # --- reference and compare ----------------------------------------------------------------------
 
 def kv_write_reference(k, v, index_k, slot_mapping, k_pages=None, v_pages=None, k_scale=None, v_scale=None,
-                       kv_gs=None, index_pages=None, *, fmt: str, index_fmt: str | None):
-    """What every token must store, from codec.encode (PagedKVCache.write's own encoder):
-    (k data [T, Hk, Dc], v data, k scales [T, Hk, G] or None, v scales, index-K data [T, Di] or None)."""
+                       kv_gs=None, index_pages=None, *, fmt: str, index_fmt: str | None, rot_signs=None):
+    """What every token must store, from codec.encode (PagedKVCache.write's own encoder), after
+    rotation.rotate with rot_signs: (k data [T, Hk, Dc], v data, k scales [T, Hk, G] or None, v scales,
+    index-K data [T, Di] or None)."""
+    if rot_signs is not None:
+        k, v = rotation.rotate(k, rot_signs), rotation.rotate(v, rot_signs)
     k_data, k_sc = codec.encode(fmt, k, None if kv_gs is None else kv_gs[0])
     v_data, v_sc = codec.encode(fmt, v, None if kv_gs is None else kv_gs[1])
     ik = None if index_k is None else codec.encode(index_fmt, index_k)[0]
@@ -311,7 +334,8 @@ def compare(out, ref, case: KVWriteCase) -> None:
 
 # --- cases and cells ----------------------------------------------------------------------------
 
-def _cache_for(shape: tuple[int, ...], num_slots: int, device: torch.device) -> tuple[PagedKVCache, int]:
+def _cache_for(shape: tuple[int, ...], num_slots: int, device: torch.device, rotate: bool = False
+               ) -> tuple[PagedKVCache, int]:
     """A two-layer cache whose layer 0 has the cell's format; layer 1 is the other kind, so every
     slot also holds sub-pages (and, in the hybrid cache, scales) the call must leave alone."""
     hk, d, p, di, fmt_code, ifmt_code = shape
@@ -331,7 +355,7 @@ def _cache_for(shape: tuple[int, ...], num_slots: int, device: torch.device) -> 
         index_dtype = "auto"  # index-K in the model dtype
     spec = KVCacheSpec(page_size=p, num_layers=2, sparse_layers=(0,) if sparse0 else (1,), num_kv_heads=hk,
                        head_dim=d, index_head_dim=di if di else d, kv_cache_dtype=kv_dtype, index_k_dtype=index_dtype,
-                       model_dtype=model)
+                       model_dtype=model, kv_rotation_seed=rotation.DEFAULT_ROTATION_SEED if rotate else None)
     cache = PagedKVCache(spec, num_slots, device)
     cache.check_bounds = False
     if cache.spec.kv_format(0) != fmt or (sparse0 and cache.spec.index_k_format() != FMT_NAME[ifmt_code]):
@@ -352,8 +376,9 @@ def _nvfp4_tie_values(shape: tuple[int, ...], gen: torch.Generator) -> torch.Ten
     return (blocks * torch.exp2(e)).view(shape)
 
 
-def _activations(t: int, hk: int, d: int, gen: torch.Generator, ties: bool) -> torch.Tensor:
-    """K/V-like bf16 tokens: unit-RMS rows with outlier channels, zero / -0 / tiny / huge / inf blocks,
+def _activations(t: int, hk: int, d: int, gen: torch.Generator, ties: bool, finite: bool = False) -> torch.Tensor:
+    """K/V-like bf16 tokens: unit-RMS rows with outlier channels, zero / -0 / tiny / huge / inf blocks (finite:
+    no inf, which a rotation turns into NaNs whose sign bit CPU and GPU arithmetic set differently),
     and (ties) exact E2M1 midpoints."""
     x = torch.randn(t, hk, d, generator=gen) * torch.exp2(torch.randint(-3, 4, (t, hk, 1), generator=gen).float())
     x[torch.rand(t, hk, d, generator=gen) < 0.02] *= 40.0
@@ -362,7 +387,7 @@ def _activations(t: int, hk: int, d: int, gen: torch.Generator, ties: bool) -> t
         x[0, 0, 16:32] = -0.0 if d >= 32 else x[0, 0, 16:32]
         x[1, -1, :16] *= 1e-6
         x[1, -1, -16:] *= 1e4
-    if t >= 3:
+    if t >= 3 and not finite:
         x[2, 0, 3] = float("inf")
         x[2, -1, 5] = float("-inf")
     if ties:
@@ -374,7 +399,8 @@ def _activations(t: int, hk: int, d: int, gen: torch.Generator, ties: bool) -> t
 def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> KVWriteCase:
     hk, d, p, di, fmt_code, ifmt_code = cell.shape
     num_slots = cell.config.get("slots") or max(3, -(-3 * rows // (2 * p)) + 1)
-    cache, layer = _cache_for(cell.shape, num_slots, device)
+    rotate = bool(cell.config.get("rotate"))
+    cache, layer = _cache_for(cell.shape, num_slots, device, rotate)
     g = gen if gen is not None else torch.Generator().manual_seed(0)
     if gen is not None:
         cache.data.copy_(torch.randint(0, 256, cache.data.shape, generator=g, dtype=torch.uint8))
@@ -391,8 +417,8 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     flat = torch.randperm(num_slots * p, generator=g)[:rows]
     flat[torch.rand(rows, generator=g) < 0.15] = -1
     slot_mapping = flat.to(device)
-    k = _activations(rows, hk, d, g, ties).to(device)
-    v = _activations(rows, hk, d, g, ties).to(device)
+    k = _activations(rows, hk, d, g, ties, rotate).to(device)
+    v = _activations(rows, hk, d, g, ties, rotate).to(device)
     index_k = None if ifmt_code == NO_INDEX else (3.0 * torch.randn(rows, di, generator=g)).to(torch.bfloat16).to(device)
     fmt = FMT_NAME[fmt_code]
     nvfp4 = fmt == "nvfp4"
@@ -401,6 +427,8 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
             cache.pages(layer, "k_scale") if nvfp4 else None, cache.pages(layer, "v_scale") if nvfp4 else None,
             cache.kv_global_scale[layer] if nvfp4 else None, cache.pages(layer, "index_k") if sparse else None)
     kwargs = {"fmt": fmt, "index_fmt": cache.spec.index_k_format() if sparse else None}
+    if rotate:
+        kwargs["rot_signs"] = cache.kv_rotation_signs
     # bytes one call moves: bf16 activations in, encoded tokens (and scales) out
     dc_bytes = d // 2 if nvfp4 else d * FMT_TORCH_DTYPE[fmt].itemsize
     tok_bytes = 2 * hk * d * 2 + 2 * hk * dc_bytes + (2 * hk * (d // NVFP4_BLOCK) if nvfp4 else 0)
@@ -426,8 +454,11 @@ _ROWS = (((1, 48), "decode / speculative verify"), ((49, 8192), "prefill chunk")
 
 CELLS = tuple(
     Cell(rows=rows, shape=(hk, d, p, di if ifmt else 0, FMT_CODE[fmt], FMT_CODE[ifmt] if ifmt else NO_INDEX),
-         why=f"{gname}: {why}; {rwhy} (one program per token: one compiled variant for every T)")
+         config={"rotate": True} if rot else {},
+         why=f"{gname}: {why}{', K/V Hadamard-rotated' if rot else ''}; {rwhy} "
+             f"(one program per token: one compiled variant for every T)")
     for hk, d, p, di, gname in _GEOMS for fmt, ifmt, why in _FORMATS for rows, rwhy in _ROWS
+    for rot in ((False, True) if fmt == "nvfp4" else (False,))
 )
 INTERP_CELLS = (
     # one slot: the page views are contiguous, so the generic corruption test can flatten them
@@ -439,6 +470,10 @@ INTERP_CELLS = (
     Cell(rows=(6, 6), shape=(2, 16, 4, 16, FMT_CODE["bf16"], FMT_CODE["bf16"]), why="interpreter: bf16 + index"),
     Cell(rows=(5, 5), shape=(1, 16, 4, 16, FMT_CODE["fp32"], FMT_CODE["fp32"]), why="interpreter: fp32 cache"),
     Cell(rows=(5, 5), shape=(2, 16, 4, 0, FMT_CODE["fp16"], NO_INDEX), why="interpreter: fp16 cache"),
+    Cell(rows=(5, 6), shape=(2, 64, 8, 16, FMT_CODE["nvfp4"], FMT_CODE["bf16"]), config={"rotate": True},
+         why="interpreter: Hadamard-rotated nvfp4 K/V (D 64, the embedded model's head dim), several slots"),
+    Cell(rows=(3, 3), shape=(3, 128, 8, 16, FMT_CODE["nvfp4"], FMT_CODE["fp8"]), config={"rotate": True},
+         why="interpreter: Hadamard-rotated nvfp4 K/V at M3's D 128 (c_w = 1/8), 3 heads (masked), fp8 index-K"),
 )
 
 
@@ -455,10 +490,10 @@ def warmup(device: torch.device) -> None:
 
 
 def kv_write_stock(k, v, index_k, slot_mapping, k_pages, v_pages, k_scale, v_scale, kv_gs, index_pages, *, fmt,
-                   index_fmt):
+                   index_fmt, rot_signs=None):
     """The unfused torch path: encode with codec and scatter (PagedKVCache.write without its checks)."""
     k_data, v_data, k_sc, v_sc, ik = kv_write_reference(k, v, index_k, slot_mapping, fmt=fmt, index_fmt=index_fmt,
-                                                        kv_gs=kv_gs)
+                                                        kv_gs=kv_gs, rot_signs=rot_signs)
     keep = slot_mapping >= 0
     p = k_pages.shape[2]
     slot, off = slot_mapping[keep] // p, slot_mapping[keep] % p

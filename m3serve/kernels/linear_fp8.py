@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from m3serve.kernels._gemm_tiles import make_workspace
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_FP8
 from m3serve.kernels._tiled_gemm import TiledGemmConfig, launch_tiled_gemm
@@ -78,7 +79,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     scale = torch.tensor(s, dtype=torch.float32, device=device)
     x = L.fresh_x(rows, k, device, gen)
     out = poisoned((rows, n), torch.bfloat16, device)
-    ws = L.make_workspace(cfg, n, device)
+    ws = make_workspace(cfg, n, device)
     return Case(args=(x, q, scale, out, ws, cfg), kwargs={}, bytes_moved=n * k + rows * k * 2 + rows * n * 2)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from m3serve.kernels._gemm_tiles import make_workspace
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_MXFP8
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
@@ -108,13 +109,13 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
         scale = torch.randint(110, 136, (n, k // 32), generator=device_rng(gen, device), dtype=torch.uint8, device=device)
     x = L.fresh_x(rows, k, device, gen)
     out = poisoned((rows, n), torch.bfloat16, device)
-    ws = L.make_workspace(cfg, n, device)
+    ws = make_workspace(cfg, n, device)
     return Case(args=(x, q, scale, out, ws, cfg), kwargs={},
                 bytes_moved=n * k + n * k // 32 + rows * k * 2 + rows * n * 2)
 
 
 # Rows 1-2: the GEMV measured 1.42x / 1.19x faster than the tensor-core cell (family g32x256w4s3); at 3-4
-# rows the tensor-core cell wins (H200, bench/results/gemv_variants-gpu-2026-11-30.json).
+# rows the tensor-core cell wins (H200, bench/results/gemv_variants/gemv_variants-h200-2026-11-30.json).
 # Rows 3-8 with K >= 4096: the register-operand MMA GEMV, 1.02-1.5x the tensor-core cells at 4 / 8 rows; at
 # K = 3072 it measured 0.88-0.92x, so those shapes keep the tensor-core cells (gemv_variants-h200-mma-2026-12-01.json,
 # family r1w4s2c1056).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from m3serve.kernels._gemm_tiles import make_workspace
 from m3serve.kernels import _linear as L
 from m3serve.kernels._decode import FMT_NVFP4
 from m3serve.kernels._gemv import GemvConfig, launch_gemv
@@ -115,13 +116,13 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     packed, scale, gs = random_nvfp4_weight(n, k, device, gen)
     x = L.fresh_x(rows, k, device, gen)
     out = poisoned((rows, n), torch.bfloat16, device)
-    ws = L.make_workspace(cfg, n, device)
+    ws = make_workspace(cfg, n, device)
     return Case(args=(x, packed, scale, gs, out, ws, cfg), kwargs={},
                 bytes_moved=n * k // 2 + n * k // 16 + rows * k * 2 + rows * n * 2)
 
 
 # Row 1: the register-accumulating GEMV (family g16x512w4), 2.3x the tensor-core cell and, launched alone, ahead
-# of the MMA GEMV (bench/results/gemv_variants-gpu-2026-11-30.json). Rows 2-8: the register-operand MMA GEMV,
+# of the MMA GEMV (bench/results/gemv_variants/gemv_variants-h200-2026-11-30.json). Rows 2-8: the register-operand MMA GEMV,
 # whose cost does not grow with the rows (the 8 token columns ride in one MMA): at 4 / 8 rows 1.5-3.3x the
 # cells it replaces (gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056).
 GEMV_FAMILY = {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528, "PREFETCH": True, "num_stages": 1}

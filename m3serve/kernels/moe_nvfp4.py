@@ -479,7 +479,7 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
     routing tiles stay in registers (aot_check reports no spills with these). At 5-16 tokens with
     an NVFP4 shared expert the down projection takes 256-wide K tiles over 256-wide splits with 2
     stages: at 16 tokens 8 % faster than the 128-wide default on the H200, at 1 token 6 % slower,
-    with a BF16 shared expert 5 % slower (bench/results/kernel-variants-h200.json, d64x256k12s2 vs
+    with a BF16 shared expert 5 % slower (bench/results/kernel_variants/kernel-variants-h200.json, d64x256k12s2 vs
     base); the other cells were not swept and keep the default."""
     bt = _bt(hi)
     cfg = MoEConfig(BT=bt, num_warps=4 if bt == 16 else 8, router_warps={16: 4, 32: 8, 64: 16}[bt])

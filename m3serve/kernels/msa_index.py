@@ -412,7 +412,7 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
 def select_warps(bp: int) -> int:
     """Warps of one (row, head) selection over bp (padded) blocks. A two-stage (per-chunk top-k, then
     merge) and a packed-int64 single-reduction variant were both slower on the H200 at 1024 blocks
-    (bench/results/kernel-variants-h200.json), so each round stays a max and an argmin over all blocks."""
+    (bench/results/kernel_variants/kernel-variants-h200.json), so each round stays a max and an argmin over all blocks."""
     return 4 if bp >= 512 else 1
 
 

@@ -15,6 +15,8 @@ A cell's config "case" is the (batch, context) its generic GPU test runs at.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from m3serve.kernels._paged_attn_call import (FMT_CODES, AttnWorkspace, choose_num_splits, make_workspace,
@@ -59,9 +61,12 @@ def _cells() -> tuple[Cell, ...]:
             ranges = ((1, 48),) if sparse else ((1, 1), (2, 48))
             for lo, hi in ranges:
                 use = "decode" if hi == 1 else "verify / short chunks" if lo > 1 else "decode, verify, short chunks"
-                out.append(Cell(rows=(lo, hi), shape=key, config={"case": cs},
-                                why=f"{model} {kind} attention on a {_NAMES[code]} KV cache (Hq {hq}, Hk {hk}, D {d}, "
-                                    f"P {p}): {use}, {lo}-{hi} query tokens per sequence"))
+                for rot in ((False, True) if code == _NV else (False,)):
+                    case = dataclasses.replace(cs, rotate=True) if rot else cs
+                    out.append(Cell(rows=(lo, hi), shape=key, config={"case": case},
+                                    why=f"{model} {kind} attention on a {_NAMES[code]} KV cache"
+                                        f"{' (K/V Hadamard-rotated)' if rot else ''} (Hq {hq}, Hk {hk}, D {d}, "
+                                        f"P {p}): {use}, {lo}-{hi} query tokens per sequence"))
     return tuple(out)
 
 
@@ -75,6 +80,12 @@ INTERP_CELLS = (
          why="interpreter: MSA top-3 on NVFP4 pages, 2 splits"),
     Cell(rows=(2, 2), shape=(_F32, 4, 2, 32, 16, 2), config={"case": CaseShape(batch=2, context=50, num_splits=1)},
          why="interpreter: MSA top-2 on an fp32 cache (rounded to bf16 on read), no split"),
+    Cell(rows=(1, 2), shape=(_NV, 4, 2, 32, 16, 3),
+         config={"case": CaseShape(batch=2, context=70, num_splits=2, rotate=True)},
+         why="interpreter: MSA top-3 on Hadamard-rotated NVFP4 pages (q rotated, output un-rotated), 2 splits"),
+    Cell(rows=(1, 1), shape=(_NV, 4, 2, 64, 16, 2),
+         config={"case": CaseShape(batch=2, context=50, num_splits=1, rotate=True)},
+         why="interpreter: MSA top-2 on rotated NVFP4 pages at the embedded model's D 64, no split"),
 )
 
 

@@ -52,6 +52,7 @@ from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels.catalog import (
     BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng, poisoned, true_fp32,
 )
+from m3serve.model.msa import attend
 
 ENABLED = True  # the one switch: False sends attn.prefill calls down the stock path
 
@@ -364,8 +365,6 @@ def prefill_attention_reference(q, k_pages, v_pages, slot_table, seq_lens, query
 def prefill_attention_stock(q, k_pages, v_pages, slot_table, seq_lens, query_start, out, *, sm_scale,
                             max_query_len, tiles=None) -> torch.Tensor:
     """The model's stock path: per sequence, gather K/V and run m3serve.model.msa.attend (fp32)."""
-    from m3serve.model.msa import attend
-
     hk, p = k_pages.shape[1], k_pages.shape[2]
     for s, (q0, n, L) in enumerate(_spans(seq_lens, query_start)):
         if n == 0:

@@ -41,7 +41,7 @@ from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels._rope import cos_sin_f32
-from m3serve.kernels.catalog import BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
+from m3serve.kernels.catalog import ROW_CELLS_MAX, BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
 from m3serve.kernels.rms_norm import rms_inverse, rms_norm_reference
 from m3serve.model.layers import apply_rope, rope_inv_freq
 
@@ -316,7 +316,7 @@ TINY = {"theta": 10_000.0, "max_position": 4096}
 
 
 def _cell(hq: int, hk: int, d: int, di: int, rd: int, cfg: dict, why: str) -> Cell:
-    return Cell(rows=(1, 48), shape=(hq, hk, d, di, rd), why=why, config=cfg)
+    return Cell(rows=(1, ROW_CELLS_MAX), shape=(hq, hk, d, di, rd), why=why, config=cfg)
 
 
 CELLS = (
@@ -430,10 +430,10 @@ def rope_make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Gener
 
 
 ROPE_CELLS = (
-    Cell(rows=(1, 48), shape=(64, 4, 128, 128), config=M3,
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(64, 4, 128, 128), config=M3,
          why="M3 Eagle3 draft layer (GQA head): 64 q / 4 kv heads, D = 128, full rotary, the target's theta"),
-    Cell(rows=(1, 48), shape=(64, 64, 128, 128), config=M3, why="M3 Eagle3 draft layer (MHA head)"),
-    Cell(rows=(1, 48), shape=(4, 2, 64, 64), config=TINY, why="embedded model's Eagle3 draft layer"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(64, 64, 128, 128), config=M3, why="M3 Eagle3 draft layer (MHA head)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(4, 2, 64, 64), config=TINY, why="embedded model's Eagle3 draft layer"),
 )
 ROPE_INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(2, 1, 16, 16), config=TINY, why="interpreter: full rotary"),

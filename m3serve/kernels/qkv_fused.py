@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from m3serve.kernels._gemm_tiles import make_workspace
 from m3serve.kernels import _linear as L
 from m3serve.kernels import linear_fp8, linear_mxfp8, linear_nvfp4
 from m3serve.kernels.catalog import Case, Cell, Entry, assert_band, device_rng, gemm_band, poisoned, true_fp32
@@ -89,7 +90,7 @@ def _make(fmt: str, raw: Callable, ref: Callable, stock: Callable, weight_bytes:
         cfg: L.GemmConfig = cell.config["gemm"]
         x = L.fresh_x(rows, k, device, gen)
         out = poisoned((rows, n), torch.bfloat16, device)
-        ws = L.make_workspace(cfg, n, device)
+        ws = make_workspace(cfg, n, device)
         wbytes = sum(t.numel() * t.element_size() for t in fused.tensors)
         return Case(args=(x, *fused.tensors, out, ws, cfg), kwargs={}, bytes_moved=wbytes + rows * (k + n) * 2)
 

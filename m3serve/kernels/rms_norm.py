@@ -21,7 +21,7 @@ import triton.language as tl
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.catalog import BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
+from m3serve.kernels.catalog import ROW_CELLS_MAX, BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
 
 ENABLED = True  # the one switch: False sends norm.rms calls down the stock path
 
@@ -112,9 +112,9 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 
 CELLS = (
-    Cell(rows=(1, 48), shape=(6144,), why="M3 hidden 6144 (TP1 and TP2: norms see the full hidden state): the two "
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(6144,), why="M3 hidden 6144 (TP1 and TP2: norms see the full hidden state): the two "
          "norms of every decoder layer and the final norm; one program per row, one compiled variant"),
-    Cell(rows=(1, 48), shape=(256,), why="embedded model hidden 256: input/post norms and the final norm"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(256,), why="embedded model hidden 256: input/post norms and the final norm"),
 )
 INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(64,), why="interpreter: power-of-two H"),

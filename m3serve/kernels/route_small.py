@@ -31,7 +31,7 @@ import triton.language as tl
 
 from m3serve.kernels._jit import kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.catalog import FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned, true_fp32
+from m3serve.kernels.catalog import ROW_CELLS_MAX, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned, true_fp32
 from m3serve.model.moe import route as route_stock
 
 ENABLED = True  # the one switch: False sends moe.route_small calls down the stock path
@@ -187,8 +187,8 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 
 CELLS = (
-    Cell(rows=(1, 48), shape=(128, 6144, 4), why="M3 router (replicated at TP1 and TP2): 128 experts, top-4"),
-    Cell(rows=(1, 48), shape=(8, 256, 2), why="embedded model router: 8 experts, top-2 (the all-experts MoE)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(128, 6144, 4), why="M3 router (replicated at TP1 and TP2): 128 experts, top-4"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(8, 256, 2), why="embedded model router: 8 experts, top-2 (the all-experts MoE)"),
 )
 INTERP_CELLS = (
     Cell(rows=(1, 2), shape=(8, 64, 2), why="interpreter: 8 experts top-2"),

@@ -22,7 +22,7 @@ import triton.language as tl
 from m3serve.kernels._decode import to_bf16
 from m3serve.kernels._jit import is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.catalog import BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
+from m3serve.kernels.catalog import ROW_CELLS_MAX, BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, poisoned
 from m3serve.model.layers import swiglu_oai as swiglu_oai_stock_fp32
 
 ENABLED = True  # the one switch: False sends mlp.swiglu_oai calls down the stock path
@@ -119,13 +119,13 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 
 
 CELLS = (
-    Cell(rows=(1, 48), shape=(1, 12288), why="M3 TP1 dense-MLP layers (dense_intermediate_size 12288)"),
-    Cell(rows=(1, 48), shape=(1, 6144), why="M3 TP2 dense-MLP layers (12288 / 2 per rank)"),
-    Cell(rows=(1, 48), shape=(1, 3072), why="M3 TP1 shared expert / expert width 3072 (bf16 stock MoE paths)"),
-    Cell(rows=(1, 48), shape=(1, 1536), why="M3 TP2 shared expert / expert width 1536 per rank"),
-    Cell(rows=(1, 48), shape=(1, 512), why="embedded model dense-MLP layers (dense_intermediate_size 512)"),
-    Cell(rows=(1, 48), shape=(1, 128), why="embedded model shared expert (shared_intermediate_size 128)"),
-    Cell(rows=(1, 48), shape=(8, 128), why="embedded model all-experts MoE: 8 experts x T tokens, I = 128"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 12288), why="M3 TP1 dense-MLP layers (dense_intermediate_size 12288)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 6144), why="M3 TP2 dense-MLP layers (12288 / 2 per rank)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 3072), why="M3 TP1 shared expert / expert width 3072 (bf16 stock MoE paths)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 1536), why="M3 TP2 shared expert / expert width 1536 per rank"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 512), why="embedded model dense-MLP layers (dense_intermediate_size 512)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 128), why="embedded model shared expert (shared_intermediate_size 128)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(8, 128), why="embedded model all-experts MoE: 8 experts x T tokens, I = 128"),
 )
 INTERP_CELLS = (
     Cell(rows=(1, 2), shape=(1, 64), why="interpreter: one group, power-of-two I"),
@@ -191,9 +191,9 @@ def silu_mul_make_case(cell: Cell, rows: int, device: torch.device, gen: torch.G
 
 
 SILU_CELLS = (
-    Cell(rows=(1, 48), shape=(1, 12288), why="M3 Eagle3 draft layer MLP (Eagle3Config.for_target: the target's "
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 12288), why="M3 Eagle3 draft layer MLP (Eagle3Config.for_target: the target's "
                                               "dense intermediate size)"),
-    Cell(rows=(1, 48), shape=(1, 512), why="embedded model's Eagle3 draft layer MLP (intermediate 512)"),
+    Cell(rows=(1, ROW_CELLS_MAX), shape=(1, 512), why="embedded model's Eagle3 draft layer MLP (intermediate 512)"),
 )
 SILU_INTERP_CELLS = (
     Cell(rows=(1, 2), shape=(1, 64), why="interpreter: one group, power-of-two I"),

@@ -9,6 +9,11 @@ Shape legend:
     k, v         [T, H, D];  index_k [T, Di]
     kv_global_scale fp32 [num_attention_layers, 2]   NVFP4 encode scale of K (col 0) and V (col 1);
                                                       1.0 for layers that are not NVFP4
+    kv_rotation_signs fp32 [D]   +-1 signs of the K/V rotation (spec.kv_rotation_seed; None unrotated)
+    kv_rotation_matrix bf16 [D, D]  rotation.query_matrix of those signs (q @ M rotates q; o_rot @ M^T undoes V's)
+
+Rotated layers (spec.is_rotated): write() stores rotation.rotate(K), rotate(V) (then quantizes); read() decodes
+and un-rotates, so callers see K and V in the model's basis (q.k and p.v as without rotation, up to rounding).
 
 write()/read() are the torch reference semantics for the Triton kernels to come.
 """
@@ -22,13 +27,14 @@ from torch import Tensor
 
 from m3serve.device import canonical_device
 from m3serve.kv import codec
+from m3serve.kv import rotation
+from m3serve.kv.draft_view import DraftKVView
 from m3serve.kv.layout import SlotLayout, SubPage, SubpageGeometry
 from m3serve.kv.spec import NVFP4_BLOCK, KVCacheSpec
 from m3serve.quant.nvfp4 import nvfp4_global_scale
 
 if TYPE_CHECKING:
     from m3serve.kv.block_manager import BlockManager
-    from m3serve.kv.draft_view import DraftKVView
 
 # Calibration amax behind the default NVFP4 global scale gs = 448*6/amax (m3serve.quant.nvfp4).
 # It is the clip bound: |x| > amax saturates (the block scale tops out at 448). A 16-value block
@@ -62,6 +68,12 @@ class PagedKVCache:
         self.scales = (torch.zeros(num_slots, self.layout.scale_slot_bytes, dtype=torch.uint8, device=self.device)
                        if self.layout.scale_slot_bytes else None)
         self.kv_global_scale = torch.ones(spec.num_attention_layers, 2, dtype=torch.float32, device=self.device)
+        self.kv_rotation_signs: Tensor | None = None
+        self.kv_rotation_matrix: Tensor | None = None
+        if spec.kv_rotation_seed is not None:
+            signs = rotation.rotation_signs(spec.head_dim, spec.kv_rotation_seed)
+            self.kv_rotation_signs = signs.to(self.device)
+            self.kv_rotation_matrix = rotation.query_matrix(signs).to(torch.bfloat16).to(self.device)
         self._views: dict[tuple[int, str], Tensor] = {}
         for key, sp in self.layout.pages.items():
             self._views[key] = self._typed(self.data, sp)
@@ -210,7 +222,10 @@ class PagedKVCache:
         slot = slot_mapping // self.page_size
         off = slot_mapping % self.page_size
         fmt = self.spec.kv_format(layer)
+        rotated = self.spec.is_rotated(layer)
         for col, role, x in ((0, "k", k), (1, "v", v)):
+            if rotated:
+                x = rotation.rotate(x, self.kv_rotation_signs)
             data, scale = codec.encode(fmt, x, self.kv_global_scale[layer, col])
             self._views[(layer, role)][slot, :, off] = data
             if scale is not None:
@@ -233,7 +248,8 @@ class PagedKVCache:
 
     def read(self, layer: int, slots: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
         """K, V [length, Hk, D] (and index-K [length, Di] on sparse layers) of ONE sequence whose
-        pages are `slots` (int64 [nblocks], in order), dequantized to `dtype`."""
+        pages are `slots` (int64 [nblocks], in order), dequantized to `dtype` (un-rotated in fp32 first on a
+        rotated layer)."""
         self.spec.check_layer(layer)
         if not isinstance(slots, Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             found = (slots.dtype, tuple(slots.shape)) if isinstance(slots, Tensor) else type(slots)
@@ -252,7 +268,11 @@ class PagedKVCache:
             scale = None
             if fmt == "nvfp4":
                 scale = self._tokens(self._scale_pages_hnd(layer, role, slots), length)
-            out.append(codec.decode(fmt, data, scale, self.kv_global_scale[layer, col], dtype))
+            if self.spec.is_rotated(layer):
+                y = codec.decode(fmt, data, scale, self.kv_global_scale[layer, col], torch.float32)
+                out.append(rotation.unrotate(y, self.kv_rotation_signs).to(dtype))
+            else:
+                out.append(codec.decode(fmt, data, scale, self.kv_global_scale[layer, col], dtype))
         index_k = None
         if self.spec.is_sparse(layer):
             pages = self._views[(layer, "index_k")][slots]  # [nb, P, Di]
@@ -279,8 +299,6 @@ class PagedKVCache:
     def draft_view(self, manager: BlockManager, *, tree_drafts: bool = False, relocate_accepted_tokens: bool = False,
                    ring_size: int = 3) -> DraftKVView:
         """The shared draft layer presented as a single-pool cache (see draft_view.py)."""
-        from m3serve.kv.draft_view import DraftKVView
-
         return DraftKVView(self, manager, tree_drafts=tree_drafts,
                            relocate_accepted_tokens=relocate_accepted_tokens, ring_size=ring_size)
 

@@ -30,6 +30,14 @@ with the measured reason and the per-layer sensitivities. A checkpoint may inste
 compressed-tensors, vLLM names; see m3serve.model.weights.read_kv_cache_scales). `LLM` applies, in this
 order of preference, kv_scales.json, then the checkpoint's scales, to every NVFP4 layer of its cache, and
 takes kv_scales.json's `fp8_layers` as its default `kv_fp8_layers`.
+
+Rotation. A rotated hybrid cache (KVCacheSpec.kv_rotation_seed) stores each NVFP4 layer's K and V through the
+randomized Hadamard rotation of m3serve.kv.rotation, so its amaxes are chosen on the rotated values and the
+sensitivity proxy runs the rotated codec. The file records the rotation (`rotation`: kind, seed, head dim,
+Hadamard block and the sign vector), which LLM then applies to its cache: amaxes calibrated in one basis are
+never used in the other. Since the rotation, every sparse layer of the embedded model stays in NVFP4 by
+default: `fp8_layers` is written only when asked for (`fp8_overrides`, `m3serve calibrate-kv --fp8-overrides`);
+the sensitivity is measured and recorded either way.
 """
 
 from __future__ import annotations
@@ -45,16 +53,18 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from m3serve.kv import codec
+from m3serve.eval.tasks import load_task
+from m3serve.kv import codec, rotation
 from m3serve.kv.cache import DEFAULT_NVFP4_KV_AMAX
-from m3serve.quant.fp8 import FP8_MAX
-from m3serve.quant.nvfp4 import E2M1_MAX, nvfp4_global_scale
+from m3serve.kv.scales import FILE_FORMAT, FILE_VERSION, KV_SCALES_FILE, rotation_record
+from m3serve.model.loader import load_model
+from m3serve.quant.nvfp4 import nvfp4_global_scale
+from m3serve.tokenizer import load_tokenizer
+from m3serve.train.synthetic import make_split
+from m3serve.train.tokenizer import chat_prompt, render_chat
 
 log = logging.getLogger("m3serve")
 
-KV_SCALES_FILE = "kv_scales.json"
-FILE_FORMAT = "m3serve.kv_scales"
-FILE_VERSION = 1
 METHOD = "nvfp4-roundtrip-mse-grid"
 # Candidates: observed amax * 2^(i/8), i in [-8, 16]: from half (clipping the largest blocks) to 4x.
 GRID_STEPS_PER_OCTAVE = 8
@@ -82,9 +92,6 @@ def calibration_chats(num_items: int = CALIBRATION_ITEMS, seed: int = CALIBRATIO
                       exclude_questions: Iterable[str] = ()) -> list[tuple[str, str]]:
     """The same transcripts split as (generation prompt, completion): the prompt is exactly what the eval feeds
     the model (chat_prompt(question)), the completion the worked answer and its end-of-turn token."""
-    from m3serve.train.synthetic import make_split
-    from m3serve.train.tokenizer import chat_prompt, render_chat
-
     if not isinstance(num_items, int) or num_items <= 0:
         raise ValueError(f"num_items: expected a positive int, found {num_items!r}")
     banned = set(exclude_questions)
@@ -117,8 +124,6 @@ def calibration_chats(num_items: int = CALIBRATION_ITEMS, seed: int = CALIBRATIO
 
 def heldout_questions(model_dir: str) -> set[str]:
     """The questions `m3serve eval --task synthetic` scores for this checkpoint (never calibrated on)."""
-    from m3serve.eval.cli import load_task
-
     return {it.question for it in load_task("synthetic", model_dir, None)}
 
 
@@ -248,8 +253,12 @@ def choose_nvfp4_amax(x: Tensor, rel_tol: float = REL_TOL) -> AmaxChoice:
 CachePlan = dict[int, tuple[str, Tensor | None, Tensor | None]]
 
 
-def cache_roundtrip(fmt: str, x: Tensor, gs: Tensor | None) -> Tensor:
-    """x [..., D] through the cache codec's encode and decode in `fmt` (what attention reads back), in x's dtype."""
+def cache_roundtrip(fmt: str, x: Tensor, gs: Tensor | None, signs: Tensor | None = None) -> Tensor:
+    """x [..., D] through the cache codec's encode and decode in `fmt` (what attention reads back), in x's dtype;
+    with `signs` an NVFP4 round trip is rotated before encoding and un-rotated after decoding (PagedKVCache)."""
+    if signs is not None and fmt == "nvfp4":
+        data, scale = codec.encode(fmt, rotation.rotate(x, signs), gs)
+        return rotation.unrotate(codec.decode(fmt, data, scale, gs, torch.float32), signs).to(x.dtype)
     data, scale = codec.encode(fmt, x, gs)
     return codec.decode(fmt, data, scale, gs, x.dtype)
 
@@ -309,11 +318,11 @@ class LayerSensitivity:
         }
 
 
-def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], plans: dict[str, CachePlan]
-               ) -> tuple[dict[str, PlanCost], int]:
+def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], plans: dict[str, CachePlan],
+               signs: Tensor | None = None) -> tuple[dict[str, PlanCost], int]:
     """({plan name: its cost}, scored positions): each sequence runs once with the exact fp32 cache (the reference)
     and once per plan. Sequence j's scored targets are its tokens [score_from[j], T): the rows of logp that
-    predict them are [score_from[j] - 1, T - 1)."""
+    predict them are [score_from[j] - 1, T - 1). signs: the K/V rotation of the NVFP4 layers (None: unrotated)."""
     _check_fp32_model(model)
     if len(score_from) != len(token_seqs) or not token_seqs:
         raise ValueError(f"score_from: expected one start per calibration sequence ({len(token_seqs)}, at least "
@@ -324,7 +333,7 @@ def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], p
         if layer not in active:
             return k, v
         fmt, gs_k, gs_v = active[layer]
-        return cache_roundtrip(fmt, k, gs_k), cache_roundtrip(fmt, v, gs_v)
+        return cache_roundtrip(fmt, k, gs_k, signs), cache_roundtrip(fmt, v, gs_v, signs)
 
     sums = {name: [0.0, 0.0, 0.0] for name in plans}          # KL, delta NLL, top-1 changes (float64 sums)
     positions = 0
@@ -361,7 +370,8 @@ def plan_costs(model, token_seqs: Sequence[Tensor], score_from: Sequence[int], p
 
 def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: Sequence[int],
                               amax: dict[int, tuple[float, float]], factor: float = FP8_OVERRIDE_FACTOR,
-                              min_kl: float = MIN_OVERRIDE_KL) -> LayerSensitivity:
+                              min_kl: float = MIN_OVERRIDE_KL, signs: Tensor | None = None,
+                              choose: bool = True) -> LayerSensitivity:
     """Which sparse layers the hybrid cache should keep in FP8: those whose NVFP4 alone costs more than `factor`
     times the whole FP8 cache and more than `min_kl` (amax: the calibrated {layer: (k_amax, v_amax)} of every
     sparse layer; token_seqs / score_from: see plan_costs).
@@ -380,10 +390,10 @@ def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: S
 
     The threshold. The unit is the KL of the whole FP8 cache, measured in the same run: FP8 is the format an
     overridden layer falls back to, and the FP8 cache is statistically indistinguishable from BF16 on the eval
-    (80.2 % vs 81.4 %, McNemar p = 0.26, bench/results/eval-kv-bf16-vs-fp8-cpu.json), so its KL is a cost the
+    (80.2 % vs 81.4 %, McNemar p = 0.26, bench/results/eval/eval-kv-bf16-vs-fp8-cpu.json), so its KL is a cost the
     engine already accepts. A layer whose NVFP4 alone costs more than `factor` = 2 such units goes FP8. On the
     embedded model the layers measure 4.6x (layer 2), 1.16x, 0.28x and 0.03x (layers 3-5) and the held-out
-    ablation (bench/results/kv-quant-ablation-cpu.json) found NVFP4 on layer 2 alone costs 7.0 points (p = 3e-6)
+    ablation (bench/results/kv_quant_ablation/kv-quant-ablation-cpu.json) found NVFP4 on layer 2 alone costs 7.0 points (p = 3e-6)
     and on each of 3-5 nothing (|delta| <= 0.2 point, p = 1): 2 separates them with margin on both sides (1.7x
     above layer 3, 2.3x below layer 2). The factor was set with that ablation's verdict in view; the proxy never
     reads the held-out items. A relative rule alone would flag layers of a model on which even the FP8 cache is
@@ -393,6 +403,9 @@ def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: S
     tokens and no eval score). Limits: costs of many individually small layers add up, which a per-layer rule
     does not see (the hybrid totals in the result show it), and a model with no sensitive outlier gets no
     override.
+
+    signs: the K/V rotation of a rotated cache (its NVFP4 round trips rotate first). choose=False measures and
+    records every cost but chooses no override (fp8_layers stays empty: every sparse layer NVFP4).
     """
     if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
         raise ValueError(f"factor: expected a finite positive float, found {factor!r}")
@@ -413,12 +426,12 @@ def measure_layer_sensitivity(model, token_seqs: Sequence[Tensor], score_from: S
     hybrid = {**{i: fp8[i] for i in dense}, **nvfp4}
     plans = {f"layer{i}": {i: nvfp4[i]} for i in sparse}
     plans.update({"fp8_cache": fp8, "hybrid": hybrid})
-    costs, positions = plan_costs(model, token_seqs, score_from, plans)
+    costs, positions = plan_costs(model, token_seqs, score_from, plans, signs)
     threshold = max(factor * costs["fp8_cache"].kl, min_kl)
-    chosen = tuple(i for i in sparse if costs[f"layer{i}"].kl > threshold)
+    chosen = tuple(i for i in sparse if costs[f"layer{i}"].kl > threshold) if choose else ()
     if chosen:
         overridden = {**hybrid, **{i: fp8[i] for i in chosen}}
-        with_fp8 = plan_costs(model, token_seqs, score_from, {"overridden": overridden})[0]["overridden"]
+        with_fp8 = plan_costs(model, token_seqs, score_from, {"overridden": overridden}, signs)[0]["overridden"]
     else:
         with_fp8 = costs["hybrid"]
     return LayerSensitivity({i: costs[f"layer{i}"] for i in sparse}, costs["fp8_cache"], costs["hybrid"],
@@ -434,6 +447,8 @@ class KVCalibration:
     default_mse: dict[int, tuple[float, float]]               # layer -> round-trip MSE of K, V at default_amax
     calibration: dict = field(default_factory=dict)           # text set, seed, items, tokens, dtype
     sensitivity: LayerSensitivity | None = None               # None: not measured (no fp8_layers in the file)
+    rotation_seed: int | None = None                          # the K/V rotation the amaxes were chosen under
+    head_dim: int | None = None                               # (with rotation_seed) the rotated head dim
 
     def amax_table(self) -> dict[int, tuple[float, float]]:
         return {i: (k.amax, v.amax) for i, (k, v) in self.layers.items()}
@@ -458,6 +473,8 @@ class KVCalibration:
             "layers": {str(i): {"k": one(k, self.default_mse[i][0]), "v": one(v, self.default_mse[i][1])}
                        for i, (k, v) in sorted(self.layers.items())},
         }
+        if self.rotation_seed is not None:
+            doc["rotation"] = rotation_record(self.head_dim, self.rotation_seed)
         if self.sensitivity is not None:
             doc["fp8_layers"] = list(self.sensitivity.fp8_layers)
             doc["fp8_layers_reason"] = self.sensitivity.reason()
@@ -496,12 +513,20 @@ def encode_calibration_texts(tokenizer, texts: Sequence[str | tuple[str, str]]) 
 
 def calibrate_kv(model, tokenizer, texts: Sequence[str | tuple[str, str]], layers: Sequence[int] | None = None,
                  description: dict | None = None, sensitivity: bool = True,
-                 factor: float = FP8_OVERRIDE_FACTOR, min_kl: float = MIN_OVERRIDE_KL) -> KVCalibration:
+                 factor: float = FP8_OVERRIDE_FACTOR, min_kl: float = MIN_OVERRIDE_KL,
+                 rotation_seed: int | None = None, fp8_overrides: bool = True) -> KVCalibration:
     """Run `texts` through the fp32 stock model and choose every layer's K and V amax (see the module doc); with
-    `sensitivity` (and a model with sparse layers), also the sparse layers to keep in FP8
-    (measure_layer_sensitivity, scored on the completions of (prompt, completion) texts)."""
+    `sensitivity` (and a model with sparse layers), also measure each sparse layer's NVFP4 cost and, with
+    `fp8_overrides`, choose the sparse layers to keep in FP8 (measure_layer_sensitivity, scored on the
+    completions of (prompt, completion) texts). rotation_seed: calibrate for a rotated cache (the sparse layers'
+    K/V, which the hybrid cache stores in NVFP4, are rotated before the amax search and in the proxy)."""
     seqs, score_from = encode_calibration_texts(tokenizer, texts)
     kv = collect_kv(model, seqs, layers)
+    head_dim = model.cfg.head_dim
+    signs = None if rotation_seed is None else rotation.rotation_signs(head_dim, rotation_seed)
+    if signs is not None:
+        kv = {i: ((rotation.rotate(k, signs), rotation.rotate(v, signs)) if model.layers[i].attn.sparse else (k, v))
+              for i, (k, v) in kv.items()}
     chosen = {i: (choose_nvfp4_amax(k), choose_nvfp4_amax(v)) for i, (k, v) in kv.items()}
     default = {i: (nvfp4_roundtrip_mse(k, DEFAULT_NVFP4_KV_AMAX), nvfp4_roundtrip_mse(v, DEFAULT_NVFP4_KV_AMAX))
                for i, (k, v) in kv.items()}
@@ -515,9 +540,10 @@ def calibrate_kv(model, tokenizer, texts: Sequence[str | tuple[str, str]], layer
             raise ValueError(f"layers: the FP8-override search needs every sparse layer {sparse} calibrated, found "
                              f"{sorted(chosen)}; pass sensitivity=False to calibrate a subset")
         sens = measure_layer_sensitivity(model, seqs, score_from, {i: (c[0].amax, c[1].amax) for i, c in chosen.items()},
-                                         factor, min_kl)
+                                         factor, min_kl, signs=signs, choose=fp8_overrides)
         info["scored_positions"] = sens.positions
-    return KVCalibration(len(model.layers), chosen, DEFAULT_NVFP4_KV_AMAX, default, info, sens)
+    return KVCalibration(len(model.layers), chosen, DEFAULT_NVFP4_KV_AMAX, default, info, sens, rotation_seed,
+                         head_dim if rotation_seed is not None else None)
 
 
 def save_kv_scales(path: str, calib: KVCalibration) -> None:
@@ -526,184 +552,13 @@ def save_kv_scales(path: str, calib: KVCalibration) -> None:
         f.write("\n")
 
 
-@dataclass(frozen=True)
-class KVScalesFile:
-    amax: dict[int, tuple[float, float]]     # layer -> (k_amax, v_amax)
-    fp8_layers: tuple[int, ...]              # () when the file lists none (or predates the field)
-
-
-def read_kv_scales(path: str, num_layers: int) -> KVScalesFile:
-    """A kv_scales.json written for a model of `num_layers` layers: amaxes and the optional `fp8_layers`."""
-    with open(path) as f:
-        try:
-            doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: expected a JSON kv_scales file, found invalid JSON ({e.msg})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
-        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path}: field 'format': expected {FILE_FORMAT!r}, found {found!r}")
-    if doc.get("version") != FILE_VERSION:
-        raise ValueError(f"{path}: field 'version': expected {FILE_VERSION}, found {doc.get('version')!r}")
-    if doc.get("num_layers") != num_layers:
-        raise ValueError(f"{path}: field 'num_layers': expected {num_layers} (the model's layers), "
-                         f"found {doc.get('num_layers')!r}")
-    layers = doc.get("layers")
-    if not isinstance(layers, dict):
-        raise ValueError(f"{path}: field 'layers': expected an object, found {type(layers).__name__}")
-    out: dict[int, tuple[float, float]] = {}
-    for key, entry in layers.items():
-        if not key.isdigit() or not 0 <= int(key) < num_layers:
-            raise ValueError(f"{path}: layers key: expected a layer id in [0, {num_layers}), found {key!r}")
-        pair = []
-        for t in ("k", "v"):
-            a = entry.get(t, {}).get("amax") if isinstance(entry, dict) and isinstance(entry.get(t), dict) else None
-            if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a) or a <= 0:
-                raise ValueError(f"{path}: layers[{key}].{t}.amax: expected a finite positive number, found {a!r}")
-            pair.append(float(a))
-        out[int(key)] = (pair[0], pair[1])
-    fp8 = doc.get("fp8_layers", [])
-    if not isinstance(fp8, list) or len(set(map(repr, fp8))) != len(fp8) or any(
-            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers for i in fp8):
-        raise ValueError(f"{path}: field 'fp8_layers': expected a list of distinct layer ids in [0, {num_layers}), "
-                         f"found {fp8!r}")
-    return KVScalesFile(out, tuple(sorted(fp8)))
-
-
-def load_kv_scales(path: str, num_layers: int) -> dict[int, tuple[float, float]]:
-    """{layer: (k_amax, v_amax)} from a kv_scales.json written for a model of `num_layers` layers."""
-    return read_kv_scales(path, num_layers).amax
-
-
-# ----------------------------------------------------------------------------- checkpoint k_scale / v_scale
-def _kv_cache_quant_algo(model_dir: str) -> str | None:
-    """The KV-cache format the checkpoint's scales were exported for: 'FP8', 'NVFP4' or None (unstated)."""
-    hf_quant = os.path.join(model_dir, "hf_quant_config.json")          # ModelOpt's own export file
-    if os.path.exists(hf_quant):
-        with open(hf_quant) as f:
-            algo = (json.load(f).get("quantization") or {}).get("kv_cache_quant_algo")
-        if algo:
-            return str(algo).upper()
-    with open(os.path.join(model_dir, "config.json")) as f:
-        qc = json.load(f).get("quantization_config") or {}
-    if qc.get("kv_cache_quant_algo"):                                   # ModelOpt in config.json
-        return str(qc["kv_cache_quant_algo"]).upper()
-    scheme = qc.get("kv_cache_scheme")                                  # compressed-tensors
-    if isinstance(scheme, dict):
-        if scheme.get("type") == "float" and scheme.get("num_bits") == 8:
-            return "FP8"
-        if scheme.get("num_bits") == 4:
-            return "NVFP4"
-        raise ValueError(f"{model_dir}/config.json: quantization_config.kv_cache_scheme: expected an 8-bit float "
-                         f"or 4-bit scheme, found {scheme}")
-    return None
-
-
-# ModelOpt exports k_scale = amax / maxbound: 448 for FP8 (clamped to >= 1.0), 448 * 6 for NVFP4 (the
-# "scale_2" of its two-level scaling). Unstated formats follow the FP8 convention, the common case.
-_SCALE_TO_AMAX = {"FP8": FP8_MAX, "NVFP4": FP8_MAX * E2M1_MAX}
-
-
-def checkpoint_kv_amax(model_dir: str, num_layers: int) -> dict[int, tuple[float, float]] | None:
-    """{layer: (k_amax, v_amax)} from the checkpoint's k_scale / v_scale tensors, or None when it has none."""
-    from m3serve.model.weights import SafetensorsSource, read_kv_cache_scales
-
-    scales = read_kv_cache_scales(SafetensorsSource(model_dir))
-    if not scales:
-        return None
-    algo = _kv_cache_quant_algo(model_dir) or "FP8"
-    if algo not in _SCALE_TO_AMAX:
-        raise ValueError(f"{model_dir}: kv_cache_quant_algo: expected one of {sorted(_SCALE_TO_AMAX)}, found {algo!r}")
-    out = {}
-    for layer, kv in scales.items():
-        if layer >= num_layers:
-            continue                      # a pruned model (minimax-m3:L) uses the first L layers
-        if set(kv) != {"k", "v"}:
-            raise ValueError(f"{model_dir}: layer {layer}: expected both k_scale and v_scale, found {sorted(kv)}")
-        out[layer] = (kv["k"] * _SCALE_TO_AMAX[algo], kv["v"] * _SCALE_TO_AMAX[algo])
-    return out
-
-
-# ----------------------------------------------------------------------------- applying to a cache
-def apply_kv_amax(cache, table: dict[int, tuple[float, float]], source: str = "table") -> list[int]:
-    """Set every NVFP4 layer's global scales from `table`; returns those layers. A missing NVFP4 layer
-    raises (a calibration that does not cover the model is the wrong file); other layers are ignored."""
-    nvfp4 = [i for i in range(cache.spec.num_attention_layers) if cache.spec.kv_format(i) == "nvfp4"]
-    missing = [i for i in nvfp4 if i not in table]
-    if missing:
-        raise ValueError(f"{source}: expected K/V amax for every NVFP4 layer {nvfp4}, found none for {missing}")
-    for i in nvfp4:
-        cache.set_nvfp4_amax(i, *table[i])
-    return nvfp4
-
-
-def kv_scales_file(model_dir: str, kv_scales: str | None = "auto") -> str | None:
-    """The kv_scales.json `kv_scales` names: "auto" = <model_dir>/kv_scales.json if present (else None), a path =
-    that file (must exist), None = none."""
-    if kv_scales is None:
-        return None
-    if not isinstance(kv_scales, str):
-        raise TypeError(f"kv_scales: expected 'auto', a path or None, found {type(kv_scales).__name__}")
-    if kv_scales != "auto":
-        if not os.path.isfile(kv_scales):
-            raise ValueError(f"kv_scales: expected an existing kv_scales.json file, found {kv_scales!r}")
-        return kv_scales
-    path = os.path.join(model_dir, KV_SCALES_FILE)
-    return path if os.path.isdir(model_dir) and os.path.isfile(path) else None
-
-
-def resolve_kv_amax(model_dir: str, num_layers: int, kv_scales: str | None = "auto"
-                    ) -> tuple[str, dict[int, tuple[float, float]]] | None:
-    """(source, table) for a model: kv_scales "auto" = <model_dir>/kv_scales.json if present, else the
-    checkpoint's k_scale/v_scale, else None; a path = that file (must exist); None = no calibration."""
-    path = kv_scales_file(model_dir, kv_scales)
-    if path is not None:
-        return path, load_kv_scales(path, num_layers)
-    if kv_scales is None or not os.path.isdir(model_dir):
-        return None                       # uncalibrated on purpose, or a preset with random weights
-    table = checkpoint_kv_amax(model_dir, num_layers)
-    return (f"{model_dir} k_scale/v_scale", table) if table else None
-
-
-def resolve_kv_fp8_layers(model_dir: str, layer_types: Sequence[str], kv_scales: str | None = "auto"
-                          ) -> tuple[str | None, tuple[int, ...]]:
-    """(source, layers): the `fp8_layers` of the kv_scales.json that `kv_scales` names (see kv_scales_file), or
-    (None, ()) without one. Checkpoint k_scale/v_scale tensors carry no such list. Every listed layer must be a
-    sparse layer of this model (`layer_types`: M3Config.layer_types)."""
-    path = kv_scales_file(model_dir, kv_scales)
-    if path is None:
-        return None, ()
-    layers = read_kv_scales(path, len(layer_types)).fp8_layers
-    sparse = [i for i, kind in enumerate(layer_types) if kind == "sparse"]
-    bad = [i for i in layers if i not in sparse]
-    if bad:
-        raise ValueError(f"{path}: field 'fp8_layers': expected sparse layers of this model {sparse}, found {bad}")
-    return path, layers
-
-
-def apply_model_kv_scales(cache, model_dir: str, num_layers: int, kv_scales: str | None = "auto") -> str | None:
-    """What LLM calls after building its cache: apply the resolved amaxes to its NVFP4 layers (if any).
-    Returns the source applied, or None (no NVFP4 layer, or no calibration found)."""
-    if not any(cache.spec.kv_format(i) == "nvfp4" for i in range(cache.spec.num_attention_layers)):
-        return None
-    found = resolve_kv_amax(model_dir, num_layers, kv_scales)
-    if found is None:
-        log.info("KV cache: NVFP4 layers use the uncalibrated default amax (no kv_scales.json, no k_scale/v_scale)")
-        return None
-    source, table = found
-    layers = apply_kv_amax(cache, table, source)
-    log.info("KV cache: NVFP4 K/V amax of layers %s from %s", layers, source)
-    return source
-
-
 # ----------------------------------------------------------------------------- end to end (m3serve calibrate-kv)
 def calibrate_model_dir(model_dir: str, out: str | None = None, num_items: int = CALIBRATION_ITEMS,
-                        seed: int = CALIBRATION_SEED, factor: float = FP8_OVERRIDE_FACTOR
+                        seed: int = CALIBRATION_SEED, factor: float = FP8_OVERRIDE_FACTOR,
+                        rotation_seed: int | None = rotation.DEFAULT_ROTATION_SEED, fp8_overrides: bool = False
                         ) -> tuple[str, KVCalibration]:
-    """Calibrate a checkpoint directory's K/V amaxes and FP8 layers and write them to `out` (default
-    <model_dir>/kv_scales.json)."""
-    from m3serve.model.loader import load_model
-    from m3serve.tokenizer import load_tokenizer
-
+    """Calibrate a checkpoint directory's K/V amaxes (for the K/V rotation of `rotation_seed`; None: unrotated)
+    and, with fp8_overrides, its FP8 layers, and write them to `out` (default <model_dir>/kv_scales.json)."""
     if not os.path.isdir(model_dir) or not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"model_dir: expected a checkpoint directory with config.json, found {model_dir!r}")
     tokenizer = load_tokenizer(model_dir)
@@ -717,10 +572,11 @@ def calibrate_model_dir(model_dir: str, out: str | None = None, num_items: int =
     description = {
         "text_set": ("synthetic arithmetic chats (m3serve.train.synthetic, train stream of the seed below), "
                      "rendered with the chat template as question + worked answer; every question of the "
-                     "eval's held-out synthetic set excluded; the FP8-override proxy scores the answer tokens"),
+                     "eval's held-out synthetic set excluded; the NVFP4-sensitivity proxy scores the answer tokens"),
         "seed": seed, "items": num_items,
     }
-    calib = calibrate_kv(model, tokenizer, chats, description=description, factor=factor)
+    calib = calibrate_kv(model, tokenizer, chats, description=description, factor=factor,
+                         rotation_seed=rotation_seed, fp8_overrides=fp8_overrides)
     path = out or os.path.join(model_dir, KV_SCALES_FILE)
     save_kv_scales(path, calib)
     return path, calib

@@ -15,8 +15,6 @@ the acceptance length silently collapsed. Freeing stays with the manager (free()
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -25,14 +23,12 @@ from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.spec import FMT_TORCH_DTYPE
 
-if TYPE_CHECKING:
-    from m3serve.kv.cache import PagedKVCache
-
 
 class DraftKVView:
     num_pools = 1
 
-    def __init__(self, cache: PagedKVCache, manager: BlockManager, *, tree_drafts: bool = False,
+    # cache: the PagedKVCache whose shared draft layer this views (PagedKVCache.draft_view builds it)
+    def __init__(self, cache, manager: BlockManager, *, tree_drafts: bool = False,
                  relocate_accepted_tokens: bool = False, ring_size: int = 3) -> None:
         spec = cache.spec
         if spec.num_draft_layers != 1:

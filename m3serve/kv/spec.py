@@ -18,6 +18,10 @@ kv_cache_dtype -> per-layer format:
 fp8_layers (hybrid cache only): sparse layers kept in FP8 instead of NVFP4, the few whose keys NVFP4 hurts
 measurably (chosen by m3serve.kv.calibrate, listed in kv_scales.json). They keep their index-K and MSA selection;
 only their K/V storage format (and so their sub-page size, and no scale pages) changes.
+
+kv_rotation_seed (hybrid cache only): every NVFP4 layer's K and V head vectors are stored rotated by the
+randomized Hadamard rotation of this seed (m3serve.kv.rotation), which spreads outlier channels before NVFP4
+quantization; None stores them as they are. FP8 / BF16 layers and index-K (never NVFP4) are not rotated.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from m3serve.kv.rotation import check_rotatable
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")
 INDEX_K_DTYPES = ("auto", "bf16", "fp8")
@@ -69,6 +75,8 @@ class KVCacheSpec:
     draft_num_kv_heads: int | None = None
     # Hybrid ("nvfp4") cache: sparse layers stored as FP8 instead of NVFP4 (kept sorted).
     fp8_layers: tuple[int, ...] = ()
+    # Hybrid cache: seed of the randomized Hadamard rotation of the NVFP4 layers' K/V (None = unrotated).
+    kv_rotation_seed: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sparse_layers", tuple(int(i) for i in self.sparse_layers))
@@ -108,6 +116,7 @@ class KVCacheSpec:
             raise ValueError("KVCacheSpec.draft_num_kv_heads: expected None or a positive int, "
                              f"found {self.draft_num_kv_heads!r}")
         self._check_fp8_layers()
+        self._check_rotation()
         if any(self.kv_format(i) == "nvfp4" for i in self.sparse_layers):
             if self.head_dim % NVFP4_BLOCK:
                 raise ValueError(f"KVCacheSpec.head_dim: NVFP4 needs a multiple of {NVFP4_BLOCK}, "
@@ -130,6 +139,18 @@ class KVCacheSpec:
             # Dense and draft layers are FP8 in the hybrid cache already; naming one is a wrong layer id.
             raise ValueError(f"KVCacheSpec.fp8_layers: expected sparse (MSA) layers from {self.sparse_layers}, "
                              f"found {not_sparse} among {self.fp8_layers}")
+
+    def _check_rotation(self) -> None:
+        seed = self.kv_rotation_seed
+        if seed is None:
+            return
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"KVCacheSpec.kv_rotation_seed: expected None or a non-negative int, found {seed!r}")
+        if self.kv_cache_dtype != "nvfp4":
+            raise ValueError(f"KVCacheSpec.kv_rotation_seed: the K/V rotation applies to NVFP4 layers, which only the "
+                             f"hybrid cache (kv_cache_dtype 'nvfp4') has; found kv_cache_dtype "
+                             f"{self.kv_cache_dtype!r} with kv_rotation_seed {seed}")
+        check_rotatable(self.head_dim)
 
     # --- layers and formats ------------------------------------------------------------------
     @property
@@ -167,6 +188,10 @@ class KVCacheSpec:
         if self.kv_cache_dtype == "nvfp4":
             return "nvfp4" if self.is_sparse(layer) and layer not in self.fp8_layers else "fp8"
         return self.kv_cache_dtype
+
+    def is_rotated(self, layer: int) -> bool:
+        """Whether `layer`'s K/V are stored in the rotated basis (an NVFP4 layer of a rotated cache)."""
+        return self.kv_rotation_seed is not None and self.kv_format(layer) == "nvfp4"
 
     def index_k_format(self) -> str:
         return _MODEL_DTYPES[self.model_dtype] if self.index_k_dtype == "auto" else self.index_k_dtype
@@ -209,6 +234,8 @@ class KVCacheSpec:
                 parts.append(f"{len(members)} {name} = {fmt.upper()}/P{self.page_size}")
         if self.sparse_layers:
             parts.append(f"index-K = {self.index_k_format().upper()}")
+        if self.kv_rotation_seed is not None:
+            parts.append(f"NVFP4 K/V Hadamard-rotated (seed {self.kv_rotation_seed})")
         return ", ".join(parts)
 
     @staticmethod
@@ -222,12 +249,13 @@ class KVCacheSpec:
         num_draft_layers: int = 0,
         draft_num_kv_heads: int | None = None,
         fp8_layers: tuple[int, ...] = (),
+        kv_rotation_seed: int | None = None,
     ) -> KVCacheSpec:
         """Spec for one TP rank of a model config (duck-typed m3serve.config.M3Config).
 
         KV heads are split across ranks and replicated when ranks outnumber heads; index-K is
         replicated on every rank. `draft_num_kv_heads` is the drafter's global KV head count
-        (default: the target's), split the same way. `fp8_layers`: see the module doc.
+        (default: the target's), split the same way. `fp8_layers`, `kv_rotation_seed`: see the module doc.
         """
         if not isinstance(tp_size, int) or tp_size <= 0:
             raise ValueError(f"tp_size: expected a positive int, found {tp_size!r}")
@@ -254,4 +282,5 @@ class KVCacheSpec:
             num_draft_layers=num_draft_layers,
             draft_num_kv_heads=draft_heads,
             fp8_layers=fp8_layers,
+            kv_rotation_seed=kv_rotation_seed,
         )

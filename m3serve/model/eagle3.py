@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from m3serve.config import M3Config
-from m3serve.model import msa
+from m3serve.model.attention_backend import STOCK
 from m3serve.model.layers import add_then_norm, apply_rope, rope_cos_sin, rope_inv_freq
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -403,31 +403,14 @@ class Eagle3Drafter(nn.Module):
     def forward(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft layer pass over a packed step. batch: m3serve.model.m3.ForwardBatch whose input_ids are the
         draft input tokens and whose kv is the cache's DraftKVView (or None: each span is a whole sequence); with
-        batch.step (a PagedStep over slot tables) the view's layer runs through the paged-cache kernels instead.
+        batch.step (a PagedStep over slot tables) the target's paged-kernel backend runs the view's layer.
         hidden [T, H]: fused target states or the previous draft step's output. Returns (normed [T, H] for the
         head, r2 [T, H] for the next step)."""
         layer = self.midlayer
         q, k, v, residual = layer.project(self.embed(batch.input_ids), hidden, batch.positions)
-        view = batch.kv
-        if batch.step is not None:   # the decode target: the draft layer's pages through the paged-cache kernels
-            from m3serve.targets.attention import paged_layer_attention
-            out = paged_layer_attention(view.layer, layer.self_attn.scale, q, k, v, batch.slot_mapping, view.cache,
-                                        batch.step)
-            return layer.finish(out, residual, self.norm)
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        if view is not None:
-            view.write(batch.slot_mapping, k, v)
-        for s in batch.seqs:
-            rows = slice(s.start, s.start + s.num_query)
-            if view is not None:
-                keys, values = view.read(s.slots, s.seq_len, q.dtype)
-            else:
-                if s.seq_len != s.num_query:
-                    raise ValueError(f"sequence at row {s.start}: {s.seq_len} keys but {s.num_query} tokens and no "
-                                     "draft KV view to hold the context")
-                keys, values = k[rows], v[rows]
-            out[rows] = msa.attend(q[rows][None], keys[None], values[None], batch.positions[rows][None],
-                                   layer.self_attn.scale)[0]
+        # The target's attention backend: the stock loop, or the paged-cache kernels on the decode target.
+        backend = self._target[0].attention if self._target else STOCK
+        out = backend.draft_layer(layer.self_attn.scale, q, k, v, batch)
         return layer.finish(out, residual, self.norm)
 
 

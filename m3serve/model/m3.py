@@ -9,9 +9,10 @@ Shape legend
 
 Attention reads K/V (and index-K on MSA layers) from the paged KV cache after writing this step's tokens, so
 a quantized cache is seen exactly as decode sees it. Without a cache (training, `forward_train`), each batch
-row is a whole sequence attending to itself. On the decode target a step carries device metadata
-(`batch.step`) and attention runs as the paged-cache kernels of m3serve.targets.attention instead of the
-per-sequence loop below (same maths, other summation order).
+row is a whole sequence attending to itself. That middle of each attention layer is the model's attention
+backend (m3serve.model.attention_backend), chosen when the model is built: the stock per-sequence loop, or on the
+decode target the paged-cache kernels for steps carrying device metadata (`batch.step`; same maths, other
+summation order).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch.nn as nn
 
 from m3serve.config import M3Config
 from m3serve.model import msa
+from m3serve.model.attention_backend import STOCK, StockAttention
 from m3serve.model.layers import Linear, RMSNorm, VocabEmbedding, apply_rope, rope_cos_sin
 from m3serve.model.moe import DenseMLP, MoE
 from m3serve.model.parallel import SINGLE, TPGroup
+from m3serve.model.random_init import init_dense_random
 
 
 @dataclass
@@ -47,13 +50,14 @@ class ForwardBatch:
     logits_rows: torch.Tensor | None = None      # rows to compute logits for (default: every row)
     capture_layers: tuple[int, ...] = ()         # residual streams to return (Eagle3: the stream entering layer i)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
-    step: object | None = None                   # m3serve.targets.attention.PagedStep: the target's kernels
+    step: object | None = None                   # m3serve.targets.attention.PagedStep: the kernel backend's
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE):
+    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE, backend: StockAttention = STOCK):
         super().__init__()
         self.layer, self.cfg, self.tp = layer, cfg, tp
+        self.backend = backend   # the model's attention backend (M3ForCausalLM.use_attention re-binds it)
         self.sparse = cfg.layer_types[layer] == "sparse"
         d, h = cfg.head_dim, cfg.hidden_size
         _, self.hq = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -113,37 +117,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial o_proj output [T, H]."""
         q, k, v, iq, ik = self.project(x, cos, sin, positions=batch.positions)
-        if batch.step is not None:
-            from m3serve.targets.attention import attention_forward
-            out = attention_forward(self, q, k, v, iq, ik, batch.slot_mapping, batch.kv, batch.step)
-            return self.o_proj(out.view(x.shape[0], -1))
-        out = torch.empty(x.shape[0], self.hq, self.cfg.head_dim, dtype=torch.float32, device=x.device)
-        kv = batch.kv
-        if kv is not None:
-            kv.write(self.layer, batch.slot_mapping, k, v, ik)
-        for s in batch.seqs:
-            rows = slice(s.start, s.start + s.num_query)
-            if kv is not None:
-                keys, values, index_keys = kv.read(self.layer, s.slots, s.seq_len, x.dtype)
-            else:
-                if s.seq_len != s.num_query:
-                    raise ValueError(f"sequence at row {s.start}: {s.seq_len} keys but {s.num_query} tokens and "
-                                     "no KV cache to hold the context")
-                keys, values, index_keys = k[rows], v[rows], (ik[rows] if ik is not None else None)
-            o = self.core(q[rows][None], keys[None], values[None],
-                          iq[rows][None] if iq is not None else None,
-                          index_keys[None] if index_keys is not None else None,
-                          batch.positions[rows][None])
-            out[rows] = o[0]
+        out = self.backend.layer(self, q, k, v, iq, ik, batch)
         return self.o_proj(out.to(x.dtype).view(x.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE):
+    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE, attention: StockAttention = STOCK):
         super().__init__()
         self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer, tp)
+        self.attn = Attention(cfg, layer, tp, attention)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         name = f"layers.{layer}.mlp"
         self.mlp = (MoE(cfg, tp, name) if cfg.mlp_layer_types[layer] == "moe"
@@ -158,11 +141,13 @@ class DecoderLayer(nn.Module):
 
 
 class M3ForCausalLM(nn.Module):
-    def __init__(self, cfg: M3Config, tp: TPGroup = SINGLE, device=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: M3Config, tp: TPGroup = SINGLE, device=None, dtype: torch.dtype = torch.float32,
+                 attention: StockAttention = STOCK):
         super().__init__()
         self.cfg, self.tp, self.dtype = cfg, tp, dtype
+        self.attention = attention   # the attention backend (m3serve.model.attention_backend)
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, attention) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.vocab_start, vocab_local = tp.shard(cfg.vocab_size, "vocab_size")
         self.lm_head = Linear(cfg.hidden_size, vocab_local, parallel="column", name="lm_head")
@@ -172,6 +157,14 @@ class M3ForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
+
+    def use_attention(self, backend: StockAttention) -> M3ForCausalLM:
+        """Re-bind the attention backend of every layer (and so of an attached Eagle3 drafter, which runs its
+        target's): once, when the engine turns the decode target on."""
+        self.attention = backend
+        for layer in self.layers:
+            layer.attn.backend = backend
+        return self
 
     # ------------------------------------------------------------------ serving forward
     def hidden(self, batch: ForwardBatch) -> torch.Tensor:
@@ -249,5 +242,4 @@ class M3ForCausalLM(nn.Module):
     def init_random(self, seed: int = 0, std: float = 0.02, nontrivial_norms: bool = False) -> None:
         """Dense random weights (training start, tests). Norm weights are zero (scale 1) unless
         `nontrivial_norms`, which also gives the router bias real values so tests see them matter."""
-        from m3serve.model.random_init import init_dense_random
         init_dense_random(self, seed, std, nontrivial_norms)

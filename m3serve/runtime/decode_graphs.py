@@ -10,7 +10,8 @@ smallest bucket >= its batch size and runs as:
            previous graph step", kept on the device) -> embed -> L x (norms, projections, kv.write,
            [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax (or, in the sampling
            variant, temperature / top-k / top-p and the keyed exponential race; in the processed variant,
-           penalties / logit_bias / min_tokens from the staged state rows first, the tokens counted after)
+           penalties / logit_bias / min_tokens and the structured-output token masks from the staged state
+           rows first, the tokens counted after)
            -> remember it per row
     D2H    the bucket's token ids (8 bytes per row) into a pinned ring slot, then an event
 
@@ -33,33 +34,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from m3serve.engine.sampler import sample_rows
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PagedStep
 
 log = logging.getLogger("m3serve")
-
-# Buckets of sequences per decode step; a configuration uses those up to max_num_seqs (buckets_up_to), so the
-# default max_num_seqs = 64 ends at 64 and a larger one extends through 96, 128, ... (and max_num_seqs itself past
-# the last). Each bucket costs its graph's retained outputs (logits [S, V] fp32 per variant) in the shared pool.
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket holding `batch` sequences, or None when the batch is larger than every bucket."""
-    for b in buckets:
-        if b >= batch:
-            return b
-    return None
-
-
-def buckets_up_to(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
-    """The buckets a batch of at most max_num_seqs can use: the defaults below it, then max_num_seqs itself as
-    the last (so every batch size the scheduler can form has a graph and no bucket pads past the limit)."""
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs: expected a positive int, found {max_num_seqs!r}")
-    return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
-
 
 # The payload of a decode step, S int32 values each, in this order (after the positions of the stage).
 PAYLOAD = ("token_ids", "seq_lens", "temperature", "top_k", "top_p", "key_lo", "key_hi", "penalty_row")
@@ -156,7 +137,8 @@ class DecodeGraphs:
     per-request keys: m3serve.engine.sampler.sample_rows) from the staged parameters; greedy steps replay the
     plain argmax variant, so they pay nothing for it."""
 
-    def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None):
+    def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None,
+                 token_masks=None):
         if model.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA model, found {model.device}")
         self.model, self.kv, self.tables = model, kv, tables
@@ -171,6 +153,9 @@ class DecodeGraphs:
         # With a PenaltyState (and sampling): a third variant per bucket applies penalties / logit_bias /
         # min_tokens from the state rows staged per batch row, samples, and counts the tokens in place.
         self.penalties = penalties if sampling else None
+        # With TokenMaskRows (and penalties): the processed variant also applies each row's allowed-token mask
+        # (structured output) after the penalties; rows without a grammar point at all-allowed mask rows.
+        self.token_masks = token_masks if self.penalties is not None else None
         self.processed_graphs: dict[int, _Bucket] = {}
         self.replays = 0
         self.sampled_replays = 0                         # of them, on the sampling variant
@@ -198,11 +183,12 @@ class DecodeGraphs:
         if variant == "greedy":
             tokens = logits.argmax(-1)
         else:
-            from m3serve.engine.sampler import sample_rows
             scores = logits
             if variant == "processed":
                 prow = stage[off["penalty_row"]].long()
                 scores = self.penalties.apply(logits, prow)
+                if self.token_masks is not None:
+                    scores = self.token_masks.apply(scores, prow)
             tokens = sample_rows(scores, *staged_sampling(stage, bucket, logits.shape[1]))
             if variant == "processed":
                 self.penalties.record(prow, tokens)

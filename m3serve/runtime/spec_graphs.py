@@ -47,10 +47,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from m3serve.engine.sampler import processed_rows
+from m3serve.engine.spec_rng import TAG_DRAFT, keyed_categorical
+from m3serve.engine.spec_verify import accept_keyed
+from m3serve.kernels.spec_step import spec_accept, spec_commit, spec_inputs
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
-from m3serve.runtime.decode_graphs import bucket_for
-from m3serve.targets.attention import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.decode_graphs import _ONE_BITS, sampling_tensors
+from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PagedStep
+from m3serve.targets.explain import spec_step_placements
 
 log = logging.getLogger("m3serve")
 
@@ -121,7 +127,6 @@ class SpecSteps:
         if self.buckets[-1] * (k + 1) > tables.max_tokens:
             raise ValueError(f"buckets: {self.buckets[-1]} x {k + 1} verify rows exceed the tables' "
                              f"max_tokens = {tables.max_tokens}")
-        from m3serve.targets.explain import spec_step_placements
         off = [p.line() for p in spec_step_placements(self.buckets, k) if p.entry is None]
         if off:
             raise ValueError(f"SpecSteps: the step's bookkeeping launches are not certified: {off[:3]}")
@@ -168,7 +173,6 @@ class SpecSteps:
         variant's temperature, top-k, top-p and key); None stages greedy rows.
         Payload after the positions: [ids T | seq lens S | forced S | n S | temperature, top_k, top_p, key_lo,
         key_hi: S each]."""
-        from m3serve.runtime.decode_graphs import _ONE_BITS
         k, s, n = self.k, bucket, len(seq_ids)
         if len(drafts) != n or len(last_tokens) != n or len(positions) != n or any(
                 len(d) != k for d, p in zip(drafts, positions) if p >= 0):
@@ -204,7 +208,6 @@ class SpecSteps:
 
     def _sampling_params(self, bucket: int, vocab: int) -> tuple[torch.Tensor, ...]:
         """The staged sampling payload of a bucket -> (temperature, top_k, top_p, greedy, keys) [S] on the device."""
-        from m3serve.runtime.decode_graphs import sampling_tensors
         s, t = bucket, bucket * (self.k + 1)
         base = self._offsets[bucket][3] + t + t + 3 * s
         stage = self.tables._dev_stage
@@ -244,9 +247,6 @@ class SpecSteps:
     def _program(self, bucket: int, sampled: bool = False) -> torch.Tensor:
         """The whole step on the device from the staged buffer -> [S, 2K+2] int64 (see the module docstring).
         sampled: the rejection-sampling variant (module docstring: "Sampled rows")."""
-        from m3serve.engine.sampler import processed_rows
-        from m3serve.engine.spec_verify import accept_keyed
-        from m3serve.kernels.spec_step import spec_accept, spec_commit, spec_inputs
         k, s = self.k, bucket
         t = s * (k + 1)
         off = self._offsets[bucket]
@@ -313,8 +313,6 @@ class SpecSteps:
                 ids = logits.argmax(-1)
                 torch.add(ids, d.d2t[ids], out=out)
             return
-        from m3serve.engine.sampler import processed_rows
-        from m3serve.engine.spec_rng import TAG_DRAFT, keyed_categorical
         temp, top_k, top_p, greedy, keys = params
         logits = d.logits(normed)                                            # [S, Vd] fp32
         vd = logits.shape[1]

@@ -2,7 +2,7 @@
 a thread).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, GET /health,
-GET /metrics. Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
+GET /metrics, and vLLM's utility routes (tokenize_routes.py). Every error leaves as OpenAI-shaped JSON (the HTTP parser's own errors too, see http_errors.py);
 an exception that is not an APIError is a server bug and the only path to a 500. The app is run with
 handler_cancellation=True so that a client disconnect cancels its handler, which aborts the request (see
 generate.py).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
-import json
 import logging
 import os
 import threading
@@ -32,14 +31,19 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+from m3serve.server import tokenize_routes
 from m3serve.server.engine_loop import SHUTTING_DOWN, EngineLoop
-from m3serve.server.errors import APIError, one_line, short_repr
+from m3serve.server.errors import APIError, short_repr
+from m3serve.server.body import content_coding, decode_json, read_wire
 from m3serve.server.generate import respond
+from m3serve.server.health import DEAD_EXIT_DELAY_S, engine_dead_error, wait_stop_or_death
 from m3serve.server.http_errors import JSONErrorAppRunner
-from m3serve.server.limits import (RequestLimits, body_too_large, check_chat_size, check_completion_size,
+from m3serve.server.limits import (DEFAULT_BODY_TIMEOUT_S, RequestLimits, check_chat_size, check_completion_size,
                                    check_content_length)
-from m3serve.server.metrics import ServerMetrics
-from m3serve.server.protocol import ModelInfo, parse_chat, parse_completion
+from m3serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from m3serve.server.metrics import NAME_SCHEMES, ServerMetrics
+from m3serve.server.middleware import check_content_type, needs_key, set_server_header
+from m3serve.server.protocol import ModelInfo, finish_completion, parse_chat, plan_completion
 from m3serve.server.shutdown import ShutdownSignals
 from m3serve.server.sse import dumps
 
@@ -49,6 +53,8 @@ log = logging.getLogger("m3serve.server")
 DEFAULT_GRACE_S = 5.0          # shutdown: how long requests in flight get to end before their connections close
 PREP_THREADS = 2               # threads that parse, template and tokenize requests (the tokenizer drops the GIL)
 LINGER_S = 1.0                 # after a refused, unread body: how long to drain it so the client reads the answer
+KEEP_ALIVE_S = 5.0             # --timeout-keep-alive (uvicorn's and so vLLM's default)
+HEADER_TIMEOUT_S = 10.0        # --header-timeout
 
 
 @dataclass
@@ -60,9 +66,13 @@ class ServerState:
     created: int
     limits: RequestLimits
     prep: concurrent.futures.ThreadPoolExecutor
+    public_metrics: bool = False              # /metrics without the API key
+    keep_alive_s: float = KEEP_ALIVE_S        # an idle connection is closed after this
+    header_timeout_s: float = HEADER_TIMEOUT_S    # a request's head must arrive within this of its first byte
     draining: bool = False                    # shutdown began: /v1 answers 503, /health 503
     inflight: int = 0                         # /v1 requests inside the middleware (event-loop side)
     idle: asyncio.Event = field(default_factory=asyncio.Event)    # set while inflight == 0
+    dead: asyncio.Event = field(default_factory=asyncio.Event)    # set once the engine died (health.py)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -82,51 +92,19 @@ def _error_response(e: APIError) -> web.Response:
     return resp
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+async def read_json(request: web.Request, check_size: Callable[[object, RequestLimits], None] | None = None) -> object:
+    """The body as JSON, sized by check_size: read on the event loop (body.read_wire: limit and deadline),
+    decoded, shape-checked, parsed and sized on the prep pool (body.decode_json)."""
+    state = request.app[STATE]
+    coding = content_coding(request.headers.get("Content-Encoding"))
+    raw = await read_wire(request, state.limits)
+    return await state.prepare(_decode_and_size, raw, coding, state.limits, check_size)
 
 
-def _check_strings(obj: object) -> None:
-    """JSON's \\ud800-style escapes can give lone surrogates, which are not text: refuse them up front."""
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            try:
-                x.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(400, "the request body contains an invalid \\u escape "
-                                    "(a lone UTF-16 surrogate)") from None
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-
-
-async def read_json(request: web.Request) -> object:
-    """The body as JSON. The size was checked against Content-Length by the middleware; a chunked or compressed
-    body is checked by aiohttp as it arrives (client_max_size)."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise body_too_large(request.app[STATE].limits) from None
-    except web.RequestPayloadError as e:    # bad chunking, a body that is not the gzip it claims, cut short
-        raise APIError(400, f"the request body could not be read: {one_line(str(e))}") from None
-    if not raw or raw.isspace():         # (not raw.strip(): no copy of a large body)
-        raise APIError(400, "the request body is empty; expected a JSON object")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if "\\u" in text:
-        _check_strings(body)
+def _decode_and_size(raw: bytes, coding: str, limits: RequestLimits, check_size) -> object:
+    body = decode_json(raw, coding, limits)
+    if check_size is not None:
+        check_size(body, limits)
     return body
 
 
@@ -138,11 +116,14 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         state.inflight += 1
         state.idle.clear()
     try:
+        if api and state.loop.dead is not None:
+            raise engine_dead_error(state.loop.dead)
         if api and state.draining:
             raise _shutting_down()
         check_content_length(request.content_length, state.limits)
-        if state.api_key is not None and api:
+        if state.api_key is not None and needs_key(request.path, state.public_metrics):
             _authorize(request, state.api_key)
+        check_content_type(request)
         resp = await handler(request)
     except APIError as e:
         resp = _error_response(e)
@@ -202,21 +183,23 @@ def _authorize(request: web.Request, key: str) -> None:
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
-    check_completion_size(body, state.limits)
-    return await respond(request, state.loop, state.info, await state.prepare(parse_completion, body, state.info))
+    body = await read_json(request, check_completion_size)
+    plan = await state.prepare(plan_completion, body, state.info)
+    # One pool task per prompt: another request's work gets its turn between two of this one's prompts.
+    encoded = [await state.prepare(state.info.tokenizer.encode, text) for text in plan.texts]
+    return await respond(request, state.loop, state.info, finish_completion(plan, encoded))
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
-    check_chat_size(body, state.limits)
+    body = await read_json(request, check_chat_size)
     return await respond(request, state.loop, state.info, await state.prepare(parse_chat, body, state.info))
 
 
 def _card(s: ServerState) -> dict:
     return {"id": s.info.name, "object": "model", "created": s.created, "owned_by": "m3serve",
-            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size}
+            "max_model_len": s.info.max_model_len, "vocab_size": s.info.vocab_size,
+            "device": s.loop.engine.model.device.type}
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -234,6 +217,8 @@ async def _model(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     s = request.app[STATE]
+    if s.loop.dead is not None:
+        raise engine_dead_error(s.loop.dead)
     if s.draining:
         raise APIError(503, SHUTTING_DOWN, code="server_shutting_down")
     if not s.loop.alive:
@@ -243,30 +228,47 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    return web.Response(text=s.metrics.render(s.loop.snapshot), content_type="text/plain",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    names = request.query.get("names", "m3serve")      # ?names=vllm: vLLM's metrics as vllm:<name> (metrics.py)
+    if names not in NAME_SCHEMES:
+        raise APIError(400, f"'names' = {short_repr(names)}: expected one of {list(NAME_SCHEMES)}", param="names")
+    return web.Response(text=s.metrics.render(s.loop.snapshot, names), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def build_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int | None = None, max_prompt_chars: int | None = None, max_messages: int | None = None,
-              max_choices: int = 64, prep_threads: int = PREP_THREADS) -> web.Application:
+              max_request_chars: int | None = None, max_choices: int = 64, prep_threads: int = PREP_THREADS,
+              public_metrics: bool = False, timeout_keep_alive: float = KEEP_ALIVE_S,
+              header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+              ) -> web.Application:
     """The app for an `LLM` (m3serve.llm.LLM). The engine loop thread starts and stops with the app. Limits left
     None take RequestLimits.for_model's defaults (32 MiB bodies, max_model_len x 32 prompt characters, 2048
-    messages)."""
+    messages, 4 such prompts per request). Timeouts in seconds: an idle keep-alive connection is closed after
+    timeout_keep_alive, a request head must arrive within header_timeout and its body within body_timeout."""
+    for name, v in (("timeout_keep_alive", timeout_keep_alive), ("header_timeout", header_timeout)):
+        if not (isinstance(v, (int, float)) and v > 0):
+            raise ValueError(f"{name}: expected seconds > 0, found {v!r}")
     import time
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(served_model_name or "m3serve")
     engine = llm.engine
     info = ModelInfo(name=served_model_name or "m3serve",
                      vocab_size=llm.model.cfg.vocab_size, max_model_len=engine.max_model_len,
-                     capacity_tokens=engine.capacity_tokens, tokenizer=llm.tokenizer, max_choices=max_choices)
+                     capacity_tokens=engine.capacity_tokens, tokenizer=llm.tokenizer, max_choices=max_choices,
+                     compile_grammar=getattr(engine, "compile_grammar", None))
     limits = RequestLimits.for_model(engine.max_model_len, max_body_bytes=max_body_bytes,
-                                     max_prompt_chars=max_prompt_chars, max_messages=max_messages)
+                                     max_prompt_chars=max_prompt_chars, max_messages=max_messages,
+                                     max_request_chars=max_request_chars, max_choices=max_choices,
+                                     body_timeout_s=body_timeout)
     prep = concurrent.futures.ThreadPoolExecutor(max_workers=prep_threads, thread_name_prefix="m3serve-prep")
-    state = ServerState(EngineLoop(engine, metrics), info, metrics, api_key or None, int(time.time()), limits, prep)
+    state = ServerState(EngineLoop(engine, metrics), info, metrics, api_key or None, int(time.time()), limits, prep,
+                        public_metrics=public_metrics, keep_alive_s=timeout_keep_alive,
+                        header_timeout_s=header_timeout)
     app = web.Application(middlewares=[_middleware], client_max_size=limits.max_body_bytes)
     app[STATE] = state
+    app.on_response_prepare.append(set_server_header)
 
     async def engine_ctx(app: web.Application):
+        aloop = asyncio.get_running_loop()
+        state.loop.on_dead = lambda reason: aloop.call_soon_threadsafe(state.dead.set)
         state.loop.start()
         yield
         state.prep.shutdown(wait=False, cancel_futures=True)
@@ -279,6 +281,7 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    tokenize_routes.add_routes(app, STATE, read_json)   # /tokenize, /detokenize, /tokenizer_info, /version, /ping
     return app
 
 
@@ -311,8 +314,11 @@ def model_name(path: str | None) -> str:
 
 async def start_site(app: web.Application, host: str, port: int,
                      grace_s: float = DEFAULT_GRACE_S) -> tuple[web.AppRunner, str]:
+    state = app[STATE]
+    # auto_decompress off: body.py undoes Content-Encoding itself, bounded and off the event loop.
     runner = JSONErrorAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
-                                lingering_time=LINGER_S)
+                                lingering_time=LINGER_S, auto_decompress=False, keepalive_timeout=state.keep_alive_s,
+                                header_timeout=state.header_timeout_s, max_chunk_bytes=state.limits.max_body_bytes)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -325,17 +331,19 @@ def _host_for_url(host: str) -> str:
 
 
 def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
-          on_ready: Callable[[str], None] | None = None, grace_s: float = DEFAULT_GRACE_S) -> None:
+          on_ready: Callable[[str], None] | None = None, grace_s: float = DEFAULT_GRACE_S,
+          dead_exit_delay: float = DEAD_EXIT_DELAY_S) -> int:
     """Run until SIGINT/SIGTERM (blocking), then stop gracefully (graceful_stop); a second signal exits at once
-    (shutdown.py). on_ready(url) is called once the socket listens."""
-    async def main() -> None:
+    (shutdown.py). on_ready(url) is called once the socket listens. Returns the process's exit status: 0, or
+    health.EXIT_ENGINE_DEAD when the engine died (after dead_exit_delay s of 503s; see health.py)."""
+    async def main() -> int:
         runner, url = await start_site(app, host, port, grace_s)
         stop = asyncio.Event()
         ShutdownSignals(stop.set).install(asyncio.get_running_loop())
         if on_ready is not None:
             on_ready(url)
         try:
-            await stop.wait()
+            return await wait_stop_or_death(stop, app[STATE].dead, dead_exit_delay)
         finally:
             await graceful_stop(runner, grace_s)
 
@@ -346,7 +354,7 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
     except ImportError:
         pass
     with asyncio.Runner(loop_factory=factory) as r:
-        r.run(main())
+        return r.run(main())
 
 
 class BackgroundServer:
@@ -357,8 +365,10 @@ class BackgroundServer:
     """
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0,
-                 grace_s: float = DEFAULT_GRACE_S):
+                 grace_s: float = DEFAULT_GRACE_S, dead_exit_delay: float = DEAD_EXIT_DELAY_S):
         self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
+        self.dead_exit_delay = dead_exit_delay
+        self.exit_code: int | None = None     # serve()'s status once stopped (health.EXIT_ENGINE_DEAD: engine died)
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -395,7 +405,7 @@ class BackgroundServer:
             self.port = int(self.url.rsplit(":", 1)[1])
             self._ready.set()
             try:
-                await self._stop.wait()
+                self.exit_code = await wait_stop_or_death(self._stop, self.state.dead, self.dead_exit_delay)
             finally:
                 await graceful_stop(runner, self.grace_s)
         asyncio.run(main())

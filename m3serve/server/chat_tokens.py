@@ -101,17 +101,21 @@ class ChatEncoder:
             raise ChatTemplateError(f"the chat template produced {type(text).__name__}, not text")
         return text
 
-    def encode(self, messages: list[dict], tools: list | None = None, **template_kwargs) -> tuple[list[int], str]:
-        """-> (prompt token ids, the rendered text). Special tokens come only from the template."""
-        strings = _strings(messages) + _strings(tools)
+    def encode(self, messages: list[dict], tools: list | None = None, template_vars: dict | None = None,
+               **template_kwargs) -> tuple[list[int], str]:
+        """-> (prompt token ids, the rendered text). Special tokens come only from the template.
+        template_vars: the request's own template variables (chat_template_kwargs), defused like the messages."""
+        template_vars = template_vars or {}
+        strings = _strings(messages) + _strings(tools) + _strings(template_vars)
         if self._special_text is None or not any(self._special_text.search(s) for s in strings):
-            text = self.render(messages, tools, **template_kwargs)
+            text = self.render(messages, tools, **template_vars, **template_kwargs)
             return self._backend.encode(text, add_special_tokens=False).ids, text
         marker = self._marker(strings)
 
         def defuse(s: str) -> str:
             return self._special_text.sub(lambda m: m.group()[0] + marker + m.group()[1:], s)
-        rendered = self.render(_map_strings(messages, defuse), _map_strings(tools, defuse), **template_kwargs)
+        rendered = self.render(_map_strings(messages, defuse), _map_strings(tools, defuse),
+                               **_map_strings(template_vars, defuse), **template_kwargs)
         return self._encode_template_specials_only(rendered, marker), rendered.replace(marker, "")
 
     def _marker(self, strings: list[str]) -> str:
@@ -119,8 +123,8 @@ class ChatEncoder:
         for cp in _MARKERS:
             if chr(cp) not in taken:
                 return chr(cp)
-        raise ValueError("messages: every private-use character U+E000-U+F8FF occurs in the request; cannot "
-                         "mark special-token text in it")
+        raise ChatTemplateError("every private-use character U+E000-U+F8FF occurs in the request, so its "
+                                "special-token text cannot be marked as ordinary text")
 
     def _encode_template_specials_only(self, rendered: str, marker: str) -> list[int]:
         """Special tokens located by the tokenizer itself in `rendered` (all the template's), plain text between."""

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--api-key", default=os.environ.get("M3SERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $M3SERVE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $M3SERVE_API_KEY, else none)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -45,8 +45,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="characters of one completion prompt or of a whole chat conversation, checked before "
                         "tokenizing (default: max_model_len x 32, a generous characters-per-token bound)")
     p.add_argument("--max-messages", type=int, default=None, help="messages in one chat request (default 2048)")
+    p.add_argument("--max-request-chars", type=int, default=None,
+                   help="characters of all prompts of one request times its candidates (n / best_of), checked "
+                        "before tokenizing (default 4 x --max-prompt-chars)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5, as uvicorn / vLLM)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive once it started (default 10); then 408")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive (default 60); then 408")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (by default --api-key covers it)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds requests in flight get to end after SIGTERM/SIGINT (a second signal exits at once)")
+    p.add_argument("--dead-exit-delay", type=float, default=2.0,
+                   help="after the engine died (e.g. a tensor-parallel worker exited): seconds of 503 answers "
+                        "before the server exits with status 3 for its supervisor to restart it (default 2)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks (worker processes are started here)")
     p.add_argument("--speculative-tokens", type=int, default=0,
@@ -69,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model_pos and args.model and args.model_pos != args.model:
         print(f"m3serve serve: MODEL {args.model_pos!r} and --model {args.model!r} disagree", file=sys.stderr)
+        return 2
+    if not args.dead_exit_delay >= 0:
+        print(f"m3serve serve: --dead-exit-delay: expected seconds >= 0, found {args.dead_exit_delay}",
+              file=sys.stderr)
         return 2
     if not args.shutdown_grace >= 0:
         print(f"m3serve serve: --shutdown-grace: expected seconds >= 0, found {args.shutdown_grace}", file=sys.stderr)
@@ -106,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = build_app(llm, served_model_name=name, api_key=args.api_key, max_choices=args.max_choices,
                         max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                        max_messages=args.max_messages)
+                        max_messages=args.max_messages, max_request_chars=args.max_request_chars,
+                        public_metrics=args.public_metrics, timeout_keep_alive=args.timeout_keep_alive,
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout)
     except ValueError as e:      # a limit flag out of range
         print(f"m3serve serve: {e}", file=sys.stderr)
         return 2
@@ -114,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"m3serve: serving {name!r} at {url}  (OpenAI base_url {url}/v1)", flush=True)
 
-    serve(app, args.host, args.port, on_ready=ready, grace_s=args.shutdown_grace)
-    return 0
+    return serve(app, args.host, args.port, on_ready=ready, grace_s=args.shutdown_grace,
+                 dead_exit_delay=args.dead_exit_delay)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -2,10 +2,14 @@
 spaces_between_special_tokens, and the stop token's text shown only with include_stop_str_in_output. A stop string
 cut is the engine's own text (Delta.final_text), so nothing is re-derived for it.
 
-Streaming: a piece of text is released only once it can no longer change. Text is re-decoded from all tokens
-each time (byte-level BPE decodes of a prefix are prefixes of the full decode, apart from an unfinished UTF-8
-character at the end; with skip_special_tokens=False a special token is a piece of its own, joined by " " or ""),
-so the released pieces always concatenate to the non-streamed text. Two things are held back:
+Streaming: a piece of text is released only once it can no longer change. Where the text is one plain decode
+of the ids (skip_special_tokens, or no spaces between special tokens) and the tokenizer is a `tokenizers` one
+without post-decode clean-up, it grows through tokenizers' DecodeStream: each new token decodes a few tokens of
+context, not the whole output again, and an unfinished UTF-8 character waits inside the stream. Otherwise the
+text is re-decoded from all tokens each time (byte-level BPE decodes of a prefix are prefixes of the full
+decode, apart from an unfinished UTF-8 character at the end; with skip_special_tokens=False a special token is a
+piece of its own, joined by " " or ""). Either way the released pieces concatenate to the non-streamed text.
+Two things are held back:
   * trailing U+FFFD: bytes of a character whose remaining bytes may arrive in the next token;
   * the last (longest stop string - 1) characters: a stop string that completes later may start there, and
     the text from a stop string on is never shown (unless include_stop_str_in_output, where the engine's cut
@@ -15,10 +19,23 @@ The stop token (EOS or a stop id) always comes in the request's last Delta, so i
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from m3serve.engine.detokenize import decode
 from m3serve.engine.sampling_params import SamplingParams
 
 _DEFAULT = SamplingParams()
+
+
+def _decode_stream(tokenizer, params: SamplingParams):
+    """(DecodeStream, the tokenizers.Tokenizer it steps) where a stream gives exactly decode()'s text, else
+    (None, None)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None, None
+    if not params.skip_special_tokens and params.spaces_between_special_tokens:
+        return None, None          # special tokens joined by " ": not one plain decode
+    return DecodeStream(skip_special_tokens=params.skip_special_tokens), backend
 
 
 def drops_stop_token(params: SamplingParams, finish_reason: str | None, stop_reason) -> bool:
@@ -45,6 +62,8 @@ class TextStream:
         self.holdback = max((len(s) for s in stop or []), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0          # characters released so far
+        self._stream, self._backend = _decode_stream(tokenizer, self.params)
+        self._text = ""        # the stream's text so far (DecodeStream path)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -56,7 +75,14 @@ class TextStream:
         self.ids.extend(ids)
         if self.tokenizer is None or not ids:
             return ""
-        text = self._decode(self.ids).rstrip("\ufffd")
+        if self._stream is not None:
+            for t in ids:
+                piece = self._stream.step(self._backend, t)
+                if piece:
+                    self._text += piece
+            text = self._text
+        else:
+            text = self._decode(self.ids).rstrip("\ufffd")
         end = len(text) - self.holdback
         if end <= self.sent:
             return ""

@@ -7,6 +7,11 @@ steps the thread drains every pending command, so an abort frees the request's K
 when the engine is idle the thread blocks on the command queue instead of spinning. Nothing HTTP-side (parsing,
 tokenizing, JSON, socket writes) runs on this thread, so it never delays a decode step.
 
+Engine death: when the engine reports a fault (engine.fault(): a tensor-parallel worker exited, a step failed
+in the group) the loop marks itself dead (`dead`: a client-facing reason without pids; the log keeps the
+detail), ends every job in flight with a 503 Delta, answers every later command with EngineFailed and ends
+the thread; on_dead() is called once, from the engine thread, so the server can stop admitting and exit.
+
 Shutdown: drain() makes the loop refuse new jobs (ShuttingDown) and, between two steps, end every job in flight
 with a 503 Delta and free its pages; stop() then ends the thread.
 
@@ -21,6 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -53,10 +59,23 @@ class Delta:
 
 
 SHUTTING_DOWN = "the server is shutting down"
+ENGINE_DEAD_CODE = "engine_dead"
+
+
+def public_reason(detail: str) -> str:
+    """The client-facing text of an engine fault: what failed, never a pid, path or traceback."""
+    m = re.search(r"\brank (\d+)", detail)
+    what = f"tensor-parallel worker rank {m.group(1)} failed" if m else "the engine failed"
+    return (f"the inference engine is down ({what}); this server accepts no more requests and exits so that "
+            "its supervisor can restart it")
 
 
 class EngineDead(RuntimeError):
     """The engine loop thread is not running."""
+
+
+class EngineFailed(EngineDead):
+    """The engine can run no more steps (its tensor-parallel group is down): only a restart helps."""
 
 
 class ShuttingDown(EngineDead):
@@ -111,8 +130,11 @@ class _Track:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.25):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, idle_poll_s: float = 0.25,
+                 on_dead: Callable[[str], None] | None = None):
         self.engine = engine
+        self.on_dead = on_dead
+        self.dead: str | None = None           # set once the engine faulted: the client-facing reason
         self.metrics = metrics or ServerMetrics()
         self.idle_poll_s = idle_poll_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -166,6 +188,8 @@ class EngineLoop:
         return await asyncio.wrap_future(self._call(fn))
 
     def _call(self, fn) -> concurrent.futures.Future:
+        if self.dead is not None:
+            raise EngineFailed(self.dead)
         if not self.alive:
             raise EngineDead("the engine loop is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -176,6 +200,8 @@ class EngineLoop:
     async def submit(self, prompts: list[Submission], arrival: float) -> Job:
         """Queue every prompt's request group at once (all or none). Raises what engine.add_request raised:
         ValueError (bad request), OverflowError (queue full); EngineDead when the loop is not running."""
+        if self.dead is not None:
+            raise EngineFailed(self.dead)
         if self._draining:
             raise ShuttingDown(SHUTTING_DOWN)
         if not self.alive:
@@ -198,6 +224,10 @@ class EngineLoop:
                     break
                 if self.engine.has_work():
                     self._step()
+                fault = self.dead or self.engine.fault()
+                if fault is not None:
+                    self._die(fault)
+                    break
                 self._publish(alive=1)
         except BaseException:
             log.exception("engine loop crashed")
@@ -205,8 +235,28 @@ class EngineLoop:
         finally:
             self._stopping = True
             self._fail_all(SHUTTING_DOWN, status=503, code="server_shutting_down")
-            self._publish(alive=0)
+            try:
+                self._publish(alive=0)
+            except Exception:        # a dead engine's stats may fail too: the gauge must still read 0
+                self.snapshot = {**self.snapshot, "alive": 0}
             self._reject_pending()
+
+    def _mark_dead(self, detail: str) -> None:
+        if self.dead is None:
+            self.snapshot = {**self.snapshot, "alive": 0}     # before `dead`: whoever sees it dead sees the gauge
+            self.dead = public_reason(detail)
+            log.error("engine dead: %s", detail)
+
+    def _die(self, detail: str) -> None:
+        """The engine faulted: one log line with the detail, 503 to everything in flight and everything later."""
+        self._mark_dead(detail)
+        self._fail_all(self.dead, status=503, code=ENGINE_DEAD_CODE)
+        self._stopping = True
+        if self.on_dead is not None:
+            try:
+                self.on_dead(self.dead)
+            except Exception:
+                log.exception("on_dead callback failed")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -280,8 +330,14 @@ class EngineLoop:
         try:
             reqs = self.engine.step()
         except Exception as e:
+            fault = self.engine.fault()
+            if fault is not None:          # the group is down: no traceback per request, one log line
+                self._mark_dead(fault)
+                self._fail_all(self.dead, status=503, code=ENGINE_DEAD_CODE)
+                return
             log.exception("engine step failed; failing the requests in flight")
-            self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
+            # The detail (which may name processes or paths) stays in the log.
+            self._fail_all(f"internal engine error ({type(e).__name__}); the server log has the details")
             return
         self.steps += 1
         now = time.monotonic()
@@ -365,7 +421,7 @@ class EngineLoop:
                 return
             fut = cmd[1].submitted if cmd[0] == "submit" else cmd[2] if cmd[0] == "call" else None
             if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_exception(ShuttingDown(SHUTTING_DOWN))
+                fut.set_exception(EngineFailed(self.dead) if self.dead is not None else ShuttingDown(SHUTTING_DOWN))
 
     def _publish(self, alive: int) -> None:
         s = dict(self.engine.stats())

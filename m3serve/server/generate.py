@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from m3serve.server import responses as R
+from m3serve.server.chat_output import ChatDeltaStream, whole_message
 from m3serve.server.detok import TextStream, choice_text
-from m3serve.server.engine_loop import Delta, EngineDead, EngineLoop, Job, ShuttingDown
+from m3serve.server.engine_loop import (ENGINE_DEAD_CODE, Delta, EngineDead, EngineFailed, EngineLoop, Job,
+                                        ShuttingDown)
 from m3serve.server.errors import APIError
 from m3serve.server.protocol import GenRequest, ModelInfo
 from m3serve.server.sse import DONE, dumps, event
@@ -56,6 +58,8 @@ async def submit(loop: EngineLoop, req: GenRequest) -> Job:
                        headers={"Retry-After": "1"}) from None
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
+    except EngineFailed as e:
+        raise APIError(503, str(e), code=ENGINE_DEAD_CODE) from None
     except ShuttingDown as e:
         raise APIError(503, f"{e}; no new requests are admitted", code="server_shutting_down") from None
     except EngineDead as e:
@@ -99,21 +103,31 @@ async def _whole(info: ModelInfo, req: GenRequest, job: Job) -> web.Response:
             if d.prompt_logprobs is not None:
                 prompt_lps[d.index // req.n] = d.prompt_logprobs
     rid, created, tok = R.new_id("cmpl" if req.kind == "completion" else "chatcmpl"), R.now(), info.tokenizer
-    shown = [None if lps is None else R.prompt_logprobs(tok, lps, req.prompt_logprobs) for lps in prompt_lps]
+    shown = [None if lps is None or req.prompt_logprobs is None else R.prompt_logprobs(tok, lps, req.prompt_logprobs)
+             for lps in prompt_lps]
     out = []
+    if req.echo_only:      # max_tokens = 0: the one computed token is not part of the answer
+        for c in choices:
+            c.ids, c.lps, c.finish, c.stop_reason, c.final_text = [], [], "length", None, ""
     for i, c in enumerate(choices):
         p = i // req.n
         text = choice_text(tok, c.ids, req.params[p], c.finish, c.stop_reason, c.final_text)
         prefix = _prompt_text(info, req, p) if req.echo else ""
         if req.kind == "completion":
-            lp = R.completion_logprobs(tok, c.ids, c.lps, req.logprobs, len(prefix)) \
-                if req.logprobs is not None else None
+            if req.echo_logprobs:
+                lp = R.echo_logprobs(tok, req.prompts[p], prompt_lps[p], c.ids, c.lps, req.logprobs)
+            elif req.logprobs is not None:
+                lp = R.completion_logprobs(tok, c.ids, c.lps, req.logprobs, len(prefix))
+            else:
+                lp = None
             d = {"index": i, "text": prefix + text, "logprobs": lp, "finish_reason": R.finish_reason(c.finish),
                  "stop_reason": c.stop_reason, "prompt_logprobs": shown[p]}
         else:
             lp = R.chat_logprobs(tok, c.ids, c.lps, req.logprobs) if req.logprobs is not None else None
-            d = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                 "finish_reason": R.finish_reason(c.finish), "stop_reason": c.stop_reason}
+            message, called = whole_message(req.chat, text)
+            fin = R.finish_reason(c.finish)
+            d = {"index": i, "message": message, "logprobs": lp,
+                 "finish_reason": "tool_calls" if called and fin == "stop" else fin, "stop_reason": c.stop_reason}
         if req.return_token_ids:
             d["token_ids"] = c.ids
             d["prompt_token_ids"] = req.prompts[p]
@@ -136,6 +150,8 @@ class _ChunkWriter:
         self.make = R.completion_chunk if req.kind == "completion" else R.chat_chunk
         self.texts = [TextStream(info.tokenizer, req.stop, req.params[i // req.n]) for i in range(req.num_choices)]
         self.offsets = [0] * len(self.texts)     # characters sent per choice (text_offset of logprobs)
+        # chat: reasoning / tool-call parsing per choice (m3serve.server.chat_output)
+        self.chat = [ChatDeltaStream(req.chat) for _ in self.texts] if req.chat is not None else None
         self.completion_tokens = 0
 
     def chunk(self, choice: dict) -> bytes:
@@ -168,6 +184,8 @@ class _ChunkWriter:
             lp = R.completion_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs, self.offsets[d.index]) \
                 if req.logprobs is not None else None
             c = {"index": d.index, "text": text, "logprobs": lp, "finish_reason": fin, "stop_reason": d.stop_reason}
+        elif self.chat is not None:
+            return self._chat_delta(d, text, fin)
         else:
             lp = R.chat_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs) \
                 if req.logprobs is not None else None
@@ -177,6 +195,29 @@ class _ChunkWriter:
             c["token_ids"] = d.token_ids
         self.offsets[d.index] += len(text)
         return self.chunk(c)
+
+    def _chat_delta(self, d: Delta, text: str, fin: str | None) -> bytes:
+        """Chat chunks through the choice's reasoning / tool-call parser: the piece's delta, then at the end
+        what the parser held back, in the chunk that carries finish_reason."""
+        req, tok, cs = self.req, self.info.tokenizer, self.chat[d.index]
+        lp = R.chat_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs) if req.logprobs is not None else None
+        deltas = [cs.push(text)]
+        if fin is not None:
+            deltas.append(cs.finish())
+            fin = "tool_calls" if cs.called and fin == "stop" else fin
+        out = b""
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            extra = k == 0 and (lp is not None or req.return_token_ids)
+            if not delta and not (last and fin is not None) and not extra:
+                continue
+            c = {"index": d.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                 "finish_reason": fin if last else None, "stop_reason": d.stop_reason if last else None}
+            if req.return_token_ids:
+                c["token_ids"] = d.token_ids if k == 0 else []
+            out += self.chunk(c)
+        self.offsets[d.index] += len(text)
+        return out
 
     def usage(self) -> bytes:
         use = R.usage(_prompt_tokens(self.req), self.completion_tokens)

@@ -1,14 +1,46 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: counters, gauges and histograms.
+"""/metrics through prometheus_client: vLLM's metrics under vLLM's names with the `m3serve_` prefix (promtool
+clean), the same series as `vllm:<name>` on request (`/metrics?names=vllm`, for vLLM's dashboards), a
+`model_name` label on each, this engine's own figures, and the process collector's `process_*`.
 
-The engine thread observes latencies and token counts; the HTTP thread renders. Each instrument has its own
-lock, so a render never sees a histogram whose buckets disagree with its count.
+    m3serve_num_requests_running / _waiting          gauge      requests decoding or prefilling / queued
+    m3serve_kv_cache_usage_perc                      gauge      fraction of KV pages held by live requests (0..1)
+    m3serve_prompt_tokens_total, _generation_tokens_total   counter   prompt tokens admitted, tokens generated
+    m3serve_request_success_total{finished_reason}   counter    finished sequences: stop | length | abort
+    m3serve_num_preemptions_total                    counter
+    m3serve_prefix_cache_queries_total / _hits_total counter    prompt tokens looked up / found in the prefix cache
+    m3serve_time_to_first_token_seconds, m3serve_inter_token_latency_seconds, m3serve_e2e_request_latency_seconds
+                                                     histogram
+  (the lines above are vLLM's metrics: vllm:<name without m3serve_>; the ones below are this engine's only)
+    m3serve_engine_alive                             gauge      1 while the engine loop runs (0 once it died)
+    m3serve_kv_pages_capacity / _free / _used / _cached   gauge   KV pages
+    m3serve_engine_steps_total, m3serve_http_responses_total{status}   counter
+    m3serve_spec_*                                   gauge      speculative decoding statistics (engine.stats())
+
+promtool's lint refuses ':' in names (it reserves them for recording rules; vLLM's own exposition fails it), so
+the `vllm:` form is the alias, not the default. Engine figures come from the engine loop's latest snapshot, read
+at scrape time by a collector; latencies and token counts are observed on the engine thread as they happen.
+Each ServerMetrics has its own registry (two servers in one process do not share series). The exposition is
+Prometheus' text format 0.0.4 (what Prometheus 2.x scrapes; `_created` series are off).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import threading
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector,
+                               disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+disable_created_metrics()
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "m3serve_"
+# vLLM's metrics, by their names after the prefix (`vllm:` + name in vLLM's exposition)
+VLLM_METRICS = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "request_success", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds"})
+NAME_SCHEMES = ("m3serve", "vllm")
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
@@ -17,138 +49,134 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
-def _num(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
-    if isinstance(v, int) or float(v).is_integer():
-        return str(int(v))
-    return repr(float(v))
+class _Counter:
+    """A prometheus_client counter with the model_name label bound and at most one more label."""
 
-
-def _labels(d: dict[str, str]) -> str:
-    if not d:
-        return ""
-    esc = {k: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in d.items()}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
-
-
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        if list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"{name} buckets: expected strictly increasing bounds, found {buckets}")
-        self.name, self.help, self.bounds = name, help, tuple(buckets)
-        self._counts = [0] * (len(buckets) + 1)   # last: above every bound (+Inf only)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float, times: int = 1) -> None:
-        i = bisect.bisect_left(self.bounds, value)     # le semantics: value == bound falls in that bucket
-        with self._lock:
-            self._counts[i] += times
-            self._sum += value * times
-
-    def snapshot(self) -> tuple[list[int], float]:
-        with self._lock:
-            return list(self._counts), self._sum
-
-    def render(self) -> list[str]:
-        counts, total = self.snapshot()
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cum = 0
-        for bound, c in zip(self.bounds + (math.inf,), counts):
-            cum += c
-            out.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cum}')
-        out += [f"{self.name}_sum {_num(total)}", f"{self.name}_count {cum}"]
-        return out
-
-
-class Counter:
-    """A monotone counter, optionally split by one label."""
-
-    def __init__(self, name: str, help: str, label: str | None = None):
-        if not name.endswith("_total"):
-            raise ValueError(f"counter name {name!r}: expected the '_total' suffix")
-        self.name, self.help, self.label = name, help, label
-        self._values: dict[str | None, float] = {}
-        self._lock = threading.Lock()
+    def __init__(self, name: str, help: str, registry, model: str, label: str | None = None):
+        self._c = Counter(name, help, ["model_name"] + ([label] if label else []), registry=registry)
+        self._model, self._label = model, label
+        self._values: dict[str | None, float] = {}     # for value(): prometheus_client keeps no public read
 
     def inc(self, amount: float = 1, label_value: str | None = None) -> None:
         if amount < 0:
-            raise ValueError(f"{self.name}: counters only go up, found inc({amount})")
-        with self._lock:
-            self._values[label_value] = self._values.get(label_value, 0) + amount
+            raise ValueError(f"counters only go up, found inc({amount})")
+        child = self._c.labels(self._model, str(label_value)) if self._label else self._c.labels(self._model)
+        child.inc(amount)
+        self._values[label_value] = self._values.get(label_value, 0) + amount
 
     def value(self, label_value: str | None = None) -> float:
-        with self._lock:
-            return self._values.get(label_value, 0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items(), key=lambda kv: str(kv[0]))
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        if not items and self.label is None:
-            items = [(None, 0)]
-        for lv, v in items:
-            out.append(f"{self.name}{_labels({self.label: lv} if self.label else {})} {_num(v)}")
-        return out
+        return self._values.get(label_value, 0)
 
 
-def gauge(name: str, help: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {_num(value)}"]
+class _Histogram:
+    def __init__(self, name: str, help: str, buckets, registry, model: str):
+        self._h = Histogram(name, help, ["model_name"], buckets=buckets, registry=registry).labels(model)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        """`times` equal observations (k tokens of one speculative step share a gap)."""
+        for _ in range(times):
+            self._h.observe(value)
 
 
-def counter_value(name: str, help: str, value: float) -> list[str]:
-    """A counter kept elsewhere (e.g. the engine's preemption count), exposed as is."""
-    return [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name} {_num(value)}"]
+class _EngineCollector:
+    """The engine loop's latest snapshot as gauges and counters, at scrape time."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.snapshot: dict = {"alive": 0}
+
+    def describe(self):
+        return []
+
+    def _gauge(self, name: str, help: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, help, labels=["model_name"])
+        g.add_metric([self.model], float(value))
+        return g
+
+    def _counter(self, name: str, help: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, help, labels=["model_name"])
+        c.add_metric([self.model], float(value))
+        return c
+
+    def collect(self):
+        s = self.snapshot
+        total, free = s.get("kv_pages_total", 0), s.get("kv_pages_free", 0)
+        yield self._gauge("m3serve_engine_alive", "1 while the engine loop thread runs.", int(s.get("alive", 0)))
+        yield self._gauge("m3serve_num_requests_running", "Requests being prefilled or decoded.", s.get("running", 0))
+        yield self._gauge("m3serve_num_requests_waiting", "Requests in the engine's waiting queue.", s.get("waiting", 0))
+        yield self._gauge("m3serve_kv_cache_usage_perc", "Fraction of KV cache pages held by live requests (1 = full).",
+                          (total - free) / total if total else 0.0)
+        yield self._gauge("m3serve_kv_pages_capacity", "KV cache pages in all.", total)
+        yield self._gauge("m3serve_kv_pages_free", "KV cache pages obtainable now (free or evictable cached).", free)
+        yield self._gauge("m3serve_kv_pages_used", "KV cache pages held by live requests.", total - free)
+        yield self._gauge("m3serve_kv_pages_cached", "KV cache pages in the prefix cache.", s.get("kv_pages_cached", 0))
+        yield self._counter("m3serve_num_preemptions", "Requests preempted (KV dropped, recomputed later).",
+                            s.get("preemptions", 0))
+        yield self._counter("m3serve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            s.get("prefix_cache_queries", 0))
+        yield self._counter("m3serve_prefix_cache_hits", "Prompt tokens found in the prefix cache (KV shared).",
+                            s.get("prefix_cache_hits", 0))
+        yield self._counter("m3serve_engine_steps", "Engine steps run.", s.get("steps", 0))
+        if "acceptance_length" in s:
+            yield self._gauge("m3serve_spec_acceptance_length", "Mean tokens emitted per speculative verify step.",
+                              s["acceptance_length"])
+        for key in sorted(k for k in s if k.startswith("spec_") and k.replace("_", "").isalnum()):
+            v = s[key]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                yield self._gauge(f"m3serve_{key}", f"Speculative decoding statistic {key} (engine.stats()).", v)
+
+
+def vllm_name(name: str) -> str:
+    """The `vllm:` alias of a sample or family name of vLLM's metrics; other names unchanged."""
+    if not name.startswith(PREFIX):
+        return name
+    rest = name[len(PREFIX):]
+    base = next((m for m in VLLM_METRICS if rest == m or rest.startswith(m + "_")), None)
+    return "vllm:" + rest if base is not None else name
+
+
+class _VllmNames:
+    """A registry's families with vLLM's metrics renamed vllm:<name> (generate_latest reads any collect())."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def collect(self):
+        for fam in self.registry.collect():
+            name = vllm_name(fam.name)
+            if name == fam.name:
+                yield fam
+                continue
+            out = Metric(name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s._replace(name=vllm_name(s.name)) for s in fam.samples]
+            yield out
 
 
 class ServerMetrics:
-    def __init__(self):
-        self.ttft = Histogram("m3serve_time_to_first_token_seconds",
-                              "Time from request arrival to its first generated token.", TTFT_BUCKETS)
-        self.itl = Histogram("m3serve_inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of a request.", ITL_BUCKETS)
-        self.e2e = Histogram("m3serve_e2e_request_latency_seconds",
-                             "Time from request arrival to its last token.", E2E_BUCKETS)
-        self.prompt_tokens = Counter("m3serve_prompt_tokens_total", "Prompt tokens of admitted requests.")
-        self.generation_tokens = Counter("m3serve_generation_tokens_total", "Generated tokens.")
-        self.finished = Counter("m3serve_requests_finished_total",
-                                "Finished sequences (one per choice; with best_of, one per candidate).",
-                                "finish_reason")
-        self.http = Counter("m3serve_http_responses_total", "HTTP responses by status code.", "status")
+    def __init__(self, model_name: str = "m3serve", process: bool = True):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r, m = self.registry, model_name
+        self.ttft = _Histogram("m3serve_time_to_first_token_seconds",
+                               "Time from request arrival to its first generated token.", TTFT_BUCKETS, r, m)
+        self.itl = _Histogram("m3serve_inter_token_latency_seconds",
+                              "Time between consecutive generated tokens of a request.", ITL_BUCKETS, r, m)
+        self.e2e = _Histogram("m3serve_e2e_request_latency_seconds", "Time from request arrival to its last token.",
+                              E2E_BUCKETS, r, m)
+        self.prompt_tokens = _Counter("m3serve_prompt_tokens", "Prompt tokens of admitted requests.", r, m)
+        self.generation_tokens = _Counter("m3serve_generation_tokens", "Generated tokens.", r, m)
+        self.finished = _Counter("m3serve_request_success", "Finished sequences (one per choice; with best_of, one "
+                                 "per candidate) by finish reason.", r, m, "finished_reason")
+        self.http = _Counter("m3serve_http_responses", "HTTP responses by status code.", r, m, "status")
+        self.engine = _EngineCollector(m)
+        r.register(self.engine)
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
 
-    def render(self, snap: dict) -> str:
-        """`snap`: the engine loop's latest stats snapshot (engine.stats() plus loop fields)."""
-        total = snap.get("kv_pages_total", 0)
-        free = snap.get("kv_pages_free", 0)
-        lines: list[str] = []
-        lines += gauge("m3serve_engine_alive", "1 while the engine loop thread runs.", int(snap.get("alive", 0)))
-        lines += gauge("m3serve_num_requests_waiting", "Requests in the engine's waiting queue (queue depth).",
-                       snap.get("waiting", 0))
-        lines += gauge("m3serve_num_requests_running", "Requests being prefilled or decoded.",
-                       snap.get("running", 0))
-        lines += gauge("m3serve_kv_pages_total", "KV cache pages in all.", total)
-        lines += gauge("m3serve_kv_pages_free", "KV cache pages obtainable now (free or evictable cached).", free)
-        lines += gauge("m3serve_kv_pages_used", "KV cache pages held by live requests.", total - free)
-        lines += gauge("m3serve_kv_pages_cached", "KV cache pages in the prefix cache.",
-                       snap.get("kv_pages_cached", 0))
-        lines += counter_value("m3serve_preemptions_total", "Requests preempted (KV dropped, recomputed later).",
-                               snap.get("preemptions", 0))
-        lines += counter_value("m3serve_engine_steps_total", "Engine steps run.", snap.get("steps", 0))
-        lines += counter_value("m3serve_prefix_cache_queries_total",
-                               "Tokens of admitted requests looked up in the prefix cache.",
-                               snap.get("prefix_cache_queries", 0))
-        lines += counter_value("m3serve_prefix_cache_hits_total",
-                               "Tokens of admitted requests found in the prefix cache (KV pages shared, not computed).",
-                               snap.get("prefix_cache_hits", 0))
-        if "acceptance_length" in snap:
-            lines += gauge("m3serve_spec_acceptance_length",
-                           "Mean tokens emitted per speculative verify step.", snap["acceptance_length"])
-        for key in sorted(k for k in snap if k.startswith("spec_") and k.replace("_", "").isalnum()):
-            if isinstance(snap[key], (int, float)) and not isinstance(snap[key], bool):
-                lines += gauge(f"m3serve_{key}", f"Speculative decoding statistic {key} (engine.stats()).",
-                               snap[key])
-        for inst in (self.prompt_tokens, self.generation_tokens, self.finished, self.http,
-                     self.ttft, self.itl, self.e2e):
-            lines += inst.render()
-        return "\n".join(lines) + "\n"
+    def render(self, snap: dict, names: str = "m3serve") -> str:
+        """`snap`: the engine loop's latest stats snapshot (engine.stats() plus loop fields); names: "m3serve"
+        (promtool clean) or "vllm" (vLLM's metrics as vllm:<name>)."""
+        if names not in NAME_SCHEMES:
+            raise ValueError(f"names: expected one of {NAME_SCHEMES}, found {names!r}")
+        self.engine.snapshot = snap
+        return generate_latest(self.registry if names == "m3serve" else _VllmNames(self.registry)).decode("utf-8")

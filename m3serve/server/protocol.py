@@ -5,12 +5,16 @@ Penalties follow OpenAI's ranges (presence_penalty, frequency_penalty in [-2, 2]
 [-100, 100]}). Extensions (vLLM's names and meanings): top_k, ignore_eos, stop_token_ids, return_token_ids,
 repetition_penalty (> 0), min_tokens (<= max_tokens), skip_special_tokens, spaces_between_special_tokens,
 include_stop_str_in_output, prompt_logprobs (not with stream, as vLLM), best_of (>= n; not with stream when > n,
-as OpenAI). n and best_of become one engine request group per prompt (SamplingParams.n / best_of).
+as OpenAI), min_p, allowed_token_ids, bad_words, truncate_prompt_tokens (the prompt's last k tokens). Completions
+with echo and logprobs return the prompt tokens' logprobs first in the `logprobs` object (null for the first
+token), as vLLM does, and max_tokens = 0 with echo scores the prompt without generating (lm-eval's
+log-likelihood requests); neither streams. n and best_of become one engine request group per prompt (SamplingParams.n / best_of).
 
 Fields nobody defines are accepted and ignored with one warning naming them: vLLM's rule (its request models allow
 extra fields and log "fields were present in the request but ignored"; OpenAI itself answers 400). Fields that
-OpenAI or vLLM define but this engine cannot honour (suffix, beam search, min_p, structured output, forced tool
-calls, ...) are refused with a 400 naming them unless they hold their neutral value, rather than silently ignored.
+OpenAI or vLLM define but this engine cannot honour (suffix, beam search, ...) are refused with a 400 naming them
+unless they hold their neutral value, rather than silently ignored. Tools, tool_choice and structured output
+(response_format, guided_*, structured_outputs) are read by m3serve.server.tools.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.server.chat_tokens import ChatTemplateError, chat_encoder
 from m3serve.server.errors import APIError, bad_field, one_line, short_repr
+from m3serve.server.reasoning import prompt_opens_reasoning
+from m3serve.server.tools import STRUCTURED_FIELDS, ChatPlan, chat_plan, normalize_messages_tools, structured_request
 
 log = logging.getLogger("m3serve.server")
 
@@ -43,6 +49,7 @@ class ModelInfo:
     capacity_tokens: int             # tokens the whole KV cache holds
     tokenizer: object | None = None
     max_choices: int = 64            # prompts x candidates (best_of, else n) in one request
+    compile_grammar: object | None = None   # the engine's thread-safe grammar compiler (structured output)
 
 
 @dataclass
@@ -59,6 +66,9 @@ class GenRequest:
     prompt_logprobs: int | None = None      # top-k alternatives per prompt token; None: none
     return_token_ids: bool = False
     stop: list[str] = field(default_factory=list)
+    echo_logprobs: bool = False             # echo with logprobs: the prompt's logprobs lead each choice's logprobs
+    echo_only: bool = False                 # max_tokens = 0 with echo: the prompt alone (one token is computed, not shown)
+    chat: ChatPlan | None = None            # chat: tools, tool_choice, reasoning (m3serve.server.chat_output)
 
     @property
     def num_choices(self) -> int:
@@ -148,21 +158,23 @@ _SAMPLING_FIELDS = frozenset({
     "model", "n", "best_of", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "user", "stream",
     "stream_options", "max_tokens", "logprobs", "prompt_logprobs", "return_token_ids", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output"})
+    "spaces_between_special_tokens", "include_stop_str_in_output", "min_p", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens"})
 # Defined by OpenAI or vLLM, not available here (they change the output, so ignoring them would mislead):
 # {name: neutral values}; null is always accepted.
 _UNAVAILABLE = {
-    "min_p": (0, 0.0), "use_beam_search": (False,), "allowed_token_ids": (), "bad_words": ([],),
-    "truncate_prompt_tokens": (), "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
-    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "use_beam_search": (False,),
+    "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
     "logits_processors": ()}
-_COMPLETION_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (True,), "response_format": ({"type": "text"},)}
+_COMPLETION_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (True,)}
 _CHAT_UNAVAILABLE = {**_UNAVAILABLE, "add_special_tokens": (False,), "echo": (False,),
                      "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-                     "chat_template_kwargs": ({},), "documents": (), "functions": (), "function_call": ()}
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix"} | set(_COMPLETION_UNAVAILABLE)
+                     "documents": (), "functions": (), "function_call": ()}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix"} | set(_COMPLETION_UNAVAILABLE) | \
+    set(STRUCTURED_FIELDS)
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
-                                  "response_format"} | set(_CHAT_UNAVAILABLE)
+                                  "parallel_tool_calls", "chat_template_kwargs"} | set(_CHAT_UNAVAILABLE) | \
+    set(STRUCTURED_FIELDS)
 MAX_NAMED_IGNORED = 8
 
 
@@ -243,13 +255,17 @@ def _check_prompt_len(ids: list[int], info: ModelInfo, param: str) -> None:
 
 
 def _max_tokens(explicit: int | None, name: str, ids: list[int], info: ModelInfo, default: int | None) -> int:
-    room = info.max_model_len - len(ids)
+    """vLLM's rule: prompt + max_tokens must fit one sequence (the context and the whole KV cache), else 400;
+    unset, it is clamped to what fits. A request admitted here is never cut short for want of room."""
+    fits = min(info.max_model_len, info.capacity_tokens)
+    room = fits - len(ids)
     if explicit is None:
         return room if default is None else min(default, room)
     if explicit > room:
-        raise APIError(400, f"'{name}' = {explicit} plus the prompt's {len(ids)} tokens exceeds this model's "
-                            f"context limit (max_model_len) of {info.max_model_len} tokens; at most {room} can be "
-                            "generated for this prompt", param=name, code="context_length_exceeded")
+        raise APIError(400, f"'{name}' = {explicit} plus the prompt's {len(ids)} tokens exceeds the {fits} tokens "
+                            f"one sequence can hold (this model's context limit, max_model_len, is "
+                            f"{info.max_model_len} tokens and the KV cache holds {info.capacity_tokens}); at most "
+                            f"{room} can be generated for this prompt", param=name, code="context_length_exceeded")
     return explicit
 
 
@@ -282,6 +298,41 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
     return out
 
 
+def _token_ids(body: dict, name: str, vocab: int) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or len(v) > vocab or not all(_is_int(t) and 0 <= t < vocab for t in v):
+        raise bad_field(name, v, f"a non-empty list of token ids in [0, {vocab})")
+    return list(v)
+
+
+def _bad_words(body: dict) -> list[str] | None:
+    v = body.get("bad_words")
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS or not all(isinstance(w, str) and w.strip() for w in v):
+        raise bad_field("bad_words", v, f"a list of at most {MAX_STOP_TOKEN_IDS} non-blank strings")
+    return list(v)
+
+
+def _truncate_prompt_tokens(body: dict, info: ModelInfo) -> int | None:
+    v = body.get("truncate_prompt_tokens")
+    if v is None:
+        return None
+    if not _is_int(v) or not (1 <= v <= info.max_model_len or v == -1):
+        raise bad_field("truncate_prompt_tokens", v, f"an integer in [1, {info.max_model_len}] or -1 (the context's "
+                                                     "limit)")
+    return v
+
+
+def _truncated(ids: list[int], k: int | None, info: ModelInfo) -> list[int]:
+    """The prompt's last k tokens (-1: as many as leave room for one generated token)."""
+    if k is None:
+        return ids
+    return ids[-(_prompt_limit(info) if k == -1 else k):]
+
+
 def _common(body: dict, info: ModelInfo) -> dict:
     """Sampling and text fields shared by both endpoints -> SamplingParams keyword arguments (no max_tokens,
     logprobs, n / best_of)."""
@@ -302,7 +353,11 @@ def _common(body: dict, info: ModelInfo) -> dict:
                 logit_bias=_logit_bias(body, info.vocab_size),
                 skip_special_tokens=_bool(body, "skip_special_tokens", True),
                 spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens", True),
-                include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
+                include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+                min_p=_num(body, "min_p", 0.0, 1.0, 0.0),
+                allowed_token_ids=_token_ids(body, "allowed_token_ids", info.vocab_size),
+                bad_words=_bad_words(body),
+                truncate_prompt_tokens=_truncate_prompt_tokens(body, info))
 
 
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
@@ -347,7 +402,8 @@ def _object(body: object) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- /v1/completions
-def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], list[str | None]]:
+def _completion_items(v: object, info: ModelInfo) -> list[str | list[int]]:
+    """The prompts of a /v1/completions body, each a text (to tokenize) or checked token ids."""
     want = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(v, str):
         items: list = [v]
@@ -359,14 +415,11 @@ def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], li
         raise bad_field("prompt", v, want)
     if len(items) > info.max_choices:
         raise APIError(400, f"'prompt': {len(items)} prompts; at most {info.max_choices} per request", param="prompt")
-    ids_out, texts = [], []
     for p in items:
         if isinstance(p, str):
             if info.tokenizer is None:
                 raise APIError(400, "'prompt': this model has no tokenizer, so prompts must be token ids",
                                param="prompt")
-            ids_out.append(list(info.tokenizer.encode(p)))
-            texts.append(p)
         else:
             if not p:
                 raise bad_field("prompt", p, "a non-empty list of token ids")
@@ -374,37 +427,90 @@ def _completion_prompts(v: object, info: ModelInfo) -> tuple[list[list[int]], li
             if bad is not None:
                 raise APIError(400, f"'prompt': expected token ids in [0, {info.vocab_size}), found "
                                     f"{short_repr(p[bad])} at position {bad}", param="prompt")
-            ids_out.append(list(p))
-            texts.append(None)
-    for ids in ids_out:
-        _check_prompt_len(ids, info, "prompt")
-    return ids_out, texts
+    return items
 
 
-def parse_completion(body: object, info: ModelInfo) -> GenRequest:
+@dataclass
+class CompletionPlan:
+    """A /v1/completions body validated in everything but its prompts' token counts: `texts` still need
+    tokenizing (finish_completion takes their ids). Splitting the two lets the server tokenize prompt by prompt
+    as separate pool tasks, so one request with many prompts cannot hold the tokenizer threads."""
+    info: ModelInfo
+    items: list                     # per prompt: its text (to tokenize) or its token ids
+    fields: dict                    # GenRequest fields
+    sampling: dict                  # SamplingParams keyword arguments shared by every prompt
+    max_tokens: int | None
+    truncate: int | None            # truncate_prompt_tokens
+
+    @property
+    def texts(self) -> list[str]:
+        return [p for p in self.items if isinstance(p, str)]
+
+
+def plan_completion(body: object, info: ModelInfo) -> CompletionPlan:
     body = _object(body)
     _check_model(body, info)
     _screen_fields(body, COMPLETION_FIELDS, _COMPLETION_UNAVAILABLE, "/v1/completions")
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
-    prompts, texts = _completion_prompts(body["prompt"], info)
     common = _common(body, info)
+    items = _completion_items(body["prompt"], info)
     _unsupported(body, "suffix", "")
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS, None)
     echo = _bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise APIError(400, "'echo' together with 'logprobs' is not supported (ask for 'prompt_logprobs' instead)",
-                       param="echo")
-    max_tokens = _int(body, "max_tokens", 1, info.max_model_len, None)
     stream, include_usage = _stream(body)
-    n, best_of = _n(body, info, len(prompts), stream)
+    max_tokens = _int(body, "max_tokens", 0, info.max_model_len, None)
+    echo_only, engine_prompt_lps = _echo_mode(echo, logprobs, max_tokens, stream)
+    if echo_only:
+        max_tokens = 1       # the engine computes one token: the response shows the prompt only
+    n, best_of = _n(body, info, len(items), stream)       # prompts x candidates judged before tokenizing
     prompt_logprobs = _prompt_logprobs(body, stream)
-    params = [_params(max_tokens=_max_tokens(max_tokens, "max_tokens", ids, info, 16), logprobs=logprobs, n=n,
-                      best_of=best_of, prompt_logprobs=prompt_logprobs, **common)
+    engine_prompt_lps = max(prompt_logprobs or 0, engine_prompt_lps) if engine_prompt_lps is not None \
+        else prompt_logprobs
+    fields = dict(n=n, stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
+                  prompt_logprobs=prompt_logprobs, return_token_ids=_bool(body, "return_token_ids", False),
+                  stop=common["stop"], echo_logprobs=echo and logprobs is not None, echo_only=echo_only)
+    constraint = structured_request(body, compile_grammar=info.compile_grammar)
+    sampling = dict(logprobs=logprobs, n=n, best_of=best_of, prompt_logprobs=engine_prompt_lps,
+                    structured_outputs=constraint, **common)
+    return CompletionPlan(info, items, fields, sampling, max_tokens, common["truncate_prompt_tokens"])
+
+
+def finish_completion(plan: CompletionPlan, encoded: list[list[int]]) -> GenRequest:
+    """`encoded`: the token ids of plan.texts, in order."""
+    info, ids_of_texts = plan.info, iter(encoded)
+    prompts, texts = [], []
+    for p in plan.items:
+        if isinstance(p, str):
+            prompts.append(list(next(ids_of_texts)))
+            texts.append(p)
+        else:
+            prompts.append(list(p))
+            texts.append(None)
+    if plan.truncate is not None:   # a truncated prompt's text is its tokens' (echo shows what the model saw)
+        cut = [_truncated(ids, plan.truncate, info) for ids in prompts]
+        texts = [t if len(c) == len(ids) else None for t, c, ids in zip(texts, cut, prompts)]
+        prompts = cut
+    for ids in prompts:
+        _check_prompt_len(ids, info, "prompt")
+    params = [_params(max_tokens=_max_tokens(plan.max_tokens, "max_tokens", ids, info, 16), **plan.sampling)
               for ids in prompts]
-    return GenRequest("completion", prompts, texts, params, n=n, stream=stream, include_usage=include_usage,
-                      echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])
+    return GenRequest("completion", prompts, texts, params, **plan.fields)
+
+
+def parse_completion(body: object, info: ModelInfo) -> GenRequest:
+    plan = plan_completion(body, info)
+    return finish_completion(plan, [info.tokenizer.encode(t) for t in plan.texts])
+
+
+def _echo_mode(echo: bool, logprobs: int | None, max_tokens: int | None, stream: bool) -> tuple[bool, int | None]:
+    """(echo_only, prompt logprobs the engine must compute for echo) of a completion request."""
+    if max_tokens == 0 and not echo:
+        raise bad_field("max_tokens", 0, "an integer >= 1 (0 only with 'echo': true, which scores the prompt)")
+    if echo and stream and (logprobs is not None or max_tokens == 0):
+        raise APIError(400, "'echo' with 'logprobs' or 'max_tokens' = 0 is not available when 'stream' is true "
+                            "(the prompt's logprobs come in a whole response)", param="echo")
+    return max_tokens == 0, (logprobs if echo and logprobs is not None else None)
 
 
 # ---------------------------------------------------------------------------------------- /v1/chat/completions
@@ -438,6 +544,8 @@ def _messages(v: object) -> list[dict]:
         tool_calls = m.get("tool_calls")
         if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
             raise bad_field(f"messages[{i}].tool_calls", tool_calls, "a list, on an assistant message")
+        if role == "function":            # OpenAI's legacy tool result: a tool message named after the function
+            role = "tool"
         if content is None and not (role == "assistant" and tool_calls):
             raise APIError(400, f"'messages[{i}].content' is required", param=f"messages[{i}].content")
         msg = {"role": "system" if role == "developer" else role, "content": content or ""}
@@ -449,18 +557,41 @@ def _messages(v: object) -> list[dict]:
         if tool_calls:
             msg["tool_calls"] = tool_calls
         out.append(msg)
-    return out
+    return normalize_messages_tools(out)
 
 
-def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo) -> tuple[list[int], str]:
+def _template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: extra variables for the template (e.g. enable_thinking); not the names the
+    renderer itself takes."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_field("chat_template_kwargs", v, "an object of template variables")
+    taken = {"messages", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message",
+             "chat_template", "return_dict", "return_tensors", "tokenizer_kwargs", "padding", "truncation",
+             "max_length", "return_assistant_tokens_mask", "kwargs"}
+    bad = [k for k in v if not isinstance(k, str) or not k.isidentifier() or k in taken]
+    if bad:
+        raise APIError(400, f"'chat_template_kwargs': {short_repr(bad[0])} cannot be set (reserved, or not a name)",
+                       param="chat_template_kwargs")
+    return dict(v)
+
+
+def _chat_prompt(messages: list[dict], tools: list | None, info: ModelInfo,
+                 template_vars: dict | None = None) -> tuple[list[int], str]:
     tok = info.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
     # Special-token text inside the messages is encoded as ordinary text: a user cannot forge a turn.
     try:
-        return chat_encoder(tok).encode(messages, tools)
+        return chat_encoder(tok).encode(messages, tools, template_vars=template_vars)
     except ChatTemplateError as e:
         raise APIError(400, f"'messages': the chat template rejected them: {short_repr(str(e), 200)}",
+                       param="messages") from None
+    except Exception as e:    # the encoder only ever sees these messages: whatever it raises on them is a 400
+        log.info("chat encoding failed: %s: %s", type(e).__name__, one_line(str(e)))
+        raise APIError(400, f"'messages': could not be encoded ({type(e).__name__}: {short_repr(str(e), 200)})",
                        param="messages") from None
 
 
@@ -471,17 +602,8 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     if "messages" not in body:
         raise APIError(400, "'messages' is required", param="messages")
     messages = _messages(body["messages"])
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad_field("tools", tools, "a list of tools")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise APIError(400, f"'tool_choice' = {short_repr(choice)} is not supported (only 'none' or 'auto')",
-                       param="tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise APIError(400, f"'response_format' = {short_repr(fmt)} is not supported (only {{'type': 'text'}})",
-                       param="response_format")
+    plan = chat_plan(body)
+    constraint = structured_request(body, plan, compile_grammar=info.compile_grammar)
     common = _common(body, info)
     want_lp = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS, None)
@@ -490,13 +612,22 @@ def parse_chat(body: object, info: ModelInfo) -> GenRequest:
     logprobs = (top or 0) if want_lp else None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, 1, info.max_model_len, None)
-    ids, text = _chat_prompt(messages, tools or None, info)
+    ids, text = _chat_prompt(messages, plan.tools, info, _template_kwargs(body))
+    plan.reasoning_prefilled = prompt_opens_reasoning(text)
+    if common["truncate_prompt_tokens"] is not None:
+        cut = _truncated(ids, common["truncate_prompt_tokens"], info)
+        ids, text = cut, (text if len(cut) == len(ids) else None)
     _check_prompt_len(ids, info, "messages")
     stream, include_usage = _stream(body)
     n, best_of = _n(body, info, 1, stream)
     prompt_logprobs = _prompt_logprobs(body, stream)
     params = [_params(max_tokens=_max_tokens(max_tokens, name, ids, info, None), logprobs=logprobs, n=n,
-                      best_of=best_of, prompt_logprobs=prompt_logprobs, **common)]
+                      best_of=best_of, prompt_logprobs=prompt_logprobs, structured_outputs=constraint, **common)]
     return GenRequest("chat", [ids], [text], params, n=n, stream=stream, include_usage=include_usage,
                       logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"])
+                      return_token_ids=_bool(body, "return_token_ids", False), stop=common["stop"], chat=plan)
+
+
+# for the utility endpoints (tokenize_routes.py): the same model check and message validation
+check_model = _check_model
+parse_messages = _messages

@@ -48,6 +48,22 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list[dict[int, float]], 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(tokenizer, prompt_ids: list[int], prompt_entries: list[dict[int, float] | None], ids: list[int],
+                  lps: list[dict[int, float]], k: int) -> dict:
+    """`logprobs` of a completion choice with echo, as vLLM returns it: the prompt tokens first (the first has
+    no logprob: null, and null top_logprobs), then the generated ones; text_offset runs over both."""
+    head = completion_logprobs(tokenizer, prompt_ids[1:], prompt_entries[1:], k, 0)
+    first = token_str(tokenizer, prompt_ids[0])
+    shift = len(first)
+    out = {"tokens": [first] + head["tokens"], "token_logprobs": [None] + head["token_logprobs"],
+           "top_logprobs": [None] + head["top_logprobs"], "text_offset": [0] + [o + shift for o in head["text_offset"]]}
+    end = shift + sum(len(t) for t in head["tokens"])
+    tail = completion_logprobs(tokenizer, ids, lps, k, end)
+    for key in out:
+        out[key] += tail[key]
+    return out
+
+
 def chat_logprobs(tokenizer, ids: list[int], lps: list[dict[int, float]], k: int) -> dict:
     def item(tid: int, v: float) -> dict:
         s = token_str(tokenizer, tid)

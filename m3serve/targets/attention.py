@@ -1,14 +1,17 @@
-"""Attention on the decode target: the paged-cache kernels, all sequences of a step per launch.
+"""Attention on the decode target: the paged-cache kernels, all sequences of a step per launch. `PAGED_KERNELS` is
+the model's attention backend on the target (m3serve.model.attention_backend; `LLMEngine.enable_target` binds it).
 
 The stock `Attention.forward` loops over sequences and reads each one's context back out of the cache. On the
 target a step carries a `PagedStep` (device metadata built by the engine in its one staged upload), and every
 attention layer is four launches at most, none of which syncs the host (so the step can be captured in a CUDA
 graph):
 
-    kv.write             K, V (+ index-K) of every token of the step, quantized on write
+    kv.write             K, V (+ index-K) of every token of the step, quantized on write (rotated NVFP4 layers:
+                         rotated first, m3serve.kv.rotation)
     msa.scores           sparse layers: the lightning indexer's max-pooled block scores     [T, Hk, B]
     msa.select           sparse layers: top-k blocks per (token, KV group), the stock rules [T, Hk, topk]
-    attn.paged           decode / verify / sparse rows (split-KV, ordered combine)
+    attn.paged           decode / verify / sparse rows (split-KV, ordered combine; rotated layers: q rotated
+                         in the prologue, the output un-rotated before the split store)
       or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence
 
 Shape legend
@@ -22,6 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from m3serve.kernels.kv_write import write_layer
+from m3serve.kernels.msa_index import msa_block_scores, msa_select
+from m3serve.kernels.paged_attention import make_workspace, paged_attention
+from m3serve.kernels.prefill_attention import prefill_attention
+from m3serve.model.attention_backend import StockAttention
 
 # attn.paged reads each query row's pages itself: right for decode / verify (1-48 rows per sequence), wasteful
 # for long prompts, which the tiled attn.prefill handles on dense layers.
@@ -47,28 +56,6 @@ class PagedStep:
         return buf
 
 
-def sparse_tiles_per_block(spec) -> int:
-    """Key tiles attn.paged walks per selected block on the MSA layers of a cache spec (tile_config: NVFP4
-    pages go in half-page tiles); the most over the sparse layers' formats."""
-    from m3serve.kernels.paged_attention import tile_config
-    fmts = {spec.kv_format(i) for i in spec.sparse_layers}
-    return max((spec.page_size // tile_config(1, spec.page_size, 1, True, f == "nvfp4").BN for f in fmts), default=1)
-
-
-def split_plan(query_rows: int, max_blocks: int, kv_heads: int, topk: int,
-               sparse_tiles: int = 1) -> tuple[int, int]:
-    """(dense, sparse) split-KV factors for a step of `query_rows` rows. Decode rows are rounded up to their
-    graph bucket first, so an eager step and the graph of the same bucket split (and so sum) identically.
-    MSA layers split over key tiles (topk blocks x sparse_tiles each): one tile per split is allowed, the
-    fastest on the H200 at batch 1 (bench/results/kernel-variants-h200.json)."""
-    from m3serve.kernels.paged_attention import choose_num_splits
-    from m3serve.runtime.decode_graphs import DEFAULT_BUCKETS, bucket_for
-    rows = bucket_for(query_rows, DEFAULT_BUCKETS) or query_rows
-    dense = choose_num_splits(rows, max_blocks, kv_heads=kv_heads)
-    sparse = choose_num_splits(rows, max(topk, 1) * sparse_tiles, kv_heads=kv_heads, min_blocks_per_split=1)
-    return dense, sparse
-
-
 def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,
                       slot_mapping: Tensor, kv, step: PagedStep) -> Tensor:
     """A target attention layer: q [T, Hq, D], k/v [T, Hk, D], iq [T, Hk, Di] / ik [T, Di] (sparse layers)
@@ -82,8 +69,6 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
                           ) -> Tensor:
     """Cache layer `layer` of `kv` (a target layer, or the Eagle3 draft layer): write this step's K/V, then
     attend. msa_cfg (the model config) makes it an MSA layer: iq / ik feed the indexer."""
-    from m3serve.kernels.kv_write import write_layer
-    from m3serve.kernels.paged_attention import make_workspace, paged_attention
 
     sparse = msa_cfg is not None
     t, hq, d = q.shape
@@ -93,13 +78,11 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
     kp, vp = kv.pages(layer, "k"), kv.pages(layer, "v")
     out = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
     if not sparse and step.max_query_len > DECODE_MAX_QUERY:
-        from m3serve.kernels.prefill_attention import prefill_attention
         prefill_attention(q, kp, vp, step.slot_table, step.seq_lens, step.query_start, out,
                           sm_scale=scale, max_query_len=step.max_query_len)
         return out
     sel = None
     if sparse:
-        from m3serve.kernels.msa_index import msa_block_scores, msa_select
         cfg = msa_cfg
         b = step.slot_table.shape[1]
         topk = cfg.index_topk_blocks
@@ -117,5 +100,27 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
     ws = step.scratch(("attn.paged", t, hq, d, splits), lambda: make_workspace(t, hq, d, splits, q.device))
     paged_attention(q, kp, vp, *scales, kv.kv_global_scale[layer] if fmt == "nvfp4" else None, step.slot_table,
                     step.seq_lens, step.query_start, sel, out, ws, fmt=fmt, sm_scale=scale,
-                    max_query_len=step.max_query_len, num_splits=splits)
+                    max_query_len=step.max_query_len, num_splits=splits,
+                    rot_matrix=kv.kv_rotation_matrix if kv.spec.is_rotated(layer) else None)
     return out
+
+
+class PagedKernelAttention(StockAttention):
+    """The decode target's attention backend: a step carrying a PagedStep (`batch.step`, built by the engine or the
+    graph runtime) runs as the paged-cache kernels; a step without one (the engine before `enable_target`, a
+    prefill the stock path serves) runs the stock loop it inherits."""
+    name = "paged-kernels"
+
+    def layer(self, attn, q, k, v, iq, ik, batch) -> Tensor:
+        if batch.step is None:
+            return super().layer(attn, q, k, v, iq, ik, batch)
+        return attention_forward(attn, q, k, v, iq, ik, batch.slot_mapping, batch.kv, batch.step)
+
+    def draft_layer(self, scale, q, k, v, batch) -> Tensor:
+        if batch.step is None:
+            return super().draft_layer(scale, q, k, v, batch)
+        view = batch.kv
+        return paged_layer_attention(view.layer, scale, q, k, v, batch.slot_mapping, view.cache, batch.step)
+
+
+PAGED_KERNELS = PagedKernelAttention()

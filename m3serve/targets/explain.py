@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
+from m3serve.kernels.msa_index import IFMT_CODE
+from m3serve.kernels.paged_attention import FMT_CODES
+from m3serve.model.layers import Linear, RMSNorm
+from m3serve.model.m3 import Attention
+from m3serve.model.moe import MoE
 from m3serve.targets.dispatch import lookup
+from m3serve.targets.fused_projection import QUANT_FORMATS, projection_parts
+from m3serve.targets.routing import ALL_EXPERTS_MAX, grouped_shape, nvfp4_shape
 
 
 @dataclass(frozen=True)
@@ -39,9 +47,6 @@ def _place(module: str, bucket: int, kind: str, rows: int, shape: tuple) -> Plac
 def attention_placements(model, kv, table_width: int, bucket: int, query_len: int = 1) -> list[Placement]:
     """kv.write / msa.scores / msa.select / attn.paged of every attention layer for a decode step of `bucket`
     sequences with `query_len` query tokens each, over block tables `table_width` pages wide."""
-    from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
-    from m3serve.kernels.msa_index import IFMT_CODE
-    from m3serve.kernels.paged_attention import FMT_CODES
     import triton
 
     spec, cfg = kv.spec, model.cfg
@@ -78,11 +83,6 @@ def attention_placements(model, kv, table_width: int, bucket: int, query_len: in
 def module_placements(model, bucket: int) -> list[Placement]:
     """Quantized linears, MoE layers and decoder norms at `bucket` rows (what routing.install's hooks will
     choose)."""
-    from m3serve.model.layers import Linear, RMSNorm
-    from m3serve.model.moe import MoE
-    from m3serve.targets.routing import ALL_EXPERTS_MAX, grouped_shape, nvfp4_shape
-    from m3serve.model.m3 import Attention
-    from m3serve.targets.fused_projection import QUANT_FORMATS, projection_parts
     out, fused_parts = [], {}
     for name, mod in model.named_modules():
         if isinstance(mod, Attention):
@@ -140,9 +140,6 @@ def explain(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Place
 def draft_attention_placements(drafter, kv, bucket: int, query_len: int) -> list[Placement]:
     """kv.write / attn.paged of the Eagle3 draft layer (a dense layer of the same cache) for `bucket` sequences
     with `query_len` query tokens each: K+1 in the first draft pass of a speculative step, 1 in the others."""
-    from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
-    from m3serve.kernels.paged_attention import FMT_CODES
-
     spec, c = kv.spec, drafter.cfg
     i = spec.draft_layer
     fmt, hk, p = spec.kv_format(i), spec.kv_heads(i), spec.page_size

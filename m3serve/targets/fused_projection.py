@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from m3serve.kernels._gemm_tiles import make_workspace
+from m3serve.kernels.qkv_fused import fuse_projection_weights
 from m3serve.targets.dispatch import lookup, module_workspace
 
 QUANT_FORMATS = ("nvfp4", "mxfp8", "fp8")
@@ -60,7 +62,6 @@ def fuse(attn) -> FusedProjection | None:
         return FusedProjection(fmt, (w,), splits, tuple(p.weight for p in parts))
     if fmt not in QUANT_FORMATS:
         return None
-    from m3serve.kernels.qkv_fused import fuse_projection_weights
     keys = {"nvfp4": ("packed", "scale", "global_scale"), "mxfp8": ("q", "scale"), "fp8": ("q", "scale")}[fmt]
     fused = fuse_projection_weights(fmt, [tuple(getattr(p, f"q_{k}") for k in keys) for p in parts])
     # the per-row tensors (not the per-part scales) become views: packed / q and the block scales
@@ -100,7 +101,6 @@ def project(attn, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...] | None
         entry = lookup(f"qkv.{fp.fmt}", t, (n, h), "auto")
         if entry is None:
             return None
-        from m3serve.kernels._linear import make_workspace
         cell = entry.cell_for(t, (n, h))
         cfg = cell.config["gemm"]
         ws = module_workspace(attn, ("qkv_workspace", cell.rows), lambda: make_workspace(cfg, n, x.device))

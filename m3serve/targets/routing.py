@@ -164,7 +164,7 @@ def _linear(lin, x: torch.Tensor, mode: str):
         return None
     cell = entry.cell_for(rows, (n, k))
     cfg = cell.config["gemm"]
-    from m3serve.kernels._linear import make_workspace
+    from m3serve.kernels._gemm_tiles import make_workspace
     ws = module_workspace(lin, cell.rows, lambda: make_workspace(cfg, n, x.device))
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
     x2 = x2.contiguous()

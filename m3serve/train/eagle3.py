@@ -34,7 +34,16 @@ from typing import Callable
 import numpy as np
 import torch
 
+from m3serve.engine.engine import EngineConfig, LLMEngine
+from m3serve.engine.sampling_params import SamplingParams
+from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.llm import parse_dtype
 from m3serve.model.eagle3 import Eagle3Config, Eagle3Drafter, LlamaRMSNorm, default_capture_layers, save_drafter
+from m3serve.model.loader import load_model
+from m3serve.train.data import load_corpus
+from m3serve.train.stream import TokenStream, encode_chats, encode_documents
+from m3serve.train.synthetic import make_split
+from m3serve.train.tokenizer import chat_prompt
 
 REPORT = "train_report.json"
 
@@ -162,9 +171,6 @@ def _streams(target_dir: str | Path, data_dir: str | Path, n_syn_train: int, n_s
              train: bool = True):
     from tokenizers import Tokenizer
 
-    from m3serve.train.data import load_corpus
-    from m3serve.train.stream import TokenStream, encode_chats, encode_documents
-    from m3serve.train.synthetic import make_split
 
     tok_file = Path(target_dir) / "tokenizer.json"
     if not tok_file.exists():
@@ -276,8 +282,6 @@ def heldout_agreement(target, drafter: Eagle3Drafter, windows: torch.Tensor, tc:
 def train_drafter(target_dir: str | Path, data_dir: str | Path, out_dir: str | Path, tc: DrafterTrainConfig,
                   log: Callable[[str], None] = print, target=None) -> dict:
     """Train and save a drafter for the target checkpoint in `target_dir`; returns the report."""
-    from m3serve.model.loader import load_model
-
     tc.validate()
     t0 = time.perf_counter()
     dev = torch.device(tc.device)
@@ -376,8 +380,6 @@ def _chat_prompts(target_dir: str | Path, n: int, seed: int) -> list[list[int]]:
     """Held-out synthetic questions (the target's held-out split) as single-turn chat prompts."""
     from tokenizers import Tokenizer
 
-    from m3serve.train.synthetic import make_split
-    from m3serve.train.tokenizer import chat_prompt
 
     tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
     _, held = make_split(0, n, seed)
@@ -393,12 +395,6 @@ def measure_acceptance(target_dir: str | Path, drafter_dir: str | Path, data_dir
     end-to-end tokens/s of plain vs speculative decoding on the same prompts. Sources: "text" = windows of
     prompt_len tokens of the held-out plays, continued for max_tokens; "chat" = held-out synthetic questions as
     chat prompts, answered until <|eos|> or max_tokens."""
-    from m3serve.engine.engine import EngineConfig, LLMEngine
-    from m3serve.engine.sampling_params import SamplingParams
-    from m3serve.engine.speculative import SpeculativeEngine
-    from m3serve.llm import parse_dtype
-    from m3serve.model.loader import load_model
-
     bad = set(sources) - {"text", "chat"}
     if bad:
         raise ValueError(f"sources: expected 'text' and/or 'chat', found {sorted(bad)}")

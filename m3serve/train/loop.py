@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from m3serve.model.checkpoint import save_checkpoint
+from m3serve.model.loader import load_model
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.model.moe import MoE, route
 from m3serve.train import evaluate as ev
@@ -254,8 +256,6 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
     train_s = time.perf_counter() - t_train
 
     # ---- checkpoint (BF16, original MiniMax names), then evaluate what ships: the reloaded checkpoint
-    from m3serve.model.checkpoint import save_checkpoint
-    from m3serve.model.loader import load_model
 
     model.eval()
     for p in model.parameters():

@@ -1,10 +1,11 @@
-"""bench/report.py turns bench/results/*.json into the README's measured block.
+"""bench/report.py turns bench/results/<bench>/*.json into docs/results.md's tables and the README's headline block.
 
 Each formatter is fed a synthetic results file (written to a tmp folder, rows deliberately out of order) and the
 rendered markdown is checked cell by cell against figures worked out by hand from the synthetic values; the
 number formatter is checked on random values against its contract (digits, error bound). The CLI's --write /
---check round trip, the marker errors, unrecognised / broken files and bad fields are exercised, and the real
-README block must match the real results folder (a hand-edited figure fails here). Pure Python, about 1 s.
+--check round trip (one file with both blocks), the marker errors, unrecognised / broken files and bad fields are
+exercised, and the real README and docs/results.md blocks must match the real results folder (a hand-edited figure
+fails here). Pure Python, about 1 s.
 """
 
 from __future__ import annotations
@@ -439,11 +440,51 @@ def test_marker_errors(report, tmp_path, capsys, text, words):
 
 
 def test_real_readme_matches_the_real_results(report):
-    """The README's block is what bench/results gives: run `python bench/report.py --write README.md` after
-    adding or changing a results file, never edit the figures by hand."""
+    """docs/results.md's tables and the README's headline block are what bench/results gives: run
+    `python bench/report.py --write docs/results.md` and `--write README.md` after adding or changing a results
+    file, never edit the figures by hand."""
     block = report.render_report(report.RESULTS_DIR)
     assert "unrendered results" not in block, block.rsplit("\n", 1)[-1]
-    assert report.block_diff((ROOT / "README.md").read_text(), block, "README.md") == ""
+    assert report.block_diff((ROOT / "docs" / "results.md").read_text(), block, "docs/results.md") == ""
+    summary = report.render_summary(report.RESULTS_DIR)
+    markers = (report.SUMMARY_BEGIN_MARKER, report.SUMMARY_END_MARKER)
+    assert report.block_diff((ROOT / "README.md").read_text(), summary, "README.md", markers) == ""
+
+
+def test_results_follow_the_naming_rule(report):
+    """bench/results/<bench>/<name>.json: every results file sits in the folder of the bench that wrote it (a
+    bench script bench/<bench>.py, or `serve` / `eval` for the m3serve subcommands); no loose files at the top."""
+    benches = {p.stem for p in (ROOT / "bench").glob("*.py")} | {"serve", "eval"}
+    files, _ = report.load_results(report.RESULTS_DIR)
+    assert files
+    for rf in files:
+        parts = rf.name.split("/")
+        assert len(parts) == 2 and parts[0] in benches, rf.name
+
+
+def test_summary_picks_the_fastest_batch_1_rows_and_every_accuracy_comparison(report, tmp_path, capsys):
+    decode = {"bench": "decode", **PROVENANCE, "results": [
+        {"model": "m", "route": "off", "batch": 1, "context": 512, "median_s": 0.01, "tokens_per_s": 100.0},
+        {"model": "m", "route": "target", "batch": 1, "context": 512, "median_s": 0.004, "tokens_per_s": 250.0},
+        {"model": "m", "route": "target", "batch": 8, "context": 512, "median_s": 0.005, "tokens_per_s": 1600.0}]}
+    write(tmp_path / "results", "decode/decode-a.json", decode)
+    slower = dict(decode, results=[dict(decode["results"][1], tokens_per_s=240.0)])
+    write(tmp_path / "results", "decode/decode-b.json", slower)
+    write(tmp_path / "results", "eval/eval-x.json", {"n": 10, "order": ["A", "B"], "configs": {
+        "A": {"exact_match_strict": 0.8, "correct_strict": 8}, "B": {"exact_match_strict": 0.7, "correct_strict": 7}},
+        "paired": {"strict": {"b": 2, "c": 1, "p_value": 1.0}}})
+    out = report.render_summary(tmp_path / "results")
+    assert table_rows(out, "figure") == [
+        ["decode step, batch 1, route target", "m", "250 tok/s", "`decode/decode-a.json`"],
+        ["accuracy, 10 items", "A vs B", "80.0 % vs 70.0 % exact match (p 1.0)", "`eval/eval-x.json`"]]
+    both = tmp_path / "both.md"
+    both.write_text(f"{report.SUMMARY_BEGIN_MARKER}\n{report.SUMMARY_END_MARKER}\nx\n"
+                    f"{report.BEGIN_MARKER}\n{report.END_MARKER}\n")
+    assert report.main(["--results", str(tmp_path / "results"), "--check", str(both)]) == 1
+    assert report.main(["--results", str(tmp_path / "results"), "--write", str(both)]) == 0
+    text = both.read_text()
+    assert "| 250 tok/s |" in text and "### Decode step" in text       # both blocks written
+    assert report.main(["--results", str(tmp_path / "results"), "--check", str(both)]) == 0
 
 
 def test_spec_target_rows(report, tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from m3serve import LLM, SamplingParams
+from m3serve.kv import rotation
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.quant.fp8 import cast_to_fp8
 from m3serve.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
@@ -21,6 +22,12 @@ class RoundingContiguousCache:
         self.k, self.v, self.ik = {}, {}, {}
 
     def _round(self, fmt, x, gs):
+        if fmt == "nvfp4" and self.spec.kv_rotation_seed is not None:
+            # the hybrid cache's rotated NVFP4 layers (rotation.rotate itself is checked against a Kronecker-built
+            # Hadamard in tests/kv/test_rotation.py)
+            signs = rotation.rotation_signs(self.spec.head_dim, self.spec.kv_rotation_seed)
+            packed, scale = quantize_nvfp4(rotation.rotate(x, signs), gs)
+            return rotation.unrotate(dequantize_nvfp4(packed, scale, gs, torch.float32), signs)
         if fmt == "nvfp4":
             packed, scale = quantize_nvfp4(x.float(), gs)
             return dequantize_nvfp4(packed, scale, gs, torch.float32)
@@ -72,3 +79,4 @@ def test_paged_matches_rounding_reference(kv_dtype, index_dtype):
             assert abs(v - lp[tok].item()) < 1e-4, (kv_dtype, step, tok)
     if kv_dtype == "nvfp4":
         assert kv.spec.kv_format(1) == "nvfp4" and kv.spec.kv_format(0) == "fp8"   # the hybrid split
+        assert kv.spec.kv_rotation_seed == rotation.DEFAULT_ROTATION_SEED             # rotated by default

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from m3serve.eval import cli
+from m3serve.eval import cli, tasks
 from m3serve.train.synthetic import make_split
 
 
 def test_synthetic_task_regenerates_the_training_heldout(tmp_path: Path) -> None:
-    items = cli.load_task("synthetic", str(tmp_path), limit=5)
-    _, held = make_split(0, cli.SYNTHETIC_HELDOUT_N, seed=0)
+    items = tasks.load_task("synthetic", str(tmp_path), limit=5)
+    _, held = make_split(0, tasks.SYNTHETIC_HELDOUT_N, seed=0)
     assert [it.question for it in items] == [p.question for p in held[:5]]
-    (tmp_path / cli.SYNTHETIC_TASK_FILE).write_text(json.dumps({"question": "q", "answer": "#### 3"}) + "\n")
-    shipped = cli.load_task("synthetic", str(tmp_path), limit=None)
+    (tmp_path / tasks.SYNTHETIC_TASK_FILE).write_text(json.dumps({"question": "q", "answer": "#### 3"}) + "\n")
+    shipped = tasks.load_task("synthetic", str(tmp_path), limit=None)
     assert [(it.question, it.target) for it in shipped] == [("q", "3")]
 
 

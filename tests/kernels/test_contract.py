@@ -14,6 +14,8 @@ from m3serve.kernels import catalog
 from m3serve.kernels.catalog import all_entries
 
 ENTRIES = all_entries()
+ROW_PARALLEL = ("norm.rms", "norm.add_rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small", "attn.rope",
+                "mlp.silu_mul", "spec.inputs", "spec.accept", "spec.commit")
 
 
 def test_entries_are_complete() -> None:
@@ -31,6 +33,8 @@ def test_entries_are_complete() -> None:
             # kv.write rows = tokens in the step, msa.* rows = query rows per sequence: both have prefill cells
             top = 8192 if e.kind in ("kv.write", "msa.scores", "msa.select") else 48
             top = 16384 if e.kind == "attn.prefill" else top  # rows = query tokens per sequence (prefill chunks)
+            # row-parallel elementwise entries and the speculative bookkeeping serve every decode graph bucket
+            top = catalog.ROW_CELLS_MAX if e.kind in ROW_PARALLEL else top
             # prefill chunks (rows = tokens of the step): the grouped MoE and the M-tiled quantized linears
             top = 16384 if e.kind == "moe.grouped" or name.endswith(".tiled") else top
             top = 256 if e.kind.startswith("spec.") else top  # rows = sequences of a bucket (up to 256)

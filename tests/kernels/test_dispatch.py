@@ -36,9 +36,9 @@ def test_require_raises_with_kind_shape_and_nearest_cell() -> None:
     with pytest.raises(ValueError, match=r"linear.mxfp8: rows 4 shape \(6144, 1000\).*nearest certified cell: "
                                          r"rows 3-4 shape \(6144, 1536\)"):
         lookup("linear.mxfp8", 4, (6144, 1000), "require")
-    with pytest.raises(ValueError, match=r"norm.add_rms: rows 64 shape \(6144,\) is outside every listed row range"):
-        lookup("norm.add_rms", 64, (6144,), "require")
-    assert lookup("norm.add_rms", 48, (6144,), "require") is ENTRIES["norm.add_rms"]
+    with pytest.raises(ValueError, match=r"norm.add_rms: rows 257 shape \(6144,\) is outside every listed row range"):
+        lookup("norm.add_rms", 257, (6144,), "require")
+    assert lookup("norm.add_rms", 256, (6144,), "require") is ENTRIES["norm.add_rms"]
 
 
 @pytest.mark.parametrize("mode", ["Auto", "on", "", None, 1])
@@ -63,6 +63,11 @@ def test_enabled_constant_turns_the_fast_path_off(monkeypatch) -> None:
     assert lookup("linear.nvfp4", 1, (6144, 6144), "require") is ENTRIES["linear.nvfp4"]
 
 
+def _rotated(cell) -> bool:
+    """The rotated-K/V variant of a cell (kv.write: config "rotate"; attn.paged: its case's `rotate`)."""
+    return bool(cell.config.get("rotate") or getattr(cell.config.get("case"), "rotate", False))
+
+
 def test_every_listed_row_is_a_certified_cell() -> None:
     """Claims test, table -> catalog: for each kind and each shape its entry certifies, the listed row counts
     from the first one up to the shape's largest certified count are each covered by exactly one cell (a shape
@@ -72,12 +77,15 @@ def test_every_listed_row_is_a_certified_cell() -> None:
         for (lo, hi), name in rows_table:
             e = ENTRIES[name]
             assert e.kind == kind, f"{kind}: table points at {name} of kind {e.kind}"
-            for shape in {c.shape for c in e.cells}:
-                top = max(c.rows[1] for c in e.cells if c.shape == shape)
+            # a shape certified twice, plain and with its K/V rotated (kv.write / attn.paged on rotated NVFP4
+            # layers: config "rotate"), has one cell per row count in each variant
+            for shape, rot in {(c.shape, _rotated(c)) for c in e.cells}:
+                same = [c for c in e.cells if c.shape == shape and _rotated(c) == rot]
+                top = max(c.rows[1] for c in same)
                 assert top >= min(hi, 48), f"{kind}: shape {shape} stops at rows {top}, inside the decode range"
                 for r in range(lo, min(hi, top) + 1):
-                    n = sum(c.covers(r, shape) for c in e.cells)
-                    assert n == 1, f"{kind}: rows {r} shape {shape} covered by {n} cells of {name}"
+                    n = sum(c.covers(r, shape) for c in same)
+                    assert n == 1, f"{kind}: rows {r} shape {shape} (rotated {rot}) covered by {n} cells of {name}"
 
 
 def test_every_entry_is_dispatched_and_cells_inside_the_table() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton.language as tl
 
+from m3serve.kernels._gemm_tiles import make_workspace
 from m3serve.kernels import _linear as L
 from m3serve.kernels import linear_mxfp8, linear_nvfp4
 from m3serve.kernels._gemv import GemvConfig, e2m1_words_f32, interp_gemv_cells
@@ -72,7 +73,7 @@ def test_nvfp4_gemv_row_strided_x_and_per_row_global_scale() -> None:
     assert x.stride(0) == 2 * k
     cfg = GemvConfig(BM=4, BN=32, BK=64, SPLIT=2)
     out = poisoned((rows, n), torch.bfloat16, CPU)
-    ws = L.make_workspace(cfg, n, CPU)
+    ws = make_workspace(cfg, n, CPU)
     args = (x, packed, scale, gs, out, ws, cfg)
     linear_nvfp4.nvfp4_linear(*args)
     linear_nvfp4.compare(out, linear_nvfp4.nvfp4_linear_reference(*args), Case(args=args, kwargs={}, bytes_moved=0))

@@ -199,6 +199,44 @@ def test_write_layer_equals_paged_cache_write(kv_dtype: str, index_dtype: str, m
         _assert_same_pools(a, b)
 
 
+@pytest.mark.parametrize("d,hk", [(64, 2), (128, 3)])
+def test_rotated_write_layer_equals_paged_cache_write(d: int, hk: int) -> None:
+    """A Hadamard-rotated hybrid cache (the embedded model's D 64, M3's D 128 with its non-orthonormal 1/8
+    write factor, a masked third head): write_layer rotates in registers exactly as PagedKVCache.write does
+    (bytes equal), and the rotation really happened (the bytes differ from the unrotated encoding)."""
+    gen = torch.Generator().manual_seed(d + hk)
+    spec = KVCacheSpec(page_size=8, num_layers=2, sparse_layers=(0,), num_kv_heads=hk, head_dim=d,
+                       index_head_dim=16, kv_cache_dtype="nvfp4", model_dtype=torch.bfloat16, kv_rotation_seed=5)
+    a, b = _random_cache(spec, 4, gen)
+    flat = torch.randperm(32, generator=gen)[:11]
+    flat[3] = -1
+    k = kw._activations(11, hk, d, gen, ties=False, finite=True)
+    v = kw._activations(11, hk, d, gen, ties=True, finite=True)
+    ik = torch.randn(11, 16, generator=gen).to(torch.bfloat16)
+    kw.write_layer(a, 0, flat, k, v, ik)
+    b.write(0, flat, k, v, ik)
+    _assert_same_pools(a, b)
+    plain = KVCacheSpec(page_size=8, num_layers=2, sparse_layers=(0,), num_kv_heads=hk, head_dim=d,
+                        index_head_dim=16, kv_cache_dtype="nvfp4", model_dtype=torch.bfloat16)
+    c = PagedKVCache(plain, 4, CPU)
+    c.data.copy_(b.data)
+    c.kv_global_scale.copy_(b.kv_global_scale)
+    c.write(0, flat, k, v, ik)
+    assert not torch.equal(c.pages(0, "k"), a.pages(0, "k")), "the rotated write stored the unrotated bytes"
+
+
+def test_rot_signs_are_checked() -> None:
+    spec = _spec("nvfp4")
+    a, _ = _random_cache(spec, 2, torch.Generator().manual_seed(1))
+    k = torch.randn(2, 2, 32).to(torch.bfloat16)
+    args = (k, k, torch.randn(2, 16).to(torch.bfloat16), torch.tensor([0, 1]), a.pages(0, "k"), a.pages(0, "v"),
+            a.pages(0, "k_scale"), a.pages(0, "v_scale"), a.kv_global_scale[0], a.pages(0, "index_k"))
+    with pytest.raises(ValueError, match="rot_signs"):
+        kw.kv_write(*args, fmt="nvfp4", index_fmt="bf16", rot_signs=torch.ones(16))
+    with pytest.raises(TypeError, match="rot_signs"):
+        kw.kv_write(*args, fmt="nvfp4", index_fmt="bf16", rot_signs=torch.ones(32, dtype=torch.float64))
+
+
 def test_strided_activations_and_out_of_range_slot() -> None:
     """k/v as head-strided views of a wider buffer; a flat slot >= N*P is not written (no device raise)."""
     gen = torch.Generator().manual_seed(5)
@@ -382,3 +420,26 @@ def test_write_layer_on_the_gpu(kv_dtype: str) -> None:
         b.write(layer, flat, k, v, ik)
     torch.cuda.synchronize()
     _assert_same_pools(a, b)
+
+
+@pytest.mark.gpu
+def test_rotated_write_layer_on_the_gpu() -> None:
+    """M3's geometry (Hk 4, D 128, P 128), Hadamard-rotated NVFP4: the compiled butterfly is bit-exact too."""
+    dev = _dev()
+    gen = torch.Generator().manual_seed(17)
+    spec = KVCacheSpec(page_size=128, num_layers=2, sparse_layers=(0,), num_kv_heads=4, head_dim=128,
+                       index_head_dim=128, kv_cache_dtype="nvfp4", model_dtype=torch.bfloat16, kv_rotation_seed=31)
+    a, b = PagedKVCache(spec, 40, dev), PagedKVCache(spec, 40, dev)
+    noise = torch.randint(0, 256, a.data.shape, generator=gen, dtype=torch.uint8).to(dev)
+    a.data.copy_(noise)
+    b.data.copy_(noise)
+    for cache in (a, b):
+        cache.set_nvfp4_amax(0, 9.0, 13.0)
+    flat = torch.randperm(40 * 128, generator=gen)[:700].to(dev)
+    k = kw._activations(700, 4, 128, gen, ties=True, finite=True).to(dev)
+    v = kw._activations(700, 4, 128, gen, ties=False, finite=True).to(dev)
+    ik = torch.randn(700, 128, generator=gen).to(torch.bfloat16).to(dev)
+    kw.write_layer(a, 0, flat, k, v, ik)
+    b.write(0, flat, k, v, ik)
+    assert torch.equal(a.data, b.data), f"data pools differ in {int((a.data != b.data).sum())} bytes"
+    assert torch.equal(a.scales, b.scales), f"scale pools differ in {int((a.scales != b.scales).sum())} bytes"

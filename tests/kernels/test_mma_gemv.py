@@ -108,7 +108,7 @@ def test_config_errors_name_the_field() -> None:
 
 def test_launch_refuses_cpu_tensors_and_unaligned_x() -> None:
     cfg = G.MmaGemvConfig(SPLIT=1, RP=1, num_warps=1)
-    from m3serve.kernels._linear import make_workspace
+    from m3serve.kernels._gemm_tiles import make_workspace
     w = torch.zeros(32, 32, dtype=torch.int32)
     s = torch.zeros(32, 16, dtype=torch.uint8)
     ws = make_workspace(cfg, 32, CPU)

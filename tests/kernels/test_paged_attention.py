@@ -318,3 +318,65 @@ def test_tile_override_is_checked_and_pairs_need_compiled_fp8() -> None:
     with pytest.raises(ValueError, match=r"tile.PAIRS: FP8 pages on a compiled"):
         ENTRY.raw_call(*a, **kw, tile=TileConfig(QB=base.QB, BM=base.BM, BN=base.BN, num_warps=4, num_stages=2,
                                                  PAIRS=True))
+
+
+# --- Hadamard-rotated NVFP4 layers ------------------------------------------------------------
+
+ROTATED = [(3, 1, 1), (2, 2, 3), (4, 1, 2)]
+
+
+@pytest.mark.parametrize("topk,rows,splits", ROTATED, ids=[f"k{k}-n{r}-s{s}" for k, r, s in ROTATED])
+def test_rotated_nvfp4_matches_the_stock_cache_read(topk: int, rows: int, splits: int) -> None:
+    """A rotated NVFP4 layer: the kernel (q rotated in its prologue, output un-rotated before the split store)
+    within the entry's band, and against the stock path (PagedKVCache.read, which un-rotates K/V, then fp32
+    attention with the model's q). The two differ by where the decode rounds: the kernel reads the rotated tiles
+    decoded to bf16 (2**-9 relative per value), the stock read decodes to fp32. That moves each score by at most
+    2**-9 qk_abs (the rotated-basis bound of the reference), so each p_j by a relative 2**-8 qk_abs (2**-7 with
+    margin for exp's curvature), and each rotated V column by 2**-9, which un-rotation spreads as c_r sum_i
+    vbar_rot_i; plus the output's own bf16 rounding, 2**-7 |exact|."""
+    cs = CaseShape(batch=3, context=90, num_splits=splits, rotate=True)
+    pc, out, ref = _run(key("nvfp4", topk), rows, cs, seed=topk * 100 + rows * 10 + splits + 7)
+    assert pc.cache.spec.is_rotated(pc.layer) and "rot_matrix" in pc.case.kwargs
+    ENTRY.compare(out, ref, pc.case)
+    q, lens, qstart, sel = pc.case.args[0], pc.case.args[7], pc.case.args[8], pc.case.args[9]
+    p = pc.cache.page_size
+    for s, length in enumerate(lens.tolist()):
+        n = int(qstart[s + 1] - qstart[s])
+        if length == 0 or n == 0:
+            continue
+        k, v, _ = pc.cache.read(pc.layer, torch.tensor(pc.slots[s], dtype=torch.int64), length, torch.float32)
+        rows_s = slice(int(qstart[s]), int(qstart[s + 1]))
+        mask = msa.selection_mask(sel[rows_s].permute(1, 0, 2)[None].long(), length, p)
+        q_pos = torch.arange(length - n, length)[None]
+        d = q.shape[-1]
+        exact = msa.attend(q[rows_s][None].double(), k[None].double(), v[None].double(), q_pos, d ** -0.5, mask)[0]
+        vbar = msa.attend(q[rows_s][None].double(), k[None].double(), v.abs()[None].double(), q_pos, d ** -0.5, mask)[0]
+        band = (2.0**-7 * exact.abs() + (2.0**-7 * ref.qk_abs[rows_s, :, None].double() + 2.0**-12) * vbar
+                + ref.rot_scale * 2.0**-9 * ref.vbar[rows_s].sum(-1, keepdim=True).double() + 1e-30)
+        assert_band("rotated attn.paged vs stock read", out[rows_s].double(), exact, band)
+
+
+def test_rotated_pages_without_the_rotation_fail_the_compare() -> None:
+    """The rotation is not optional: the same rotated pages attended without rot_matrix (q not rotated, output
+    not un-rotated) must fall outside the band."""
+    pc, out, ref = _run(key("nvfp4", 2), 1, CaseShape(batch=2, context=60, num_splits=1, rotate=True), seed=21)
+    ENTRY.compare(out, ref, pc.case)
+    kwargs = {k: v for k, v in pc.case.kwargs.items() if k != "rot_matrix"}
+    args = list(pc.case.args)
+    args[10] = torch.full_like(args[10], float("nan"))
+    wrong = ENTRY.raw_call(*args, **kwargs)
+    with pytest.raises(AssertionError):
+        ENTRY.compare(wrong, ref, pc.case)
+
+
+def test_rot_matrix_is_checked() -> None:
+    pc = build_case(key("nvfp4", 2), 1, CPU, torch.Generator().manual_seed(3),
+                    CaseShape(batch=2, context=40, num_splits=1, rotate=True))
+    args, kw = pc.case.args, dict(pc.case.kwargs)
+    with pytest.raises(TypeError, match="rot_matrix: expected dtype torch.bfloat16"):
+        ENTRY.raw_call(*args, **{**kw, "rot_matrix": kw["rot_matrix"].float()})
+    with pytest.raises(ValueError, match="rot_matrix"):
+        ENTRY.raw_call(*args, **{**kw, "rot_matrix": kw["rot_matrix"][:16]})
+    fp8 = build_case(key("fp8", 2), 1, CPU, torch.Generator().manual_seed(3), CaseShape(batch=2, context=40))
+    with pytest.raises(ValueError, match="rot_matrix: the K/V rotation applies to NVFP4"):
+        ENTRY.raw_call(*fp8.case.args, **{**fp8.case.kwargs, "rot_matrix": kw["rot_matrix"]})

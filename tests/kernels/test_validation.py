@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from m3serve.kernels import add_rmsnorm, head12, head_bf16, linear_fp8, linear_mxfp8, linear_nvfp4, moe_nvfp4, qkv_fused
-from m3serve.kernels._linear import GemmConfig, make_workspace
+from m3serve.kernels._gemm_tiles import GemmConfig, make_workspace
 from m3serve.quant.head12 import encode_head12
 
 CPU = torch.device("cpu")

@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 from m3serve.kv import PagedKVCache
 from m3serve.kv.cache import DEFAULT_NVFP4_KV_AMAX
 from m3serve.kv.calibrate import (
-    KV_SCALES_FILE, REL_TOL, amax_grid, apply_kv_amax, calibrate_kv, calibration_texts, checkpoint_kv_amax,
-    choose_nvfp4_amax, collect_kv, heldout_questions, load_kv_scales, nvfp4_roundtrip_mse, read_kv_scales,
-    save_kv_scales)
+    REL_TOL, amax_grid, calibrate_kv, calibration_texts, choose_nvfp4_amax, collect_kv, heldout_questions,
+    nvfp4_roundtrip_mse, save_kv_scales)
+from m3serve.kv.scales import KV_SCALES_FILE, apply_kv_amax, checkpoint_kv_amax, load_kv_scales, read_kv_scales
 from m3serve.model.loader import load_model
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.model.qweight import CheckpointError

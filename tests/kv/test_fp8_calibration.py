@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from m3serve.kv.calibrate import (
-    FP8_OVERRIDE_FACTOR, KV_SCALES_FILE, MIN_OVERRIDE_KL, calibrate_kv, calibration_chats, calibration_texts,
-    encode_calibration_texts, measure_layer_sensitivity, plan_costs, read_kv_scales, resolve_kv_fp8_layers,
-    save_kv_scales)
+    FP8_OVERRIDE_FACTOR, MIN_OVERRIDE_KL, calibrate_kv, calibration_chats, calibration_texts,
+    encode_calibration_texts, measure_layer_sensitivity, plan_costs, save_kv_scales)
+from m3serve.kv.scales import KV_SCALES_FILE, read_kv_scales, resolve_kv_fp8_layers
 from m3serve.model.loader import load_model
 from m3serve.quant.fp8 import cast_to_fp8
 from m3serve.quant.nvfp4 import dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
@@ -259,13 +259,21 @@ def test_resolve_checks_the_model_and_the_source(tmp_path):
         resolve_kv_fp8_layers(str(tmp_path), kinds, str(other))
 
 
-def test_embedded_asset_lists_layer_2_by_its_own_rule():
-    doc = json.load(open(os.path.join(ASSET_DIR, KV_SCALES_FILE)))
+def test_embedded_asset_is_rotated_and_keeps_its_sensitive_layer_in_fp8():
+    """The shipped kv_scales.json is calibrated for the rotated cache (issue 31) and keeps the FP8 escape for the
+    one sparse layer its own sensitivity rule picks (layer 2): with every sparse layer NVFP4 the held-out score fell
+    5.8 points below BF16 KV (p = 1e-4, bench/results/eval/eval-kv-bf16-vs-nvfp4-rotated-cpu.json), with layer 2
+    in FP8 2.0 points (p = 0.12, ...-rotated-fp8l2-cpu.json), so the accurate one is the default until all-NVFP4
+    meets the bar. `calibrate-kv` without --fp8-overrides writes the all-NVFP4 file."""
+    path = os.path.join(ASSET_DIR, KV_SCALES_FILE)
+    doc = json.load(open(path))
     sens = doc["sensitivity"]
     assert sens["threshold_kl"] == max(sens["factor"] * sens["fp8_cache_kl"], sens["min_kl"])
     over = [int(i) for i, c in sens["layers"].items() if c["kl"] > sens["threshold_kl"]]
-    assert doc["fp8_layers"] == sorted(over) == [2]
-    assert read_kv_scales(os.path.join(ASSET_DIR, KV_SCALES_FILE), 6).fp8_layers == (2,)
+    assert over == [2]
+    assert doc["fp8_layers"] == [2] and read_kv_scales(path, 6).fp8_layers == (2,)
+    assert doc["rotation"]["seed"] == read_kv_scales(path, 6).rotation_seed == 31
+    assert sens["hybrid"]["kl"] < 0.6 * 0.0248   # the unrotated hybrid cache's KL in the previous file
 
 
 # ----------------------------------------------------------------------------- LLM picks them up
@@ -310,5 +318,9 @@ def test_llm_takes_fp8_layers_from_kv_scales_json(tiny_checkpoint, tmp_path):
 def test_llm_default_on_the_embedded_model():
     from m3serve.llm import LLM
     llm = LLM(ASSET_DIR, device="cpu", kv_cache_dtype="nvfp4", kv_cache_bytes=1 << 20)
-    assert llm.engine.kv.spec.fp8_layers == (2,)
+    assert llm.engine.kv.spec.fp8_layers == (2,) and llm.engine.kv.spec.kv_rotation_seed == 31
     assert "3 sparse = NVFP4/P32, 1 sparse = FP8/P32, 2 dense = FP8/P32" in llm.engine.kv.describe()
+    every = LLM(ASSET_DIR, device="cpu", kv_cache_dtype="nvfp4", kv_cache_bytes=1 << 20, kv_fp8_layers=())
+    assert "4 sparse = NVFP4/P32, 2 dense = FP8/P32" in every.engine.kv.describe()
+    with pytest.raises(ValueError, match="rotation.*seed 31.*kv_rotation None"):
+        LLM(ASSET_DIR, device="cpu", kv_cache_dtype="nvfp4", kv_cache_bytes=1 << 20, kv_rotation=None)

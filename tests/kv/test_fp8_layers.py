@@ -16,7 +16,7 @@ from m3serve.config import M3Config
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.kv import KVCacheSpec, PagedKVCache, SlotLayout
-from m3serve.kv.calibrate import apply_kv_amax
+from m3serve.kv.scales import apply_kv_amax
 from m3serve.model.loader import load_model
 from m3serve.quant.fp8 import cast_to_fp8, dequantize_fp8
 from m3serve.quant.nvfp4 import dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4

@@ -90,7 +90,7 @@ def test_special_text_in_names_and_tools_is_plain_too(model_dir):
 def test_template_errors_and_bad_tokenizers_are_named(model_dir):
     embedded = load_tokenizer(DEFAULT_MODEL_DIR)
     with pytest.raises(ChatTemplateError, match="chat role must be"):      # the template's raise_exception()
-        ChatEncoder(embedded).encode([{"role": "tool", "content": "x"}])
+        ChatEncoder(embedded).encode([{"role": "narrator", "content": "x"}])
     with pytest.raises(TypeError, match="fast tokenizer"):
         ChatEncoder(object())
     bare = load_tokenizer(model_dir)

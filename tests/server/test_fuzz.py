@@ -42,7 +42,10 @@ BAD = {
     "spaces_between_special_tokens": [1, "no"],
     "include_stop_str_in_output": [1, "true"],
     "prompt_logprobs": [21, -1, "1", True, 1.5],
-    "min_p": [0.5, "0.1"],
+    "min_p": [1.5, "0.1", -0.1],
+    "allowed_token_ids": [[], [512], "1", [1.5]],
+    "bad_words": [[""], "ab", [1]],
+    "truncate_prompt_tokens": [0, -2, "3", 1.5],
     "use_beam_search": [True],
     "user": [1, [], {}],
 }
@@ -57,7 +60,7 @@ BAD_CHAT = {**BAD, "messages": [[], "hi", [1], [{"role": "x", "content": "a"}], 
                                 [{"role": "user", "content": "a" * 200}]],
             "logprobs": [1, "true", []], "top_logprobs": [21, -1, "2"],
             "max_completion_tokens": [0, 65, "3"], "tool_choice": ["required", {"type": "function"}, 3],
-            "response_format": [{"type": "json_object"}, "json", 3], "tools": [{"a": 1}, "x", 3]}
+            "response_format": [{"type": "yaml"}, "json", 3], "tools": [{"a": 1}, "x", 3]}
 
 scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False) |
            st.text(max_size=12))

@@ -1,68 +1,15 @@
-"""The hand-written Prometheus text, and the streaming detokenizer's guarantee (pieces concatenate to the
+"""The streaming detokenizer's guarantee (pieces concatenate to the
 final text, and nothing past a stop string is ever released)."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m3serve.server.detok import TextStream
-from m3serve.server.metrics import Counter, Histogram, ServerMetrics
 from m3serve.tokenizer import load_tokenizer
-from tests.server.promtext import parse, value
-
-
-def test_histogram_buckets_use_le_and_accumulate():
-    h = Histogram("x_seconds", "help", (0.1, 0.5, 1.0))
-    for v in (0.05, 0.1, 0.3, 0.5, 0.7, 5.0):
-        h.observe(v)
-    h.observe(0.2, times=3)
-    types, s = parse("\n".join(h.render()) + "\n")
-    assert types == {"x_seconds": "histogram"}
-    got = [value(s, "x_seconds_bucket", le=le) for le in ("0.1", "0.5", "1", "+Inf")]
-    assert got == [2, 7, 8, 9]            # 0.1 and 0.5 fall in their own bucket (le is inclusive)
-    assert math.isclose(value(s, "x_seconds_sum"), 0.05 + 0.1 + 0.3 + 0.5 + 0.7 + 5.0 + 0.6)
-    with pytest.raises(ValueError, match="strictly increasing"):
-        Histogram("y", "h", (1.0, 0.5))
-
-
-def test_counter_labels_and_rules():
-    c = Counter("req_total", "h", "code")
-    c.inc(2, "200")
-    c.inc(1, 'we"ird')
-    _, s = parse("\n".join(c.render()) + "\n")
-    assert value(s, "req_total", code="200") == 2 and value(s, "req_total", code='we\\"ird') == 1
-    with pytest.raises(ValueError, match="only go up"):
-        c.inc(-1)
-    with pytest.raises(ValueError, match="_total"):
-        Counter("bad", "h")
-
-
-def test_server_metrics_render_is_valid_and_complete():
-    m = ServerMetrics()
-    m.ttft.observe(0.02)
-    m.itl.observe(0.004, 3)
-    m.prompt_tokens.inc(11)
-    m.generation_tokens.inc(4)
-    m.finished.inc(1, "length")
-    snap = {"alive": 1, "waiting": 3, "running": 2, "kv_pages_total": 10, "kv_pages_free": 6, "preemptions": 5,
-            "steps": 9, "kv_pages_cached": 1, "acceptance_length": 2.5, "spec_draft_tokens": 30,
-            "prefix_cache_queries": 400, "prefix_cache_hits": 288}
-    types, s = parse(m.render(snap))
-    assert value(s, "m3serve_num_requests_waiting") == 3 and value(s, "m3serve_kv_pages_used") == 4
-    assert value(s, "m3serve_preemptions_total") == 5 and value(s, "m3serve_spec_acceptance_length") == 2.5
-    assert value(s, "m3serve_spec_draft_tokens") == 30
-    assert value(s, "m3serve_prefix_cache_queries_total") == 400 and value(s, "m3serve_prefix_cache_hits_total") == 288
-    assert types["m3serve_prefix_cache_hits_total"] == "counter"
-    assert value(s, "m3serve_inter_token_latency_seconds_count") == 3
-    assert value(s, "m3serve_time_to_first_token_seconds_count") == 1
-    assert value(s, "m3serve_prompt_tokens_total") == 11 and value(s, "m3serve_generation_tokens_total") == 4
-    assert types["m3serve_requests_finished_total"] == "counter"
-    assert "m3serve_spec_acceptance_length" not in parse(m.render({k: v for k, v in snap.items()
-                                                                    if k != "acceptance_length"}))[0]
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +43,32 @@ def test_stream_pieces_concatenate_and_never_pass_a_stop(tok, ids, stop_at, stop
 def test_stream_without_tokenizer_is_empty():
     ts = TextStream(None, ["x"])
     assert ts.push([1, 2]) == "" and ts.finish() == ""
+
+
+def test_stream_uses_decode_stream_without_redecoding(tok):
+    """The plain-decode cases step tokenizers' DecodeStream: no full decode per token, same text."""
+    from m3serve import SamplingParams
+    calls = []
+
+    class Counting:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def decode(self, *a, **k):
+            calls.append(1)
+            return self._inner.decode(*a, **k)
+
+    ids = list(range(5, 300, 7)) + [400, 401, 402]
+    for params in (SamplingParams(), SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)):
+        ts = TextStream(Counting(tok), [], params)
+        assert ts._stream is not None
+        calls.clear()
+        sent = "".join(ts.push([t]) for t in ids)
+        assert not calls
+        sent += ts.finish(None, [], "length", None)
+        assert sent == tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    spaced = TextStream(tok, [], SamplingParams(skip_special_tokens=False))   # " " between special tokens
+    assert spaced._stream is None

@@ -175,7 +175,8 @@ def test_client_errors_are_openai_shaped_4xx(client, server):
     assert e.value.body["param"] == "model"
     for method, path, status in (("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404),
                                  ("POST", "/v1/completions", 400)):
-        code, body, _ = _http(server.url + path, method, b"{bad json" if method == "POST" else None)
+        code, body, _ = _http(server.url + path, method, b"{bad json" if method == "POST" else None,
+                              {"Content-Type": "application/json"})
         assert code == status and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
@@ -189,7 +190,9 @@ def test_api_key_required_when_set(model_dir):
         assert _http(srv.url + "/v1/models")[0] == 401
         good = OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=2).usage.completion_tokens >= 1
-        assert _http(srv.url + "/health")[0] == 200 and _http(srv.url + "/metrics")[0] == 200
+        assert _http(srv.url + "/health")[0] == 200                  # probes need no key
+        assert _http(srv.url + "/metrics")[0] == 401                 # metrics do (issue 34; --public-metrics)
+        assert _http(srv.url + "/metrics", headers={"Authorization": "Bearer s3cret"})[0] == 200
     finally:
         srv.stop()
 
@@ -200,7 +203,7 @@ def test_metrics_count_the_traffic(client, server):
                                        extra_body={"ignore_eos": True}).usage for p in PROMPTS]
     status, text, headers = _http(server.url + "/metrics")
     types, after = parse(text)
-    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert status == 200 and headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
 
     def grew(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
@@ -208,11 +211,11 @@ def test_metrics_count_the_traffic(client, server):
     assert grew("m3serve_generation_tokens_total") == sum(u.completion_tokens for u in usage) == 15
     assert grew("m3serve_time_to_first_token_seconds_count") == 3
     assert grew("m3serve_inter_token_latency_seconds_count") == 12       # 4 gaps per 5-token request
-    assert grew("m3serve_requests_finished_total", finish_reason="length") == 3
+    assert grew("m3serve_request_success_total", finished_reason="length") == 3
     assert grew("m3serve_http_responses_total", status="200") >= 4
-    assert value(after, "m3serve_engine_alive") == 1 and value(after, "m3serve_kv_pages_total") > 0
+    assert value(after, "m3serve_engine_alive") == 1 and value(after, "m3serve_kv_pages_capacity") > 0
     for name in ("m3serve_num_requests_waiting", "m3serve_num_requests_running", "m3serve_kv_pages_free",
-                 "m3serve_kv_pages_used", "m3serve_preemptions_total", "m3serve_time_to_first_token_seconds",
+                 "m3serve_kv_pages_used", "m3serve_num_preemptions", "m3serve_time_to_first_token_seconds",
                  "m3serve_inter_token_latency_seconds"):
         assert name in types
 

@@ -36,8 +36,10 @@ BAD_COMPLETION = [
     ("suffix", "tail"), ("best_of", 0), ("best_of", 9), ("best_of", "2"), ("user", 5), ("model", 3),
     ("min_tokens", 5), ("skip_special_tokens", 0), ("spaces_between_special_tokens", "no"),
     ("include_stop_str_in_output", 1), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True),
-    ("min_p", 0.1), ("use_beam_search", True), ("allowed_token_ids", [1]), ("guided_json", {}),
-    ("add_special_tokens", False), ("response_format", {"type": "json_object"}),
+    ("min_p", 1.1), ("min_p", "0.1"), ("use_beam_search", True), ("allowed_token_ids", []),
+    ("allowed_token_ids", [512]), ("bad_words", [""]), ("bad_words", "ab"), ("truncate_prompt_tokens", 0),
+    ("guided_json", "{not json"), ("add_special_tokens", False), ("response_format", {"type": "xml"}),
+    ("guided_choice", []), ("structured_outputs", {"json": {}, "regex": "a"}),
     ("prompt", []), ("prompt", [[]]), ("prompt", [1, "a"]), ("prompt", [512]), ("prompt", [-1]), ("prompt", 5),
     ("prompt", None), ("prompt", {"text": "a"}), ("prompt", [["a"]]), ("prompt", ["a"] * 9),
 ]
@@ -59,7 +61,12 @@ def test_bad_completion_field_is_400_naming_it(info, field, value):
     ("messages", [{"role": "user", "content": 7}], "messages[0].content"),
     ("logprobs", 1, "logprobs"), ("top_logprobs", 3, "top_logprobs"), ("max_completion_tokens", 0,
                                                                        "max_completion_tokens"),
-    ("tool_choice", "required", "tool_choice"), ("response_format", {"type": "json_object"}, "response_format"),
+    ("tool_choice", "required", "tool_choice"), ("response_format", {"type": "xml"}, "response_format"),
+    ("tool_choice", {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    ("tools", [{"type": "function", "function": {"name": 3}}], "tools[0].function.name"),
+    ("messages", [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+     "messages[0].tool_calls[0].function.arguments"),
+    ("chat_template_kwargs", {"tools": []}, "chat_template_kwargs"),
     ("tools", {"a": 1}, "tools"), ("stream_options", {"include_usage": True}, "stream_options"),
 ])
 def test_bad_chat_field_is_400_naming_it(info, field, value, param):

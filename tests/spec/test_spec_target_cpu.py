@@ -20,6 +20,7 @@ from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.speculative import SpeculativeEngine
 from m3serve.model.loader import load_model
 from m3serve.runtime.spec_graphs import SpecSteps
+from m3serve.targets.attention import PAGED_KERNELS
 from tests.spec.specutil import spec_cfg
 
 PROMPTS = ([5, 17, 99, 230, 7, 44, 81, 12, 9, 300, 41, 200, 6], list(range(20, 58)))
@@ -49,6 +50,7 @@ def _spec(model, target: bool, **kw) -> SpeculativeEngine:
     test), so the step program is attached directly; the interpreter runs the same kernels either way."""
     eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3, **kw))
     if target:
+        model.use_attention(PAGED_KERNELS)
         eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False)
     return eng
 
@@ -58,6 +60,9 @@ def greedy_reference(model):
     return _run(_spec(model, False))[0]
 
 
+# Slow tier (`pytest -m slow`): minutes each in the interpreter. The fast tier keeps the forced-acceptance run
+# with the overlap loop, which drives the same step program through every accepted count.
+@pytest.mark.slow
 def test_greedy_equals_the_eager_engine(model, greedy_reference):
     """Both are exact greedy decoding (the eager engine's own tests compare it with plain greedy)."""
     ref = greedy_reference
@@ -74,7 +79,7 @@ def forced_reference(model):
     return out, eager.stats()["spec_decode"]["accepted_per_position"]
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, forced_reference, overlap):
     """overlap: each step is launched before the previous one is read back, its rows' n, x and drafts taken
     from the device."""
@@ -114,6 +119,7 @@ def test_sampled_requests_take_the_eager_path_without_the_sampled_variant(model)
 
 def _mixed(model, overlap: bool) -> tuple[list[list[int]], SpeculativeEngine]:
     eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3))
+    model.use_attention(PAGED_KERNELS)
     eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False, sampling=True)
     eng.overlap = overlap
     params = [SamplingParams(max_tokens=MAX_TOKENS[0], temperature=0.0, ignore_eos=True),
@@ -126,6 +132,7 @@ def _mixed(model, overlap: bool) -> tuple[list[list[int]], SpeculativeEngine]:
     return [list(r.output_token_ids) for r in reqs], eng
 
 
+@pytest.mark.slow
 def test_sampled_variant_keeps_greedy_rows_exact_and_is_reproducible(model, greedy_reference):
     """A greedy and a sampled request share SpecSteps' sampled variant: the greedy one's tokens equal the eager
     engine's greedy tokens (greedy rows reduce to the prefix rule exactly), the sampled one gets all its tokens,

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call that certifies this round's kernels and paths on the H200 and measures them, phase by phase,
+# each under its own time limit so that partial logs always come back:
+#   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
+#   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
+#   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
+# Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site || exit 1
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+phase() {  # name, seconds, command...
+  local name=$1 t=$2; shift 2
+  local s=$(date +%s)
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  echo "[$name: rc $? in $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
+  tail -5 "$OUT/$name.log"
+}
+case "${1:-tests}" in
+tests)   # certification + the decode-step side-by-side runs (one call)
+  phase pytest-gpu-cells ${T_CELLS:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
+    tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
+  phase pytest-gpu-paths ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
+    ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_paged_attention_gpu.py}
+  phase graph-buckets 60 python3 bench/debug/graph_buckets.py
+  phase decode-m3_5-bf16 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+    --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
+  ;;
+serve)   # serving sweeps, prefill TTFT beside transformers, KV rotation at real dims, rotation cost on the step
+  phase serve-pareto ${T_SERVE:-110} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    --out "$OUT/serve-pareto-h200.json"
+  phase prefill ${T_PREFILL:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,none \
+    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
+  phase decode-m3_5-nvfp4-rotated ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
+    --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation auto --out "$OUT/decode-target-h200.json"
+  ;;
+esac

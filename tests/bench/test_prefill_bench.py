@@ -1,0 +1,38 @@
+"""bench/prefill.py on CPU at the tiny preset: rows for m3serve and transformers with the issue's fields, and the
+FLOP model (dense layers causal, MSA layers over the selected blocks only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from prefill import prefill_flops  # noqa: E402
+
+from m3serve.config import preset  # noqa: E402
+
+
+def test_flops_grow_quadratically_on_dense_layers_only():
+    cfg = preset("minimax-m3:5")
+    a, b = prefill_flops(cfg, 8192), prefill_flops(cfg, 16384)
+    assert 2.0 < b / a < 4.0                       # linear GEMM part plus quadratic dense attention
+    # the issue's estimate: ~31 TFLOP of GEMMs at 8k tokens for minimax-m3:5 (within the attention term)
+    assert 25e12 < a < 60e12, a
+
+
+def test_bench_writes_both_engines(tmp_path):
+    out = tmp_path / "prefill.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "prefill.py"), "--model", "tiny", "--tokens",
+                        "40", "--quant", "none", "--repeat", "1", "--device", "cpu", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    engines = {row["engine"] for row in doc["results"]}
+    assert engines == {"m3serve", "transformers"}
+    for row in doc["results"]:
+        assert row["tokens"] == 40 and row["ttft_s"] > 0 and row["frac_bf16_peak"] > 0
+    assert doc["commit"] and "command" in doc

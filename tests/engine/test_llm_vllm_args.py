@@ -1,0 +1,58 @@
+"""vLLM's LLM(...) habits: arguments that do not apply are accepted with one warning naming them, the rest are
+refused naming `LLM`; dtype="half"; tokenizer=<dir>; LLM.encode is not a tokenizer helper."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from m3serve import LLM, SamplingParams
+
+TINY = dict(device="cpu", kv_cache_bytes=1 << 20, max_num_batched_tokens=64)
+
+
+def test_vllm_arguments_are_accepted_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="m3serve"):
+        llm = LLM("tiny", trust_remote_code=True, swap_space=8, disable_log_stats=True, tokenizer_mode="auto",
+                  download_dir="/nowhere", enable_chunked_prefill=True, task="generate", **TINY)
+    lines = [r.getMessage() for r in caplog.records if "ignoring arguments" in r.getMessage()]
+    assert len(lines) == 1
+    for name in ("trust_remote_code", "swap_space", "disable_log_stats", "download_dir"):
+        assert name in lines[0]
+    for name in ("tokenizer_mode", "enable_chunked_prefill"):   # at their default: nothing to warn about
+        assert name not in lines[0]
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, temperature=0.0),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_unknown_and_refused_arguments_name_llm():
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'max_num_seq'.*max_num_seqs"):
+        LLM("tiny", max_num_seq=4, **TINY)
+    with pytest.raises(ValueError, match="LLM: pipeline_parallel_size=2"):
+        LLM("tiny", pipeline_parallel_size=2, **TINY)
+    with pytest.raises(ValueError, match="LLM: task='embed'"):
+        LLM("tiny", task="embed", **TINY)
+    with pytest.raises(ValueError, match="LLM: dtype 'double'"):
+        LLM("tiny", dtype="double", **TINY)
+
+
+def test_dtype_half_and_float():
+    assert LLM("tiny", dtype="half", **TINY).model.dtype == torch.float16
+    assert LLM("tiny", dtype="float", **TINY).model.dtype == torch.float32
+
+
+def test_tokenizer_directory():
+    from m3serve.llm import DEFAULT_MODEL_DIR          # the embedded model's tokenizer, on the tiny preset
+    llm = LLM("tiny", tokenizer=DEFAULT_MODEL_DIR, **TINY)
+    assert llm.get_tokenizer() is not None and llm.get_tokenizer().encode("ab")
+    with pytest.raises(ValueError, match="LLM: tokenizer="):
+        LLM("tiny", tokenizer="/nonexistent", **TINY)
+
+
+def test_encode_is_not_a_tokenizer_helper():
+    llm = LLM("tiny", **TINY)
+    with pytest.raises(NotImplementedError, match="pooling"):
+        llm.encode("hello")
