@@ -634,6 +634,28 @@ def render_serve(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_serve_pareto(files: list[ResultFile]) -> str:
+    """`m3serve bench pareto` files: several serving runs (model, plain / spec, weights) side by side."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, run in enumerate(need(rf.data, "runs", rf.name, "list")):
+            w = f"{rf.name}.runs[{i}]"
+            for j, r in enumerate(need(run, "results", w, "list")):
+                wr = f"{w}.results[{j}]"
+                ttft, itl = need(r, "ttft_ms", wr, "dict"), need(r, "itl_ms", wr, "dict")
+                table.append([need(run, "model", w, "str"), need(run, "mode", w, "str"),
+                              str(run.get("quantization") or "none"), need(r, "concurrency", wr, "int"),
+                              need(r, "failed", wr, "int"), sig(need(r, "total_tokens_per_s_per_gpu", wr)),
+                              f"{sig(need(ttft, 'p50', wr + '.ttft_ms'))} / {sig(need(ttft, 'p90', wr + '.ttft_ms'))}",
+                              f"{sig(need(itl, 'p50', wr + '.itl_ms'))} / {sig(need(itl, 'p90', wr + '.itl_ms'))}",
+                              sig(need(r, "interactivity_x90", wr))])
+        headers = ["model", "mode", "weights", "concurrency", "failed", "total tok/s per GPU", "TTFT p50 / p90 ms",
+                   "ITL p50 / p90 ms", "tok/s per user (1000 / P90 ITL)"]
+        blocks.append(file_block("Serving sweeps (Pareto front file)", md_table(headers, table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_eval_kv(files: list[ResultFile]) -> str:
     table = []
     for rf in files:
@@ -863,6 +885,8 @@ KINDS = (
          lambda d: _row_keys(d, "mode", "tokens_per_s_per_user", "k"), render_spec_target),
     Kind("spec_divergence", "Speculative vs plain greedy", ("spec_divergence",), ("spec-divergence-*.json",),
          lambda d: isinstance(d.get("runs"), list), render_spec_divergence),
+    Kind("serve_pareto", "Serving sweeps", ("serve_pareto",), ("serve-pareto-*.json",),
+         lambda d: isinstance(d.get("runs"), list) and all("mode" in r for r in d["runs"]), render_serve_pareto),
     Kind("serve", "Serving", ("serve",), ("serve-*.json",),
          lambda d: "meta" in d and _row_keys(d, "concurrency", "itl_ms"), render_serve),
     Kind("sampler_host", "Sampler cost per step", ("sampler_host",), ("sampler_host-*.json",),

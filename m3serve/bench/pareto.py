@@ -32,7 +32,8 @@ def describe_run(result: dict, mode: str | None = None, quantization: str | None
 def combine(runs: list[dict], commit: str | None = None, gpu: str | None = None, command: str | None = None) -> dict:
     if not runs:
         raise ValueError("runs: expected at least one `bench serve` result")
-    return {"commit": commit, "gpu": gpu, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
+    return {"bench": "serve_pareto", "commit": commit, "gpu": gpu, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": command,
             "runs": runs}
 
 
