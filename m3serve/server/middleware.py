@@ -20,9 +20,13 @@ def needs_key(path: str, public_metrics: bool) -> bool:
     return path.startswith("/v1") or (path == "/metrics" and not public_metrics)
 
 
+# POST routes that read no body (vLLM's POST /ping is a bodyless liveness probe): nothing to parse, nothing to forge
+BODYLESS_POST = frozenset({"/ping"})
+
+
 def check_content_type(request: web.Request) -> None:
     """415 for a POST to a route that exists (an unknown one keeps its 404) without a JSON Content-Type."""
-    if request.method != "POST" or request.match_info.http_exception is not None:
+    if request.method != "POST" or request.match_info.http_exception is not None or request.path in BODYLESS_POST:
         return
     header = request.headers.get("Content-Type")
     mime = (header or "").split(";", 1)[0].strip().lower()

@@ -63,7 +63,7 @@ def test_signals_first_graceful_second_exits():
 
 
 def test_drain_ends_streams_and_requests_then_refuses(model_dir):
-    srv = serve(make_llm(model_dir, kv_cache_bytes=4 << 20))
+    srv = serve(make_llm(model_dir, kv_cache_bytes=64 << 20))
     long = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     try:
         async def run():
