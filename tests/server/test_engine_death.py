@@ -52,7 +52,7 @@ def _post(port: int, body: dict) -> tuple[int, bytes]:
 @pytest.mark.slow
 def test_killed_tp_worker_marks_the_server_dead_and_it_exits_nonzero(model_dir):
     cmd = [sys.executable, "-m", "m3serve.server", model_dir, "--tp", "2", "--device", "cpu", "--dtype", "float32",
-           "--port", "0", "--kv-cache-bytes", str(2 << 20), "--served-model-name", "m", "--log-level", "warning",
+           "--port", "0", "--kv-cache-bytes", str(64 << 20), "--served-model-name", "m", "--log-level", "warning",
            "--dead-exit-delay", str(EXIT_DELAY_S)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
