@@ -129,6 +129,21 @@ def _closed_after(port: int, data: bytes, timeout: float = 120) -> tuple[float |
         s.close()
 
 
+
+async def _probe_health_while(session, url: str, attacker: threading.Thread, health: list[float]
+                              ) -> tuple[float, float]:
+    """Start the attacker thread and poll /health every 50 ms until it ends (each poll's latency into `health`);
+    returns the (start, end) monotonic times of the attack window."""
+    attacker.start()
+    t_start = time.monotonic()
+    while attacker.is_alive():
+        t0 = time.monotonic()
+        async with session.get(url + "/health") as r:
+            await r.read()
+        health.append(time.monotonic() - t0)
+        await asyncio.sleep(0.05)
+    return t_start, time.monotonic()
+
 def _raw_status(port: int, head: bytes, timeout: float = 30) -> tuple[int | None, float]:
     """Send raw request bytes, return the first status line's code and the time it took."""
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
@@ -215,15 +230,7 @@ def bench_dos(model: str) -> dict:
                                                                     "ignore_eos": True}, times))
                 while not times:
                     await asyncio.sleep(0.01)
-                th.start()
-                t_start = time.monotonic()
-                while th.is_alive():
-                    t0 = time.monotonic()
-                    async with s.get(srv.url + "/health") as r:
-                        await r.read()
-                    health.append(time.monotonic() - t0)
-                    await asyncio.sleep(0.05)
-                t_end = time.monotonic()
+                t_start, t_end = await _probe_health_while(s, srv.url, th, health)
                 stream.cancel()
             window = [t for t in times if t_start <= t <= t_end]
             gaps = [b - a for a, b in zip(window, window[1:])]
@@ -363,15 +370,7 @@ def bench_round3(model: str) -> dict:
                 stream = asyncio.ensure_future(_stream_h(s, srv.url, auth, times))
                 while not times:
                     await asyncio.sleep(0.01)
-                th.start()
-                t_start = time.monotonic()
-                while th.is_alive():
-                    t0 = time.monotonic()
-                    async with s.get(srv.url + "/health") as r:
-                        await r.read()
-                    health.append(time.monotonic() - t0)
-                    await asyncio.sleep(0.05)
-                t_end = time.monotonic()
+                t_start, t_end = await _probe_health_while(s, srv.url, th, health)
                 stream.cancel()
 
                 # Tokenizer fairness: two 64-prompt requests of 7 MB at once, then a 2-token request.

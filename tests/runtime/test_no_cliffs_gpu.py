@@ -5,32 +5,13 @@ graph-bucket steps past 48 sequences give the eager target's tokens."""
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
-import torch
+
+from tests.runtime.test_decode_target_gpu import _greedy, _need_cuda, _release
 
 pytestmark = pytest.mark.gpu
-
-
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
-
-def _release(*llms):
-    for llm in llms:
-        llm.shutdown()
-    del llms
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _greedy(llm, prompts, n):
-    from m3serve import SamplingParams
-    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("quant", [None, "fp8", "mxfp8", "nvfp4"])
