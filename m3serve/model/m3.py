@@ -199,12 +199,16 @@ class M3ForCausalLM(nn.Module):
         return self.logits(h)
 
     # ------------------------------------------------------------------ training / plain forward
-    def forward_train(self, input_ids: torch.Tensor, indexer_stats: bool = False, sparse_attention: bool = True):
+    def forward_train(self, input_ids: torch.Tensor, indexer_stats: bool = False, sparse_attention: bool = True,
+                      kv_transform=None):
         """Full causal forward of whole sequences, no cache. input_ids [B, T] -> (logits [B, T, V] fp32, stats).
 
         stats (when asked): one (index_block_logits, attn_block_mass) pair per MSA layer, each [B, Hk, T, nb]:
         the indexer's max-pooled block scores (gradient flows only into the indexer: its input is detached)
         and the dense attention's probability mass per block, averaged over the group (no gradient).
+
+        kv_transform: (layer, k, v) -> (k, v), applied to every layer's K/V [B, T, Hk, D] before its attention (and
+        the indexer's target mass): quantization-aware training's fake cache (m3serve.train.kv_qat).
         """
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -214,6 +218,8 @@ class M3ForCausalLM(nn.Module):
         for layer in self.layers:
             a = layer.attn
             q, k, v, iq, ik = a.project(layer.input_norm(x), cos, sin, detach_indexer=indexer_stats)
+            if kv_transform is not None:
+                k, v = kv_transform(a.layer, k, v)
             if a.sparse and (indexer_stats or sparse_attention):
                 scores = msa.block_scores(iq, ik, pos, self.cfg.index_block_size)
                 if indexer_stats:

@@ -15,6 +15,12 @@ Recipe (seeded; GPU kernels are not bitwise deterministic, so reruns agree close
   bias is updated without gradients (DeepSeek-V3's auxiliary-loss-free balancing):
   bias_e += rate * sign(mean load - load_e) after each step.
 
+Fine-tuning (`init_from`, a checkpoint directory this recipe wrote): the same data and loss from that
+checkpoint's weights and tokenizer (no tokenizer training, no dense warm-up: its indexer is trained), with the
+run's own steps and LR schedule. `kv_qat` ("nvfp4") adds quantization-aware training for the hybrid KV cache:
+every sparse layer attends over its K/V through the cache's rotated NVFP4 round trip, straight-through
+(m3serve.train.kv_qat); calibrate the result's kv_scales.json afterwards (`m3serve calibrate-kv`).
+
 Shape legend: B batch rows, T sequence length, V vocab, E experts.
 """
 from __future__ import annotations
@@ -31,7 +37,11 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
+from m3serve.benchmeta import run_metadata
+
+from m3serve.kv import rotation
 from m3serve.model.checkpoint import save_checkpoint
 from m3serve.model.loader import load_model
 from m3serve.model.m3 import M3ForCausalLM
@@ -39,6 +49,7 @@ from m3serve.model.moe import MoE, route
 from m3serve.train import evaluate as ev
 from m3serve.train.data import load_corpus
 from m3serve.train.indexer import indexer_kl
+from m3serve.train.kv_qat import KV_QAT_FORMATS, KVFakeQuant
 from m3serve.train.presets import RUN_PRESETS, model_config
 from m3serve.train.stream import TokenStream, chat_text, encode_chats, encode_documents
 from m3serve.train.synthetic import make_split, write_jsonl
@@ -73,6 +84,9 @@ class TrainConfig:
     log_every: int = 50
     eval_items: int | None = None
     time_budget_s: float | None = None  # shrink the step count (schedule included) to fit this loop time
+    init_from: str | None = None    # fine-tune this checkpoint directory (its weights and tokenizer)
+    kv_qat: str | None = None       # fake-quantize the sparse layers' K/V in this cache format (KV_QAT_FORMATS)
+    kv_qat_rotation_seed: int | None = rotation.DEFAULT_ROTATION_SEED  # the cache's K/V rotation (None: off)
     overrides: dict = field(default_factory=dict)  # any RunPreset field (tests shrink the run)
     run: dict = field(default_factory=dict)  # resolved preset values (filled by resolve())
 
@@ -92,6 +106,10 @@ class TrainConfig:
                 raise ValueError(f"{k}: expected >= 1, found {rp[k]}")
         if not 0.0 <= self.syn_fraction <= 1.0:
             raise ValueError(f"syn_fraction: expected in [0, 1], found {self.syn_fraction}")
+        if self.kv_qat is not None and self.kv_qat not in KV_QAT_FORMATS:
+            raise ValueError(f"kv_qat: expected one of {KV_QAT_FORMATS} or None, found {self.kv_qat!r}")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise ValueError(f"init_from: expected a checkpoint directory with config.json, found {self.init_from!r}")
         return dataclasses.replace(self, run=rp)
 
 
@@ -170,10 +188,18 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
     # ---- data and tokenizer
     corpus = load_corpus(data_dir)
     syn_train, syn_held = make_split(rp["n_syn_train"], rp["n_syn_heldout"], tc.seed)
-    n_tok_chats = min(len(syn_train), 5000)
-    tok = train_tokenizer([d.text for d in corpus.train] + [chat_text(p) for p in syn_train[:n_tok_chats]],
-                          rp["vocab_size"])
-    cfg = model_config(tc.preset, tok.get_vocab_size())
+    if tc.init_from is None:
+        n_tok_chats = min(len(syn_train), 5000)
+        tok = train_tokenizer([d.text for d in corpus.train] + [chat_text(p) for p in syn_train[:n_tok_chats]],
+                              rp["vocab_size"])
+        cfg = model_config(tc.preset, tok.get_vocab_size())
+    else:
+        tok = Tokenizer.from_file(str(Path(tc.init_from) / "tokenizer.json"))
+        init = load_model(tc.init_from, device=device, dtype=torch.float32, keep_quantized=False)
+        cfg = init.cfg
+        if cfg.vocab_size != tok.get_vocab_size():
+            raise ValueError(f"init_from {tc.init_from}: config vocab_size {cfg.vocab_size} differs from its "
+                             f"tokenizer's {tok.get_vocab_size()}")
     save_tokenizer(tok, out, cfg.max_position_embeddings)
     write_jsonl(syn_held, out / HELDOUT_TASK)
     text_train = TokenStream(encode_documents(tok, [d.text for d in corpus.train]), "text_train")
@@ -189,8 +215,14 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
         f"{len(chat_train)}/{len(chat_held)}, vocab {cfg.vocab_size}, {t_data:.1f} s")
 
     # ---- model
-    model = M3ForCausalLM(cfg, device=device, dtype=torch.float32)
-    model.init_random(tc.seed)
+    if tc.init_from is None:
+        model = M3ForCausalLM(cfg, device=device, dtype=torch.float32)
+        model.init_random(tc.seed)
+    else:
+        model, init = init, None
+    sparse = [i for i, kind in enumerate(cfg.layer_types) if kind == "sparse"]
+    kv_fq = (KVFakeQuant(tc.kv_qat, sparse, cfg.head_dim, tc.kv_qat_rotation_seed)
+             if tc.kv_qat is not None else None)
     groups = prepare_for_training(model)
     n_params = sum(p.numel() for p in model.parameters())
     fused = device.type == "cuda"
@@ -201,10 +233,15 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
     n_syn_rows = int(round(B * tc.syn_fraction))
     if 0 < tc.syn_fraction and n_syn_rows == 0:
         n_syn_rows = 1
-    dense_steps = int(tc.dense_warmup_frac * steps)
+    # A fine-tune starts from a trained indexer: no dense warm-up.
+    warmup_frac = 0.0 if tc.init_from is not None else tc.dense_warmup_frac
+    dense_steps = int(warmup_frac * steps)
     gen = torch.Generator().manual_seed(tc.seed)
     log(f"model: {n_params} parameters, {steps} steps of {B}x{T} ({n_syn_rows} synthetic rows), "
-        f"{dense_steps} dense warm-up steps, device {device}")
+        f"{dense_steps} dense warm-up steps, device {device}"
+        + (f", fine-tuning {tc.init_from}" if tc.init_from else "")
+        + (f", {tc.kv_qat} KV fake quant on layers {sparse} (rotation seed {tc.kv_qat_rotation_seed})"
+           if kv_fq else ""))
 
     # ---- train
     model.train()
@@ -219,7 +256,7 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
             fit = max(step + 1, int(tc.time_budget_s / per_step))
             if fit < steps:
                 log(f"time budget {tc.time_budget_s:.0f} s at {per_step:.3f} s/step: {steps} -> {fit} steps")
-                steps, dense_steps = fit, int(tc.dense_warmup_frac * fit)
+                steps, dense_steps = fit, int(warmup_frac * fit)
         lr = lr_at(step, steps, rp["lr"], rp["warmup_steps"], tc.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -229,7 +266,8 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
         x = torch.cat(rows).to(device, non_blocking=True)                            # [B, T + 1]
         balancer.active = True
         with ev.autocast_ctx(device, tc.autocast):
-            logits, stats = model.forward_train(x[:, :-1], indexer_stats=True, sparse_attention=step >= dense_steps)
+            logits, stats = model.forward_train(x[:, :-1], indexer_stats=True, sparse_attention=step >= dense_steps,
+                                                kv_transform=kv_fq)
         balancer.active = False
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         kl = indexer_kl(stats, kl_scale) if stats else torch.zeros((), device=device)
@@ -289,6 +327,7 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
     eval_s = time.perf_counter() - t_eval
 
     report = {
+        "run": run_metadata(),
         "model": {"preset": tc.preset, "parameters": n_params, "config": cfg.to_published_dict()},
         "recipe": {
             "command": "python -m m3serve.train --out <dir> --data <prepared dir>",
@@ -300,6 +339,9 @@ def train(tc: TrainConfig, data_dir: str | Path, out_dir: str | Path,
             "syn_fraction": tc.syn_fraction, "kl_weight": tc.kl_weight, "dense_warmup_steps": dense_steps,
             "balance_rate": tc.balance_rate, "autocast_bf16": tc.autocast and device.type == "cuda",
             "device": str(device), "tokens_seen": steps * B * T,
+            "init_from": tc.init_from, "kv_qat": tc.kv_qat,
+            "kv_qat_layers": sorted(kv_fq.layers) if kv_fq else None,
+            "kv_qat_rotation_seed": tc.kv_qat_rotation_seed if kv_fq else None,
         },
         "data": {"text_train_tokens": len(text_train), "text_heldout_tokens": len(text_held),
                  "chat_train_tokens": len(chat_train), "chat_heldout_tokens": len(chat_held),
