@@ -720,6 +720,41 @@ def render_kv_rotation(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_kv_smoothing(files: list[ResultFile]) -> str:
+    """bench/kv_smoothing.py: NVFP4 attention-output error per sparse layer, plain / rotated / mean-smoothed /
+    smoothed + rotated, and the share of K's and V's energy in their calibrated mean."""
+    blocks = []
+    variants = ("nvfp4", "nvfp4_rotated", "nvfp4_smoothed", "nvfp4_smoothed_rotated")
+    for rf in files:
+        d, n = rf.data, rf.name
+        table = []
+        for layer, row in need(d, "layers", n, "dict").items():
+            w = f"{n}.layers.{layer}"
+            errs = [need(need(row, v, w, "dict"), "attn_out_rel_err", f"{w}.{v}") for v in variants]
+            rot, sm = need(row, "nvfp4_rotated", w, "dict"), need(row, "nvfp4_smoothed_rotated", w, "dict")
+            mean = need(row, "mean_component", w, "dict")
+            share = [need(need(mean, t, f"{w}.mean_component", "dict"), "mean_energy_share", f"{w}.mean_component.{t}")
+                     for t in ("k", "v")]
+            table.append([layer, *(f"{e:.4f}" for e in errs),
+                          f"{need(row, 'ratio_rotated_over_smoothed_rotated', w):.2f}x",
+                          f"{need(rot, 'k_rel_err', w):.4f} / {need(sm, 'k_rel_err', w):.4f}",
+                          f"{need(rot, 'v_rel_err', w):.4f} / {need(sm, 'v_rel_err', w):.4f}",
+                          f"{pct(share[0])} / {pct(share[1])}"])
+        mean = need(d, "mean_attn_out_rel_err", n, "dict")
+        table.append(["mean", *(f"{need(mean, v, n):.4f}" for v in variants),
+                      f"{need(d, 'mean_ratio_rotated_over_smoothed_rotated', n):.2f}x", "", "", ""])
+        meas = need(d, "measured", n, "dict")
+        caption = (f"NVFP4 KV with per-(layer, head, channel) mean smoothing, {need(d, 'model', n, 'str')} "
+                   f"({need(meas, 'items', f'{n}.measured', 'int')} measured chats, "
+                   f"{need(meas, 'tokens', f'{n}.measured', 'int')} tokens, D {need(d, 'head_dim', n, 'int')}): "
+                   f"attention-output rel err vs BF16 KV")
+        headers = ["sparse layer", "plain", "rotated", "smoothed", "smoothed + rotated", "rotated / smoothed+rotated",
+                   "K rel err (rotated / smoothed+rotated)", "V rel err (rotated / smoothed+rotated)",
+                   "mean's energy share K / V"]
+        blocks.append(file_block(caption, md_table(headers, table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_generic(files: list[ResultFile]) -> str:
     blocks = []
     for rf in files:
@@ -899,6 +934,9 @@ KINDS = (
          lambda d: _row_keys(d, "rows_per_instr", "unroll"), render_stream_patterns),
     Kind("tiled_layout", "NVFP4 MMA tile layout", (), ("tiled-layout-*.json",),
          lambda d: _row_keys(d, "tiled", "frac_copy_write_flush"), render_tiled_layout),
+    Kind("kv_smoothing", "NVFP4 KV mean smoothing: attention-output error", (), ("kv-smoothing-*.json",),
+         lambda d: isinstance(d.get("layers"), dict) and "mean_ratio_rotated_over_smoothed_rotated" in d,
+         render_kv_smoothing),
     Kind("kv_rotation", "NVFP4 KV rotation: attention-output error and global-scale granularity", (),
          ("kv-rotation-*.json", "kv-perhead-scales-*.json"), lambda d: isinstance(d.get("layers"), dict),
          render_kv_rotation),
