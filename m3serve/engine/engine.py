@@ -77,6 +77,7 @@ class LLMEngine:
         self._make_tables(self.max_blocks_per_seq)
         self.capacity_tokens = capacity
         self.target_attention = False   # attention through the paged-cache kernels (enable_target)
+        self._graphs_version = 0         # bumped whenever `graphs` is replaced (keys per-request caches)
         self.graphs = None               # m3serve.runtime.decode_graphs.DecodeGraphs (enable_target)
         self.overlap = True              # with graphs: launch step n+1 before reading step n's tokens
         self._inflight = None            # (launched graph step, its requests) not yet read back
@@ -95,6 +96,15 @@ class LLMEngine:
         self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
         self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
         log.info("KV cache: %s", self.kv.describe())
+
+    @property
+    def graphs(self):
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self._graphs = graphs
+        self._graphs_version += 1
 
     def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
         """The cache roles this engine needs (the speculative engine adds the shared draft layer)."""
@@ -366,8 +376,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ the overlap loop
     def _overlappable(self, req: Request) -> bool:
         """Its next token can stay on the device until the step after next: chosen inside the graph (argmax, or
-        the graphs' sampling variant), no logprobs or logits processing that need the host between steps."""
-        return self._graph_decides(req) and not self._constrained(req)
+        the graphs' sampling variant), no logprobs or logits processing that need the host between steps.
+        Fixed for a request's life under one set of graphs (its params, bans and grammar are), so it is worked
+        out once per request and graphs object, not per row per step."""
+        cached = req.overlap_for
+        if cached is not None and cached[0] == self._graphs_version:
+            return cached[1]
+        ok = self._graph_decides(req) and not self._constrained(req)
+        req.overlap_for = (self._graphs_version, ok)
+        return ok
 
     def _graph_decides(self, req: Request) -> bool:
         """A decode graph variant can choose its next token: no logprobs, sampling / penalties / grammar masks

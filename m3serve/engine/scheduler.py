@@ -60,7 +60,8 @@ class Scheduler:
         out: list[ScheduledChunk] = []
         # 1. decodes and unfinished prefills of running requests, oldest first
         for req in list(self.running):
-            if req not in self.running or budget == 0:
+            # (a request preempted earlier in this loop is WAITING again: a status test, not an O(batch) search)
+            if req.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             while not self.blocks.append_slots(req.request_id, req.num_computed + n):
