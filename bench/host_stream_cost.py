@@ -162,6 +162,22 @@ class StepSpans:
         self.current = 0.0
 
 
+class WriteCounter:
+    """Counts StreamResponse.write calls (one per SSE write to a client) by wrapping the method, harness only."""
+
+    def __init__(self):
+        from aiohttp import web
+        self.count = 0
+        write = web.StreamResponse.write
+        counter = self
+
+        async def counted_write(resp, data):
+            counter.count += 1
+            return await write(resp, data)
+
+        web.StreamResponse.write = counted_write
+
+
 def _thread_cpu(ident: int) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
@@ -202,7 +218,7 @@ def _profile_top(prof: cProfile.Profile, n: int) -> list[dict]:
     return rows[:n]
 
 
-def run_level(srv, spans: StepSpans, stats: dict, streams: int, args) -> dict:
+def run_level(srv, spans: StepSpans, stats: dict, writes: WriteCounter, streams: int, args) -> dict:
     loop, metrics = srv.engine_loop, srv.state.metrics
     http_ident, eng_ident = srv._thread.ident, loop._thread.ident
     profs = None
@@ -219,7 +235,7 @@ def run_level(srv, spans: StepSpans, stats: dict, streams: int, args) -> dict:
     prep = _prep_threads()
     c0 = {"engine": _thread_cpu(eng_ident), "loop": _thread_cpu(http_ident),
           "prep": sum(_thread_cpu(t.ident) for t in prep)}
-    tok0, steps0 = metrics.generation_tokens.value(), loop.steps
+    tok0, steps0, writes0 = metrics.generation_tokens.value(), loop.steps, writes.count
     w0 = time.perf_counter()
     client = run_client(srv.url, streams, args)
     wall = time.perf_counter() - w0
@@ -241,6 +257,7 @@ def run_level(srv, spans: StepSpans, stats: dict, streams: int, args) -> dict:
     point = {
         "streams": streams, "requests": client["requests"], "completed": client["completed"], "tokens": tokens,
         "steps": steps, "wall_s": round(wall, 3),
+        "tokens_per_sse_write": round(tokens / (writes.count - writes0), 2) if writes.count > writes0 else None,
         "rows_per_step": round(tokens / steps, 2) if steps else None,
         "sync_step_fraction": round(count["sync"] / steps, 3) if steps else None,
         # CPU us per stream-step (= per generated token), by thread
@@ -264,6 +281,22 @@ def run_level(srv, spans: StepSpans, stats: dict, streams: int, args) -> dict:
     return point
 
 
+def _median_point(runs: list[dict]) -> dict:
+    """One level over --repeat runs: the median of each number (a shared box's other load moves single runs),
+    each run's total kept for the spread."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        vals = [r[k] for r in runs]
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(isinstance(x, (int, float)) for x in vals):
+            out[k] = round(float(np.median(vals)), 3)
+    out["runs"] = len(runs)
+    out["total_us_per_stream_step_each"] = [r["total_us_per_stream_step"] for r in runs]
+    out["total_us_per_stream_step_min"] = min(out["total_us_per_stream_step_each"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", default="1,16,64", help="concurrent streaming clients per level")
@@ -275,6 +308,7 @@ def main() -> None:
                     help="fake device time of an overlapped decode step (the H200's C=1 ITL is ~310 us)")
     ap.add_argument("--eager-step-us", type=float, default=1000.0,
                     help="fake device time of a synchronous (prefill) step")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per level; the report takes each number's median")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine and event-loop threads")
     ap.add_argument("--profile-top", type=int, default=30)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per level")
@@ -299,10 +333,12 @@ def main() -> None:
     _install_fakes(engine, args.device_step_us * 1e-6, args.eager_step_us * 1e-6, token_range, stats)
     srv = BackgroundServer(build_app(llm, served_model_name="m3-tiny-verse"), host="127.0.0.1", port=0).start()
     spans = StepSpans(srv.engine_loop, stats)
+    writes = WriteCounter()
     points = []
     try:
         for n in [int(x) for x in args.streams.split(",")]:
-            point = run_level(srv, spans, stats, n, args)
+            runs = [run_level(srv, spans, stats, writes, n, args) for _ in range(args.repeat)]
+            point = _median_point(runs)
             points.append(point)
             print(json.dumps({k: v for k, v in point.items() if k != "profile_top"}), flush=True)
             if "profile_top" in point:
@@ -316,6 +352,7 @@ def main() -> None:
         "bench": "host_stream_cost", **run_metadata(), "model": os.path.basename(model),
         "setup": {"input_len": args.input_len, "output_len": args.output_len,
                   "requests_per_stream": args.requests_per_stream, "max_num_seqs": args.max_num_seqs,
+                  "repeat": args.repeat,
                   "device_step_us": args.device_step_us, "eager_step_us": args.eager_step_us,
                   "profile": args.profile, "cpu_count": os.cpu_count()},
         "note": "CPU us per generated token by server thread; the device is a fixed GIL-free wait, the eager "

@@ -12,6 +12,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 
 from aiohttp import web
 
@@ -166,11 +167,12 @@ class _ChunkWriter:
     def _plain_completion_chunk(self, index: int, text: str, fin: str | None, stop_reason,
                                 token_ids: list[int] | None) -> bytes:
         """chunk() of a completion choice without logprobs, written field by field (the per-token case)."""
-        body = ('{"index":' + int.__repr__(index) + ',"text":' + scalar(text) + ',"logprobs":null,"finish_reason":'
-                + scalar(fin) + ',"stop_reason":' + scalar(stop_reason))
-        if token_ids is not None:
-            body += ',"token_ids":' + int_list(token_ids)
-        return self._head + (body + "}").encode("utf-8") + self._tail
+        fin_s = "null" if fin is None else scalar(fin)
+        stop_s = "null" if stop_reason is None else scalar(stop_reason)
+        ids_s = "" if token_ids is None else ',"token_ids":' + int_list(token_ids)
+        body = (f'{{"index":{index},"text":{encode_basestring(text)},"logprobs":null,"finish_reason":{fin_s},'
+                f'"stop_reason":{stop_s}{ids_s}}}')
+        return self._head + body.encode("utf-8") + self._tail
 
     def opening(self) -> bytes:
         """Chat: a first chunk per choice with the role. Completions with echo: the prompt text."""

@@ -34,7 +34,5 @@ def scalar(v: str | int | float | None) -> str:
 
 
 def int_list(ids: list[int]) -> str:
-    """dumps(ids) for a list of Python ints."""
-    if all(type(t) is int for t in ids):
-        return "[" + ",".join(map(int.__repr__, ids)) + "]"
-    return dumps(ids)
+    """dumps(ids) for a list of Python ints (token ids: the engine hands them over as ints)."""
+    return "[" + ",".join(map(str, ids)) + "]"
