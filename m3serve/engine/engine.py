@@ -55,6 +55,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_queue: int | None = None
+    # Admission batching (Scheduler.admission_wait_s): while requests decode, hold new ones back up to this many
+    # seconds so that several share one prefill step. 0 = admit at once.
+    admission_wait_s: float = 0.0
     seed: int = 0
 
 
@@ -178,7 +181,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.kv.num_slots, self.kv.page_size, max_seqs=cfg.max_num_seqs,
                                    max_blocks_per_seq=width, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue)
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
+                                   admission_wait_s=cfg.admission_wait_s)
         self.tables = DeviceBlockTables(self.blocks, self.model.device, index_scale=1, kv_offset=1,
                                         max_tokens=cfg.max_num_batched_tokens)
 
