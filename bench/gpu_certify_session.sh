@@ -27,7 +27,7 @@ tests)   # certification + the decode-step side-by-side runs (one call)
   phase pytest-gpu-cells ${T_CELLS:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
   phase pytest-gpu-paths ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
-    ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_paged_attention_gpu.py}
+    ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/attention/test_kv_write.py tests/kernels/attention/test_paged_attention_gpu.py}
   phase graph-buckets 60 python3 bench/debug/graph_buckets.py
   phase decode-m3_5-bf16 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
@@ -44,8 +44,8 @@ final)   # the one-call version when device time is short: certification first, 
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
   phase pytest-gpu-paths ${T_PATHS:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py \
-    tests/kernels/test_kv_write.py
+    tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py \
+    tests/kernels/attention/test_kv_write.py
   phase graph-buckets 50 python3 bench/debug/graph_buckets.py
   phase decode-m3_5-bf16 ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"

@@ -53,9 +53,9 @@ def test_each_entry_module_has_one_enabled_switch(mod: str) -> None:
 
 def test_no_environment_reads() -> None:
     root = pathlib.Path(kernels_pkg.__file__).parent
-    for p in root.glob("*.py"):
+    for p in root.rglob("*.py"):
         src = p.read_text()
-        assert "os.environ" not in src and "getenv" not in src, f"{p.name} reads the environment"
+        assert "os.environ" not in src and "getenv" not in src, f"{p.relative_to(root)} reads the environment"
 
 
 def test_linear_configs_divide_their_shapes() -> None:

@@ -55,7 +55,7 @@ def test_unknown_kind_and_bad_rows_raise() -> None:
 
 
 def test_enabled_constant_turns_the_fast_path_off(monkeypatch) -> None:
-    mod = importlib.import_module("m3serve.kernels.linear_nvfp4")
+    mod = importlib.import_module("m3serve.kernels.gemm.nvfp4")
     monkeypatch.setattr(mod, "ENABLED", False)
     assert lookup("linear.nvfp4", 1, (6144, 6144), "auto") is None
     assert lookup("linear.nvfp4", 1, (6144, 6144), "require") is None
