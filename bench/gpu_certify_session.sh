@@ -40,6 +40,23 @@ serve)   # serving sweeps, prefill TTFT beside transformers, KV rotation at real
   phase decode-m3_5-nvfp4-rotated ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
     --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation auto --out "$OUT/decode-target-h200.json"
   ;;
+verify)  # GPU path tests, one pytest process per file in parallel (Triton compiles on all cores), then measurements
+  s=$(date +%s)
+  for f in ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_paged_attention_gpu.py}; do
+    n=$(basename "$f" .py)
+    timeout ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 190 -rfE "$f" > "$OUT/pytest-$n.log" 2>&1 &
+  done
+  wait
+  echo "[parallel gpu tests: $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -3 "$l"; done | tee -a "$OUT/phases.txt"
+  phase decode-m3_5-bf16 ${T_DECODE:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+    --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
+  phase generate-cold 60 bash -c 'time python3 -c "from m3serve.cli import main; main()" generate'
+  phase generate-warm 60 bash -c 'time python3 -c "from m3serve.cli import main; main()" generate'
+  phase prefill ${T_PREFILL:-120} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,mxfp8,none \
+    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
+  phase serve-spec ${T_SERVE:-120} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
+  ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
