@@ -42,7 +42,7 @@ serve)   # serving sweeps, prefill TTFT beside transformers, KV rotation at real
   ;;
 verify)  # GPU path tests, one pytest process per file in parallel (Triton compiles on all cores), then measurements
   s=$(date +%s)
-  for f in ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_paged_attention_gpu.py}; do
+  for f in ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/attention/test_kv_write.py tests/kernels/attention/test_paged_attention_gpu.py}; do
     n=$(basename "$f" .py)
     timeout ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 190 -rfE "$f" > "$OUT/pytest-$n.log" 2>&1 &
   done
