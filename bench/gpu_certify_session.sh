@@ -7,7 +7,11 @@
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
+# the device copy's .git may be stale: results record the commit the caller passes (M3SERVE_COMMIT=$(git rev-parse HEAD))
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# at most 8 files come back from a device call: the logs travel as one archive
+pack_logs() { (cd "$OUT" && tar czf logs.tgz --remove-files *.log 2>/dev/null); }
+trap pack_logs EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PWD:/tmp/site || exit 1
