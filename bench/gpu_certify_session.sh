@@ -61,6 +61,17 @@ verify)  # GPU path tests, one pytest process per file in parallel (Triton compi
     --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
   phase serve-spec ${T_SERVE:-120} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
   ;;
+followup)  # failed GPU tests rerun with full logs (heavy one alone, light ones beside it), prefill profile, Eagle3 sweep
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE tests/kernels/moe/test_moe_grouped_gpu.py \
+    > "$OUT/pytest-moe-grouped.log" 2>&1 &
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE tests/runtime/test_token_filters_gpu.py \
+    tests/kernels/test_fused_elementwise_gpu.py > "$OUT/pytest-light.log" 2>&1 &
+  wait
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
+  phase prefill-profile ${T_PREFILL:-110} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,none \
+    --chunk 8192 --repeat 1 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-profile-h200.json"
+  phase serve-spec ${T_SERVE:-130} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
+  ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
