@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 # the device copy's .git may be stale: results record the commit the caller passes (M3SERVE_COMMIT=$(git rev-parse HEAD))
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # at most 8 files come back from a device call: the logs travel as one archive
-pack_logs() { (cd "$OUT" && tar czf logs.tgz --remove-files *.log 2>/dev/null); }
+pack_logs() { (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log prefill-profile-*.txt 2>/dev/null)); }
 trap pack_logs EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
