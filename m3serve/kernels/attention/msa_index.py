@@ -413,7 +413,7 @@ def select_warps(bp: int) -> int:
     """Warps of one (row, head) selection over bp (padded) blocks. A two-stage (per-chunk top-k, then
     merge) and a packed-int64 single-reduction variant were both slower on the H200 at 1024 blocks
     (bench/results/kernel_variants/kernel-variants-h200.json), so each round stays a max and an argmin over all blocks."""
-    return 4 if bp >= 512 else 1
+    return 8 if bp >= 4096 else 4 if bp >= 512 else 1  # 8192 blocks: 32 keys per thread at 8 warps
 
 
 def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor, sel: torch.Tensor, *,
@@ -547,14 +547,15 @@ _ROWS = (((1, 48), "decode / speculative verify (query rows per sequence)"), ((4
 # (Hk, Di, P, topk, name)
 _GEOMS = ((4, 128, 128, 16, "M3 TP1"), (2, 128, 128, 16, "M3 TP2"), (2, 64, 32, 8, "embedded m3-tiny-verse"))
 
-# B = slot_table width, as the power of two the kernel pads it to: 1024 blocks = 128k tokens at P = 128;
-# embedded: max_position_embeddings 4096 / P 32 = 128
-_SELECT_B = {"M3 TP1": 1024, "M3 TP2": 1024, "embedded m3-tiny-verse": 128}
+# B = slot_table width, as the power of two the kernel pads it to: 1024 blocks = 128k tokens at P = 128 (the
+# decode target's default context), 8192 blocks = M3's full 1M-token context (max_model_len above 128k; each
+# selection round then scans 8x the blocks); embedded: max_position_embeddings 4096 / P 32 = 128
+_SELECT_B = {"M3 TP1": (1024, 8192), "M3 TP2": (1024, 8192), "embedded m3-tiny-verse": (128,)}
 
 
 def _rows_upto(rows: tuple[int, int], name: str, p: int) -> tuple[int, int]:
-    """A row range capped at the tokens the geometry's table holds (a prefill chunk is never longer)."""
-    return rows[0], min(rows[1], _SELECT_B[name] * p)
+    """A row range capped at the tokens the geometry's widest table holds (a prefill chunk is never longer)."""
+    return rows[0], min(rows[1], max(_SELECT_B[name]) * p)
 
 
 SCORES_CELLS = tuple(
@@ -571,9 +572,9 @@ SCORES_INTERP_CELLS = (
          why="interpreter: prefill rows over two query tiles"),
 )
 SELECT_CELLS = tuple(
-    Cell(rows=_rows_upto(rows, name, p), shape=(hk, p, topk, _SELECT_B[name]),
-         why=f"{name}, B <= {_SELECT_B[name]} blocks: {rwhy}; one program per (row, head), topk max/argmin rounds")
-    for hk, _, p, topk, name in _GEOMS for rows, rwhy in _ROWS
+    Cell(rows=_rows_upto(rows, name, p), shape=(hk, p, topk, b),
+         why=f"{name}, B <= {b} blocks: {rwhy}; one program per (row, head), topk max/argmin rounds")
+    for hk, _, p, topk, name in _GEOMS for b in _SELECT_B[name] for rows, rwhy in _ROWS
 )
 SELECT_INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(2, 4, 4, 16), config={"batch": 4}, why="interpreter: mixed sequences, B = 16"),

@@ -1,7 +1,8 @@
 """Catalog entries linear.nvfp4.tiled / linear.mxfp8.tiled / linear.fp8.tiled: the quantized dense linears for
 prefill rows (49..16384) on the M-tiled weight-decoding GEMM of gemm/_tiled.py. Same raw calls, references,
 compares and cases as the 1-48 row entries (linear.nvfp4 / linear.mxfp8 / linear.fp8: a TiledGemmConfig selects
-this kernel); only the cells differ: every M3 linear shape (_linear.M3_LINEAR_SHAPES) in two row bands.
+this kernel); only the cells differ: every M3 linear shape (_linear.M3_LINEAR_SHAPES) in three row bands, the last
+(512+ rows) decoding the weight to exact bf16 once per call for cuBLAS.
 
 Why: without them a prefill chunk runs the stock path, which dequantizes each whole weight to bf16 on every
 call (for every chunk) before its GEMM; here the weight tiles are decoded in registers (exact bf16 operands) and
@@ -19,9 +20,12 @@ from m3serve.kernels.catalog import Cell, Entry
 
 ENABLED = True  # the one switch: False sends prefill-row quantized linears down the stock path
 
-# Row bands: BM 64 while a chunk's M tiles alone would not fill the 132 SMs at the narrow shapes, BM 128 beyond.
+# Row bands: BM 64 while a chunk's M tiles alone would not fill the 132 SMs at the narrow shapes, BM 128 beyond;
+# from 512 rows the weight is decoded once to bf16 and cuBLAS runs the GEMM (gemm/_tiled.py's docstring: the
+# decode's extra weight traffic is repaid once the GEMM's compute passes ~200 rows, taken with a 2x margin).
 BANDS = (((49, 256), TiledGemmConfig(BM=64, BN=128, BK=64, num_warps=4)),
-         ((257, 16384), TiledGemmConfig(BM=128, BN=128, BK=64, num_warps=8)))
+         ((257, 511), TiledGemmConfig(BM=128, BN=128, BK=64, num_warps=8)),
+         ((512, 16384), TiledGemmConfig(BM=128, BN=128, BK=64, num_warps=8, DEQUANT_MM=True)))
 
 
 def _cells() -> tuple[Cell, ...]:
@@ -36,6 +40,8 @@ INTERP_CELLS = (
          config={"gemm": TiledGemmConfig(BM=32, BN=64, BK=64, GM=2)}),
     Cell(rows=(70, 70), shape=(128, 256), why="interpreter: 70 rows, BM 16, groups of 3 M tiles",
          config={"gemm": TiledGemmConfig(BM=16, BN=32, BK=128, GM=3)}),
+    Cell(rows=(75, 75), shape=(128, 256), why="interpreter: weight decoded to bf16, GEMM in row chunks of 32 (the "
+         "last partial), epilogue per chunk", config={"gemm": TiledGemmConfig(BM=16, DEQUANT_MM=True, MM_ROWS=32)}),
 )
 
 

@@ -7,6 +7,8 @@ Run: python -m pytest -m gpu tests/kernels/moe/test_moe_grouped_gpu.py -q
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -101,13 +103,18 @@ def test_llm_builds_and_captures_every_expert_format(quant):
     from m3serve import LLM, SamplingParams
     from m3serve.model.moe import MoE
     llm = LLM("minimax-m3:4", device="cuda", random_weights=True, quantization=quant)
-    moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
-    assert moe.w13.fmt == {None: "dense"}.get(quant, quant)
-    graphs = llm.engine.graphs
-    assert graphs is not None and not graphs.blocked, f"buckets left eager: {graphs.blocked}"
-    assert set(graphs.captured) == set(graphs.buckets)
-    out = llm.generate([{"prompt_token_ids": list(range(1, 200))}] * 3,
-                       SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
-    del llm
-    torch.cuda.empty_cache()
+    try:
+        moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
+        assert moe.w13.fmt == {None: "dense"}.get(quant, quant)
+        graphs = llm.engine.graphs
+        assert graphs is not None, "decode target off under the defaults"
+        assert not graphs.blocked, f"buckets left eager: {graphs.blocked}"
+        assert set(graphs.captured) == set(graphs.buckets)
+        out = llm.generate([{"prompt_token_ids": list(range(1, 200))}] * 3,
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    finally:  # a failed case must not keep its model's memory from the next one
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
