@@ -329,16 +329,16 @@ def _load_decode_bench():
 
 
 def target_len_limit(cfg) -> int | None:
-    """The longest max_model_len the decode target runs at: msa.select is certified up to a block-table width
-    (1024 pages = 128k tokens at M3 TP1); a longer max_model_len widens the table past it and LLMEngine.
-    enable_target turns the target off (route "auto"). None: no sparse layer, no such limit."""
+    """The longest max_model_len the decode target runs at with its narrowest certified msa.select table (1024
+    pages = 128k tokens at M3 TP1): one page more widens the table to the next certified width (8192 pages, M3's
+    full 1M context), whose selection rounds scan 8x the blocks on every step. None: no sparse layer, no limit."""
     if "sparse" not in cfg.layer_types:
         return None
     from m3serve.kernels.catalog import all_entries
     p = cfg.index_block_size
     widths = [c.shape[3] for c in all_entries()["msa.select"].cells
               if c.shape[:3] == (cfg.num_key_value_heads, p, cfg.index_topk_blocks)]
-    return max(widths) * p if widths else None
+    return min(widths) * p if widths else None
 
 
 def decode_step(model: str, contexts: list[int], steps: int) -> tuple[list[dict], dict]:
@@ -352,8 +352,8 @@ def decode_step(model: str, contexts: list[int], steps: int) -> tuple[list[dict]
     max_len = max(contexts) + headroom
     limit = target_len_limit(preset(model))
     if limit is not None and max_len > limit:
-        print(f"decode_step: max_model_len {max_len} capped at {limit} (msa.select's certified table width; "
-              "a wider table turns the decode target off)", flush=True)
+        print(f"decode_step: max_model_len {max_len} capped at {limit} (msa.select's narrowest certified "
+              "table width; a wider table makes every step's block selection scan 8x the blocks)", flush=True)
         max_len = limit
     if max_len - headroom < 1:
         raise SystemExit(f"decode_step: max_model_len {max_len} leaves no prompt after {headroom} tokens of steps")
