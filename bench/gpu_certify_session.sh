@@ -72,6 +72,20 @@ followup)  # failed GPU tests rerun with full logs (heavy one alone, light ones 
     --chunk 8192 --repeat 1 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-profile-h200.json"
   phase serve-spec ${T_SERVE:-130} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
   ;;
+closing)  # the round's new cells and fixed paths (kernel tests beside the model-building tests), then prefill,
+          # serving (plain + Eagle3) and the decode step for the no-regression check
+  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/test_gpu.py -k "msa.select or (tiled and r512)" > "$OUT/pytest-cells-gemm.log" 2>&1 &
+  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul" > "$OUT/pytest-cells-rows.log" 2>&1 &
+  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/moe/test_moe_grouped_gpu.py -k every_expert_format tests/runtime/test_token_filters_gpu.py > "$OUT/pytest-paths.log" 2>&1 &
+  wait
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
+  phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,mxfp8,none \
+    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
+  phase serve ${T_SERVE:-230} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec --out "$OUT/serve-pareto-h200.json"
+  phase decode-m3_5-nvfp4 ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+    --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
