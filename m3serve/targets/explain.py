@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
-from m3serve.kernels.msa_index import IFMT_CODE
-from m3serve.kernels.paged_attention import FMT_CODES
+from m3serve.kernels.attention.kv_write import FMT_CODE, NO_INDEX
+from m3serve.kernels.attention.msa_index import IFMT_CODE
+from m3serve.kernels.attention.paged import FMT_CODES
 from m3serve.model.layers import Linear, RMSNorm
 from m3serve.model.m3 import Attention
 from m3serve.model.moe import MoE

@@ -21,7 +21,7 @@ import torch
 
 import functools
 
-from m3serve.kernels.moe_grouped import make_workspace as grouped_workspace
+from m3serve.kernels.moe.grouped import make_workspace as grouped_workspace
 from m3serve.targets import fused_projection
 from m3serve.kernels.catalog import all_entries
 from m3serve.targets.dispatch import MODES, lookup, module_workspace
@@ -164,7 +164,7 @@ def _linear(lin, x: torch.Tensor, mode: str):
         return None
     cell = entry.cell_for(rows, (n, k))
     cfg = cell.config["gemm"]
-    from m3serve.kernels._gemm_tiles import make_workspace
+    from m3serve.kernels.gemm._gemm_tiles import make_workspace
     ws = module_workspace(lin, cell.rows, lambda: make_workspace(cfg, n, x.device))
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
     x2 = x2.contiguous()
@@ -382,7 +382,7 @@ def _moe_nvfp4(m, x: torch.Tensor):
         return None
     cell = entry.cell_for(rows, shape)
     cfg = cell.config["moe"]
-    from m3serve.kernels.moe_nvfp4 import make_moe_workspace
+    from m3serve.kernels.moe.nvfp4 import make_moe_workspace
     ws = module_workspace(m, rows, lambda: make_moe_workspace(cfg, rows, e, h, i, x.device))
     if shared_bf16:
         sh_args = (sh.gate_up_proj.weight, None, None, sh.down_proj.weight, None, None)
@@ -398,7 +398,7 @@ def _moe_nvfp4(m, x: torch.Tensor):
     return out
 
 
-# moe.grouped's format codes (m3serve.kernels._decode) by QWeight format
+# moe.grouped's format codes (m3serve.kernels.formats._decode) by QWeight format
 GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
 
 
