@@ -151,10 +151,10 @@ class Route:
     shape: tuple[int, ...]
     spans: tuple[Span, ...]
     strict: bool = True
+    starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def starts(self) -> tuple[int, ...]:
-        return tuple(s.lo for s in self.spans)
+    def __post_init__(self):
+        object.__setattr__(self, "starts", tuple(s.lo for s in self.spans))
 
     def span(self, rows: int) -> Span:
         return self.spans[bisect_right(self.starts, rows) - 1]
@@ -210,11 +210,21 @@ class KernelPlan:
                         yield m, slot, route, s
 
 
-def _route(key: Key | None, entries, strict: bool = True) -> Route | None:
-    if key is None:
-        return None
-    kind, shape = key
-    return Route(kind, tuple(int(s) for s in shape), resolve(kind, shape, entries), strict)
+class _Resolver:
+    """resolve() once per (kind, shape) of one build: a model's layers share their shapes."""
+
+    def __init__(self):
+        self.entries = all_entries()
+        self.spans: dict[Key, tuple[Span, ...]] = {}
+
+    def __call__(self, key: Key | None, strict: bool = True) -> Route | None:
+        if key is None:
+            return None
+        kind, shape = key[0], tuple(int(s) for s in key[1])
+        spans = self.spans.get((kind, shape))
+        if spans is None:
+            spans = self.spans[(kind, shape)] = resolve(kind, shape, self.entries)
+        return Route(kind, shape, spans, strict)
 
 
 def _device(model) -> torch.device:
@@ -234,7 +244,7 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
     _check_mode(mode)
     if mode == "off":
         return KernelPlan(mode, max_rows or 0, ())
-    entries = all_entries()
+    route = _Resolver()
     # the per-head q/k norms belong to attn.qk_prep: they run only when it falls back, on [T, heads, D]
     head_norms = {id(n) for a in model.modules() if isinstance(a, Attention)
                   for n in (a.q_norm, a.k_norm, getattr(a, "index_q_norm", None), getattr(a, "index_k_norm", None))
@@ -242,18 +252,18 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
     out = []
     for name, mod in model.named_modules():
         if isinstance(mod, Linear):
-            route = _route(linear_key(mod), entries)
-            if route is not None:
-                out.append(ModulePlan(name, "linear", {"linear": route}))
+            lin = route(linear_key(mod))
+            if lin is not None:
+                out.append(ModulePlan(name, "linear", {"linear": lin}))
             elif mod.num_experts is None:
                 out.append(ModulePlan(name, "linear.torch", note=f"{mod.fmt} weights: cuBLAS (no catalog entry for "
                                                                  "unquantized linears)"))
         elif isinstance(mod, RMSNorm) and id(mod) not in head_norms:
             rms, add = norm_keys(mod.weight)
-            out.append(ModulePlan(name, "norm", {"rms": _route(rms, entries), "add_rms": _route(add, entries)}))
+            out.append(ModulePlan(name, "norm", {"rms": route(rms), "add_rms": route(add)}))
         elif isinstance(mod, Attention):
-            routes = {"qk_prep": _route(qk_prep_key(mod), entries)}
-            qkv = _route(qkv_key(mod), entries, strict=False)
+            routes = {"qk_prep": route(qk_prep_key(mod))}
+            qkv = route(qkv_key(mod), strict=False)
             if qkv is not None:
                 routes["qkv"] = qkv
             note = ""
@@ -263,27 +273,27 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
                         f"({sum(p.out_features for p in parts)} x {parts[0].in_features})")
             out.append(ModulePlan(name, "attention", routes, note))
         elif isinstance(mod, DenseMLP):
-            out.append(ModulePlan(name, "mlp", {"act": _route(swiglu_key(mod), entries)}))
+            out.append(ModulePlan(name, "mlp", {"act": route(swiglu_key(mod))}))
         elif isinstance(mod, MoE):
-            out.append(_moe_plan(name, mod, entries))
+            out.append(_moe_plan(name, mod, route))
     plan = KernelPlan(mode, max_rows or 0, tuple(out))
     if mode == "require" and max_rows and _device(model).type == "cuda":
         _require_covered(plan)
     return plan
 
 
-def _moe_plan(name: str, m: MoE, entries) -> ModulePlan:
+def _moe_plan(name: str, m: MoE, route: _Resolver) -> ModulePlan:
     dense = all_experts_keys(m)
     if dense is not None:
         router, act = dense
-        return ModulePlan(name, "moe.all_experts", {"router": _route(router, entries), "act": _route(act, entries)},
+        return ModulePlan(name, "moe.all_experts", {"router": route(router), "act": route(act)},
                           f"dense experts ({m.w13.num_experts} <= {ALL_EXPERTS_MAX}): every expert on every token, "
                           "masked (no host sync, capturable)")
     routes = {}
-    nv = _route(moe_nvfp4_key(m), entries, strict=False)
+    nv = route(moe_nvfp4_key(m), strict=False)
     if nv is not None:
         routes["nvfp4"] = nv
-    grouped = _route(moe_grouped_key(m), entries)
+    grouped = route(moe_grouped_key(m))
     if grouped is not None:
         routes["grouped"] = grouped
     if not routes:
@@ -300,7 +310,7 @@ def build_drafter_plan(drafter, mode: str, max_rows: int | None = None) -> Kerne
     _check_mode(mode)
     if mode == "off":
         return KernelPlan(mode, max_rows or 0, ())
-    entries = all_entries()
+    route = _Resolver()
     rotary = {id(layer.self_attn): layer.cfg.rotary_dim for layer in drafter.modules() if isinstance(layer, Eagle3Layer)}
     out = []
     for name, mod in drafter.named_modules():
@@ -310,11 +320,11 @@ def build_drafter_plan(drafter, mode: str, max_rows: int | None = None) -> Kerne
                 out.append(ModulePlan(name, "drafter.norm.stock", note="1 + (w - 1) != w in fp32: the stock norm"))
                 continue
             rms, add = norm_keys(mod.weight)
-            out.append(ModulePlan(name, "drafter.norm", {"rms": _route(rms, entries), "add_rms": _route(add, entries)}))
+            out.append(ModulePlan(name, "drafter.norm", {"rms": route(rms), "add_rms": route(add)}))
         elif isinstance(mod, Eagle3Attention) and id(mod) in rotary:
-            out.append(ModulePlan(name, "drafter.attention", {"rope": _route(rope_key(mod, rotary[id(mod)]), entries)}))
+            out.append(ModulePlan(name, "drafter.attention", {"rope": route(rope_key(mod, rotary[id(mod)]))}))
         elif isinstance(mod, Eagle3MLP):
-            out.append(ModulePlan(name, "drafter.mlp", {"act": _route(silu_mul_key(mod), entries)}))
+            out.append(ModulePlan(name, "drafter.mlp", {"act": route(silu_mul_key(mod))}))
     plan = KernelPlan(mode, max_rows or 0, tuple(out))
     if mode == "require" and max_rows and _device(drafter).type == "cuda":
         _require_covered(plan)
