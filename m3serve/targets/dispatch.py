@@ -37,7 +37,7 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "moe.nvfp4": (((1, 48), "moe.nvfp4"),),
     # every expert format, decode batches to prefill chunks (NVFP4 1-48 rows stay on moe.nvfp4 where it serves)
     "moe.grouped": (((1, 16384), "moe.grouped"),),
-    "norm.add_rms": (((1, 256), "norm.add_rms"),),
+    "norm.add_rms": (((1, 16384), "norm.add_rms"),),
     "head.bf16": (((1, 48), "head.bf16"),),
     "head.head12": (((1, 48), "head.head12"),),
     # attention on the paged cache: rows = tokens of the step (kv.write) or query tokens per sequence
@@ -47,13 +47,13 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "attn.paged": (((1, 48), "attn.paged"),),
     "attn.prefill": (((1, 16384), "attn.prefill"),),
     # fused elementwise steps of the decode target (rows = tokens of the step)
-    "norm.rms": (((1, 256), "norm.rms"),),
-    "attn.qk_prep": (((1, 256), "attn.qk_prep"),),
-    "mlp.swiglu_oai": (((1, 256), "mlp.swiglu_oai"),),
-    "moe.route_small": (((1, 256), "moe.route_small"),),
+    "norm.rms": (((1, 16384), "norm.rms"),),
+    "attn.qk_prep": (((1, 16384), "attn.qk_prep"),),
+    "mlp.swiglu_oai": (((1, 16384), "mlp.swiglu_oai"),),
+    "moe.route_small": (((1, 16384), "moe.route_small"),),
     # the Eagle3 draft layer on the target (rows = tokens of the pass)
-    "attn.rope": (((1, 256), "attn.rope"),),
-    "mlp.silu_mul": (((1, 256), "mlp.silu_mul"),),
+    "attn.rope": (((1, 16384), "attn.rope"),),
+    "mlp.silu_mul": (((1, 16384), "mlp.silu_mul"),),
     # a speculative step's bookkeeping (rows = sequences of the bucket; shape = (K,))
     "spec.inputs": (((1, 256), "spec.inputs"),),
     "spec.accept": (((1, 256), "spec.accept"),),

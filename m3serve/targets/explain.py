@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
-from m3serve.kernels.msa_index import IFMT_CODE
-from m3serve.kernels.paged_attention import FMT_CODES
+from m3serve.kernels.attention.kv_write import FMT_CODE, NO_INDEX
+from m3serve.kernels.attention.msa_index import IFMT_CODE
+from m3serve.kernels.attention.paged import FMT_CODES
 from m3serve.targets.dispatch import lookup
 from m3serve.targets.plan import KernelPlan, Route, build_plan
 from m3serve.targets.routing import plan_of

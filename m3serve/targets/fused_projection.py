@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from m3serve.kernels._gemm_tiles import make_workspace
-from m3serve.kernels.qkv_fused import fuse_projection_weights
+from m3serve.kernels.gemm._gemm_tiles import make_workspace
+from m3serve.kernels.gemm.qkv_fused import fuse_projection_weights
 from m3serve.targets.plan import QUANT_FORMATS, projection_parts
 
 

@@ -36,7 +36,7 @@ QUANT_FORMATS = ("nvfp4", "mxfp8", "fp8")
 # so it can be captured in a CUDA graph; beyond it the wasted FLOPs outweigh that (the stock loop runs).
 ALL_EXPERTS_MAX = 16
 
-# moe.grouped's format codes (m3serve.kernels._decode) by QWeight format
+# moe.grouped's format codes (m3serve.kernels.formats._decode) by QWeight format
 GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
 
 # the cell config a launch of each kind takes (the others take none)

@@ -30,9 +30,9 @@ from bisect import bisect_right
 
 import torch
 
-from m3serve.kernels._gemm_tiles import make_workspace as gemm_workspace
-from m3serve.kernels.moe_grouped import make_workspace as grouped_workspace
-from m3serve.kernels.moe_nvfp4 import make_moe_workspace
+from m3serve.kernels.gemm._gemm_tiles import make_workspace as gemm_workspace
+from m3serve.kernels.moe.grouped import make_workspace as grouped_workspace
+from m3serve.kernels.moe.nvfp4 import make_moe_workspace
 from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
 from m3serve.model.layers import Linear, RMSNorm, rope_inv_freq
 from m3serve.model.m3 import Attention

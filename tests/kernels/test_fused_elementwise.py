@@ -14,12 +14,12 @@ import pytest
 import torch
 import triton.language as tl
 
-from m3serve.kernels import qk_prep as QK
-from m3serve.kernels import rms_norm as RN
-from m3serve.kernels import route_small as RS
-from m3serve.kernels import swiglu as SW
+from m3serve.kernels.attention import qk_prep as QK
+from m3serve.kernels.norm import rms as RN
+from m3serve.kernels.moe import route_small as RS
+from m3serve.kernels.mlp import swiglu as SW
 from m3serve.kernels._jit import kernel
-from m3serve.kernels._rope import cos_sin_f32
+from m3serve.kernels.attention._rope import cos_sin_f32
 from m3serve.kernels.catalog import poisoned
 from m3serve.model.layers import RMSNorm, rope_cos_sin, rope_inv_freq, swiglu_oai
 
@@ -50,7 +50,7 @@ def _cos_sin_probe(a_ptr, c_ptr, s_ptr, N, B: tl.constexpr):
 
 
 def test_cos_sin_within_half_an_ulp_of_truth_and_the_stated_bound_of_torch() -> None:
-    """_rope.py's claim: within 0.5 ulp + 2**-50 of the true value for |angle| <= 2**20 * pi/2, hence within
+    """attention/_rope.py's claim: within 0.5 ulp + 2**-50 of the true value for |angle| <= 2**20 * pi/2, hence within
     2.5 * 2**-24 of torch's cos/sin (SLEEF u10 here, CUDA's 2-ulp cosf on the GPU). The angles are RoPE's
     own: pos * inv_freq at M3's theta and positions up to 2**20, plus small and negative ones."""
     g = _gen(0)

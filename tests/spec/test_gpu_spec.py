@@ -138,7 +138,7 @@ def test_routed_drafter_layer_matches_the_stock_layer():
     an element one ulp the other way (norm.rms's band), which the MLP's GEMMs carry into every output as at most
     ~2**-8 of the row's scale; a mis-wired hook moves values by O(1) of it."""
     import os
-    from m3serve.kernels.qk_prep import rope_compare, rope_reference
+    from m3serve.kernels.attention.qk_prep import rope_compare, rope_reference
     from m3serve.llm import DEFAULT_MODEL_DIR
     from m3serve.model.eagle3 import load_drafter
     from m3serve.model.layers import rope_inv_freq
