@@ -111,8 +111,9 @@ class LLM:
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
         _default_target_context(self.model.cfg, self.route, engine_kwargs)
         if self.route != "off":
-            routing.install(self.model, self.route)
-            routing.warmup(self.model, max_rows=_max_step_rows(engine_kwargs, speculative_config))
+            max_rows = _max_step_rows(engine_kwargs, speculative_config)
+            routing.install(self.model, self.route, max_rows=max_rows)   # require: uncovered rows raise here
+            routing.warmup(self.model, max_rows=max_rows)
         self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
             model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))

@@ -150,12 +150,6 @@ def test_embedded_model_routed_through_the_fused_entries(rows: int, seed: int, m
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     x_ref, x_got = [], []
     fired = []
-    real_lookup = routing.lookup
-
-    def spy(kind, r, shape, mode):
-        entry = real_lookup(kind, r, shape, mode)
-        fired.append((kind, entry is not None))
-        return entry
 
     with torch.no_grad():
         routing.install(model, "off")
@@ -163,13 +157,15 @@ def test_embedded_model_routed_through_the_fused_entries(rows: int, seed: int, m
         ref = model(batch())
         for h in hooks:
             h.remove()
-        routing.install(model, "require")
-        monkeypatch.setattr(routing, "lookup", spy)
+        routing.install(model, "require", max_rows=rows)   # every row count up to `rows` certified, or raise here
+        for _, kind, launch in routing.launches(model):
+            run = launch.run
+            monkeypatch.setattr(launch, "run", lambda *a, _run=run, _k=kind, **k: fired.append(_k) or _run(*a, **k))
         hooks = [m.register_forward_pre_hook(lambda mod, a: x_got.append(a[0].clone())) for m in moes]
         got = model(batch())
         for h in hooks:
             h.remove()
-    kinds = {k for k, hit in fired if hit}
+    kinds = set(fired)
     assert {"norm.rms", "norm.add_rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small"} <= kinds, kinds
     assert torch.isfinite(got).all()
     check_routed_logits(moes, x_ref, x_got, ref, got, label=f"rows {rows}")

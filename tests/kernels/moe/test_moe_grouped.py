@@ -12,8 +12,8 @@ from m3serve.kernels.moe import grouped as G
 from m3serve.kernels.formats._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.catalog import Cell
 from m3serve.model.moe import MoE, route
-from m3serve.targets import routing
-from m3serve.targets.dispatch import lookup
+from m3serve.targets import plan, routing
+from m3serve.targets.dispatch import lookup, resolve
 
 CPU = torch.device("cpu")
 FMTS = (FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4)
@@ -179,9 +179,18 @@ def _tiny_moe(quant: str):
     return next(x for x in model.modules() if isinstance(x, MoE))
 
 
+def _grouped(m, mode: str) -> routing.MoEKernel:
+    """The bound MoE kernel of layer m with only its moe.grouped route (the dense tiny layer's plan sends it to
+    the all-experts path instead, which this file does not test)."""
+    kind, shape = plan.moe_grouped_key(m)
+    route = plan.Route(kind, shape, resolve(kind, shape))
+    return routing.MoEKernel(None, routing.RowTable(route, "mlp", mode), shape, mode)
+
+
 @pytest.mark.parametrize("quant", ["dense", "fp8", "mxfp8", "nvfp4"])
 def test_hook_matches_stock_on_the_tiny_preset(quant):
-    """routing._moe_grouped (the interpreter on CPU tensors) vs the stock MoE of the same layer, 3 and 70 tokens.
+    """The bound moe.grouped kernel (run_grouped: the interpreter on CPU tensors) vs the stock MoE of the same
+    layer, 3 and 70 tokens.
     Stock rounds the gate|up output to bf16 before SwiGLU (the kernel does not), and for FP8 / NVFP4 each GEMM
     output once more before its per-row scale; so they agree to a few bf16 ulps of the output scale, not bits:
     tolerance 2**-5 of max |out| (a wrong expert or weight moves outputs by O(1) of it)."""
@@ -191,7 +200,7 @@ def test_hook_matches_stock_on_the_tiny_preset(quant):
         x = torch.randn(rows, m.w13.in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         with torch.no_grad():
             ref = m(x)
-            got = routing._moe_grouped(m, x, "require")
+            got = _grouped(m, "require").run_grouped(m, x)
         assert got is not None and got.shape == ref.shape and got.dtype == torch.bfloat16
         err = (got.float() - ref.float()).abs().max()
         assert err <= 2.0 ** -5 * ref.float().abs().max(), f"{quant} rows {rows}: max |got - stock| {float(err)}"
@@ -199,15 +208,15 @@ def test_hook_matches_stock_on_the_tiny_preset(quant):
 
 def test_require_names_what_no_cell_covers():
     m = _tiny_moe("mxfp8")
-    shape = routing.grouped_shape(m)
+    _, shape = plan.moe_grouped_key(m)
     assert shape == (FMT_MXFP8, 8, 128, 64, 2)
     with pytest.raises(ValueError, match=r"moe.grouped: rows 20000 shape \(1, 8, 128, 64, 2\).*outside"):
         lookup("moe.grouped", 20000, shape, "require")
     assert lookup("moe.grouped", 20000, shape, "auto") is None
     x = torch.zeros(1, 128, dtype=torch.float32)
     with pytest.raises(ValueError, match="experts.w13: require mode"):
-        routing._moe_grouped(m, x, "require")
-    assert routing._moe_grouped(m, x, "auto") is None
+        _grouped(m, "require").run_grouped(m, x)
+    assert _grouped(m, "auto").run_grouped(m, x) is None
     with pytest.raises(ValueError, match=r"rows 5 shape \(1, 8, 96, 64, 2\)"):
         lookup("moe.grouped", 5, (FMT_MXFP8, 8, 96, 64, 2), "require")
 
@@ -215,10 +224,13 @@ def test_require_names_what_no_cell_covers():
 def test_dense_tiny_preset_keeps_the_exact_all_experts_path():
     """Dense experts with at most ALL_EXPERTS_MAX experts (the tiny preset, the embedded model) stay on
     moe_all_experts, which equals stock bit for bit at top-2 (tests/targets/test_moe_all_experts.py): the grouped
-    entry is not warmed for them (routing._moe sends them there before any other lookup)."""
+    entry is neither planned nor warmed for them."""
     m = _tiny_moe("dense")
-    assert m.w13.num_experts <= routing.ALL_EXPERTS_MAX
-    assert routing._warm_grouped(m, 2048, set(), CPU) == 0
+    assert m.w13.num_experts <= plan.ALL_EXPERTS_MAX
+    bound = routing.install(torch.nn.Sequential(m), "auto")
+    assert [(mp.role, tuple(mp.routes)) for mp in bound.modules if mp.name == "0"] == [
+        ("moe.all_experts", ("router", "act"))]
+    assert routing.warm_calls(bound, 2048) == []
 
 
 def test_explain_names_the_grouped_moe():
