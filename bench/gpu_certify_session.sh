@@ -80,10 +80,10 @@ closing)  # the round's new cells and fixed paths (kernel tests beside the model
   timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/moe/test_moe_grouped_gpu.py -k every_expert_format tests/runtime/test_token_filters_gpu.py > "$OUT/pytest-paths.log" 2>&1 &
   wait
   for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
-  phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,mxfp8,none \
-    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
+  phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant ${PREFILL_QUANT:-nvfp4,mxfp8,none} \
+    --chunk 8192 --repeat ${PREFILL_REPEAT:-2} --out "$OUT/prefill-h200.json"
   phase serve ${T_SERVE:-230} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec --out "$OUT/serve-pareto-h200.json"
-  phase decode-m3_5-nvfp4 ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+  [ "${T_DECODE:-70}" -gt 0 ] && phase decode-m3_5-nvfp4 ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
   ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
