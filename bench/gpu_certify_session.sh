@@ -82,7 +82,8 @@ closing)  # the round's new cells and fixed paths (kernel tests beside the model
   for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
   phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant ${PREFILL_QUANT:-nvfp4,mxfp8,none} \
     --chunk 8192 --repeat ${PREFILL_REPEAT:-2} --out "$OUT/prefill-h200.json"
-  phase serve ${T_SERVE:-230} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec --out "$OUT/serve-pareto-h200.json"
+  phase serve ${T_SERVE:-230} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   [ "${T_DECODE:-70}" -gt 0 ] && phase decode-m3_5-nvfp4 ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
   ;;
