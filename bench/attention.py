@@ -62,8 +62,8 @@ from m3serve.kv.spec import KVCacheSpec  # noqa: E402
 from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("decode", "msa", "kv_write", "prefill", "decode_step")
-MODULES = ("m3serve.kernels.kv_write", "m3serve.kernels.msa_index", "m3serve.kernels.paged_attention",
-           "m3serve.kernels.prefill_attention")
+MODULES = ("m3serve.kernels.attention.kv_write", "m3serve.kernels.attention.msa_index", "m3serve.kernels.attention.paged",
+           "m3serve.kernels.attention.prefill")
 FLUSH_BYTES = 256 << 20
 # decode_step: prefill tokens per engine step; kv.write, msa.scores and msa.select are certified up to 8192 rows
 DECODE_STEP_CHUNK = 8192
@@ -212,7 +212,7 @@ class Bench:
               f"{nbytes / 2**20:9.2f} MiB  {100 * rec['frac_copy']:5.1f}% copy{extra}", flush=True)
 
     def _attn_args(self, step: Step, layer: int, fmt: str, q: torch.Tensor, sel, num_splits: int):
-        pa = self.mods["paged_attention"]
+        pa = self.mods["paged"]
         c, m = self.cache, self.m
         nv = fmt == "nvfp4"
         ws = pa.make_workspace(q.shape[0], m.hq, m.d, num_splits, self.dev)
@@ -224,7 +224,7 @@ class Bench:
         return args, kw
 
     def decode(self, points: list[tuple[int, int]]) -> None:
-        pa = self.mods["paged_attention"]
+        pa = self.mods["paged"]
         m = self.m
         for batch, ctx in points:
             step = make_step(m, self.cache.num_slots, [1] * batch, [ctx] * batch, self.dev, self.host_gen)
@@ -235,7 +235,7 @@ class Bench:
                         lambda: pa.paged_attention(*args, **kw), nbytes)
 
     def msa(self, contexts: list[int]) -> None:
-        pa, mi = self.mods["paged_attention"], self.mods["msa_index"]
+        pa, mi = self.mods["paged"], self.mods["msa_index"]
         m = self.m
         for ctx in contexts:
             step = make_step(m, self.cache.num_slots, [1], [ctx], self.dev, self.host_gen)
@@ -295,7 +295,7 @@ class Bench:
                 self.record(f"kv.write/{fmt}", what, batch, 0, batch, lambda: kw_mod.kv_write(*args, **kw), nbytes)
 
     def prefill(self, chunk: int, contexts: list[int]) -> None:
-        pf = self.mods["prefill_attention"]
+        pf = self.mods["prefill"]
         c, m = self.cache, self.m
         for ctx in contexts:
             step = make_step(m, c.num_slots, [chunk], [ctx + chunk], self.dev, self.host_gen)
@@ -329,16 +329,16 @@ def _load_decode_bench():
 
 
 def target_len_limit(cfg) -> int | None:
-    """The longest max_model_len the decode target runs at: msa.select is certified up to a block-table width
-    (1024 pages = 128k tokens at M3 TP1); a longer max_model_len widens the table past it and LLMEngine.
-    enable_target turns the target off (route "auto"). None: no sparse layer, no such limit."""
+    """The longest max_model_len the decode target runs at with its narrowest certified msa.select table (1024
+    pages = 128k tokens at M3 TP1): one page more widens the table to the next certified width (8192 pages, M3's
+    full 1M context), whose selection rounds scan 8x the blocks on every step. None: no sparse layer, no limit."""
     if "sparse" not in cfg.layer_types:
         return None
     from m3serve.kernels.catalog import all_entries
     p = cfg.index_block_size
     widths = [c.shape[3] for c in all_entries()["msa.select"].cells
               if c.shape[:3] == (cfg.num_key_value_heads, p, cfg.index_topk_blocks)]
-    return max(widths) * p if widths else None
+    return min(widths) * p if widths else None
 
 
 def decode_step(model: str, contexts: list[int], steps: int) -> tuple[list[dict], dict]:
@@ -352,8 +352,8 @@ def decode_step(model: str, contexts: list[int], steps: int) -> tuple[list[dict]
     max_len = max(contexts) + headroom
     limit = target_len_limit(preset(model))
     if limit is not None and max_len > limit:
-        print(f"decode_step: max_model_len {max_len} capped at {limit} (msa.select's certified table width; "
-              "a wider table turns the decode target off)", flush=True)
+        print(f"decode_step: max_model_len {max_len} capped at {limit} (msa.select's narrowest certified "
+              "table width; a wider table makes every step's block selection scan 8x the blocks)", flush=True)
         max_len = limit
     if max_len - headroom < 1:
         raise SystemExit(f"decode_step: max_model_len {max_len} leaves no prompt after {headroom} tokens of steps")

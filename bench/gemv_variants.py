@@ -1,5 +1,5 @@
-"""Decode GEMV variants vs the certified cell: the CUDA-core GEMV (m3serve/kernels/_gemv.py, rows 1-4) and the
-register-operand MMA GEMV (m3serve/kernels/_mma_gemv.py, rows 1-8).
+"""Decode GEMV variants vs the certified cell: the CUDA-core GEMV (m3serve/kernels/gemm/_gemv.py, rows 1-4) and the
+register-operand MMA GEMV (m3serve/kernels/gemm/_mma_gemv.py, rows 1-8).
 
 For linear.nvfp4 and linear.mxfp8, each real (N, K) shape and rows 1, 2, 4: the entry's current
 cell config ("cell") and each GEMV config below run on the SAME fresh random inputs through the
@@ -36,11 +36,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from m3serve.kernels._gemm_tiles import make_workspace  # noqa: E402
-from m3serve.kernels import _linear as L  # noqa: E402
-from m3serve.kernels import linear_mxfp8, linear_nvfp4  # noqa: E402
-from m3serve.kernels._gemv import GemvConfig, gemv_split  # noqa: E402
-from m3serve.kernels._mma_gemv import MmaGemvConfig, mma_split  # noqa: E402
+from m3serve.kernels.gemm._gemm_tiles import make_workspace  # noqa: E402
+from m3serve.kernels.gemm import _linear as L  # noqa: E402
+from m3serve.kernels.gemm import mxfp8 as linear_mxfp8, nvfp4 as linear_nvfp4  # noqa: E402
+from m3serve.kernels.gemm._gemv import GemvConfig, gemv_split  # noqa: E402
+from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig, mma_split  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
 
 # every M3 linear shape with N or K >= 6144 (TP1 and TP2), the 512/256-wide k/v projections being fused away

@@ -7,7 +7,11 @@
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
+# the device copy's .git may be stale: results record the commit the caller passes (M3SERVE_COMMIT=$(git rev-parse HEAD))
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# at most 8 files come back from a device call: the logs travel as one archive
+pack_logs() { (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log prefill-profile-*.txt 2>/dev/null)); }
+trap pack_logs EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PWD:/tmp/site || exit 1
@@ -27,7 +31,7 @@ tests)   # certification + the decode-step side-by-side runs (one call)
   phase pytest-gpu-cells ${T_CELLS:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
   phase pytest-gpu-paths ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
-    ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_paged_attention_gpu.py}
+    ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/attention/test_kv_write.py tests/kernels/attention/test_paged_attention_gpu.py}
   phase graph-buckets 60 python3 bench/debug/graph_buckets.py
   phase decode-m3_5-bf16 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
@@ -40,12 +44,55 @@ serve)   # serving sweeps, prefill TTFT beside transformers, KV rotation at real
   phase decode-m3_5-nvfp4-rotated ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
     --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation auto --out "$OUT/decode-target-h200.json"
   ;;
+verify)  # GPU path tests, one pytest process per file in parallel (Triton compiles on all cores), then measurements
+  s=$(date +%s)
+  for f in ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/attention/test_kv_write.py tests/kernels/attention/test_paged_attention_gpu.py}; do
+    n=$(basename "$f" .py)
+    timeout ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 190 -rfE "$f" > "$OUT/pytest-$n.log" 2>&1 &
+  done
+  wait
+  echo "[parallel gpu tests: $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -3 "$l"; done | tee -a "$OUT/phases.txt"
+  phase decode-m3_5-bf16 ${T_DECODE:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+    --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
+  phase generate-cold 60 bash -c 'time python3 -c "from m3serve.cli import main; main()" generate'
+  phase generate-warm 60 bash -c 'time python3 -c "from m3serve.cli import main; main()" generate'
+  phase prefill ${T_PREFILL:-120} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,mxfp8,none \
+    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
+  phase serve-spec ${T_SERVE:-120} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
+  ;;
+followup)  # failed GPU tests rerun with full logs (heavy one alone, light ones beside it), prefill profile, Eagle3 sweep
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE tests/kernels/moe/test_moe_grouped_gpu.py \
+    > "$OUT/pytest-moe-grouped.log" 2>&1 &
+  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE tests/runtime/test_token_filters_gpu.py \
+    tests/kernels/test_fused_elementwise_gpu.py > "$OUT/pytest-light.log" 2>&1 &
+  wait
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
+  phase prefill-profile ${T_PREFILL:-110} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,none \
+    --chunk 8192 --repeat 1 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-profile-h200.json"
+  phase serve-spec ${T_SERVE:-130} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
+  ;;
+closing)  # the round's new cells and fixed paths (kernel tests beside the model-building tests), then prefill,
+          # serving (plain + Eagle3) and the decode step for the no-regression check
+  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/test_gpu.py -k "msa.select or (tiled and r512)" > "$OUT/pytest-cells-gemm.log" 2>&1 &
+  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul" > "$OUT/pytest-cells-rows.log" 2>&1 &
+  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/moe/test_moe_grouped_gpu.py -k every_expert_format tests/runtime/test_token_filters_gpu.py > "$OUT/pytest-paths.log" 2>&1 &
+  wait
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
+  phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant ${PREFILL_QUANT:-nvfp4,mxfp8,none} \
+    --chunk 8192 --repeat ${PREFILL_REPEAT:-2} --out "$OUT/prefill-h200.json"
+  phase serve ${T_SERVE:-230} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
+  [ "${T_DECODE:-70}" -gt 0 ] && phase decode-m3_5-nvfp4 ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+    --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
   phase pytest-gpu-paths ${T_PATHS:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/runtime/test_no_cliffs_gpu.py tests/kernels/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py \
-    tests/kernels/test_kv_write.py
+    tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py \
+    tests/kernels/attention/test_kv_write.py
   phase graph-buckets 50 python3 bench/debug/graph_buckets.py
   phase decode-m3_5-bf16 ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"

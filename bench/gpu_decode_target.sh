@@ -16,8 +16,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$L/gpu.t
 pyt() { timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --timeout 200 "${@:2}"; }
 case "$PHASE" in
   certify)
-    pyt 200 tests/kernels/test_paged_attention_gpu.py tests/kernels/test_kv_write.py tests/kernels/test_msa_index.py \
-        tests/kernels/test_prefill_attention.py > "$L/pytest-attention.log" 2>&1; tail -2 "$L/pytest-attention.log"
+    pyt 200 tests/kernels/attention/test_paged_attention_gpu.py tests/kernels/attention/test_kv_write.py tests/kernels/attention/test_msa_index.py \
+        tests/kernels/attention/test_prefill_attention.py > "$L/pytest-attention.log" 2>&1; tail -2 "$L/pytest-attention.log"
     pyt 150 tests/kernels/test_fused_elementwise_gpu.py tests/kernels/test_gpu.py \
         -k "norm or qk_prep or swiglu or route or warmup or elementwise" > "$L/pytest-fused.log" 2>&1
     tail -2 "$L/pytest-fused.log"

@@ -37,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.config import preset  # noqa: E402
-from m3serve.kernels import moe_nvfp4, msa_index, paged_attention as pa  # noqa: E402
-from m3serve.kernels._mma_moe import MmaMoEConfig  # noqa: E402
-from m3serve.kernels._paged_attn_call import TileConfig, tile_config  # noqa: E402
+from m3serve.kernels.attention import msa_index, paged as pa  # noqa: E402
+from m3serve.kernels.moe import nvfp4 as moe_nvfp4  # noqa: E402
+from m3serve.kernels.moe._mma import MmaMoEConfig  # noqa: E402
+from m3serve.kernels.attention._paged_call import TileConfig, tile_config  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
 from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
 
@@ -129,7 +130,7 @@ def attn_variants(r: Runner, bench, step, m, layer: int, fmt: str, q, sel, what:
 def attn_group(r: Runner, cache, m) -> None:
     gen = torch.Generator(device=r.dev).manual_seed(0)
     host = torch.Generator().manual_seed(1)
-    bench = AB.Bench({"paged_attention": pa}, cache, m, None, r.bw, gen)
+    bench = AB.Bench({"paged": pa}, cache, m, None, r.bw, gen)
     for batch, ctx in ((1, 4096), (1, 32768), (16, 4096), (1, 131072)):
         step = AB.make_step(m, cache.num_slots, [1] * batch, [ctx] * batch, r.dev, host)
         q = AB._q(batch, m.hq, m.d, r.dev, gen)
@@ -185,7 +186,7 @@ def select_group(r: Runner, cache, m) -> None:
                   default=(warps == 4))
 
 
-# the MMA-step MoE (_mma_moe, NVFP4 shared expert, 1-8 tokens):
+# the MMA-step MoE (moe/_mma.py, NVFP4 shared expert, 1-8 tokens):
 # (name, RP, gate|up warps, STAGES, DSPLIT, down warps, down stages)
 MMA_MOE = (("mma_w4s2_d4w4s2", 1, 4, 2, 4, 4, 2), ("mma_w4s3_d4w4s3", 1, 4, 3, 4, 4, 3),
            ("mma_w2s2_d4w4s2", 1, 2, 2, 4, 4, 2), ("mma_w2s3_d8w4s2", 1, 2, 3, 8, 4, 2),

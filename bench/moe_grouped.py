@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
-from m3serve.kernels import moe_grouped as G  # noqa: E402
-from m3serve.kernels._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4  # noqa: E402
+from m3serve.kernels.moe import grouped as G  # noqa: E402
+from m3serve.kernels.formats._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from kernels import flush_l2, graphed, time_call  # noqa: E402

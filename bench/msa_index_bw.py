@@ -16,8 +16,8 @@ import torch
 import triton
 
 from m3serve.benchmeta import run_metadata
-from m3serve.kernels import kv_write as kw
-from m3serve.kernels import msa_index as mi
+from m3serve.kernels.attention import kv_write as kw
+from m3serve.kernels.attention import msa_index as mi
 
 DEV = torch.device("cuda")
 K128 = 128 * 1024

@@ -1,4 +1,4 @@
-"""Microbenchmark of attn.paged (m3serve/kernels/paged_attention.py) on the GPU.
+"""Microbenchmark of attn.paged (m3serve/kernels/attention/paged.py) on the GPU.
 
 Each point: one step of `batch` sequences, each with `context` keys and `rows` query tokens, on
 an M3 TP1 cache (Hq 64, Hk 4, D 128, P 128); the raw call captured in a CUDA graph, the 60 MB
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import FLUSH_BYTES, copy_bandwidth, graphed, time_call  # noqa: E402
 from m3serve.benchmeta import run_metadata  # noqa: E402
-from m3serve.kernels import _paged_attn_call as call  # noqa: E402
-from m3serve.kernels._paged_attn_case import CaseShape, build_case  # noqa: E402
-from m3serve.kernels.paged_attention import FMT_CODES, paged_attention  # noqa: E402
+from m3serve.kernels.attention import _paged_call as call  # noqa: E402
+from m3serve.kernels.attention._paged_case import CaseShape, build_case  # noqa: E402
+from m3serve.kernels.attention.paged import FMT_CODES, paged_attention  # noqa: E402
 
 # (name, fmt, topk, batch, context, rows)
 POINTS = (

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tile-config sweep of attn.paged on the GPU (bench/paged_attention.py with overrides); one device call.
-# Its 2026-11-30 H200 result set _paged_attn_call.tile_config (BN 128 / 4 warps / 2 stages for one-token
+# Its 2026-11-30 H200 result set attention/_paged_call.py's tile_config (BN 128 / 4 warps / 2 stages for one-token
 # rows on fp8/bf16 pages; BN 64 / 3 stages for NVFP4) and the MSA split rule (1 block per split).
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 B="timeout 100 python3 bench/paged_attention.py --iters 20"

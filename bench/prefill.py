@@ -64,7 +64,19 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str):
+def profile_prefill(llm, sp, n: int, path: str) -> None:
+    """One more prefill of n tokens under the torch profiler: the kernel table by GPU time, to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = prompt(llm.model.cfg.vocab_size, n, 99)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        _sync()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
+
+
+def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
+                 profile_dir: str | None = None):
     from m3serve import LLM, SamplingParams
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8)
@@ -84,6 +96,8 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
         rows.append({"engine": "m3serve", "model": model, "quantization": quant or "none", "tokens": n,
                      "chunk": chunk, "ttft_s": ttft, "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK})
         print(json.dumps(rows[-1]), flush=True)
+        if profile_dir:
+            profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}.txt"))
     cfg = llm.model.cfg
     llm.shutdown()
     del llm
@@ -142,12 +156,14 @@ def main() -> int:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--profile-dir", default=None, help="also write a torch-profiler kernel table per row here")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     meta = run_metadata()
     results, cfg = [], None
     for q in args.quant.split(","):
-        rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat, args.device)
+        rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat, args.device,
+                                 args.profile_dir)
         results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
-from m3serve.kernels import prefill_attention as pa  # noqa: E402
+from m3serve.kernels.attention import prefill as pa  # noqa: E402
 
 T = pa.PrefillTiles
 VARIANTS = [

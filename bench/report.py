@@ -564,6 +564,24 @@ def render_spec_decode(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_prefill(files: list[ResultFile]) -> str:
+    """bench/prefill.py: time to first token per engine, weight format and prompt length, one run per file."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            ttft, frac = opt(r, "ttft_s", w), opt(r, "frac_bf16_peak", w)
+            table.append([need(r, "engine", w, "str"), need(r, "model", w, "str"), need(r, "quantization", w, "str"),
+                          count(need(r, "tokens", w, "int")), count(need(r, "chunk", w, "int")),
+                          or_dash(ttft, ms) if ttft is not None else (opt(r, "skipped", w, "str") or DASH),
+                          or_dash(frac, pct)])
+        headers = ["engine", "model", "weights", "prompt tokens", "chunk", "TTFT (ms)", "share of BF16 peak"]
+        blocks.append(file_block("Prefill: time to first token (max_tokens 1, median after a warm-up run)",
+                                 md_table(headers, table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_spec_target(files: list[ResultFile]) -> str:
     """bench/spec_target.py: the plain decode target vs SpecSteps graphs per model, batch and K, per user."""
     blocks = []
@@ -914,6 +932,8 @@ KINDS = (
          lambda d: _row_keys(d, "per_request_us", "context"), render_host_overhead),
     Kind("tp", "Tensor parallelism", ("tp",), ("tp-*.json",),
          lambda d: {"tp1", "tp2", "decode_speedup_tp2_over_tp1"} <= d.keys(), render_tp),
+    Kind("prefill", "Prefill", ("prefill",), ("prefill-*.json",),
+         lambda d: _row_keys(d, "engine", "ttft_s", "tokens"), render_prefill),
     Kind("spec_decode", "Speculative decoding", ("spec_decode",), ("spec-decode-*.json",),
          lambda d: _row_keys(d, "plain_tok_s", "spec_tok_s"), render_spec_decode),
     Kind("spec_target", "Speculative decoding on the decode target", ("spec_target",), ("spec-target-*.json",),

@@ -12,7 +12,7 @@ instruction touches and how far each row advances per loop iteration:
                 "lane": a lane's U loads are contiguous (lane c reads 16 B * U at c * 16 * U)
 
 Reported: GB/s over the matrix bytes and the fraction of this run's device-to-device copy bandwidth (read +
-write, as bench/kernels.py). The MMA GEMV (m3serve/kernels/_mma_gemv.py) reads R = 8 rows x 64 bytes per
+write, as bench/kernels.py). The MMA GEMV (m3serve/kernels/gemm/_mma_gemv.py) reads R = 8 rows x 64 bytes per
 instruction, which is the first thing this measures.
 
     python3 bench/stream_patterns.py [--out-dir DIR]        (GPU, ~20 s)

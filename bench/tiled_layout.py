@@ -1,7 +1,7 @@
 """Does the MMA tile layout lift the register-operand MMA GEMV to the bandwidth limit?
 
 The MMA GEMV's lanes read 8 rows x 64 B per warp instruction from row-major NVFP4 weights; tile_nvfp4 re-lays
-the same bytes so that each warp instruction reads 512 contiguous bytes (m3serve/kernels/_mma_gemv.py). This
+the same bytes so that each warp instruction reads 512 contiguous bytes (m3serve/kernels/gemm/_mma_gemv.py). This
 times both layouts side by side on the same weights, in one run, for the M3 NVFP4 linear shapes at 1, 4 and 8
 rows, with bench/kernels.py's methodology (CUDA graph, L2 flushed before each replay: "write" memset as the goal
 figure, "read" sum as a decode step finds the L2), plus back to back in one graph over weight copies of >= 512 MB
@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
-from m3serve.kernels._gemm_tiles import make_workspace  # noqa: E402
-from m3serve.kernels import _linear as L  # noqa: E402
-from m3serve.kernels import _mma_gemv as G  # noqa: E402
-from m3serve.kernels import linear_nvfp4 as LN  # noqa: E402
+from m3serve.kernels.gemm._gemm_tiles import make_workspace  # noqa: E402
+from m3serve.kernels.gemm import _linear as L  # noqa: E402
+from m3serve.kernels.gemm import _mma_gemv as G  # noqa: E402
+from m3serve.kernels.gemm import nvfp4 as LN  # noqa: E402
 from m3serve.kernels.catalog import Case, poisoned  # noqa: E402
 
 SHAPES = ((24576, 6144), (9856, 6144), (6144, 8192), (6144, 12288), (6144, 6144), (6144, 3072))

@@ -109,9 +109,11 @@ class LLM:
         self.model = load_model(model, device=self.device, dtype=self.dtype, random_weights=random_weights,
                                 quantization=quantization, seed=seed)
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
+        _default_target_context(self.model.cfg, self.route, engine_kwargs)
         if self.route != "off":
-            routing.install(self.model, self.route)
-            routing.warmup(self.model, max_rows=_max_step_rows(engine_kwargs, speculative_config))
+            max_rows = _max_step_rows(engine_kwargs, speculative_config)
+            routing.install(self.model, self.route, max_rows=max_rows)   # require: uncovered rows raise here
+            routing.warmup(self.model, max_rows=max_rows)
         self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
             model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))
@@ -339,6 +341,23 @@ class LLM:
             kwargs["chat_template"] = chat_template
         ids, text = chat_encoder(tok).encode(list(conversation), tools, **kwargs)
         return {"prompt_token_ids": list(ids), "prompt": text}
+
+
+# The decode target's default context on MSA models: the block-table width (1024 blocks of 128 tokens) at which
+# msa.select scans the fewest blocks per selection round. M3's full 1M-token context is also certified (8192
+# blocks) but makes every decode step's selection scan 8x the blocks, so it is taken only when asked for.
+TARGET_DEFAULT_CONTEXT = 131072
+
+
+def _default_target_context(cfg, route: str, engine_kwargs: dict) -> None:
+    """max_model_len left unset on a routed MSA model: min(max_position_embeddings, TARGET_DEFAULT_CONTEXT),
+    logged; an explicit max_model_len is kept as given."""
+    if route == "off" or engine_kwargs.get("max_model_len") is not None \
+            or not any(t == "sparse" for t in cfg.layer_types) or cfg.max_position_embeddings <= TARGET_DEFAULT_CONTEXT:
+        return
+    engine_kwargs["max_model_len"] = TARGET_DEFAULT_CONTEXT
+    logging.getLogger("m3serve").info("max_model_len defaults to %d on the decode target (the model allows %d: pass max_model_len to "
+             "use more)", TARGET_DEFAULT_CONTEXT, cfg.max_position_embeddings)
 
 
 def _max_step_rows(engine_kwargs: dict, speculative_config: dict | None) -> int:

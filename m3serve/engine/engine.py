@@ -55,6 +55,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_queue: int | None = None
+    # Admission batching (Scheduler.admission_wait_s): while requests decode, hold new ones back up to this many
+    # seconds so that several share one prefill step. 0 = admit at once.
+    admission_wait_s: float = 0.0
     seed: int = 0
 
 
@@ -77,6 +80,7 @@ class LLMEngine:
         self._make_tables(self.max_blocks_per_seq)
         self.capacity_tokens = capacity
         self.target_attention = False   # attention through the paged-cache kernels (enable_target)
+        self._graphs_version = 0         # bumped whenever `graphs` is replaced (keys per-request caches)
         self.graphs = None               # m3serve.runtime.decode_graphs.DecodeGraphs (enable_target)
         self.overlap = True              # with graphs: launch step n+1 before reading step n's tokens
         self._inflight = None            # (launched graph step, its requests) not yet read back
@@ -95,6 +99,15 @@ class LLMEngine:
         self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
         self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
         log.info("KV cache: %s", self.kv.describe())
+
+    @property
+    def graphs(self):
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self._graphs = graphs
+        self._graphs_version += 1
 
     def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
         """The cache roles this engine needs (the speculative engine adds the shared draft layer)."""
@@ -168,7 +181,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.kv.num_slots, self.kv.page_size, max_seqs=cfg.max_num_seqs,
                                    max_blocks_per_seq=width, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue)
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
+                                   admission_wait_s=cfg.admission_wait_s)
         self.tables = DeviceBlockTables(self.blocks, self.model.device, index_scale=1, kv_offset=1,
                                         max_tokens=cfg.max_num_batched_tokens)
 
@@ -366,8 +380,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ the overlap loop
     def _overlappable(self, req: Request) -> bool:
         """Its next token can stay on the device until the step after next: chosen inside the graph (argmax, or
-        the graphs' sampling variant), no logprobs or logits processing that need the host between steps."""
-        return self._graph_decides(req) and not self._constrained(req)
+        the graphs' sampling variant), no logprobs or logits processing that need the host between steps.
+        Fixed for a request's life under one set of graphs (its params, bans and grammar are), so it is worked
+        out once per request and graphs object, not per row per step."""
+        cached = req.overlap_for
+        if cached is not None and cached[0] == self._graphs_version:
+            return cached[1]
+        ok = self._graph_decides(req) and not self._constrained(req)
+        req.overlap_for = (self._graphs_version, ok)
+        return ok
 
     def _graph_decides(self, req: Request) -> bool:
         """A decode graph variant can choose its next token: no logprobs, sampling / penalties / grammar masks

@@ -38,6 +38,7 @@ class Request:
     first_token_time: float | None = None
     sample_key: int = 0               # keys its sampling noise (m3serve.engine.sampler): seed or a per-request id
     graph_sampling: tuple | None = None   # its sampling parameters as a decode graph stages them (made once)
+    overlap_for: tuple | None = field(default=None, repr=False)   # (engine's graphs version, overlappable), cached
     group: RequestGroup | None = field(default=None, repr=False, compare=False)   # n / best_of candidates
     prompt_logprobs: list[dict[int, float] | None] | None = None   # [len(prompt)], None where not computed yet
     prompt_logprobs_left: int = 0        # entries of prompt_logprobs still to compute

@@ -4,8 +4,10 @@ When pages run out the most recently admitted running request is preempted (KV d
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from m3serve.engine.request import Request, Status
 from m3serve.kv.block_manager import BlockManager, OutOfPagesError
@@ -24,11 +26,19 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_queue: int | None = None):
+                 max_queue: int | None = None, admission_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not admission_wait_s >= 0:
+            raise ValueError(f"admission_wait_s: expected seconds >= 0, found {admission_wait_s!r}")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_queue = max_queue
+        # Admission batching (0 = off): while requests decode, new arrivals wait up to this long (from the oldest
+        # one's arrival) so that several prefill in one step. A step with a prefill chunk leaves the decode graphs
+        # for an eager step whose host cost barely depends on how many prompts it carries (docs/architecture.md).
+        self.admission_wait_s = admission_wait_s
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -60,7 +70,8 @@ class Scheduler:
         out: list[ScheduledChunk] = []
         # 1. decodes and unfinished prefills of running requests, oldest first
         for req in list(self.running):
-            if req not in self.running or budget == 0:
+            # (a request preempted earlier in this loop is WAITING again: a status test, not an O(batch) search)
+            if req.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             while not self.blocks.append_slots(req.request_id, req.num_computed + n):
@@ -73,6 +84,8 @@ class Scheduler:
                 out.append(ScheduledChunk(req, n))
                 budget -= n
         # 2. admit waiting requests (FCFS) while rows, pages and budget last
+        if self.waiting and self._defer_admission(out, budget):
+            return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             try:
@@ -89,6 +102,19 @@ class Scheduler:
             out.append(ScheduledChunk(req, n))
             budget -= n
         return out
+
+    def _defer_admission(self, decodes: list[ScheduledChunk], budget: int) -> bool:
+        """Admission batching: hold the waiting requests back this step while every scheduled chunk is one
+        decode token, the oldest waiting request arrived less than admission_wait_s ago, and more of them
+        would still fit in one step (rows and token budget)."""
+        if self.admission_wait_s <= 0 or not decodes or any(c.num_tokens != 1 for c in decodes):
+            return False
+        if self.clock() - self.waiting[0].arrival_time >= self.admission_wait_s:
+            return False
+        if len(self.running) + len(self.waiting) >= self.max_num_seqs:
+            return False
+        waiting_tokens = sum(r.num_tokens - r.num_computed for r in self.waiting)
+        return waiting_tokens < budget
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         req.status = Status.FINISHED

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3serve.kernels import _e2m1_ptx
+from m3serve.kernels.formats import _e2m1_ptx
 from m3serve.kernels._jit import AotResult, aot_compile, capture_launches
 from m3serve.kernels.catalog import Entry, all_entries
 

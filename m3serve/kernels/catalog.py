@@ -27,27 +27,28 @@ import torch
 ARCHS = ("sm_90",)
 
 # Row-parallel elementwise entries (one program per token row: norms, q/k prep, activations, the small router) are
-# certified up to this many rows, the largest default decode graph bucket, so every bucket's step runs them.
-ROW_CELLS_MAX = 256
+# certified up to this many rows: every decode graph bucket and every prefill chunk (max_num_batched_tokens at most
+# 16384) runs them; without them a prefill chunk's norms and activations are ~20 % of its GPU time in torch ops.
+ROW_CELLS_MAX = 16384
 
 # Entry modules, imported lazily by all_entries() so that importing the catalog stays cheap.
 ENTRY_MODULES = (
-    "m3serve.kernels.linear_nvfp4",
-    "m3serve.kernels.linear_mxfp8",
-    "m3serve.kernels.linear_fp8",
-    "m3serve.kernels.linear_tiled",
-    "m3serve.kernels.qkv_fused",
-    "m3serve.kernels.add_rmsnorm",
-    "m3serve.kernels.head_bf16",
-    "m3serve.kernels.head12",
-    "m3serve.kernels.moe_nvfp4",
-    "m3serve.kernels.moe_grouped",
-    "m3serve.kernels.kv_write",
-    "m3serve.kernels.msa_index",
-    "m3serve.kernels.paged_attention",
-    "m3serve.kernels.prefill_attention",
-    "m3serve.kernels.rms_norm", "m3serve.kernels.qk_prep", "m3serve.kernels.swiglu", "m3serve.kernels.route_small",
-    "m3serve.kernels.spec_step",
+    "m3serve.kernels.gemm.nvfp4",
+    "m3serve.kernels.gemm.mxfp8",
+    "m3serve.kernels.gemm.fp8",
+    "m3serve.kernels.gemm.tiled",
+    "m3serve.kernels.gemm.qkv_fused",
+    "m3serve.kernels.norm.add_rms",
+    "m3serve.kernels.head.bf16",
+    "m3serve.kernels.head.head12",
+    "m3serve.kernels.moe.nvfp4",
+    "m3serve.kernels.moe.grouped",
+    "m3serve.kernels.attention.kv_write",
+    "m3serve.kernels.attention.msa_index",
+    "m3serve.kernels.attention.paged",
+    "m3serve.kernels.attention.prefill",
+    "m3serve.kernels.norm.rms", "m3serve.kernels.attention.qk_prep", "m3serve.kernels.mlp.swiglu", "m3serve.kernels.moe.route_small",
+    "m3serve.kernels.spec.step",
 )
 
 

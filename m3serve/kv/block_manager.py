@@ -161,6 +161,9 @@ class BlockManager:
 
     def append_slots(self, seq_id: int, new_total_tokens: int) -> bool:
         """Grow the sequence to hold new_total_tokens; False (nothing allocated) if out of pages."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and new_total_tokens <= len(seq.slots) * self.page_size:
+            return True          # the common decode step: its page has room (called per running row per step)
         seq = self._seq(seq_id)
         n_blocks = self.blocks_for(new_total_tokens)
         if n_blocks > self.max_blocks_per_seq:

@@ -17,7 +17,7 @@ each B-value block of the head vector (Sylvester order, entries +-1, FWHT_B(FWHT
 c_w = 2^-floor(log2(B)/2), c_r = 2^-ceil(log2(B)/2), so c_w * c_r * B = 1. Both factors are powers of two: the
 only roundings of the rotation are the fp32 additions of the butterfly, done in one fixed order (stage h = 1,
 2, 4, ..., B/2: (a, b) -> (a + b, a - b) for a at index i and b at i + h of each 2h-group), which the Triton
-twin (m3serve.kernels._hadamard) repeats operation for operation, so kv.write stays bit-exact with
+twin (m3serve.kernels.attention._hadamard) repeats operation for operation, so kv.write stays bit-exact with
 PagedKVCache.write. For B = 128 (M3) c_w = 1/8 and c_r = 1/16: the stored values are sqrt(2) times those of
 the orthonormal rotation, which the calibrated NVFP4 global scale absorbs.
 

@@ -201,14 +201,14 @@ class LlamaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        # Set by m3serve.targets.routing.install_drafter: (norm, x) -> y through norm.rms and (norm, residual,
-        # delta) -> (h, y) through norm.add_rms, or None (stock).
-        self.dispatch = None
-        self.add_dispatch = None
+        # The kernel bound from the drafter's kernel plan (m3serve.targets.routing.bind): kernel.norm(norm, x) -> y
+        # through norm.rms and kernel.add_norm(norm, residual, delta) -> (h, y) through norm.add_rms, each None
+        # where stock runs; None for the stock path.
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dispatch is not None:
-            y = self.dispatch(self, x)
+        if self.kernel is not None:
+            y = self.kernel.norm(self, x)
             if y is not None:
                 return y
         xf = x.float()
@@ -231,9 +231,9 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.hq * d, h, bias=False)
         self.scale = d ** -0.5
         self.qkv_weight: torch.Tensor | None = None    # fuse_projections(): q|k|v rows, one GEMM
-        # Set by m3serve.targets.routing.install_drafter: (attn, q, k, positions, inv_freq) -> (q, k) with RoPE
-        # applied through attn.rope, or None (stock).
-        self.rope_dispatch = None
+        # The kernel bound from the drafter's kernel plan (m3serve.targets.routing.bind): (attn, q, k, positions,
+        # inv_freq) -> (q, k) with RoPE applied through attn.rope, or None (stock); None for the stock path.
+        self.kernel = None
 
     def fuse_projections(self) -> None:
         """One [Hq*D + 2*Hk*D, 2H] weight for q|k|v (the decode target: one GEMM instead of three); the three
@@ -255,9 +255,9 @@ class Eagle3MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None   # fuse_projections(): gate|up rows, one GEMM
-        # Set by m3serve.targets.routing.install_drafter: (mlp, gate_up [T, 2I]) -> silu(gate) * up through
-        # mlp.silu_mul, or None (stock).
-        self.act_dispatch = None
+        # The kernel bound from the drafter's kernel plan (m3serve.targets.routing.bind): (mlp, gate_up [T, 2I]) ->
+        # silu(gate) * up through mlp.silu_mul, or None (stock); None for the stock path.
+        self.kernel = None
 
     def fuse_projections(self) -> None:
         """gate|up as one GEMM (the Linears keep row views of the concatenation)."""
@@ -272,7 +272,7 @@ class Eagle3MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate_up = F.linear(x, self.gate_up_weight)
-            act = self.act_dispatch(self, gate_up) if self.act_dispatch is not None else None
+            act = self.kernel(self, gate_up) if self.kernel is not None else None
             if act is None:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
@@ -309,8 +309,8 @@ class Eagle3Layer(nn.Module):
             v = a.v_proj(x2).view(*lead, a.hk, a.d)
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, positions.device)
-        if a.rope_dispatch is not None:
-            routed = a.rope_dispatch(a, q, k, positions, self._inv_freq)
+        if a.kernel is not None:
+            routed = a.kernel(a, q, k, positions, self._inv_freq)
             if routed is not None:
                 return routed[0], routed[1], v, residual
         cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, self._inv_freq)

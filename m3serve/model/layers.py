@@ -22,14 +22,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim, device=device))
-        # Set per model by m3serve.targets.routing.install: (norm, x) -> y and (norm, residual, delta) -> (h, y),
-        # or None for the stock path.
-        self.dispatch = None
-        self.add_dispatch = None
+        # The kernel bound from the model's kernel plan (m3serve.targets.routing.bind), or None for the stock path:
+        # kernel.norm(norm, x) -> y and kernel.add_norm(norm, residual, delta) -> (h, y), each None where stock runs.
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dispatch is not None:
-            y = self.dispatch(self, x)
+        if self.kernel is not None:
+            y = self.kernel.norm(self, x)
             if y is not None:
                 return y
         xf = x.float()
@@ -43,10 +42,10 @@ class RMSNorm(nn.Module):
 
 
 def add_then_norm(norm: nn.Module, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, norm(h)), h = residual + delta, through the norm's add_dispatch hook when it serves (one launch on the
+    """(h, norm(h)), h = residual + delta, through the norm's bound kernel when it serves (one launch on the
     decode target), else stock. Shared by the target's Gemma norms and the drafter's Llama norms."""
-    if norm.add_dispatch is not None:
-        out = norm.add_dispatch(norm, residual, delta)
+    if norm.kernel is not None:
+        out = norm.kernel.add_norm(norm, residual, delta)
         if out is not None:
             return out
     h = residual + delta
@@ -101,8 +100,9 @@ class Linear(nn.Module):
         self.name = name
         self.fmt = "unset"
         self._qkeys: tuple[str, ...] = ()
-        # Set per model by m3serve.targets.routing.install: (linear, x) -> y, or None for the stock path.
-        self.dispatch = None
+        # The kernel bound from the model's kernel plan (m3serve.targets.routing.bind): (linear, x) -> y or None
+        # (stock); None for the stock path.
+        self.kernel = None
 
     def set_weight(self, qw: QWeight, requires_grad: bool = False) -> None:
         lead = () if self.num_experts is None else (self.num_experts,)
@@ -136,8 +136,8 @@ class Linear(nn.Module):
         return self.qweight.dequantize(dtype, expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dispatch is not None:
-            y = self.dispatch(self, x)
+        if self.kernel is not None:
+            y = self.kernel(self, x)
             if y is not None:
                 return y
         return self._stock(x)

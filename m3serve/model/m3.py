@@ -77,15 +77,16 @@ class Attention(nn.Module):
             self.index_k_proj = Linear(h, di, parallel="replicated", name=f"{p}.index_k_proj")
             self.index_q_norm = RMSNorm(di, cfg.rms_norm_eps)
             self.index_k_norm = RMSNorm(di, cfg.rms_norm_eps)
-        # Set per model by m3serve.targets.routing.install: (attn, x, positions) -> project's five outputs (the
-        # q/k norms and RoPE fused into attn.qk_prep), or None for the stock path.
-        self.prep_dispatch = None
+        # The kernel bound from the model's kernel plan (m3serve.targets.routing.bind): (attn, x, positions) ->
+        # project's five outputs (the q/k norms and RoPE fused into attn.qk_prep) or None (stock); None for the
+        # stock path.
+        self.kernel = None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, detach_indexer: bool = False,
                 positions: torch.Tensor | None = None):
         """x [..., T, H] -> q [.., T, Hq, D], k/v [.., T, Hk, D], index q [.., T, Hk, Di] / k [.., T, Di] (or None)."""
-        if self.prep_dispatch is not None and positions is not None:
-            routed = self.prep_dispatch(self, x, positions)
+        if self.kernel is not None and positions is not None:
+            routed = self.kernel(self, x, positions)
             if routed is not None:
                 return routed
         if cos is None:   # hidden() skipped the shared table because every layer has the fused prep
@@ -170,7 +171,7 @@ class M3ForCausalLM(nn.Module):
     def hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, H] (after the final norm)."""
         cos = sin = None
-        if any(layer.attn.prep_dispatch is None for layer in self.layers):   # attn.qk_prep computes its own
+        if any(layer.attn.kernel is None for layer in self.layers):   # attn.qk_prep computes its own
             cos, sin = rope_cos_sin(batch.positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         x = self.embed(batch.input_ids).to(self.dtype)
         normed = self.layers[0].input_norm(x)

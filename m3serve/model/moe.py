@@ -24,13 +24,13 @@ class DenseMLP(nn.Module):
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * local, parallel="column", name=f"{name}.gate_up_proj")
         self.down_proj = Linear(local, cfg.hidden_size, parallel="row", name=f"{name}.down_proj")
-        # Set per model by m3serve.targets.routing.install: (mlp, gate_up) -> the activation in x's dtype
-        # (mlp.swiglu_oai), or None for the stock path.
-        self.act_dispatch = None
+        # The kernel bound from the model's kernel plan (m3serve.targets.routing.bind): (mlp, gate_up) -> the
+        # activation in x's dtype (mlp.swiglu_oai) or None (stock); None for the stock path.
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        a = self.act_dispatch(self, gate_up) if self.act_dispatch is not None else None
+        a = self.kernel(self, gate_up) if self.kernel is not None else None
         if a is None:
             a = swiglu_oai(gate_up, self.alpha, self.limit).to(x.dtype)
         return self.down_proj(a)
@@ -59,13 +59,14 @@ class MoE(nn.Module):
         self.w2 = Linear(local, h, num_experts=e, parallel="row", name=f"{name}.experts.w2")
         self.shared = (DenseMLP(cfg, cfg.shared_intermediate_size, tp, f"{name}.shared_experts")
                        if cfg.shared_intermediate_size else None)
-        # Set per model by m3serve.targets.routing.install: (moe, x) -> partial output, or None for stock.
-        self.dispatch = None
+        # The kernel bound from the model's kernel plan (m3serve.targets.routing.bind): (moe, x) -> partial output
+        # or None (stock); None for the stock path.
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial [T, H] (the caller all-reduces)."""
-        if self.dispatch is not None:
-            y = self.dispatch(self, x)
+        if self.kernel is not None:
+            y = self.kernel(self, x)
             if y is not None:
                 return y
         ids, weights = route(x, self.router, self.e_score_correction_bias, self.top_k)

@@ -50,7 +50,7 @@ import torch
 from m3serve.engine.sampler import processed_rows
 from m3serve.engine.spec_rng import TAG_DRAFT, keyed_categorical
 from m3serve.engine.spec_verify import accept_keyed
-from m3serve.kernels.spec_step import spec_accept, spec_commit, spec_inputs
+from m3serve.kernels.spec.step import spec_accept, spec_commit, spec_inputs
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
 from m3serve.runtime.decode_graphs import _ONE_BITS, sampling_tensors

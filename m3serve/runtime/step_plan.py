@@ -4,7 +4,7 @@ bucket, so both sum in the same order)."""
 
 from __future__ import annotations
 
-from m3serve.kernels.paged_attention import choose_num_splits, tile_config
+from m3serve.kernels.attention.paged import choose_num_splits, tile_config
 
 # Buckets of sequences per decode step; a configuration uses those up to max_num_seqs (buckets_up_to), so the
 # default max_num_seqs = 64 ends at 64 and a larger one extends through 96, 128, ... (and max_num_seqs itself past

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 (default 1024)")
+    p.add_argument("--admission-wait-ms", type=float, default=0.0,
+                   help="while requests decode, hold new ones back up to this long so that several prefill in "
+                        "one step (default 0: admit at once)")
     p.add_argument("--max-choices", type=int, default=64, help="prompts x n allowed in one request")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body (after decompression); larger ones get 413 before they are read "
@@ -88,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"m3serve serve: --dead-exit-delay: expected seconds >= 0, found {args.dead_exit_delay}",
               file=sys.stderr)
         return 2
+    if not args.admission_wait_ms >= 0:
+        print(f"m3serve serve: --admission-wait-ms: expected >= 0, found {args.admission_wait_ms}", file=sys.stderr)
+        return 2
     if not args.shutdown_grace >= 0:
         print(f"m3serve serve: --shutdown-grace: expected seconds >= 0, found {args.shutdown_grace}", file=sys.stderr)
         return 2
@@ -119,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
               kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_prefix_caching, max_queue=args.max_queue,
+              admission_wait_s=args.admission_wait_ms / 1000,
               route=args.route, enforce_eager=args.enforce_eager)
     name = args.served_model_name or model_name(model)
     try:

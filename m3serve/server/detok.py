@@ -63,7 +63,7 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0          # characters released so far
         self._stream, self._backend = _decode_stream(tokenizer, self.params)
-        self._text = ""        # the stream's text so far (DecodeStream path)
+        self._unsent = ""      # the stream's text after the released characters (DecodeStream path)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -76,13 +76,20 @@ class TextStream:
         if self.tokenizer is None or not ids:
             return ""
         if self._stream is not None:
+            # Only the unreleased tail is kept: each token costs its own piece, not a copy of the whole text.
+            step, backend, unsent = self._stream.step, self._backend, self._unsent
             for t in ids:
-                piece = self._stream.step(self._backend, t)
+                piece = step(backend, t)
                 if piece:
-                    self._text += piece
-            text = self._text
-        else:
-            text = self._decode(self.ids).rstrip("\ufffd")
+                    unsent += piece
+            cut = len(unsent) - self.holdback
+            if cut <= 0:
+                self._unsent = unsent
+                return ""
+            self._unsent = unsent[cut:]
+            self.sent += cut
+            return unsent[:cut]
+        text = self._decode(self.ids).rstrip("\ufffd")
         end = len(text) - self.holdback
         if end <= self.sent:
             return ""

@@ -29,7 +29,7 @@ import queue
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from m3serve.engine.engine import LLMEngine
@@ -89,7 +89,10 @@ class Job:
         self.prompts = prompts
         self.arrival = arrival
         self.loop = loop
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        # Deltas not yet taken by next(), and the future next() waits on while there are none: lighter than an
+        # asyncio.Queue (no per-item getter bookkeeping) for the one reader a job has. Event-loop side only.
+        self._pending: list[Delta] = []
+        self._waiter: asyncio.Future | None = None
         self.submitted: concurrent.futures.Future = concurrent.futures.Future()
         self.num_choices = sum(p.n for _, _, p in prompts)
         self.remaining = self.num_choices      # event-loop side: choices not yet seen finished
@@ -97,11 +100,28 @@ class Job:
 
     async def next(self) -> list[Delta]:
         """Wait for at least one Delta, then take every Delta already queued (batches a slow reader's backlog)."""
-        out = [await self.queue.get()]
-        while not self.queue.empty():
-            out.append(self.queue.get_nowait())
-        self.remaining -= sum(d.finish_reason is not None for d in out)
+        while not self._pending:
+            waiter = self._waiter = self.loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        out, self._pending = self._pending, []
+        for d in out:
+            if d.finish_reason is not None:
+                self.remaining -= 1
         return out
+
+    def put(self, d: Delta) -> None:
+        """Queue a Delta for next() (event-loop thread: the engine thread hands Deltas over with
+        loop.call_soon_threadsafe)."""
+        self._pending.append(d)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 @dataclass(eq=False)
@@ -114,15 +134,15 @@ class _Track:
     sent: list[int]                 # tokens delivered (or, ranked, observed) per member
     last_time: list[float | None]
     finished: int = 0
+    # best_of > n: which members become choices is known only when all of them finished (read per token)
+    ranked: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ranked = self.params.best_of is not None and self.params.best_of > self.params.n
 
     @property
     def leader(self) -> Request:
         return self.members[0]
-
-    @property
-    def ranked(self) -> bool:
-        """best_of > n: which members become choices is known only when all of them finished."""
-        return self.params.best_of is not None and self.params.best_of > self.params.n
 
     @property
     def done(self) -> bool:
@@ -342,16 +362,28 @@ class EngineLoop:
         self.steps += 1
         now = time.monotonic()
         out: list[tuple[Job, Delta]] = []
+        by_req, met = self._by_req, self.metrics
+        generated = 0
+        gaps: list[float] = []       # this step's inter-token gaps, observed at once after the loop
         for r in reqs:
-            entry = self._by_req.get(r.request_id)
+            entry = by_req.get(r.request_id)
             if entry is None:
                 continue
             track, m = entry
             start = track.sent[m]
             new = r.output_token_ids[start:]
-            track.sent[m] += len(new)
-            if new:
-                self._observe(track, m, len(new), now)
+            n = len(new)
+            if n:
+                track.sent[m] = start + n
+                generated += n
+                last = track.last_time[m]
+                if last is None:
+                    met.ttft.observe(now - track.job.arrival)   # tokens that came with the first have no gap
+                elif n == 1:
+                    gaps.append(now - last)
+                else:
+                    gaps += [(now - last) / n] * n   # k tokens in one step (speculation): k gaps of dt/k
+                track.last_time[m] = now
             delta = None
             if not track.ranked:
                 delta = Delta(track.base + m, new,
@@ -370,18 +402,10 @@ class EngineLoop:
                         self.engine.release(member)
             if delta is not None:
                 out.append((track.job, delta))
+        if generated:
+            met.generation_tokens.inc(generated)
+            met.itl.observe_many(gaps)
         self._deliver(out)
-
-    def _observe(self, track: _Track, m: int, n: int, now: float) -> None:
-        met = self.metrics
-        met.generation_tokens.inc(n)
-        last = track.last_time[m]
-        if last is None:
-            met.ttft.observe(now - track.job.arrival)
-            n -= 1                   # tokens that came with the first one have no gap of their own
-        elif n:
-            met.itl.observe((now - last) / n, n)    # k tokens in one step (speculation): k gaps of dt/k
-        track.last_time[m] = now
 
     def _deliver(self, items: list[tuple[Job, Delta]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Delta]]] = {}
@@ -460,4 +484,4 @@ def _ranked_deltas(track: _Track) -> list[Delta]:
 
 def _put_all(batch: list[tuple[Job, Delta]]) -> None:
     for job, d in batch:
-        job.queue.put_nowait(d)
+        job.put(d)

@@ -12,6 +12,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 
 from aiohttp import web
 
@@ -22,7 +23,7 @@ from m3serve.server.engine_loop import (ENGINE_DEAD_CODE, Delta, EngineDead, Eng
                                         ShuttingDown)
 from m3serve.server.errors import APIError
 from m3serve.server.protocol import GenRequest, ModelInfo
-from m3serve.server.sse import DONE, dumps, event
+from m3serve.server.sse import DONE, dumps, event, int_list, scalar
 
 log = logging.getLogger("m3serve.server")
 
@@ -153,9 +154,25 @@ class _ChunkWriter:
         # chat: reasoning / tool-call parsing per choice (m3serve.server.chat_output)
         self.chat = [ChatDeltaStream(req.chat) for _ in self.texts] if req.chat is not None else None
         self.completion_tokens = 0
+        # Every chunk of this response has the same envelope around its one choice: encode it once, as the
+        # bytes before and after the choice (event(make(..., [choice])) == head + dumps(choice) + tail).
+        envelope = dumps(self.make(self.rid, self.created, self.info.name, []))
+        cut = envelope.rindex('"choices":[]') + len('"choices":[')
+        self._head = b"data: " + envelope[:cut].encode("utf-8")
+        self._tail = envelope[cut:].encode("utf-8") + b"\n\n"
 
     def chunk(self, choice: dict) -> bytes:
-        return event(self.make(self.rid, self.created, self.info.name, [choice]))
+        return self._head + dumps(choice).encode("utf-8") + self._tail
+
+    def _plain_completion_chunk(self, index: int, text: str, fin: str | None, stop_reason,
+                                token_ids: list[int] | None) -> bytes:
+        """chunk() of a completion choice without logprobs, written field by field (the per-token case)."""
+        fin_s = "null" if fin is None else scalar(fin)
+        stop_s = "null" if stop_reason is None else scalar(stop_reason)
+        ids_s = "" if token_ids is None else ',"token_ids":' + int_list(token_ids)
+        body = (f'{{"index":{index},"text":{encode_basestring(text)},"logprobs":null,"finish_reason":{fin_s},'
+                f'"stop_reason":{stop_s}{ids_s}}}')
+        return self._head + body.encode("utf-8") + self._tail
 
     def opening(self) -> bytes:
         """Chat: a first chunk per choice with the role. Completions with echo: the prompt text."""
@@ -180,6 +197,10 @@ class _ChunkWriter:
         self.completion_tokens += len(d.token_ids)
         req, tok = self.req, self.info.tokenizer
         fin = R.finish_reason(d.finish_reason)
+        if req.kind == "completion" and req.logprobs is None:
+            self.offsets[d.index] += len(text)
+            return self._plain_completion_chunk(d.index, text, fin, d.stop_reason,
+                                                d.token_ids if req.return_token_ids else None)
         if req.kind == "completion":
             lp = R.completion_logprobs(tok, d.token_ids, d.logprobs or [], req.logprobs, self.offsets[d.index]) \
                 if req.logprobs is not None else None

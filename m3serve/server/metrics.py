@@ -26,6 +26,7 @@ Prometheus' text format 0.0.4 (what Prometheus 2.x scrapes; `_created` series ar
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector,
                                disable_created_metrics, generate_latest)
@@ -56,11 +57,15 @@ class _Counter:
         self._c = Counter(name, help, ["model_name"] + ([label] if label else []), registry=registry)
         self._model, self._label = model, label
         self._values: dict[str | None, float] = {}     # for value(): prometheus_client keeps no public read
+        self._children: dict[str | None, object] = {}  # labels() per label value, bound once (it costs a lock)
 
     def inc(self, amount: float = 1, label_value: str | None = None) -> None:
         if amount < 0:
             raise ValueError(f"counters only go up, found inc({amount})")
-        child = self._c.labels(self._model, str(label_value)) if self._label else self._c.labels(self._model)
+        child = self._children.get(label_value)
+        if child is None:
+            child = self._c.labels(self._model, str(label_value)) if self._label else self._c.labels(self._model)
+            self._children[label_value] = child
         child.inc(amount)
         self._values[label_value] = self._values.get(label_value, 0) + amount
 
@@ -71,11 +76,37 @@ class _Counter:
 class _Histogram:
     def __init__(self, name: str, help: str, buckets, registry, model: str):
         self._h = Histogram(name, help, ["model_name"], buckets=buckets, registry=registry).labels(model)
+        # observe_many adds a step's observations per bucket through the child's own value cells (one locked add
+        # per bucket hit and one for the sum, instead of two per observation); without those cells (another
+        # prometheus_client layout) it observes one by one.
+        h = self._h
+        self._cells = None
+        if all(hasattr(h, a) for a in ("_upper_bounds", "_buckets", "_sum")) and \
+                len(h._upper_bounds) == len(h._buckets):
+            self._cells = (list(h._upper_bounds), h._buckets, h._sum)
 
     def observe(self, value: float, times: int = 1) -> None:
         """`times` equal observations (k tokens of one speculative step share a gap)."""
         for _ in range(times):
             self._h.observe(value)
+
+    def observe_many(self, values: list[float]) -> None:
+        """Every value of `values` observed once (the same counts and sum as observe() per value)."""
+        if not values:
+            return
+        if self._cells is None:
+            for v in values:
+                self._h.observe(v)
+            return
+        bounds, cells, total = self._cells
+        hits: dict[int, int] = {}
+        for v in values:
+            if v == v:                     # NaN: no bucket, as observe() (it still adds to the sum)
+                i = bisect_left(bounds, v)     # the first bucket whose upper bound is >= v (+Inf is the last)
+                hits[i] = hits.get(i, 0) + 1
+        total.inc(sum(values))
+        for i, n in hits.items():
+            cells[i].inc(n)
 
 
 class _EngineCollector:

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from m3serve.kernels.kv_write import write_layer
-from m3serve.kernels.msa_index import msa_block_scores, msa_select
-from m3serve.kernels.paged_attention import make_workspace, paged_attention
-from m3serve.kernels.prefill_attention import prefill_attention
+from m3serve.kernels.attention.kv_write import write_layer
+from m3serve.kernels.attention.msa_index import msa_block_scores, msa_select
+from m3serve.kernels.attention.paged import make_workspace, paged_attention
+from m3serve.kernels.attention.prefill import prefill_attention
 from m3serve.model.attention_backend import StockAttention
 
 # attn.paged reads each query row's pages itself: right for decode / verify (1-48 rows per sequence), wasteful

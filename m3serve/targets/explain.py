@@ -1,6 +1,8 @@
 """What runs where on the decode target: per module and batch bucket, the catalog entry and certified cell, or
-why the module runs stock. `m3serve explain` prints it; `LLMEngine.enable_target` uses the attention part to
-decide (auto) or insist (require) that every attention layer of a decode step lies in certified cells.
+why the module runs stock. The modules' part is the model's kernel plan (targets.plan) as it is bound, printed
+(no key is derived here); the attention part is the paged-cache kernels of a step. `m3serve explain` prints both;
+`LLMEngine.enable_target` uses the attention part to decide (auto) or insist (require) that every attention layer
+of a decode step lies in certified cells.
 
 Rows, per entry kind: linears, MoE, norms and heads see the step's tokens (= the bucket in a decode step);
 kv.write sees the step's tokens; msa.scores / msa.select / attn.paged see the query tokens per sequence (1 in a
@@ -11,15 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m3serve.kernels.kv_write import FMT_CODE, NO_INDEX
-from m3serve.kernels.msa_index import IFMT_CODE
-from m3serve.kernels.paged_attention import FMT_CODES
-from m3serve.model.layers import Linear, RMSNorm
-from m3serve.model.m3 import Attention
-from m3serve.model.moe import MoE
+from m3serve.kernels.attention.kv_write import FMT_CODE, NO_INDEX
+from m3serve.kernels.attention.msa_index import IFMT_CODE
+from m3serve.kernels.attention.paged import FMT_CODES
 from m3serve.targets.dispatch import lookup
-from m3serve.targets.fused_projection import QUANT_FORMATS, projection_parts
-from m3serve.targets.routing import ALL_EXPERTS_MAX, grouped_shape, nvfp4_shape
+from m3serve.targets.plan import KernelPlan, Route, build_plan
+from m3serve.targets.routing import plan_of
 
 
 @dataclass(frozen=True)
@@ -80,54 +79,63 @@ def attention_placements(model, kv, table_width: int, bucket: int, query_len: in
     return out
 
 
-def module_placements(model, bucket: int) -> list[Placement]:
-    """Quantized linears, MoE layers and decoder norms at `bucket` rows (what routing.install's hooks will
-    choose)."""
-    out, fused_parts = [], {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, Attention):
-            parts = projection_parts(mod)
-            fmts = {p.fmt for p in parts}
-            if len(fmts) != 1:
-                continue
-            fmt, n, k = fmts.pop(), sum(p.out_features for p in parts), parts[0].in_features
-            if fmt == "dense":
-                placed = Placement(f"{name}.qkv", bucket, "torch:fused-GEMM",
-                                   f"q|k|v{'|index-q|index-k' if mod.sparse else ''} as one cuBLAS GEMM ({n} x {k})")
-            elif fmt in QUANT_FORMATS:
-                placed = _place(f"{name}.qkv", bucket, f"qkv.{fmt}", bucket, (n, k))
-                if placed.entry is None:   # the parts run one by one through their own linear entries
-                    continue
+def model_plan(model) -> KernelPlan:
+    """The plan bound on `model`, or (unrouted, e.g. `m3serve explain` on a CPU) the one a CUDA run with route=auto
+    would bind."""
+    plan = plan_of(model)
+    return plan if plan is not None and plan.mode != "off" else build_plan(model, "auto")
+
+
+def _route_placement(module: str, bucket: int, route: Route) -> Placement:
+    span = route.span(bucket)
+    return Placement(module, bucket, span.entry.name if span.cell is not None else None, route.detail(bucket))
+
+
+def plan_placements(plan: KernelPlan, bucket: int) -> list[Placement]:
+    """The plan at `bucket` rows, one line per module key (a module with several keys: `name [kind]`): the entry
+    and cell that run, the torch path that runs, or why the module runs stock."""
+    out, fused = [], {}
+    for mp in plan.modules:
+        routes = mp.routes
+        if mp.role == "attention":
+            prep = routes["qk_prep"]
+            out.append(_route_placement(f"{mp.name} [{prep.kind}]", bucket, prep))
+            # the projections join only inside attn.qk_prep: where it falls back, each part runs alone
+            if prep.serves(bucket) and (mp.note or ("qkv" in routes and routes["qkv"].serves(bucket))):
+                placed = (Placement(f"{mp.name}.qkv", bucket, "torch:fused-GEMM", mp.note) if mp.note
+                          else _route_placement(f"{mp.name}.qkv", bucket, routes["qkv"]))
+                out.append(placed)
+                fused.update((f"{mp.name}.{part}", placed.module) for part in
+                             ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"))
+        elif mp.role in ("linear", "linear.torch"):
+            if mp.name in fused:
+                out.append(Placement(mp.name, bucket, "(fused)", f"runs inside {fused[mp.name]}"))
+            elif mp.role == "linear":
+                out.append(_route_placement(mp.name, bucket, routes["linear"]))
             else:
-                continue
-            out.append(placed)
-            fused_parts.update((id(p), placed.module) for p in parts)
-        elif isinstance(mod, MoE):
-            nv = nvfp4_shape(mod)
-            if mod.w13.fmt == "dense" and mod.w2.fmt == "dense" and mod.w13.num_experts <= ALL_EXPERTS_MAX:
-                out.append(Placement(name, bucket, "torch:all-experts",
-                                     f"dense experts ({mod.w13.num_experts} <= {ALL_EXPERTS_MAX}): every expert on "
-                                     "every token, masked (no host sync, capturable)"))
-            elif nv is not None and lookup("moe.nvfp4", bucket, nv, "auto") is not None:
-                out.append(_place(name, bucket, "moe.nvfp4", bucket, nv))
-            elif grouped_shape(mod) is not None:
-                out.append(_place(name, bucket, "moe.grouped", bucket, grouped_shape(mod)))
+                out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
+        elif mp.role == "moe.all_experts":
+            out.append(Placement(mp.name, bucket, "torch:all-experts", mp.note))
+            out += [_route_placement(f"{mp.name} [{r.kind}]", bucket, r) for r in routes.values()]
+        elif mp.role == "moe":
+            nv = routes.get("nvfp4")
+            if nv is not None and nv.serves(bucket) or "grouped" not in routes:
+                out.append(_route_placement(mp.name, bucket, nv))
             else:
-                out.append(Placement(name, bucket, None, f"experts gate|up {mod.w13.fmt} / down {mod.w2.fmt}: no "
-                                     "entry takes them; the stock loop (syncs the host: not capturable)"))
-        elif isinstance(mod, RMSNorm) and (name == "norm" or name.endswith(("input_norm", "post_norm"))):
-            # every decoder-level norm but the first follows a residual add and fuses with it
-            kind = "norm.rms" if name == "layers.0.input_norm" else "norm.add_rms"
-            out.append(_place(name, bucket, kind, bucket, (mod.weight.shape[0],)))
-        elif isinstance(mod, Linear) and mod.num_experts is None:
-            if id(mod) in fused_parts:
-                out.append(Placement(name, bucket, "(fused)", f"runs inside {fused_parts[id(mod)]}"))
-            elif mod.fmt in ("nvfp4", "mxfp8", "fp8"):
-                out.append(_place(name, bucket, f"linear.{mod.fmt}", bucket, (mod.out_features, mod.in_features)))
-            else:
-                out.append(Placement(name, bucket, "torch:F.linear",
-                                     f"{mod.fmt} weights: cuBLAS (no catalog entry for unquantized linears)"))
+                out.append(_route_placement(mp.name, bucket, routes["grouped"]))
+        elif mp.role == "moe.stock" or not routes:
+            out.append(Placement(mp.name, bucket, None, mp.note))
+        elif len(routes) == 1:
+            (route,) = routes.values()
+            out.append(_route_placement(mp.name, bucket, route))
+        else:
+            out += [_route_placement(f"{mp.name} [{r.kind}]", bucket, r) for r in routes.values()]
     return out
+
+
+def module_placements(model, bucket: int) -> list[Placement]:
+    """Every routed module of `model` at `bucket` rows: its kernel plan (model_plan) printed."""
+    return plan_placements(model_plan(model), bucket)
 
 
 def explain(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Placement]:

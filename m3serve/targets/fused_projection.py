@@ -17,11 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from m3serve.kernels._gemm_tiles import make_workspace
-from m3serve.kernels.qkv_fused import fuse_projection_weights
-from m3serve.targets.dispatch import lookup, module_workspace
-
-QUANT_FORMATS = ("nvfp4", "mxfp8", "fp8")
+from m3serve.kernels.gemm._gemm_tiles import make_workspace
+from m3serve.kernels.gemm.qkv_fused import fuse_projection_weights
+from m3serve.targets.plan import QUANT_FORMATS, projection_parts
 
 
 @dataclass
@@ -30,13 +28,6 @@ class FusedProjection:
     tensors: tuple[torch.Tensor, ...]   # dense: (w [N_total, H],); quantized: the qkv entry's weight arguments
     splits: tuple[int, ...]             # output columns of each part, in order
     views: tuple[torch.Tensor, ...]     # the tensor each part was rebound to (its weight / packed / q)
-
-
-def projection_parts(attn) -> list:
-    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-    if attn.sparse:
-        parts += [attn.index_q_proj, attn.index_k_proj]
-    return parts
 
 
 def _rows(t: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
@@ -79,10 +70,11 @@ def _still_views(attn, fp: FusedProjection) -> bool:
     return all(getattr(p, key, None) is v for p, v in zip(projection_parts(attn), fp.views))
 
 
-def project(attn, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...] | None:
+def project(attn, x: torch.Tensor, qkv=None) -> tuple[torch.Tensor, ...] | None:
     """x [T, H] bf16 -> the parts' outputs (views of one [T, N_total] buffer), or None when no fused
-    projection serves this layer and row count (the caller then runs the parts one by one)."""
-    store = attn.__dict__.setdefault("_routed_workspaces", {})   # as dispatch.module_workspace, but refreshed
+    projection serves this layer and row count (the caller then runs the parts one by one). qkv: the layer's
+    bound qkv.{fmt} row table (routing.RowTable: rows -> launch or None), needed by quantized parts."""
+    store = attn.__dict__.setdefault("_routed_workspaces", {})   # made once per layer, refreshed when replaced
     fp = store.get("fused_projection", False)
     if fp is False or (fp is not None and not _still_views(attn, fp)):   # first call, or weights replaced since
         fp = store["fused_projection"] = fuse(attn)
@@ -96,14 +88,16 @@ def project(attn, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, ...] | None
             return None
         out = torch.mm(x, w.t())
     else:
-        # Both routes are catalog entries (the parts' own linear.{fmt} hooks enforce require mode), so a shape
-        # without a certified fused cell takes the per-part route rather than raising here.
-        entry = lookup(f"qkv.{fp.fmt}", t, (n, h), "auto")
-        if entry is None:
+        # Both routes are catalog entries (the parts' own linear.{fmt} kernels enforce require mode), so rows
+        # without a certified fused cell take the per-part route rather than raising here (the plan's qkv route
+        # is never strict).
+        launch = qkv(t) if qkv is not None else None
+        if launch is None:
             return None
-        cell = entry.cell_for(t, (n, h))
-        cfg = cell.config["gemm"]
-        ws = module_workspace(attn, ("qkv_workspace", cell.rows), lambda: make_workspace(cfg, n, x.device))
+        cfg = launch.config
+        ws = launch.workspace
+        if ws is None:
+            ws = launch.workspace = make_workspace(cfg, n, x.device)
         out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
-        entry.raw_call(x.contiguous(), *fp.tensors, out, ws, cfg)
+        launch.run(x.contiguous(), *fp.tensors, out, ws, cfg)
     return tuple(torch.split(out, list(fp.splits), dim=-1))

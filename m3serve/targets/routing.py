@@ -1,139 +1,118 @@
-"""Explicit routing of one model's modules to certified Triton entries (the Hopper decode target).
+"""Explicit routing of one model's modules to certified Triton entries (the Hopper decode target), bound once.
 
-    install(model, "off")      the stock path, byte for byte (no hook on any module)
-    install(model, "auto")     modules whose (rows, shape) lie in a certified cell run the entry; others stock
-    install(model, "require")  as auto, but a module outside every certified cell raises, naming the shape and cell
+    install(model, mode, max_rows)   build the model's kernel plan (targets.plan) and bind it
+    bind(model, plan)                each routed module gets ONE bound implementation, `module.kernel` (None = the
+                                     stock path); its forward calls it. The implementation holds, per row range,
+                                     the prepared launch of the plan's cell (raw call, tile config, workspace),
+                                     so a call picks its launch by row count alone: no catalog, no lookup.
+    warmup(model, max_rows)          compiles the plan's cells
 
-The mode belongs to the model it is installed on (a hook per module, bound to its mode): two models in one
-process route independently. Nothing here reads the environment.
-Routed today: quantized linears (linear.nvfp4 / linear.mxfp8 / linear.fp8, 1-48 rows) and the NVFP4 MoE
-layer (moe.nvfp4: router + routed experts + shared expert in three launches); on bf16 CUDA activations the
-decoder-level Gemma norms (norm.rms; norm.add_rms where a residual add precedes the norm), each attention layer's q/k norms + RoPE (attn.qk_prep, one launch),
-the dense MLPs' SwiGLU-OAI (mlp.swiglu_oai) and, in the dense all-experts MoE, the router (moe.route_small)
-and the stacked experts' activation. CPU or fp32 activations always take the stock path (byte for byte).
-Workspaces and output buffers are made once per call site and row cell, before any graph capture could
-need them.
+    mode "off"      the stock path, byte for byte (no module has a kernel)
+    mode "auto"     rows that lie in a certified cell run the entry; others stock
+    mode "require"  as auto, but rows outside every certified cell raise, naming the module, rows and cell (at
+                    build for the rows 1..max_rows the plan promises, at the call for any others)
+
+The plan belongs to the model it is bound to: two models in one process route independently. Nothing here
+reads the environment.
+Routed today: quantized linears (linear.nvfp4 / linear.mxfp8 / linear.fp8; qkv.{fmt} for an attention layer's
+projections as one GEMM) and the MoE layer (moe.nvfp4: router + routed experts + shared expert in three launches;
+moe.grouped for every other expert format and row count); on bf16 CUDA activations the decoder-level Gemma norms
+(norm.rms; norm.add_rms where a residual add precedes the norm), each attention layer's q/k norms + RoPE
+(attn.qk_prep, one launch), the dense MLPs' SwiGLU-OAI (mlp.swiglu_oai) and, in the dense all-experts MoE, the
+router (moe.route_small) and the stacked experts' activation. CPU or fp32 activations always take the stock path
+(byte for byte). The LM head's catalog entries (head.bf16 / head.head12) are not routed: a quantized head is a
+linear like any other.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import torch
 
-import functools
-
-from m3serve.kernels.moe_grouped import make_workspace as grouped_workspace
+from m3serve.kernels.gemm._gemm_tiles import make_workspace as gemm_workspace
+from m3serve.kernels.moe.grouped import make_workspace as grouped_workspace
+from m3serve.kernels.moe.nvfp4 import make_moe_workspace
+from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
+from m3serve.model.layers import Linear, RMSNorm, rope_inv_freq
+from m3serve.model.m3 import Attention
+from m3serve.model.moe import DenseMLP, MoE
 from m3serve.targets import fused_projection
-from m3serve.kernels.catalog import all_entries
-from m3serve.targets.dispatch import MODES, lookup, module_workspace
+from m3serve.targets.dispatch import miss
+from m3serve.targets.plan import (ALL_EXPERTS_MAX, GROUPED_FMT, KernelPlan, Route, build_drafter_plan,
+                                  build_plan)
+
+__all__ = ["install", "install_drafter", "bind", "mode_of", "plan_of", "warmup", "moe_all_experts",
+           "combine_selected", "launches", "ALL_EXPERTS_MAX", "GROUPED_FMT"]
+
+# the classes whose instances carry a `kernel` slot (bind clears it on every instance the plan does not route)
+ROUTED_CLASSES = (Linear, RMSNorm, Attention, DenseMLP, MoE, LlamaRMSNorm, Eagle3Attention, Eagle3MLP)
 
 
-def install(model, mode: str) -> None:
-    """Route `model`'s quantized linears, MoE layers, norms, attention q/k prep and dense-MLP activations in
-    `mode` (replacing any earlier mode)."""
-    from m3serve.model.layers import Linear, RMSNorm
-    from m3serve.model.m3 import Attention
-    from m3serve.model.moe import DenseMLP, MoE
-    if mode not in MODES:
-        raise ValueError(f"route mode: expected one of {MODES}, found {mode!r}")
-    on = mode != "off"
-    # the per-head q/k norms belong to attn.qk_prep: they run only when it falls back, on [T, heads, D]
-    attention_norms = {id(n) for a in model.modules() if isinstance(a, Attention)
-                       for n in (a.q_norm, a.k_norm, getattr(a, "index_q_norm", None), getattr(a, "index_k_norm", None))
-                       if n is not None}
-    for mod in model.modules():
-        if isinstance(mod, Linear):
-            mod.dispatch = functools.partial(_linear, mode=mode) if on else None
-        elif isinstance(mod, MoE):
-            mod.dispatch = functools.partial(_moe, mode=mode) if on else None
-        elif isinstance(mod, RMSNorm):
-            decoder_norm = on and id(mod) not in attention_norms
-            mod.dispatch = functools.partial(_norm, mode=mode) if decoder_norm else None
-            mod.add_dispatch = functools.partial(_add_norm, mode=mode) if decoder_norm else None
-        elif isinstance(mod, Attention):
-            mod.prep_dispatch = functools.partial(_qk_prep, mode=mode) if on else None
-        elif isinstance(mod, DenseMLP):
-            mod.act_dispatch = functools.partial(_swiglu, mode=mode) if on else None
-    model.route_mode = mode
+# --- the prepared launches ---------------------------------------------------------------------------------
+class Launch:
+    """One certified cell of one module, ready to launch: the entry's raw call, the cell's tile config and the
+    call site's workspace (made on its first call, then kept: one per module and cell, as the entries require)."""
+    __slots__ = ("run", "entry", "cell", "config", "workspace")
+
+    def __init__(self, entry, cell, config_key: str | None):
+        self.run = entry.raw_call
+        self.entry, self.cell = entry, cell
+        self.config = cell.config[config_key] if config_key else None
+        self.workspace = None
 
 
-def install_drafter(drafter, mode: str) -> None:
-    """Route an Eagle3 drafter's pieces on the decode target:
-    - its Llama norms (y = x * rsqrt(mean(x^2) + eps) * w), alone or with the residual add before them, through
-      norm.rms / norm.add_rms, which apply (1 + w'): w' = w - 1 in fp32, kept only where 1 + w' gives back w
-      exactly for every element, so the product is the stock one; other norms stay stock;
-    - the q/k RoPE through attn.rope and the MLP's silu(gate) * up through mlp.silu_mul;
-    - q|k|v and gate|up joined into one GEMM each.
-    mode off: every hook goes back to stock (the joined weights stay)."""
-    from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
-    if mode not in MODES:
-        raise ValueError(f"route mode: expected one of {MODES}, found {mode!r}")
-    on = mode != "off"
-    for mod in drafter.modules():
-        if isinstance(mod, LlamaRMSNorm):
-            mod.dispatch = mod.add_dispatch = None
-            if not on:
-                continue
-            w = mod.weight.detach().float()
-            shifted = w - 1.0
-            if torch.equal(1.0 + shifted, w):
-                mod.gemma_weight = shifted.contiguous()
-                mod.dispatch = functools.partial(_llama_norm, mode=mode)
-                mod.add_dispatch = functools.partial(_llama_add_norm, mode=mode)
-        elif isinstance(mod, Eagle3Attention):
-            mod.rope_dispatch = functools.partial(_drafter_rope, mode=mode) if on else None
-            if on:
-                mod.fuse_projections()
-        elif isinstance(mod, Eagle3MLP):
-            mod.act_dispatch = functools.partial(_silu_mul, mode=mode) if on else None
-            if on:
-                mod.fuse_projections()
+class Uncovered:
+    """require mode: rows of a module that no certified cell covers; a call there raises naming them."""
+    __slots__ = ("where", "kind", "shape")
+
+    def __init__(self, where: str, kind: str, shape: tuple[int, ...]):
+        self.where, self.kind, self.shape = where, kind, shape
+
+    def fail(self, rows: int):
+        raise ValueError(f"{self.where}: require mode, but {miss(self.kind, rows, self.shape)}")
 
 
-def _llama_norm(norm, x: torch.Tensor, mode: str):
-    """A drafter's Llama RMSNorm as norm.rms with its exact Gemma-form weight (install_drafter)."""
-    return _norm_rows("drafter norm", x, norm.gemma_weight, norm.eps, mode)
+class RowTable:
+    """A route bound for one module: row count -> its Launch, None (stock) or, in require mode, a raise."""
+    __slots__ = ("starts", "slots", "kind")
+
+    def __init__(self, route: Route, where: str, mode: str):
+        strict = route.strict and mode == "require"
+        slots = []
+        for s in route.spans:
+            if s.cell is not None:
+                slots.append(Launch(s.entry, s.cell, route.config_key))
+            else:
+                slots.append(Uncovered(where, route.kind, route.shape) if strict and not s.off else None)
+        self.starts, self.slots, self.kind = route.starts, tuple(slots), route.kind
+
+    def __call__(self, rows: int) -> Launch | None:
+        got = self.slots[bisect_right(self.starts, rows) - 1]
+        if got.__class__ is Uncovered:
+            got.fail(rows)
+        return got
+
+    def launches(self):
+        return [s for s in self.slots if isinstance(s, Launch)]
 
 
-def _llama_add_norm(norm, residual: torch.Tensor, delta: torch.Tensor, mode: str):
-    """A drafter's residual add and the Llama RMSNorm after it as norm.add_rms (its exact Gemma-form weight)."""
-    return _add_rows("drafter add_norm", residual, delta, norm.gemma_weight, norm.eps, mode)
+def _routes(t: torch.Tensor) -> bool:
+    """Whether the entries run on `t`'s device: CUDA only (CPU tensors take the stock path, byte for byte, also
+    under require; the CPU tests open this gate to run the entries under the Triton interpreter)."""
+    return t.device.type == "cuda"
 
 
-def _drafter_rope(attn, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                  mode: str):
-    """The draft layer's q/k RoPE in one attn.rope launch: q [T, Hq, D], k [T, Hk, D] (views of the joined q|k|v
-    GEMM) -> (q, k) rotated, or None (stock)."""
-    if not (_bf16_cuda("drafter rope", q, mode) and _bf16_cuda("drafter rope", k, mode)) or q.dim() != 3 \
-            or q.shape[0] == 0:
-        return None
-    t, hq, d = q.shape
-    hk = k.shape[1]
-    entry = lookup("attn.rope", t, (hq, hk, d, 2 * inv_freq.shape[0]), mode)
-    if entry is None:
-        return None
-    q2, k2 = q.reshape(t, hq * d), k.reshape(t, hk * d)
-    if q2.stride(1) != 1 or k2.stride(1) != 1:
-        return None
-    q_out = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
-    k_out = torch.empty(t, hk, d, dtype=torch.bfloat16, device=q.device)
-    return entry.raw_call(q2, k2, positions.contiguous(), inv_freq, q_out, k_out)
-
-
-def _silu_mul(mlp, gate_up: torch.Tensor, mode: str):
-    """The draft layer MLP's silu(gate) * up, [T, 2I] -> bf16 [T, I] (mlp.silu_mul), or None (stock)."""
-    if not _bf16_cuda("drafter mlp activation", gate_up, mode) or gate_up.dim() != 2 or gate_up.numel() == 0:
-        return None
-    rows, two_i = gate_up.shape
-    entry = lookup("mlp.silu_mul", rows, (1, two_i // 2), mode)
-    if entry is None:
-        return None
-    out = torch.empty(1, rows, two_i // 2, dtype=torch.bfloat16, device=gate_up.device)
-    entry.raw_call(gate_up.contiguous().view(1, rows, two_i), out)
-    return out.view(rows, two_i // 2)
-
-
-def mode_of(model) -> str:
-    return getattr(model, "route_mode", "off")
+def _bf16_cuda(where: str, t: torch.Tensor, mode: str) -> bool:
+    """Whether the fused entries may take `t`: off CUDA never (_routes); on CUDA anything but bf16 raises under
+    require."""
+    if not _routes(t):
+        return False
+    if t.dtype != torch.bfloat16:
+        if mode == "require":
+            raise ValueError(f"{where}: require mode needs bf16 activations, found {t.dtype}")
+        return False
+    return True
 
 
 def _per_row(lin, t: torch.Tensor, n: int) -> torch.Tensor:
@@ -147,148 +126,165 @@ def _per_row(lin, t: torch.Tensor, n: int) -> torch.Tensor:
     return cached
 
 
-def _linear(lin, x: torch.Tensor, mode: str):
-    if x.device.type != "cuda" or lin.num_experts is not None or lin.fmt not in ("nvfp4", "mxfp8", "fp8"):
-        if mode == "require" and x.device.type == "cuda" and lin.fmt in ("nvfp4", "mxfp8", "fp8"):
-            raise ValueError(f"{lin.name}: require mode, but stacked expert linears route through moe.nvfp4")
-        return None
-    n, k = lin.out_features, lin.in_features
-    x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
-    if x2.dtype != torch.bfloat16:
-        if mode == "require":
-            raise ValueError(f"{lin.name}: require mode needs bf16 activations, found {x2.dtype}")
-        return None
-    entry = lookup(f"linear.{lin.fmt}", rows, (n, k), mode)
-    if entry is None:
-        return None
-    cell = entry.cell_for(rows, (n, k))
-    cfg = cell.config["gemm"]
-    from m3serve.kernels._gemm_tiles import make_workspace
-    ws = module_workspace(lin, cell.rows, lambda: make_workspace(cfg, n, x.device))
-    out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
-    x2 = x2.contiguous()
-    if lin.fmt == "nvfp4":
-        entry.raw_call(x2, lin.q_packed, lin.q_scale, _per_row(lin, lin.q_global_scale, n), out, ws, cfg)
-    elif lin.fmt == "mxfp8":
-        entry.raw_call(x2, lin.q_q, lin.q_scale, out, ws, cfg)
-    else:
-        entry.raw_call(x2, lin.q_q, _per_row(lin, lin.q_scale, n), out, ws, cfg)
-    return out.view(*x.shape[:-1], n)
+# --- bound implementations, one per module role ------------------------------------------------------------
+class LinearKernel:
+    """A quantized linear on linear.{fmt}: (linear, x [..., K]) -> bf16 [..., N], or None (stock)."""
+    __slots__ = ("table", "fmt", "n", "k", "mode")
 
+    def __init__(self, lin: Linear, table: RowTable, mode: str):
+        self.table, self.fmt, self.n, self.k, self.mode = table, lin.fmt, lin.out_features, lin.in_features, mode
 
-def _bf16_cuda(where: str, t: torch.Tensor, mode: str) -> bool:
-    """Whether the fused elementwise entries may take `t`: CPU tensors never (the stock path, also under
-    require: as the linear hook); on CUDA anything but bf16 raises under require."""
-    if t.device.type != "cuda":
-        return False
-    if t.dtype != torch.bfloat16:
-        if mode == "require":
-            raise ValueError(f"{where}: require mode needs bf16 activations, found {t.dtype}")
-        return False
-    return True
-
-
-def _norm(norm, x: torch.Tensor, mode: str):
-    """Gemma RMSNorm of [..., H] rows (norm.rms)."""
-    return _norm_rows("norm", x, norm.weight, norm.eps, mode)
-
-
-def _norm_rows(where: str, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
-    """x [..., H] through norm.rms with Gemma weight `weight` (1 + weight applied), or None (stock)."""
-    h = x.shape[-1]
-    if not _bf16_cuda(where, x, mode) or x.numel() == 0:
-        return None
-    rows = x.numel() // h
-    entry = lookup("norm.rms", rows, (h,), mode)
-    if entry is None:
-        return None
-    x2 = x.reshape(rows, h)
-    if x2.stride(1) != 1:
+    def __call__(self, lin, x: torch.Tensor):
+        if not _routes(x):
+            return None
+        if lin.fmt != self.fmt:
+            raise ValueError(f"{lin.name}: weights are {lin.fmt} now, the kernel plan bound {self.fmt}: bind the "
+                             "plan again after replacing weights")
+        n, k = self.n, self.k
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.bfloat16:
+            if self.mode == "require":
+                raise ValueError(f"{lin.name}: require mode needs bf16 activations, found {x2.dtype}")
+            return None
+        rows = x2.shape[0]
+        if rows == 0:
+            return None
+        launch = self.table(rows)
+        if launch is None:
+            return None
+        cfg = launch.config
+        ws = launch.workspace
+        if ws is None:
+            ws = launch.workspace = gemm_workspace(cfg, n, x.device)
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
         x2 = x2.contiguous()
-    out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
-    entry.raw_call(x2, weight, float(eps), out)
-    return out.view(x.shape)
+        if self.fmt == "nvfp4":
+            launch.run(x2, lin.q_packed, lin.q_scale, _per_row(lin, lin.q_global_scale, n), out, ws, cfg)
+        elif self.fmt == "mxfp8":
+            launch.run(x2, lin.q_q, lin.q_scale, out, ws, cfg)
+        else:
+            launch.run(x2, lin.q_q, _per_row(lin, lin.q_scale, n), out, ws, cfg)
+        return out.view(*x.shape[:-1], n)
 
 
-def _add_norm(norm, residual: torch.Tensor, delta: torch.Tensor, mode: str):
-    """A residual boundary and the Gemma RMSNorm after it, (residual + delta, norm(.)), in one norm.add_rms
-    launch."""
-    return _add_rows("add_norm", residual, delta, norm.weight, norm.eps, mode)
+class NormKernel:
+    """A decoder-level Gemma norm: norm(norm, x) through norm.rms, add_norm(norm, residual, delta) -> (h, y)
+    through norm.add_rms; each None where stock runs."""
+    __slots__ = ("where", "rms", "add_rms", "mode")
+
+    def __init__(self, where: str, rms: RowTable, add_rms: RowTable, mode: str):
+        self.where, self.rms, self.add_rms, self.mode = where, rms, add_rms, mode
+
+    def weight(self, norm) -> torch.Tensor:
+        return norm.weight
+
+    def norm(self, norm, x: torch.Tensor):
+        """x [..., H] -> Gemma RMSNorm of it (1 + weight applied)."""
+        if not _bf16_cuda(self.where, x, self.mode) or x.numel() == 0:
+            return None
+        h = x.shape[-1]
+        rows = x.numel() // h
+        launch = self.rms(rows)
+        if launch is None:
+            return None
+        x2 = x.reshape(rows, h)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
+        launch.run(x2, self.weight(norm), float(norm.eps), out)
+        return out.view(x.shape)
+
+    def add_norm(self, norm, residual: torch.Tensor, delta: torch.Tensor):
+        """(residual + delta, the norm of it) in one launch."""
+        where = self.where
+        if not (_bf16_cuda(where, residual, self.mode) and _bf16_cuda(where, delta, self.mode)) \
+                or residual.numel() == 0:
+            return None
+        h = residual.shape[-1]
+        rows = residual.numel() // h
+        launch = self.add_rms(rows)
+        if launch is None:
+            return None
+        r2, d2 = residual.reshape(rows, h), delta.reshape(rows, h)
+        r2 = r2 if r2.stride(1) == 1 else r2.contiguous()
+        d2 = d2 if d2.stride(1) == 1 else d2.contiguous()
+        h_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
+        y_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
+        launch.run(d2, r2, self.weight(norm), float(norm.eps), h_out, y_out)
+        return h_out.view(residual.shape), y_out.view(residual.shape)
 
 
-def _add_rows(where: str, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
-    """(residual + delta, Gemma RMSNorm of it with `weight`) through norm.add_rms, or None (stock)."""
-    h = residual.shape[-1]
-    if not (_bf16_cuda(where, residual, mode) and _bf16_cuda(where, delta, mode)) or residual.numel() == 0:
-        return None
-    rows = residual.numel() // h
-    entry = lookup("norm.add_rms", rows, (h,), mode)
-    if entry is None:
-        return None
-    r2, d2 = residual.reshape(rows, h), delta.reshape(rows, h)
-    r2 = r2 if r2.stride(1) == 1 else r2.contiguous()
-    d2 = d2 if d2.stride(1) == 1 else d2.contiguous()
-    h_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
-    y_out = torch.empty(rows, h, dtype=torch.bfloat16, device=residual.device)
-    entry.raw_call(d2, r2, weight, float(eps), h_out, y_out)
-    return h_out.view(residual.shape), y_out.view(residual.shape)
+class LlamaNormKernel(NormKernel):
+    """A drafter's Llama norm as norm.rms / norm.add_rms with its exact Gemma-form weight (w - 1, set at bind)."""
+    __slots__ = ()
+
+    def weight(self, norm) -> torch.Tensor:
+        return norm.gemma_weight
 
 
-def _qk_prep(attn, x: torch.Tensor, positions: torch.Tensor, mode: str):
+class QkPrepKernel:
     """Attention.project with the q/k (and index q/k) norms and RoPE in one attn.qk_prep launch, after the
-    projections as one fused GEMM (targets.fused_projection) or, where none serves, through each part's own
-    Linear hook. x [T, H] -> (q, k, v, iq, ik)."""
-    from m3serve.model.layers import rope_inv_freq
-    where = f"layers.{attn.layer}.self_attn"
-    if not _bf16_cuda(where, x, mode) or x.dim() != 2 or x.shape[0] == 0:
-        return None
-    cfg = attn.cfg
-    t, d, rd = x.shape[0], cfg.head_dim, cfg.rotary_dim
-    di = cfg.index_head_dim if attn.sparse else 0
-    entry = lookup("attn.qk_prep", t, (attn.hq, attn.hk, d, di, rd), mode)
-    if entry is None:
-        return None
-    inv_freq = module_workspace(attn, ("rope_inv_freq", x.device), lambda: rope_inv_freq(rd, cfg.rope_theta, x.device))
-    fused = fused_projection.project(attn, x, mode)   # one GEMM for all parts, or None: one per part
-    if fused is not None:
-        q, k, v, *idx = fused
-        index_in = dict(iq=idx[0], ik=idx[1]) if di else {}
-    else:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        index_in = dict(iq=attn.index_q_proj(x), ik=attn.index_k_proj(x)) if di else {}
-    v = v.view(t, attn.hk, d)
-    q_out = torch.empty(t, attn.hq, d, dtype=torch.bfloat16, device=x.device)
-    k_out = torch.empty(t, attn.hk, d, dtype=torch.bfloat16, device=x.device)
-    index = {}
-    if di:
-        index = dict(**index_in, iq_norm_w=attn.index_q_norm.weight,
-                     ik_norm_w=attn.index_k_norm.weight,
-                     iq_out=torch.empty(t, attn.hk, di, dtype=torch.bfloat16, device=x.device),
-                     ik_out=torch.empty(t, di, dtype=torch.bfloat16, device=x.device))
-    q_out, k_out, iq_out, ik_out = entry.raw_call(q, k, positions.contiguous(), attn.q_norm.weight,
+    projections as one fused GEMM (targets.fused_projection; qkv.{fmt} when quantized) or, where none serves,
+    through each part's own linear kernel. (attn, x [T, H], positions) -> (q, k, v, iq, ik), or None (stock)."""
+    __slots__ = ("where", "prep", "qkv", "mode", "inv_freq")
+
+    def __init__(self, where: str, prep: RowTable, qkv: RowTable | None, mode: str):
+        self.where, self.prep, self.qkv, self.mode = where, prep, qkv, mode
+        self.inv_freq = None
+
+    def __call__(self, attn, x: torch.Tensor, positions: torch.Tensor):
+        if not _bf16_cuda(self.where, x, self.mode) or x.dim() != 2 or x.shape[0] == 0:
+            return None
+        t = x.shape[0]
+        launch = self.prep(t)
+        if launch is None:
+            return None
+        cfg = attn.cfg
+        d = cfg.head_dim
+        inv_freq = self.inv_freq
+        if inv_freq is None or inv_freq.device != x.device:
+            inv_freq = self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, x.device)
+        fused = fused_projection.project(attn, x, self.qkv)   # one GEMM for all parts, or None: one per part
+        sparse = attn.sparse
+        if fused is not None:
+            q, k, v, *idx = fused
+            index_in = dict(iq=idx[0], ik=idx[1]) if sparse else {}
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            index_in = dict(iq=attn.index_q_proj(x), ik=attn.index_k_proj(x)) if sparse else {}
+        v = v.view(t, attn.hk, d)
+        q_out = torch.empty(t, attn.hq, d, dtype=torch.bfloat16, device=x.device)
+        k_out = torch.empty(t, attn.hk, d, dtype=torch.bfloat16, device=x.device)
+        index = {}
+        if sparse:
+            di = cfg.index_head_dim
+            index = dict(**index_in, iq_norm_w=attn.index_q_norm.weight, ik_norm_w=attn.index_k_norm.weight,
+                         iq_out=torch.empty(t, attn.hk, di, dtype=torch.bfloat16, device=x.device),
+                         ik_out=torch.empty(t, di, dtype=torch.bfloat16, device=x.device))
+        q_out, k_out, iq_out, ik_out = launch.run(q, k, positions.contiguous(), attn.q_norm.weight,
                                                   attn.k_norm.weight, inv_freq, float(attn.q_norm.eps), q_out,
                                                   k_out, **index)
-    return q_out, k_out, v, iq_out, ik_out
+        return q_out, k_out, v, iq_out, ik_out
 
 
-def _swiglu(mlp, gate_up: torch.Tensor, mode: str):
-    """A dense MLP's SwiGLU-OAI activation, [..., 2I] -> bf16 [..., I] (mlp.swiglu_oai)."""
-    two_i = gate_up.shape[-1]
-    if not _bf16_cuda(f"{mlp.gate_up_proj.name.rsplit('.', 1)[0]} activation", gate_up, mode) or gate_up.numel() == 0:
-        return None
-    rows, i = gate_up.numel() // two_i, two_i // 2
-    entry = lookup("mlp.swiglu_oai", rows, (1, i), mode)
-    if entry is None:
-        return None
-    out = torch.empty(1, rows, i, dtype=torch.bfloat16, device=gate_up.device)
-    entry.raw_call(gate_up.reshape(1, rows, two_i).contiguous(), float(mlp.alpha), float(mlp.limit), out)
-    return out.view(*gate_up.shape[:-1], i)
+class SwigluKernel:
+    """A dense MLP's SwiGLU-OAI activation: (mlp, gate_up [..., 2I]) -> bf16 [..., I] (mlp.swiglu_oai)."""
+    __slots__ = ("where", "table", "mode")
 
+    def __init__(self, where: str, table: RowTable, mode: str):
+        self.where, self.table, self.mode = where, table, mode
 
-# A dense-weight MoE with at most this many experts runs every expert on every token (masked): no host sync,
-# so it can be captured in a CUDA graph; beyond it the wasted FLOPs outweigh that (the stock loop runs).
-ALL_EXPERTS_MAX = 16
+    def __call__(self, mlp, gate_up: torch.Tensor):
+        if not _bf16_cuda(self.where, gate_up, self.mode) or gate_up.numel() == 0:
+            return None
+        two_i = gate_up.shape[-1]
+        rows, i = gate_up.numel() // two_i, two_i // 2
+        launch = self.table(rows)
+        if launch is None:
+            return None
+        out = torch.empty(1, rows, i, dtype=torch.bfloat16, device=gate_up.device)
+        launch.run(gate_up.reshape(1, rows, two_i).contiguous(), float(mlp.alpha), float(mlp.limit), out)
+        return out.view(*gate_up.shape[:-1], i)
 
 
 def combine_selected(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -301,7 +297,8 @@ def combine_selected(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) 
     return torch.where(coef != 0, y * coef, 0.0).sum(0)
 
 
-def moe_all_experts(m, x: torch.Tensor, mode: str = "off") -> torch.Tensor:
+def moe_all_experts(m, x: torch.Tensor, router: RowTable | None = None, act: RowTable | None = None
+                    ) -> torch.Tensor:
     """The stock MoE without `torch.unique(...).tolist()`: every expert's GEMMs on all T tokens (two batched
     matmuls), then one reduction over the experts of the masked, weighted outputs. x [T, H] -> [T, H].
 
@@ -309,31 +306,31 @@ def moe_all_experts(m, x: torch.Tensor, mode: str = "off") -> torch.Tensor:
     rounded once, as stock's) and exact zeros for the others. Adding an exact zero is exact, so any
     summation order rounds only where two non-zero partial sums meet: with A <= 2 (the embedded model) that is
     the single rounding of p1 + p2, and the one-op sum equals stock's ascending-expert loop bit for bit; with
-    A > 2 it is within (A - 1) u sum|p| of it (torch's reduction order). With mode "off" (and on CPU or fp32)
-    everything else is the stock arithmetic, so the result differs from the stock MoE only in the GEMMs'
-    blocking. In auto / require mode on bf16 CUDA activations the router is moe.route_small (its logits in
-    another fp32 summation order: a near-tie may select differently) and the experts' activation
+    A > 2 it is within (A - 1) u sum|p| of it (torch's reduction order). Without router / act tables (and on CPU
+    or fp32) everything else is the stock arithmetic, so the result differs from the stock MoE only in the
+    GEMMs' blocking. With them (the bound plan, bf16 CUDA activations) the router is moe.route_small (its
+    logits in another fp32 summation order: a near-tie may select differently) and the experts' activation
     mlp.swiglu_oai (one bf16 ulp), each within its entry's stated tolerance; require raises outside their
     certified cells."""
     from m3serve.model.layers import swiglu_oai
     from m3serve.model.moe import route
     t, e = x.shape[0], m.w13.num_experts
-    fused = mode != "off" and x.device.type == "cuda" and x.dtype == torch.bfloat16 and t > 0
-    router = lookup("moe.route_small", t, (e, x.shape[1], m.top_k), mode) if fused else None
-    if router is not None:
+    fused = _routes(x) and x.dtype == torch.bfloat16 and t > 0
+    launch = router(t) if fused and router is not None else None
+    if launch is not None:
         weights = torch.empty(t, m.top_k, dtype=torch.float32, device=x.device)
         ids = torch.empty(t, m.top_k, dtype=torch.int64, device=x.device)
-        router.raw_call(x.contiguous(), m.router, m.e_score_correction_bias, m.top_k, weights, ids)
+        launch.run(x.contiguous(), m.router, m.e_score_correction_bias, m.top_k, weights, ids)
     else:
         ids, weights = route(x, m.router, m.e_score_correction_bias, m.top_k)      # [T, A]
     w13, w2 = m.w13.dense_weight(x.dtype), m.w2.dense_weight(x.dtype)               # [E, 2I, H], [E, H, I]
     xe = x.unsqueeze(0).expand(e, *x.shape)                                          # [E, T, H]
     gate_up = torch.bmm(xe, w13.transpose(1, 2))                                     # [E, T, 2I]
     i = gate_up.shape[-1] // 2
-    act = lookup("mlp.swiglu_oai", t, (e, i), mode) if fused else None
-    if act is not None:
+    launch = act(t) if fused and act is not None else None
+    if launch is not None:
         a = torch.empty(e, t, i, dtype=torch.bfloat16, device=x.device)
-        act.raw_call(gate_up.contiguous(), float(m.alpha), float(m.limit), a)
+        launch.run(gate_up.contiguous(), float(m.alpha), float(m.limit), a)
     else:
         a = swiglu_oai(gate_up, m.alpha, m.limit).to(x.dtype)                       # [E, T, I]
     y = torch.bmm(a, w2.transpose(1, 2))                                             # [E, T, H]
@@ -343,72 +340,17 @@ def moe_all_experts(m, x: torch.Tensor, mode: str = "off") -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def _moe(m, x: torch.Tensor, mode: str):
-    """The MoE layer: dense experts (at most ALL_EXPERTS_MAX) on all experts; NVFP4 at 1-48 rows on moe.nvfp4 where
-    one of its cells serves; everything else (every format, 1..16384 rows) on moe.grouped."""
-    if x.device.type != "cuda":
-        return None
-    if m.w13.fmt == "dense" and m.w2.fmt == "dense" and m.w13.num_experts <= ALL_EXPERTS_MAX:
-        return moe_all_experts(m, x, mode)
-    y = _moe_nvfp4(m, x)
-    return y if y is not None else _moe_grouped(m, x, mode)
+class AllExpertsKernel:
+    """A dense MoE of at most ALL_EXPERTS_MAX experts: moe_all_experts with the plan's router and activation."""
+    __slots__ = ("router", "act")
 
+    def __init__(self, router: RowTable, act: RowTable):
+        self.router, self.act = router, act
 
-def nvfp4_shape(m) -> tuple[int, ...] | None:
-    """moe.nvfp4's cell shape key (E, H, I, shared_bf16) for MoE layer m, or None when that entry cannot take it
-    (experts not NVFP4, no NVFP4 / BF16 shared expert as wide as the routed ones, or not top-4)."""
-    if m.w13.fmt != "nvfp4" or m.w2.fmt != "nvfp4":
-        return None
-    sh = m.shared
-    shared_bf16 = int(sh is not None and sh.gate_up_proj.fmt == "dense")
-    i = m.w2.in_features
-    if sh is None or (not shared_bf16 and sh.gate_up_proj.fmt != "nvfp4") or sh.down_proj.in_features != i \
-            or m.top_k != 4:
-        return None
-    return (m.w13.num_experts, m.w13.in_features, i, shared_bf16)
-
-
-def _moe_nvfp4(m, x: torch.Tensor):
-    """moe.nvfp4 (the tuned 1-48 row NVFP4 entry) where one of its cells serves, else None: looked up in auto
-    mode whatever the model's mode, since moe.grouped serves (or, under require, names) whatever it leaves."""
-    shape = nvfp4_shape(m)
-    if shape is None or x.dtype != torch.bfloat16:
-        return None
-    e, h, i, shared_bf16 = shape
-    sh = m.shared
-    rows = x.shape[0]
-    entry = lookup("moe.nvfp4", rows, shape, "auto")
-    if entry is None:
-        return None
-    cell = entry.cell_for(rows, shape)
-    cfg = cell.config["moe"]
-    from m3serve.kernels.moe_nvfp4 import make_moe_workspace
-    ws = module_workspace(m, rows, lambda: make_moe_workspace(cfg, rows, e, h, i, x.device))
-    if shared_bf16:
-        sh_args = (sh.gate_up_proj.weight, None, None, sh.down_proj.weight, None, None)
-    else:
-        gu, dn = sh.gate_up_proj, sh.down_proj
-        sh_args = (gu.q_packed.unsqueeze(0), gu.q_scale.unsqueeze(0), gu.q_global_scale.reshape(1, 2),
-                   dn.q_packed.unsqueeze(0), dn.q_scale.unsqueeze(0), dn.q_global_scale.reshape(1))
-    out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
-    entry.raw_call(x.contiguous(), m.router, m.e_score_correction_bias,
-                   m.w13.q_packed, m.w13.q_scale, m.w13.q_global_scale.reshape(e, 2),
-                   m.w2.q_packed, m.w2.q_scale, m.w2.q_global_scale.reshape(e),
-                   *sh_args, m.scaling, out, ws, cfg, swiglu_alpha=m.alpha, swiglu_limit=m.limit)
-    return out
-
-
-# moe.grouped's format codes (m3serve.kernels._decode) by QWeight format
-GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
-
-
-def grouped_shape(m) -> tuple[int, ...] | None:
-    """moe.grouped's cell shape key (FMT, E, H, I, A) for MoE layer m, or None when its experts are in no format
-    the entry takes (gate|up and down in different formats, or dense weights other than bf16)."""
-    fmt = m.w13.fmt
-    if fmt != m.w2.fmt or fmt not in GROUPED_FMT or (fmt == "dense" and m.w13.weight.dtype != torch.bfloat16):
-        return None
-    return (GROUPED_FMT[fmt], m.w13.num_experts, m.w13.in_features, m.w2.in_features, m.top_k)
+    def __call__(self, m, x: torch.Tensor):
+        if not _routes(x):
+            return None
+        return moe_all_experts(m, x, self.router, self.act)
 
 
 def _expert_args(lin) -> tuple:
@@ -423,88 +365,251 @@ def _expert_args(lin) -> tuple:
     return lin.q_packed, lin.q_scale, lin.q_global_scale.reshape(e, -1)
 
 
-def _moe_grouped(m, x: torch.Tensor, mode: str):
-    """moe.grouped: routing, grouping and both expert GEMMs on the device in fixed shapes (graph-safe); the shared
-    expert through the model's own DenseMLP (its linears routed as usual)."""
-    shape = grouped_shape(m)
-    if shape is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] == 0:
-        if mode == "require":
-            raise ValueError(f"{m.w13.name}: require mode, but moe.grouped takes bf16 activations [T, H] and "
-                             f"experts in one of {tuple(GROUPED_FMT)} (bf16 when dense); found {x.dtype} "
-                             f"{tuple(x.shape)}, gate|up {m.w13.fmt} / down {m.w2.fmt}")
-        return None
-    rows = x.shape[0]
-    entry = lookup("moe.grouped", rows, shape, mode)
-    if entry is None:
-        return None
-    cfg = entry.cell_for(rows, shape).config["moe"]
-    _, e, h, i, a = shape
-    ws = grouped_workspace(cfg, rows, e, h, i, a, x.device)  # per call: sized by this step's rows only
-    shared = m.shared(x).contiguous() if m.shared is not None else None
-    out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
-    return entry.raw_call(x.contiguous(), m.router, m.e_score_correction_bias, shape[0], *_expert_args(m.w13),
+class MoEKernel:
+    """The MoE layer: NVFP4 at 1-48 rows on moe.nvfp4 where one of its cells serves; everything else (every
+    format, 1..16384 rows) on moe.grouped. (moe, x [T, H]) -> this rank's partial [T, H], or None (stock)."""
+    __slots__ = ("nvfp4", "grouped", "grouped_shape", "mode")
+
+    def __init__(self, nvfp4: RowTable | None, grouped: RowTable | None, grouped_shape: tuple[int, ...] | None,
+                 mode: str):
+        self.nvfp4, self.grouped, self.grouped_shape, self.mode = nvfp4, grouped, grouped_shape, mode
+
+    def __call__(self, m, x: torch.Tensor):
+        if not _routes(x):
+            return None
+        y = self.run_nvfp4(m, x)
+        return y if y is not None else self.run_grouped(m, x)
+
+    def run_nvfp4(self, m, x: torch.Tensor):
+        """moe.nvfp4 (the tuned 1-48 row NVFP4 entry) where one of its cells serves, else None."""
+        if self.nvfp4 is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] == 0:
+            return None
+        rows = x.shape[0]
+        launch = self.nvfp4(rows)
+        if launch is None:
+            return None
+        e, h, i, shared_bf16 = m.w13.num_experts, m.w13.in_features, m.w2.in_features, launch.cell.shape[3]
+        cfg = launch.config
+        store = launch.workspace
+        if store is None:
+            store = launch.workspace = {}
+        ws = store.get(rows)
+        if ws is None:   # sized by the row count: one per call site and rows, made before any capture needs it
+            ws = store[rows] = make_moe_workspace(cfg, rows, e, h, i, x.device)
+        sh = m.shared
+        if shared_bf16:
+            sh_args = (sh.gate_up_proj.weight, None, None, sh.down_proj.weight, None, None)
+        else:
+            gu, dn = sh.gate_up_proj, sh.down_proj
+            sh_args = (gu.q_packed.unsqueeze(0), gu.q_scale.unsqueeze(0), gu.q_global_scale.reshape(1, 2),
+                       dn.q_packed.unsqueeze(0), dn.q_scale.unsqueeze(0), dn.q_global_scale.reshape(1))
+        out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
+        launch.run(x.contiguous(), m.router, m.e_score_correction_bias,
+                   m.w13.q_packed, m.w13.q_scale, m.w13.q_global_scale.reshape(e, 2),
+                   m.w2.q_packed, m.w2.q_scale, m.w2.q_global_scale.reshape(e),
+                   *sh_args, m.scaling, out, ws, cfg, swiglu_alpha=m.alpha, swiglu_limit=m.limit)
+        return out
+
+    def run_grouped(self, m, x: torch.Tensor):
+        """moe.grouped: routing, grouping and both expert GEMMs on the device in fixed shapes (graph-safe); the
+        shared expert through the model's own DenseMLP (its linears routed as usual)."""
+        if self.grouped is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] == 0:
+            if self.mode == "require":
+                raise ValueError(f"{m.w13.name}: require mode, but moe.grouped takes bf16 activations [T, H] and "
+                                 f"experts in one of {tuple(GROUPED_FMT)} (bf16 when dense); found {x.dtype} "
+                                 f"{tuple(x.shape)}, gate|up {m.w13.fmt} / down {m.w2.fmt}")
+            return None
+        rows = x.shape[0]
+        launch = self.grouped(rows)
+        if launch is None:
+            return None
+        cfg = launch.config
+        fmt, e, h, i, a = self.grouped_shape
+        ws = grouped_workspace(cfg, rows, e, h, i, a, x.device)  # per call: sized by this step's rows only
+        shared = m.shared(x).contiguous() if m.shared is not None else None
+        out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
+        return launch.run(x.contiguous(), m.router, m.e_score_correction_bias, fmt, *_expert_args(m.w13),
                           *_expert_args(m.w2), shared, m.scaling, out, ws, cfg, top_k=m.top_k,
                           swiglu_alpha=m.alpha, swiglu_limit=m.limit)
 
 
-def warmup(model, max_rows: int = 48) -> int:
-    """Compile, before serving, every kernel variant the model's routed modules can reach in steps of up to
-    max_rows tokens: for each distinct weight shape, run the module on zero activations at EVERY row count
-    1..min(max_rows, 48) for the decode entries (Triton also specializes on integer arguments (== 1, divisible
-    by 16), so a cell compiles up to three variants), and once per reachable cell for moe.grouped (whose
-    kernels do not specialize on the row count). Triton compiles on first use; doing it here keeps JIT time
-    out of the first requests and out of any later CUDA-graph capture. Returns the number of module calls."""
-    from m3serve.model.layers import Linear
-    from m3serve.model.moe import MoE
-    from m3serve.targets.dispatch import TABLES
-    if mode_of(model) == "off" or model.device.type != "cuda":
-        return 0
-    calls, seen = 0, set()
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, MoE):
-                calls += _warm_grouped(mod, max_rows, seen, model.device)
-            if isinstance(mod, Linear) and mod.num_experts is None and mod.fmt in ("nvfp4", "mxfp8", "fp8"):
-                kind, shape, run = f"linear.{mod.fmt}", (mod.out_features, mod.in_features), mod
-                width = mod.in_features
-            elif isinstance(mod, MoE) and nvfp4_shape(mod) is not None:
-                kind, shape, run, width = "moe.nvfp4", nvfp4_shape(mod), mod, mod.w13.in_features
-            else:
-                continue
-            for (lo, hi), name in TABLES[kind]:
-                for rows in range(lo, min(hi, max_rows) + 1):
-                    entry = lookup(kind, rows, shape, "auto")
-                    cell = entry.cell_for(rows, shape) if entry is not None else None
-                    # row-count-agnostic kernels (the prefill linears): one call per cell compiles it
-                    key = (kind, shape, cell.rows if name in ROW_AGNOSTIC else rows) if cell else None
-                    if cell is None or key in seen:
-                        continue
-                    seen.add(key)
-                    run(torch.zeros(rows, width, dtype=torch.bfloat16, device=model.device))
-                    calls += 1
-    torch.cuda.synchronize(model.device)
-    return calls
+class RopeKernel:
+    """The draft layer's q/k RoPE in one attn.rope launch: (attn, q [T, Hq, D], k [T, Hk, D] (views of the joined
+    q|k|v GEMM), positions, inv_freq) -> (q, k) rotated, or None (stock)."""
+    __slots__ = ("where", "table", "mode")
+
+    def __init__(self, where: str, table: RowTable, mode: str):
+        self.where, self.table, self.mode = where, table, mode
+
+    def __call__(self, attn, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+        if not (_bf16_cuda(self.where, q, self.mode) and _bf16_cuda(self.where, k, self.mode)) or q.dim() != 3 \
+                or q.shape[0] == 0:
+            return None
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        launch = self.table(t)
+        if launch is None:
+            return None
+        q2, k2 = q.reshape(t, hq * d), k.reshape(t, hk * d)
+        if q2.stride(1) != 1 or k2.stride(1) != 1:
+            return None
+        q_out = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
+        k_out = torch.empty(t, hk, d, dtype=torch.bfloat16, device=q.device)
+        return launch.run(q2, k2, positions.contiguous(), inv_freq, q_out, k_out)
+
+
+class SiluMulKernel:
+    """The draft layer MLP's silu(gate) * up: (mlp, gate_up [T, 2I]) -> bf16 [T, I] (mlp.silu_mul), or None."""
+    __slots__ = ("where", "table", "mode")
+
+    def __init__(self, where: str, table: RowTable, mode: str):
+        self.where, self.table, self.mode = where, table, mode
+
+    def __call__(self, mlp, gate_up: torch.Tensor):
+        if not _bf16_cuda(self.where, gate_up, self.mode) or gate_up.dim() != 2 or gate_up.numel() == 0:
+            return None
+        rows, two_i = gate_up.shape
+        launch = self.table(rows)
+        if launch is None:
+            return None
+        out = torch.empty(1, rows, two_i // 2, dtype=torch.bfloat16, device=gate_up.device)
+        launch.run(gate_up.contiguous().view(1, rows, two_i), out)
+        return out.view(rows, two_i // 2)
+
+
+# --- binding -----------------------------------------------------------------------------------------------
+def _kernel_for(mod, mp, mode: str):
+    """The bound implementation of module `mod` for its plan `mp` (None: the stock path)."""
+    t = {slot: RowTable(route, mp.name, mode) for slot, route in mp.routes.items()}
+    role = mp.role
+    if role == "linear":
+        return LinearKernel(mod, t["linear"], mode)
+    if role == "norm":
+        return NormKernel(mp.name, t["rms"], t["add_rms"], mode)
+    if role == "drafter.norm":
+        mod.gemma_weight = (mod.weight.detach().float() - 1.0).contiguous()
+        return LlamaNormKernel(mp.name, t["rms"], t["add_rms"], mode)
+    if role == "attention":
+        return QkPrepKernel(mp.name, t["qk_prep"], t.get("qkv"), mode)
+    if role == "mlp":
+        return SwigluKernel(f"{mp.name} activation", t["act"], mode)
+    if role == "moe.all_experts":
+        return AllExpertsKernel(t["router"], t["act"])
+    if role == "moe":
+        grouped = mp.routes.get("grouped")
+        return MoEKernel(t.get("nvfp4"), t.get("grouped"), grouped.shape if grouped is not None else None, mode)
+    if role == "moe.stock":   # require: a call names the layer no entry takes (build_plan already did on CUDA)
+        return MoEKernel(None, None, None, mode) if mode == "require" else None
+    if role == "drafter.attention":
+        mod.fuse_projections()
+        return RopeKernel("drafter rope", t["rope"], mode)
+    if role == "drafter.mlp":
+        mod.fuse_projections()
+        return SiluMulKernel("drafter mlp activation", t["act"], mode)
+    return None     # planned stock / torch: nothing to bind
+
+
+def bind(model, plan: KernelPlan) -> None:
+    """Give every module of `model` its bound implementation from `plan` (modules the plan does not route, and
+    every module when its mode is off, get none: the stock path) and keep the plan on the model."""
+    modules = dict(model.named_modules())
+    for mod in modules.values():
+        if isinstance(mod, ROUTED_CLASSES):
+            mod.kernel = None
+    for mp in plan.modules:
+        mod = modules.get(mp.name)
+        if mod is None:
+            raise ValueError(f"kernel plan: module {mp.name!r} is not in this model (a plan binds the model it was "
+                             "built for)")
+        mod.kernel = _kernel_for(mod, mp, plan.mode)
+    model.kernel_plan = plan
+
+
+def install(model, mode: str, max_rows: int | None = None) -> KernelPlan:
+    """Build `model`'s kernel plan in `mode` for forwards of up to max_rows tokens and bind it (replacing any
+    earlier plan). Returns the plan."""
+    plan = build_plan(model, mode, max_rows)
+    bind(model, plan)
+    return plan
+
+
+def install_drafter(drafter, mode: str, max_rows: int | None = None) -> KernelPlan:
+    """Route an Eagle3 drafter's pieces on the decode target (targets.plan.build_drafter_plan): its exact Llama
+    norms through norm.rms / norm.add_rms, the q/k RoPE through attn.rope, the MLP's silu(gate) * up through
+    mlp.silu_mul, and q|k|v and gate|up joined into one GEMM each. mode off: every module back to stock (the
+    joined weights stay)."""
+    plan = build_drafter_plan(drafter, mode, max_rows)
+    bind(drafter, plan)
+    return plan
+
+
+def plan_of(model) -> KernelPlan | None:
+    return getattr(model, "kernel_plan", None)
+
+
+def mode_of(model) -> str:
+    plan = plan_of(model)
+    return plan.mode if plan is not None else "off"
+
+
+def launches(model):
+    """(module name, kind, Launch) of every prepared launch bound on `model` (tests and benches inspect them)."""
+    for name, mod in model.named_modules():
+        k = getattr(mod, "kernel", None) if isinstance(mod, ROUTED_CLASSES) else None
+        if k is None:
+            continue
+        slots = [slot for cls in type(k).__mro__ for slot in getattr(cls, "__slots__", ())]
+        for slot in slots:
+            table = getattr(k, slot, None)
+            if isinstance(table, RowTable):
+                for launch in table.launches():
+                    yield name, table.kind, launch
 
 
 # entries whose kernels do not specialise on the row count (kernel_unspecialized): warm-up runs one call per cell
 ROW_AGNOSTIC = frozenset({"linear.nvfp4.tiled", "linear.mxfp8.tiled", "linear.fp8.tiled", "moe.grouped"})
+# the routes warm-up compiles: the GEMM-heavy ones, whose first call (at every row count that changes Triton's
+# integer specialisation) would otherwise compile in front of a request; the elementwise entries are compiled by
+# the decode buckets' graph capture and the engine's warm-up requests
+WARMED = {"linear": "linear", "moe": ("nvfp4", "grouped")}
 
 
-def _warm_grouped(m, max_rows: int, seen: set, device: torch.device) -> int:
-    """One call of MoE layer m per moe.grouped cell of its shape that steps of 1..max_rows tokens reach, at the
-    cell's first row count the hook sends there (NVFP4 rows that moe.nvfp4 serves do not count)."""
-    shape = grouped_shape(m)
-    if shape is None or (m.w13.fmt == "dense" and m.w13.num_experts <= ALL_EXPERTS_MAX):
-        return 0
-    nv = nvfp4_shape(m)
-    calls = 0
-    for lo, hi in sorted({c.rows for c in all_entries()["moe.grouped"].cells if c.shape == shape}):
-        for rows in range(lo, min(hi, max_rows) + 1):
-            if nv is not None and lookup("moe.nvfp4", rows, nv, "auto") is not None:
-                continue
-            if lookup("moe.grouped", rows, shape, "auto") is not None and ("moe.grouped", shape, lo) not in seen:
-                seen.add(("moe.grouped", shape, lo))
-                m(torch.zeros(rows, m.w13.in_features, dtype=torch.bfloat16, device=device))
-                calls += 1
-            break
+def warm_calls(plan: KernelPlan, max_rows: int) -> list[tuple[str, int]]:
+    """(module name, rows) of the calls that compile every variant of the plan's linear and MoE cells reachable
+    in steps of 1..max_rows tokens: for each distinct (kind, shape), EVERY row count of a decode cell (Triton also
+    specialises on integer arguments (== 1, divisible by 16), so a cell compiles up to three variants) and one per
+    cell of a row-count-agnostic entry, at its first row count the module sends there."""
+    calls, seen = [], set()
+    for mp, slot, route, span in plan.cells(max_rows):
+        if mp.role not in WARMED or slot not in WARMED[mp.role]:
+            continue
+        nv = mp.routes.get("nvfp4") if slot == "grouped" else None
+        for rows in range(span.lo, min(span.hi, max_rows) + 1):
+            if nv is not None and nv.serves(rows):
+                continue          # moe.nvfp4 takes these rows: the call would not reach moe.grouped
+            agnostic = span.entry.name in ROW_AGNOSTIC
+            key = (route.kind, route.shape, span.cell.rows if agnostic else rows)
+            if key not in seen:
+                seen.add(key)
+                calls.append((mp.name, rows))
+            if agnostic:
+                break
     return calls
+
+
+def warmup(model, max_rows: int = 48) -> int:
+    """Compile, before serving, the plan's linear and MoE cells for steps of up to max_rows tokens (warm_calls):
+    each call runs the module on zero activations. Triton compiles on first use; doing it here keeps JIT time out
+    of the first requests and out of any later CUDA-graph capture. Returns the number of module calls."""
+    plan = plan_of(model)
+    if plan is None or plan.mode == "off" or model.device.type != "cuda":
+        return 0
+    modules = dict(model.named_modules())
+    calls = warm_calls(plan, max_rows)
+    with torch.no_grad():
+        for name, rows in calls:
+            mod = modules[name]
+            width = mod.in_features if isinstance(mod, Linear) else mod.w13.in_features
+            mod(torch.zeros(rows, width, dtype=torch.bfloat16, device=model.device))
+    torch.cuda.synchronize(model.device)
+    return len(calls)

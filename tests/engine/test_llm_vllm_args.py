@@ -56,3 +56,25 @@ def test_encode_is_not_a_tokenizer_helper():
     llm = LLM("tiny", **TINY)
     with pytest.raises(NotImplementedError, match="pooling"):
         llm.encode("hello")
+
+
+def test_routed_msa_model_defaults_to_the_target_context_and_keeps_an_explicit_one() -> None:
+    """max_model_len unset on a routed MSA model: capped at TARGET_DEFAULT_CONTEXT (M3's 1M positions would
+    make every decode step's block selection scan 8192 blocks); an explicit value, route off, or a model whose
+    positions fit are left alone."""
+    from m3serve.config import preset
+    from m3serve.llm import TARGET_DEFAULT_CONTEXT, _default_target_context
+    m3 = preset("minimax-m3:5")
+    assert m3.max_position_embeddings > TARGET_DEFAULT_CONTEXT and "sparse" in m3.layer_types
+    kw = {}
+    _default_target_context(m3, "auto", kw)
+    assert kw == {"max_model_len": TARGET_DEFAULT_CONTEXT}
+    for route, given in (("auto", {"max_model_len": 1_048_576}), ("require", {"max_model_len": 4096}),
+                         ("off", {})):
+        kw = dict(given)
+        _default_target_context(m3, route, kw)
+        assert kw == given
+    tiny = preset("tiny")
+    kw = {}
+    _default_target_context(tiny, "auto", kw)
+    assert kw == {}

@@ -1,10 +1,10 @@
-"""Tiny probe kernels that expose the in-register decoders of m3serve.kernels._decode."""
+"""Tiny probe kernels that expose the in-register decoders of m3serve.kernels.formats._decode."""
 
 from __future__ import annotations
 
 import triton.language as tl
 
-from m3serve.kernels._decode import e2m1_words, e4m3_to_f32, e8m0_to_f32, load_w_groups, to_bf16, x_cols
+from m3serve.kernels.formats._decode import e2m1_words, e4m3_to_f32, e8m0_to_f32, load_w_groups, to_bf16, x_cols
 from m3serve.kernels._jit import kernel
 
 

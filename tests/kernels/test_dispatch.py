@@ -36,9 +36,9 @@ def test_require_raises_with_kind_shape_and_nearest_cell() -> None:
     with pytest.raises(ValueError, match=r"linear.mxfp8: rows 4 shape \(6144, 1000\).*nearest certified cell: "
                                          r"rows 3-4 shape \(6144, 1536\)"):
         lookup("linear.mxfp8", 4, (6144, 1000), "require")
-    with pytest.raises(ValueError, match=r"norm.add_rms: rows 257 shape \(6144,\) is outside every listed row range"):
-        lookup("norm.add_rms", 257, (6144,), "require")
-    assert lookup("norm.add_rms", 256, (6144,), "require") is ENTRIES["norm.add_rms"]
+    with pytest.raises(ValueError, match=r"norm.add_rms: rows 16385 shape \(6144,\) is outside every listed row range"):
+        lookup("norm.add_rms", 16385, (6144,), "require")
+    assert lookup("norm.add_rms", 16384, (6144,), "require") is ENTRIES["norm.add_rms"]
 
 
 @pytest.mark.parametrize("mode", ["Auto", "on", "", None, 1])
@@ -55,7 +55,7 @@ def test_unknown_kind_and_bad_rows_raise() -> None:
 
 
 def test_enabled_constant_turns_the_fast_path_off(monkeypatch) -> None:
-    mod = importlib.import_module("m3serve.kernels.linear_nvfp4")
+    mod = importlib.import_module("m3serve.kernels.gemm.nvfp4")
     monkeypatch.setattr(mod, "ENABLED", False)
     assert lookup("linear.nvfp4", 1, (6144, 6144), "auto") is None
     assert lookup("linear.nvfp4", 1, (6144, 6144), "require") is None

@@ -14,12 +14,12 @@ import pytest
 import torch
 import triton.language as tl
 
-from m3serve.kernels import qk_prep as QK
-from m3serve.kernels import rms_norm as RN
-from m3serve.kernels import route_small as RS
-from m3serve.kernels import swiglu as SW
+from m3serve.kernels.attention import qk_prep as QK
+from m3serve.kernels.norm import rms as RN
+from m3serve.kernels.moe import route_small as RS
+from m3serve.kernels.mlp import swiglu as SW
 from m3serve.kernels._jit import kernel
-from m3serve.kernels._rope import cos_sin_f32
+from m3serve.kernels.attention._rope import cos_sin_f32
 from m3serve.kernels.catalog import poisoned
 from m3serve.model.layers import RMSNorm, rope_cos_sin, rope_inv_freq, swiglu_oai
 
@@ -50,7 +50,7 @@ def _cos_sin_probe(a_ptr, c_ptr, s_ptr, N, B: tl.constexpr):
 
 
 def test_cos_sin_within_half_an_ulp_of_truth_and_the_stated_bound_of_torch() -> None:
-    """_rope.py's claim: within 0.5 ulp + 2**-50 of the true value for |angle| <= 2**20 * pi/2, hence within
+    """attention/_rope.py's claim: within 0.5 ulp + 2**-50 of the true value for |angle| <= 2**20 * pi/2, hence within
     2.5 * 2**-24 of torch's cos/sin (SLEEF u10 here, CUDA's 2-ulp cosf on the GPU). The angles are RoPE's
     own: pos * inv_freq at M3's theta and positions up to 2**20, plus small and negative ones."""
     g = _gen(0)
@@ -320,9 +320,9 @@ def test_combine_selected_is_the_stock_sum(top_k: int) -> None:
 
 
 def test_install_auto_on_a_cpu_model_leaves_every_module_stock(monkeypatch) -> None:
-    """Hooks are installed on the decoder norms, attention prep and dense-MLP activations (not on the per-head
-    norms, which belong to attn.qk_prep), none reaches a catalog lookup on CPU, and the logits equal the
-    unrouted model's bit for bit (bf16 model)."""
+    """Kernels are bound on the decoder norms, attention prep and dense-MLP activations (not on the per-head
+    norms, which belong to attn.qk_prep), none launches anything on CPU, and the logits equal the unrouted
+    model's bit for bit (bf16 model)."""
     from m3serve.model.loader import load_model
     from m3serve.model.m3 import Attention, ForwardBatch, SeqSpan
     from m3serve.model.moe import DenseMLP
@@ -337,14 +337,15 @@ def test_install_auto_on_a_cpu_model_leaves_every_module_stock(monkeypatch) -> N
     head_norms = {id(n) for a in attn for n in (a.q_norm, a.k_norm, getattr(a, "index_q_norm", None),
                                                 getattr(a, "index_k_norm", None)) if n is not None}
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    assert all((m.dispatch is None) == (id(m) in head_norms) for m in norms)
-    assert all(a.prep_dispatch is not None for a in attn)
-    assert all(m.act_dispatch is not None for m in model.modules() if isinstance(m, DenseMLP))
+    assert all((m.kernel is None) == (id(m) in head_norms) for m in norms)
+    assert all(a.kernel is not None for a in attn)
+    assert all(m.kernel is not None for m in model.modules() if isinstance(m, DenseMLP))
     calls = []
-    monkeypatch.setattr(routing, "lookup", lambda *a, **k: calls.append(a))
+    for _, _, launch in routing.launches(model):
+        launch.run = lambda *a, **k: calls.append(a)
     with torch.no_grad():
         auto = model(batch())
-    assert calls == [], f"a hook reached the catalog on CPU: {calls[:3]}"
+    assert calls == [], f"a bound kernel launched on CPU: {len(calls)} calls"
     assert torch.equal(auto, off)
     routing.install(model, "off")
-    assert all(m.dispatch is None for m in norms) and all(a.prep_dispatch is None for a in attn)
+    assert all(m.kernel is None for m in norms) and all(a.kernel is None for a in attn)

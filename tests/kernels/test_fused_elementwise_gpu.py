@@ -13,10 +13,10 @@ import torch
 
 from tests.targets.routed_logits import check_routed_logits
 
-from m3serve.kernels import qk_prep as QK
-from m3serve.kernels import route_small as RS
-from m3serve.kernels import rms_norm as RN
-from m3serve.kernels import swiglu as SW
+from m3serve.kernels.attention import qk_prep as QK
+from m3serve.kernels.moe import route_small as RS
+from m3serve.kernels.norm import rms as RN
+from m3serve.kernels.mlp import swiglu as SW
 from m3serve.kernels.catalog import poisoned
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,7 @@ def test_cell_at_row_and_position_points(name: str, i: int) -> None:
 
 
 def test_compiled_cos_sin_against_torch_cuda() -> None:
-    """_rope.py's bound on the GPU: within 2.5 * 2**-24 of torch's CUDA cosf / sinf (2-ulp functions)."""
+    """attention/_rope.py's bound on the GPU: within 2.5 * 2**-24 of torch's CUDA cosf / sinf (2-ulp functions)."""
     from tests.kernels.test_fused_elementwise import _cos_sin_probe
     from m3serve.model.layers import rope_inv_freq
     dev = _dev()
@@ -124,7 +124,7 @@ def test_cuda_graph_replay(name: str) -> None:
 def _embedded_model():
     import os
     from m3serve.model.loader import load_model
-    path = os.path.join(os.path.dirname(QK.__file__), "..", "assets", "m3-tiny-verse")
+    path = os.path.join(os.path.dirname(QK.__file__), "..", "..", "assets", "m3-tiny-verse")
     return load_model(os.path.normpath(path), device="cuda", dtype=torch.bfloat16)
 
 
@@ -150,12 +150,6 @@ def test_embedded_model_routed_through_the_fused_entries(rows: int, seed: int, m
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     x_ref, x_got = [], []
     fired = []
-    real_lookup = routing.lookup
-
-    def spy(kind, r, shape, mode):
-        entry = real_lookup(kind, r, shape, mode)
-        fired.append((kind, entry is not None))
-        return entry
 
     with torch.no_grad():
         routing.install(model, "off")
@@ -163,13 +157,15 @@ def test_embedded_model_routed_through_the_fused_entries(rows: int, seed: int, m
         ref = model(batch())
         for h in hooks:
             h.remove()
-        routing.install(model, "require")
-        monkeypatch.setattr(routing, "lookup", spy)
+        routing.install(model, "require", max_rows=rows)   # every row count up to `rows` certified, or raise here
+        for _, kind, launch in routing.launches(model):
+            run = launch.run
+            monkeypatch.setattr(launch, "run", lambda *a, _run=run, _k=kind, **k: fired.append(_k) or _run(*a, **k))
         hooks = [m.register_forward_pre_hook(lambda mod, a: x_got.append(a[0].clone())) for m in moes]
         got = model(batch())
         for h in hooks:
             h.remove()
-    kinds = {k for k, hit in fired if hit}
+    kinds = set(fired)
     assert {"norm.rms", "norm.add_rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small"} <= kinds, kinds
     assert torch.isfinite(got).all()
     check_routed_logits(moes, x_ref, x_got, ref, got, label=f"rows {rows}")

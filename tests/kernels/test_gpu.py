@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from m3serve.kernels._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
+from m3serve.kernels.formats._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.catalog import all_entries, true_fp32
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +72,7 @@ def test_warmup_compiles_every_cell(name: str) -> None:
 @pytest.mark.parametrize("fmt", [FMT_NVFP4, FMT_MXFP8, FMT_FP8, FMT_BF16])
 @pytest.mark.parametrize("lowp", [False, True])
 def test_group_decoder_is_exact_compiled(fmt: int, lowp: bool) -> None:
-    from tests.kernels.test_decode import decoded_tile
+    from tests.kernels.formats.test_decode import decoded_tile
 
     o, ref, xc = decoded_tile(fmt, 16, 256, _dev(), cuda=True, lowp=lowp, gen=torch.Generator().manual_seed(fmt))
     assert sorted(xc.tolist()) == list(range(256))
@@ -80,7 +80,7 @@ def test_group_decoder_is_exact_compiled(fmt: int, lowp: bool) -> None:
 
 
 def test_scalar_decoders_compiled() -> None:
-    from tests.kernels.test_decode import _scalar
+    from tests.kernels.formats.test_decode import _scalar
 
     dev = _dev()
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(dev)
@@ -158,8 +158,8 @@ def test_cuda_graph_replay(name: str) -> None:
 
 
 def test_head12_agrees_with_bf16_head_on_the_same_weights() -> None:
-    from m3serve.kernels import head12 as H12
-    from m3serve.kernels import head_bf16 as HB
+    from m3serve.kernels.head import head12 as H12
+    from m3serve.kernels.head import bf16 as HB
     from m3serve.quant.head12 import encode_head12
 
     dev = _dev()
@@ -184,7 +184,7 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
     """The MMA-step MoE cells (1-8 tokens): every token count (the token columns are masked in PTX, so each
     count is its own path through the stores), then the down split's fixed-order sum: repeated calls are
     bit-identical and leave the counters at zero."""
-    from m3serve.kernels._mma_moe import MmaMoEConfig
+    from m3serve.kernels.moe._mma import MmaMoEConfig
     dev = _dev()
     e = ENTRIES["moe.nvfp4"]
     cells = [c for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig)]

@@ -3,7 +3,7 @@ hand-made listing; the NVFP4 GEMM / GEMV compiled for sm_90 with and without the
 (no spills, the K loop really uses packed bf16 multiplies, fewer instructions per weight on the
 tensor-core path); and the MoE kernels honouring SwiGLU alpha / limit other than M3's.
 
-Tolerances: the MoE check uses the entry's own compare (bands derived in moe_nvfp4.compare);
+Tolerances: the MoE check uses the entry's own compare (bands derived in moe/nvfp4.py's compare);
 instruction counts are compared only as "fewer than", never against fixed numbers."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import sys
 import pytest
 import torch
 
-from m3serve.kernels import _e2m1_ptx, aot_check
-from m3serve.kernels import moe_nvfp4 as MOE
+from m3serve.kernels import aot_check
+from m3serve.kernels.formats import _e2m1_ptx
+from m3serve.kernels.moe import nvfp4 as MOE
 from m3serve.kernels.catalog import all_entries
 
 _FAKE_SASS = """

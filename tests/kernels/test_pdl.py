@@ -26,8 +26,9 @@ DECODE_STEP_KERNELS = {
 
 def _all_kernels() -> dict[str, DualKernel]:
     out = {}
-    for mod in ("_gemv", "_head", "_mma_gemv", "_mma_moe", "_moe", "_paged_attn", "_wstream", "add_rmsnorm", "kv_write",
-                "msa_index", "qk_prep", "rms_norm", "route_small", "swiglu", "spec_step", "prefill_attention"):
+    for mod in ("gemm._gemv", "head._argmax", "gemm._mma_gemv", "moe._mma", "moe._nvfp4", "attention._paged",
+                "gemm._wstream", "norm.add_rms", "attention.kv_write", "attention.msa_index", "attention.qk_prep",
+                "norm.rms", "moe.route_small", "mlp.swiglu", "spec.step", "attention.prefill"):
         m = importlib.import_module(f"m3serve.kernels.{mod}")
         out.update({k.__name__: k for k in vars(m).values() if isinstance(k, DualKernel)})
     return out

@@ -7,8 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from m3serve.kernels import add_rmsnorm, head12, head_bf16, linear_fp8, linear_mxfp8, linear_nvfp4, moe_nvfp4, qkv_fused
-from m3serve.kernels._gemm_tiles import GemmConfig, make_workspace
+from m3serve.kernels.gemm import fp8 as linear_fp8, mxfp8 as linear_mxfp8, nvfp4 as linear_nvfp4, qkv_fused
+from m3serve.kernels.head import bf16 as head_bf16, head12
+from m3serve.kernels.moe import nvfp4 as moe_nvfp4
+from m3serve.kernels.norm import add_rms as add_rmsnorm
+from m3serve.kernels.gemm._gemm_tiles import GemmConfig, make_workspace
 from m3serve.quant.head12 import encode_head12
 
 CPU = torch.device("cpu")

@@ -119,15 +119,15 @@ def test_routed_drafter_norm_matches_the_stock_llama_norm():
     norm.weight.data = 1.0 + 0.3 * torch.randn(256, generator=g)
     norm = norm.to("cuda", torch.bfloat16)
     holder = torch.nn.Sequential(norm)
-    install_drafter(holder, "require")
-    assert norm.dispatch is not None
+    install_drafter(holder, "require", max_rows=13)
+    assert norm.kernel is not None
     x = (torch.randn(13, 256, generator=g) * 3).to("cuda", torch.bfloat16)
     got = norm(x)
     xf = x.float()
     ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()
     band = (BF16_REL + 256 * FP32_U) * ref.abs() + 1e-30
     assert ((got.float() - ref).abs() <= band).all()
-    norm.dispatch = None
+    norm.kernel = None
     assert (norm(x).float() - got.float()).abs().max() <= band.max()
 
 
@@ -138,7 +138,7 @@ def test_routed_drafter_layer_matches_the_stock_layer():
     an element one ulp the other way (norm.rms's band), which the MLP's GEMMs carry into every output as at most
     ~2**-8 of the row's scale; a mis-wired hook moves values by O(1) of it."""
     import os
-    from m3serve.kernels.qk_prep import rope_compare, rope_reference
+    from m3serve.kernels.attention.qk_prep import rope_compare, rope_reference
     from m3serve.llm import DEFAULT_MODEL_DIR
     from m3serve.model.eagle3 import load_drafter
     from m3serve.model.layers import rope_inv_freq
@@ -155,9 +155,9 @@ def test_routed_drafter_layer_matches_the_stock_layer():
     layer.mlp.fuse_projections()
     q0, k0, _, res0 = layer.project(emb, hidden, pos)
     n0, r0 = layer.finish(attn, res0, d.norm)
-    install_drafter(d, "require")
-    assert layer.self_attn.rope_dispatch is not None and layer.mlp.act_dispatch is not None
-    assert layer.post_attention_layernorm.add_dispatch is not None
+    install_drafter(d, "require", max_rows=t)
+    assert layer.self_attn.kernel is not None and layer.mlp.kernel is not None
+    assert layer.post_attention_layernorm.kernel is not None
     q1, k1, _, res1 = layer.project(emb, hidden, pos)
     n1, r1 = layer.finish(attn, res1, d.norm)
     # the stock rotation's input: the joined GEMM's q, k before RoPE (the same GEMM on both sides)

@@ -190,8 +190,8 @@ def test_install_drafter_routes_exact_norms_and_joins_projections():
     before = layer.project(emb, hidden, pos)
     mlp_before = layer.mlp(hidden)
     install_drafter(d, "auto")
-    assert d.norm.dispatch is None
-    assert layer.input_layernorm.dispatch is not None and torch.equal(
+    assert d.norm.kernel is None
+    assert layer.input_layernorm.kernel is not None and torch.equal(
         1.0 + layer.input_layernorm.gemma_weight, layer.input_layernorm.weight.float())
     assert layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
     assert layer.self_attn.k_proj.weight.data_ptr() == layer.self_attn.qkv_weight[layer.self_attn.q_proj.out_features:].data_ptr()
@@ -199,5 +199,6 @@ def test_install_drafter_routes_exact_norms_and_joins_projections():
     for x, y in zip(before, after):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layer.mlp(hidden), mlp_before, rtol=1e-5, atol=1e-6)
+    assert layer.self_attn.kernel is not None and layer.mlp.kernel is not None
     install_drafter(d, "off")
-    assert all(getattr(m, "dispatch", None) is None for m in d.modules())
+    assert all(getattr(m, "kernel", None) is None for m in d.modules())

@@ -46,7 +46,7 @@ def test_split_plan_counts_key_tiles_on_msa_layers():
     """MSA layers split over the key tiles attn.paged walks (NVFP4 pages in half-page tiles: 2 per block at
     P = 128), dense layers over blocks; graph buckets and eager steps of the same size split alike."""
     from m3serve.config import preset
-    from m3serve.kernels.paged_attention import choose_num_splits
+    from m3serve.kernels.attention.paged import choose_num_splits
     from m3serve.kv.spec import KVCacheSpec
     from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan
     m3 = KVCacheSpec.from_model_config(preset("minimax-m3"), kv_cache_dtype="nvfp4")

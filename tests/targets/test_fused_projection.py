@@ -55,7 +55,7 @@ def test_dense_projection_equals_the_parts_and_refuses_replaced_weights():
         x = torch.randn(5, attn.cfg.hidden_size, generator=gen)
         parts = fused_projection.projection_parts(attn)
         want = [F.linear(x, p.weight) for p in parts]
-        got = fused_projection.project(attn, x, "auto")
+        got = fused_projection.project(attn, x)
         assert len(got) == len(want)
         for g, w in zip(got, want):
             # fp32: the same dot products, the GEMM's blocking may change their summation order only
@@ -63,18 +63,24 @@ def test_dense_projection_equals_the_parts_and_refuses_replaced_weights():
         # a part whose weight is replaced afterwards is fused again, with its new values
         q = attn.q_proj
         q.set_weight(QWeight("dense", {"w": torch.randn(q.out_features, q.in_features, generator=gen)}))
-        got = fused_projection.project(attn, x, "auto")
+        got = fused_projection.project(attn, x)
         torch.testing.assert_close(got[0], F.linear(x, q.weight), rtol=1e-5, atol=1e-6)
         assert fused_projection._still_views(attn, attn._routed_workspaces["fused_projection"])
 
 
 def test_quantized_projection_needs_a_certified_cell():
-    """On the tiny model's shapes no qkv cell is certified: project returns None in auto and in require mode
-    (the parts then run one by one through their own linear hooks, which enforce require)."""
+    """On the tiny model's shapes no qkv cell is certified: the plan's qkv route serves no row, and project with it
+    bound returns None in auto and in require mode (qkv is never strict: the parts then run one by one through
+    their own linear kernels, which enforce require)."""
+    from m3serve.targets.plan import build_plan
+    from m3serve.targets.routing import RowTable
     model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, seed=5)
     attn = _attentions(model)[0]
     for p in fused_projection.projection_parts(attn):
         p.set_weight(_quantize(p.weight.detach().float(), "mxfp8"))
+    name = next(n for n, m in model.named_modules() if m is attn)
+    route = build_plan(model, "auto").module(name).routes["qkv"]
+    assert route.kind == "qkv.mxfp8" and not route.strict and all(s.cell is None for s in route.spans)
     x = torch.randn(2, attn.cfg.hidden_size, dtype=torch.bfloat16)
-    assert fused_projection.project(attn, x, "auto") is None
-    assert fused_projection.project(attn, x, "require") is None
+    for mode in ("auto", "require"):
+        assert fused_projection.project(attn, x, RowTable(route, name, mode)) is None

@@ -3,34 +3,39 @@ shape; on the GPU the stock model routed through the catalog stays within bf16 t
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from m3serve.model.layers import Linear
 from m3serve.model.moe import MoE
 from m3serve.targets import routing
-from m3serve.targets.dispatch import module_workspace
 from tests.targets.routed_logits import check_routed_logits
 
 
-def _hooks(model):
-    return [m.dispatch for m in model.modules() if isinstance(m, (Linear, MoE))]
+def _kernels(model):
+    """The kernels of the decoder norms, attention layers, MLPs and MoE layers (the tiny preset's linears are
+    dense: cuBLAS, no kernel)."""
+    from m3serve.model.layers import RMSNorm
+    from m3serve.model.m3 import Attention
+    from m3serve.model.moe import DenseMLP
+    mods = [m for name, m in model.named_modules() if isinstance(m, (Attention, DenseMLP, MoE))
+            or isinstance(m, RMSNorm) and not name.endswith("_norm") or name.endswith(("input_norm", "post_norm"))]
+    assert len(mods) > 4
+    return [m.kernel for m in mods]
 
 
-def test_modes_install_and_remove_hooks_per_model():
+def test_modes_bind_and_remove_kernels_per_model():
     from m3serve.model.loader import load_model
     a = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, quantization="nvfp4", seed=0)
     b = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, quantization="nvfp4", seed=0)
     routing.install(a, "auto")
-    assert all(h is not None for h in _hooks(a)) and routing.mode_of(a) == "auto"
-    assert all(h is None for h in _hooks(b)) and routing.mode_of(b) == "off", "another model was touched"
+    assert all(k is not None for k in _kernels(a)) and routing.mode_of(a) == "auto"
+    assert all(k is None for k in _kernels(b)) and routing.mode_of(b) == "off", "another model was touched"
     routing.install(b, "require")
-    assert {h.keywords["mode"] for h in _hooks(a)} == {"auto"}
-    assert {h.keywords["mode"] for h in _hooks(b)} == {"require"}
+    assert routing.mode_of(a) == "auto" and routing.mode_of(b) == "require"
+    assert all(k is not None for k in _kernels(b)) and not set(map(id, _kernels(a))) & set(map(id, _kernels(b)))
     routing.install(a, "off")
-    assert all(h is None for h in _hooks(a)) and routing.mode_of(a) == "off"
+    assert all(k is None for k in _kernels(a)) and routing.mode_of(a) == "off"
     with pytest.raises(ValueError, match="route mode"):
         routing.install(a, "on")
 
@@ -95,25 +100,27 @@ def test_routed_matches_stock_on_gpu(rows, seed, real_model):
 
 
 def test_per_module_caches_belong_to_their_module():
-    """Workspaces and per-row scales live on the module: two modules never share one, and a module's cache
-    is reused across calls (the entries forbid sharing a workspace between call sites)."""
-    from m3serve.model.layers import Linear
+    """Per-row scales live on the module (they live and die with its weight) and are reused across calls; the
+    bound launches (and so their workspaces) are one per module and cell, never shared by two modules (the
+    entries forbid sharing a workspace between call sites)."""
+    from m3serve.model.loader import load_model
     a, b = Linear(16, 8, name="a"), Linear(16, 8, name="b")
-    made = []
-    ws_a = module_workspace(a, (1, 4), lambda: made.append("a") or object())
-    assert module_workspace(a, (1, 4), lambda: made.append("again") or object()) is ws_a
-    assert module_workspace(b, (1, 4), lambda: made.append("b") or object()) is not ws_a
-    assert made == ["a", "b"]
     parts = torch.tensor([2.0, 4.0])
     rows = routing._per_row(a, parts, 8)
     assert rows.tolist() == [2.0] * 4 + [4.0] * 4 and routing._per_row(a, parts, 8) is rows
     assert routing._per_row(b, torch.tensor([3.0]), 8).shape == ()
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="nvfp4",
+                       seed=0, keep_quantized=True)
+    routing.install(model, "auto")
+    launches = [launch for _, _, launch in routing.launches(model)]
+    assert launches and len({id(x) for x in launches}) == len(launches)
+    assert all(x.workspace is None for x in launches), "workspaces are made on a launch's first call"
 
 
-def test_add_norm_hook_fuses_the_residual_boundary(monkeypatch):
-    """RMSNorm.add_forward through the norm.add_rms hook (the interpreter on CPU, with the CUDA-only gate
+def test_add_norm_kernel_fuses_the_residual_boundary(monkeypatch):
+    """RMSNorm.add_forward through its bound norm.add_rms launch (the interpreter on CPU, with the CUDA-only gate
     opened): h is the stock bf16 add bit for bit, y within one bf16 ulp of the stock norm of h; a shape with no
-    certified cell falls back to the stock pair in auto and raises in require."""
+    certified cell falls back to the stock pair in auto and raises in require, naming the module."""
     from m3serve.model.layers import RMSNorm
     monkeypatch.setattr(routing, "_bf16_cuda", lambda where, t, mode: t.dtype == torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -122,15 +129,17 @@ def test_add_norm_hook_fuses_the_residual_boundary(monkeypatch):
         norm.weight.copy_(0.2 * torch.randn(256, generator=g))
     residual = (10 * torch.randn(3, 256, generator=g)).to(torch.bfloat16)
     delta = (3 * torch.randn(3, 256, generator=g)).to(torch.bfloat16)
-    h_ref, y_ref = norm.add_forward(residual, delta)  # no hook: the stock pair
-    norm.add_dispatch = functools.partial(routing._add_norm, mode="require")
+    h_ref, y_ref = norm.add_forward(residual, delta)  # no kernel: the stock pair
+    routing.install(torch.nn.Sequential(norm), "require")
+    assert norm.kernel is not None
     h, y = norm.add_forward(residual, delta)
     assert torch.equal(h.view(torch.int16), h_ref.view(torch.int16))
     assert ((y.float() - y_ref.float()).abs() <= 2.0**-7 * y_ref.float().abs() + 1e-30).all()
     odd = RMSNorm(200, 1e-6)
-    odd.add_dispatch = functools.partial(routing._add_norm, mode="require")
-    with pytest.raises(ValueError, match="norm.add_rms"):
+    holder = torch.nn.Sequential(odd)
+    routing.install(holder, "require")   # a CPU model: nothing is checked at build, a call raises
+    with pytest.raises(ValueError, match=r"^0: require mode, but norm.add_rms: rows 3 shape \(200,\)"):
         odd.add_forward(residual[:, :200].contiguous(), delta[:, :200].contiguous())
-    odd.add_dispatch = functools.partial(routing._add_norm, mode="auto")
+    routing.install(holder, "auto")
     h2, y2 = odd.add_forward(residual[:, :200].contiguous(), delta[:, :200].contiguous())
     assert torch.equal(h2, residual[:, :200] + delta[:, :200]) and torch.equal(y2, odd(h2))

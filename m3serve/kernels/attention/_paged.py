@@ -1,0 +1,351 @@
+"""Split-KV paged attention over the hybrid KV cache: the split kernel and the ordered combine.
+
+Shape legend:
+    q            [T, Hq, D]      bf16 query rows of the step (unit column stride)
+    k/v pages    [slots, Hk, P, Dc] typed page views (slot and head strides passed; a page's
+                                 [P, Dc] is contiguous); Dc = D, or D/2 bytes for packed NVFP4
+    k/v scales   [slots, Hk, P*D/16] E4M3 bytes (NVFP4 only; see _kv_tiles for the byte order)
+    gs           [2]             fp32 NVFP4 ENCODE scales of K and V
+    slot_table   [S, B] int32    page slot of each of a sequence's key blocks
+    seq_lens     [S] int32       L, keys after this step;  query_start [S+1] int32
+    sel          [T, Hk, TOPK]   int32 selected block ids, ascending, -1 padded (TOPK > 0 only)
+    out          [T, Hq, D]      bf16
+    acc          [NS, T, Hq, D]  fp32 unnormalised partial outputs of each split (NS > 1)
+    ml           [NS, T, Hq, 2]  fp32 running max (log2 units) and sum of each split
+    rot          [D, D]          bf16 rotation.query_matrix M of a rotated NVFP4 layer (ROT only)
+
+Program (row t, KV head kh, split) of paged_attn_split serves the query rows t .. t+QB-1 of one
+sequence (QB > 1 only for dense multi-token steps: the block's rows share each key tile; a
+program whose row is not the first of its block does nothing) times the G = Hq/Hk heads of the
+group: BM = QB*G MMA rows, padded to >= 16. It walks its share of the sequence's key tiles
+(dense: tiles of the causal range split into NS contiguous runs; sparse: the tiles of the
+selected blocks, in list order) through slot_table, with an online softmax in base 2 (scores are
+scaled by sm_scale*log2(e)). A split with no work stores m = -inf, l = 0, acc = 0, so the
+combine needs no other signal; a row with no key at all (padding: seq_len 0, or a row past the
+last sequence's queries) gets zeros. With NS = 1 the split kernel normalises and stores `out`
+itself; otherwise paged_attn_combine sums the splits in the fixed order 0..NS-1 (no atomics).
+
+p.v: p is split into p_hi = bf16(p) and p_lo = bf16(p - p_hi) (both exact MMA operands), and
+two dots accumulate in fp32: p_hi + p_lo is within 2**-18 |p| of p. FP8 pages, compiled (F16): K and V
+are converted exactly to fp16 (the hardware E4M3 -> f16x2 cvt), q is scaled per row by a power of two
+into fp16 (_q_to_f16), and p is carried as p * 2**14 in fp16 hi + lo (within 2**-22 p + 2**-39); l and
+acc carry the same 2**14, so out = acc / l and the split combine are unchanged. PAIRS (sweep-only)
+reads FP8 pages as 16-bit column pairs, one cvt per pair. NVFP4 tiles come as two
+column halves in the order of _kv_tiles.nvfp4_columns, so q is loaded in that order, q.k is the
+sum of two half dots, and each half of the output is stored to its own columns.
+
+Rotated NVFP4 layers (ROT; m3serve.kv.rotation): the pages hold K and V in the rotated basis. q is rotated in
+the prologue by two MMAs with M's even / odd columns (the decoded tiles' order), q_rot = q @ M, rounded to bf16
+as an MMA operand (interpreted: fp32); the output is un-rotated in the epilogue, before the split's store,
+o = acc_rot @ M^T, with acc split into bf16 hi + lo (within 2**-18 of acc) against M's exact +-2^-k entries.
+The un-rotation is linear, so the partials of a split-KV launch are stored un-rotated and the combine is
+unchanged: no extra launch.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from m3serve.kernels.formats._decode import to_bf16
+from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
+from m3serve.kernels.attention._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
+
+NEG_INF = tl.constexpr(float("-inf"))
+P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 hi + lo
+
+
+@kernel
+def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
+                     out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
+                     stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
+                     FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                     BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
+                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr,
+                     ROT: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
+    t = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    TPP: tl.constexpr = P // BN  # key tiles per page
+    DH: tl.constexpr = D // 2
+
+    # The sequence owning row t: the largest s < S with query_start[s] <= t (query_start[0] = 0).
+    s = t * 0
+    width = t * 0 + S
+    while width > 1:
+        half = width // 2
+        s = tl.where(tl.load(qs_ptr + s + half) <= t, s + half, s)
+        width -= half
+    q0 = tl.load(qs_ptr + s)
+    q1 = tl.load(qs_ptr + s + 1)
+    orphan = t >= q1  # past the last sequence's queries: a padding row of its own
+    i = tl.where(orphan, 0, t - q0)
+    n = tl.where(orphan, 1, q1 - q0)
+    L = tl.where(orphan, 0, tl.load(len_ptr + s))
+    leader = orphan | (i % QB == 0)
+
+    r = tl.arange(0, BM)
+    tok_in_block = r // G
+    qi = i + tok_in_block
+    row_ok = leader & (tok_in_block < QB) & (qi < n)
+    trow = t + tok_in_block
+    head = kh * G + r % G
+    pos = L - n + qi  # absolute position of each row's query token
+    last = L - n + tl.minimum(i + QB, n) - 1  # the block's last query position
+
+    if TOPK == 0:
+        ntiles = tl.cdiv(last + 1, BN)
+    else:
+        ntiles = TOPK * TPP + t * 0
+    ntiles = tl.where(leader & (L > 0), tl.maximum(ntiles, 0), 0)
+    per = tl.cdiv(ntiles, NUM_SPLITS)
+    lo = split * per
+    hi = tl.minimum(lo + per, ntiles)
+
+    q_row = q_ptr + trow * stride_qt + head * stride_qh
+    if FMT == 0:
+        col_e = nvfp4_columns(DH)  # the decoded tiles' column order, q and out follow it
+        if ROT:
+            q_e, q_o = _rotate_q(q_row, row_ok, rot_ptr, col_e, D, CUDA)
+        else:
+            q_e = tl.load(q_row[:, None] + col_e[None, :], mask=row_ok[:, None], other=0.0)
+            q_o = tl.load(q_row[:, None] + col_e[None, :] + 1, mask=row_ok[:, None], other=0.0)
+            if not CUDA:
+                q_e = q_e.to(tl.float32)
+                q_o = q_o.to(tl.float32)
+        acc_e = tl.zeros([BM, DH], tl.float32)
+        acc_o = tl.zeros([BM, DH], tl.float32)
+        gs_k = tl.load(gs_ptr)
+        gs_v = tl.load(gs_ptr + 1)
+    else:
+        d = tl.arange(0, D)
+        q = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        if not CUDA:
+            q = q.to(tl.float32)
+        if F16:
+            q, row_scale = _q_to_f16(q, qk_scale)
+        acc = tl.zeros([BM, D], tl.float32)
+    m_i = tl.full([BM], NEG_INF, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+
+    for it in range(lo, hi):
+        if TOPK == 0:
+            blk = it // TPP
+        else:
+            blk = tl.load(sel_ptr + t * stride_selt + kh * stride_selh + it // TPP)
+        blk_ok = (blk >= 0) & (blk < B)
+        slot = tl.load(slot_ptr + s * B + blk, mask=blk_ok, other=0).to(tl.int64)
+        tok = (it % TPP) * BN + tl.arange(0, BN)
+        key = blk * P + tok
+        # Tokens past the block's last query are never seen: read them as 0 (their stale bytes
+        # may hold anything, NaN included, and 0 * NaN would reach the output through p.v).
+        tok_ok = blk_ok & (key <= last)
+        visible = tok_ok[None, :] & (key[None, :] <= pos[:, None])
+        kpage = k_ptr + slot * stride_ks + kh * stride_kh
+        vpage = v_ptr + slot * stride_vs + kh * stride_vh
+        if FMT == 0:
+            k_e, k_o = load_nvfp4_tile(kpage, ks_ptr + slot * stride_kss + kh * stride_ksh, gs_k, tok, tok_ok,
+                                       False, D, BN, CUDA)
+            if CUDA:
+                sc = tl.dot(q_e, tl.trans(k_e))
+                sc = tl.dot(q_o, tl.trans(k_o), sc)
+            else:
+                sc = tl.dot(q_e, tl.trans(k_e), input_precision="ieee")
+                sc = tl.dot(q_o, tl.trans(k_o), sc, input_precision="ieee")
+        else:
+            k = _dense_kv_tile(kpage, tok, tok_ok, FMT, D, CUDA, F16, PAIRS)
+            if CUDA:
+                sc = tl.dot(q, tl.trans(k))
+            else:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if F16:
+            sc = tl.where(visible, sc * row_scale[:, None], NEG_INF)
+        else:
+            sc = tl.where(visible, sc * qk_scale, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row that has seen no key yet
+        alpha = tl.math.exp2(m_i - m_use)
+        if F16:
+            p = tl.math.exp2(sc - (m_use[:, None] - P_SHIFT))  # p * 2**14: fp16 hi + lo keep 2**-22 of it
+        else:
+            p = tl.math.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if F16:
+            p_hi = p.to(tl.float16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+        elif CUDA:
+            p_hi = p.to(tl.bfloat16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+        if FMT == 0:
+            v_e, v_o = load_nvfp4_tile(vpage, vs_ptr + slot * stride_vss + kh * stride_vsh, gs_v, tok, tok_ok,
+                                       True, D, BN, CUDA)
+            acc_e = acc_e * alpha[:, None]
+            acc_o = acc_o * alpha[:, None]
+            if CUDA:
+                acc_e = tl.dot(p_lo, v_e, tl.dot(p_hi, v_e, acc_e))
+                acc_o = tl.dot(p_lo, v_o, tl.dot(p_hi, v_o, acc_o))
+            else:
+                acc_e = tl.dot(p, v_e, acc_e, input_precision="ieee")
+                acc_o = tl.dot(p, v_o, acc_o, input_precision="ieee")
+        else:
+            v = _dense_kv_tile(vpage, tok, tok_ok, FMT, D, CUDA, F16, PAIRS)
+            acc = acc * alpha[:, None]
+            if CUDA:
+                acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc))
+            else:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+
+    if FMT == 0 and ROT:
+        acc = _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D, CUDA)
+        _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
+                   stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+    elif FMT == 0:
+        _store_out(acc_e, m_i, l_i, col_e, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
+                   stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+        _store_out(acc_o, m_i, l_i, col_e + 1, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
+                   stride_oh, HQ, D, NUM_SPLITS, False, CUDA)
+    else:
+        _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
+                   stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+
+
+@helper
+def _rotate_q(q_row, row_ok, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.constexpr):
+    """q_rot = q @ M in the decoded tiles' column halves: (q_rot[:, col_e], q_rot[:, col_e + 1]), [BM, D/2]
+    each; bf16 MMA operands when compiled (q and M exact in bf16, fp32 sums, one rounding), fp32 interpreted."""
+    d = tl.arange(0, D)
+    q = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    m_e = tl.load(rot_ptr + d[:, None] * D + col_e[None, :])
+    m_o = tl.load(rot_ptr + d[:, None] * D + col_e[None, :] + 1)
+    if CUDA:
+        q_e = tl.dot(q, m_e).to(tl.bfloat16)
+        q_o = tl.dot(q, m_o).to(tl.bfloat16)
+    else:
+        qf = q.to(tl.float32)
+        q_e = tl.dot(qf, m_e.to(tl.float32), input_precision="ieee")
+        q_o = tl.dot(qf, m_o.to(tl.float32), input_precision="ieee")
+    return q_e, q_o
+
+
+@helper
+def _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.constexpr):
+    """[BM, D] fp32 acc in the model's basis from its rotated column halves: acc_e @ M^T[col_e, :] +
+    acc_o @ M^T[col_e + 1, :] (M^T[i, j] = M[j, i]); compiled as bf16 hi + lo MMAs."""
+    d = tl.arange(0, D)
+    if CUDA:
+        # one half at a time: its operands only (fewer live registers than loading both halves of M^T first)
+        hi_e = acc_e.to(tl.bfloat16)
+        lo_e = (acc_e - hi_e.to(tl.float32)).to(tl.bfloat16)
+        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
+        out = tl.dot(lo_e, mt_e, tl.dot(hi_e, mt_e))
+        hi_o = acc_o.to(tl.bfloat16)
+        lo_o = (acc_o - hi_o.to(tl.float32)).to(tl.bfloat16)
+        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
+        out = tl.dot(lo_o, mt_o, tl.dot(hi_o, mt_o, out))
+    else:
+        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
+        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
+        out = tl.dot(acc_e, mt_e.to(tl.float32), input_precision="ieee")
+        out = tl.dot(acc_o, mt_o.to(tl.float32), out, input_precision="ieee")
+    return out
+
+
+@helper
+def _q_to_f16(q, qk_scale):
+    """bf16 q [BM, D] -> (fp16 q * 2**sh, qk_scale * 2**-sh) per row, sh chosen so that the row's
+    max |q| * 2**sh lies in [2**14, 2**15): every bf16 value of the row down to 2**-28 of its max
+    is exact in fp16 (8 significant bits of 11), smaller ones round to 2**-39 of the max, and the
+    power-of-two factors cancel exactly in the scores."""
+    qf = q.to(tl.float32)
+    ebits = (tl.max(tl.abs(qf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    sh = tl.minimum(tl.maximum(tl.where(ebits == 0, 0, 141 - ebits), -126), 126)
+    up = ((sh + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - sh) << 23).to(tl.float32, bitcast=True)
+    return (qf * up[:, None]).to(tl.float16), qk_scale * down
+
+
+@helper
+def load_fp8_tile_f16(page_ptr, tok, tok_ok, D: tl.constexpr):
+    """[BN, D] tile of an FP8 page as fp16 (exact: E4M3 is a subset of fp16), through the
+    hardware's two-values-per-instruction E4M3 -> f16x2 conversion (compiled only)."""
+    d = tl.arange(0, D)
+    x = tl.load(page_ptr + tok[:, None] * D + d[None, :], mask=tok_ok[:, None], other=0)
+    return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@helper
+def _dense_kv_tile(page_ptr, tok, tok_ok, FMT: tl.constexpr, D: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr,
+                   PAIRS: tl.constexpr):
+    """[BN, D] K or V tile of a BF16 / FP32 / FP8 page as the MMA operand: fp16 for FP8 pages when compiled
+    (F16; PAIRS: read as 16-bit column pairs), else load_dense_tile's bf16 (fp32 values when interpreted)."""
+    if F16 and PAIRS:
+        return load_fp8_pairs_f16(page_ptr, tok, tok_ok, D)
+    elif F16:
+        return load_fp8_tile_f16(page_ptr, tok, tok_ok, D)
+    else:
+        return load_dense_tile(page_ptr, tok, tok_ok, FMT, D, CUDA)
+
+
+@helper
+def load_fp8_pairs_f16(page_ptr16, tok, tok_ok, D: tl.constexpr):
+    """[BN, D] fp16 tile of an FP8 page read as 16-bit column pairs (page_ptr16: the page viewed as int16),
+    each pair converted in registers by one cvt.rn.f16x2.e4m3x2 (compiled only; exact)."""
+    DP: tl.constexpr = D // 2
+    c = tl.arange(0, DP)
+    x = tl.load(page_ptr16 + tok[:, None] * DP + c[None, :], mask=tok_ok[:, None], other=0)
+    lo, hi = tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+        "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.join(lo, hi).reshape(x.shape[0], D)
+
+
+@helper
+def _store_out(acc, m_i, l_i, cols, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot, stride_oh,
+               HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, WITH_ML: tl.constexpr,
+               CUDA: tl.constexpr):
+    """Columns `cols` of the rows' results: normalised bf16 into out (one split), else the
+    unnormalised partial (and, once per row, m and l) into the workspace."""
+    if NUM_SPLITS == 1:
+        o = tl.math.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None])  # no key: acc = 0 -> 0
+        o_ptr = out_ptr + trow * stride_ot + head * stride_oh
+        tl.store(o_ptr[:, None] + cols[None, :], to_bf16(o, CUDA), mask=row_ok[:, None])
+    else:
+        w = (split * T + trow) * HQ + head
+        tl.store(acc_ptr + w[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
+        if WITH_ML:
+            tl.store(ml_ptr + 2 * w, m_i, mask=row_ok)
+            tl.store(ml_ptr + 2 * w + 1, l_i, mask=row_ok)
+
+
+@kernel
+def paged_attn_combine(acc_ptr, ml_ptr, out_ptr, T, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    """One (row, head): out = sum_s 2**(m_s - M) acc_s / sum_s 2**(m_s - M) l_s, splits in order
+    (SP = NUM_SPLITS padded to a power of two, SC splits per chunk)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SP)
+    ok = sp < NUM_SPLITS
+    w = (sp * T + t) * HQ + h
+    m = tl.load(ml_ptr + 2 * w, mask=ok, other=NEG_INF)
+    l = tl.load(ml_ptr + 2 * w + 1, mask=ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(m_max == NEG_INF, 0.0, m_max)
+    total = tl.sum(tl.math.exp2(m - m_use) * l, 0)
+    d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    for c0 in tl.static_range(0, NUM_SPLITS, SC):
+        spc = c0 + tl.arange(0, SC)
+        okc = spc < NUM_SPLITS
+        wc = (spc * T + t) * HQ + h
+        wt = tl.math.exp2(tl.load(ml_ptr + 2 * wc, mask=okc, other=NEG_INF) - m_use)
+        part = tl.load(acc_ptr + wc[:, None] * D + d[None, :], mask=okc[:, None], other=0.0)
+        acc += tl.sum(wt[:, None] * part, 0)
+    o = tl.math.div_rn(acc, tl.where(total > 0, total, 1.0))
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, to_bf16(o, CUDA))

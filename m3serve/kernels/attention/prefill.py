@@ -1,0 +1,557 @@
+"""Catalog entry attn.prefill: varlen causal flash attention over the paged KV cache (dense layers).
+
+Every query token of every sequence in the step attends the keys at positions <= its own of its
+sequence: the context already in the cache (chunked prefill) and this chunk's own keys, written to
+the cache before the call. K/V are read through the slot table, a page (or an aligned part of one)
+per inner step.
+
+Shape legend:
+    q            [T, Hq, D]             bf16, the step's query tokens packed (unit stride along D)
+    k/v_pages    [num_slots, Hk, P, D]  bf16 or float8_e4m3fn typed page views (HND); any slot
+                                        stride, inner three dims contiguous
+    slot_table   [S, B]  int32          slot of each page of each sequence (unallocated -> 0)
+    seq_lens     [S]     int32          L = keys after this step; 0 = graph padding (rows get zeros)
+    query_start  [S+1]   int32          sequence s owns rows query_start[s] .. query_start[s+1]-1;
+                                        its i-th query sits at position L - n + i (n = its count)
+    out          [T, Hq, D]             bf16; rows owned by no sequence are not written
+    G = Hq / Hk (GQA group); a program's BLOCK_M tile rows are BLOCK_M/HEADS query tokens x HEADS heads
+    of one group; each inner step takes BLOCK_N (<= P) keys of one page
+
+Grid (Hq / HEADS, ceil(max_query_len / (BLOCK_M / HEADS)), S): static sizes only, no host sync
+(graph-capturable). Heads vary fastest, so the programs of one KV head run side by side and read
+the same K/V pages from L2 (with HEADS > 1 they also share each loaded and decoded tile); query
+blocks are issued last-first because the causal diagonal makes the last blocks the longest (they
+start first, the short ones fill the tail). Keys before the block's first query position are
+visible to every row and take the unmasked loop; only the diagonal band is masked.
+
+Numerics (per program, online softmax in fp32, scores in the exp2 domain):
+    s = q . k        bf16 MMA operands (q is bf16; K decodes exactly: E4M3 is a subset of bf16),
+                     products exact, fp32 accumulation
+    p = exp2(s * sm_scale * log2(e) - running max)   fp32
+    acc += p . v     p split into bf16 hi + lo (p_lo = bf16(p - p_hi); p - p_hi is exact in fp32),
+                     two MMAs into one fp32 accumulator: p_hi + p_lo is p to 2**-18 relative,
+                     where a single bf16 p would carry 2**-9. Cost of the second MMA (H200, 8k first
+                     chunk, bf16 pages, 64 x 64 tiles): 3.69 ms vs 2.82 ms with one bf16 MMA (+31 %);
+                     the best single-MMA tiles (128 x 128) take 2.57 ms
+                     (bench/prefill_attention_variants.py)
+    out = acc / l    rounded once to bf16
+See `compare` for the tolerance this certifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from m3serve.kernels.formats._decode import e4m3_to, to_bf16
+from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels.catalog import (
+    BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng, poisoned, true_fp32,
+)
+from m3serve.model.msa import attend
+
+ENABLED = True  # the one switch: False sends attn.prefill calls down the stock path
+
+LOG2E = 1.4426950408889634
+KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+_KV_BITS = {torch.bfloat16: 16, torch.float8_e4m3fn: 8}
+_BITS_KV = {16: torch.bfloat16, 8: torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    block_m: int  # tile rows per program, (query token, head) pairs (the MMA's M side)
+    block_n: int  # keys per inner step: a page or an aligned part of one (capped at P)
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the page loop
+    pv_split: bool = True  # p.v as bf16 hi + lo (two MMAs); False: one bf16 MMA (bench only)
+    heads: int = 1  # query heads of one KV group per program: block_m rows = block_m/heads tokens x heads
+
+
+def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
+    """Compiled tile config, from bench/prefill_attention_variants.py on the H200 (8k first chunk, M3 TP1,
+    p.v split; runs of 2026-11-30, median of 20):
+    * bf16 pages: 64 query rows x 64 keys, one warpgroup, 3 stages: 298 TFLOP/s (128 x 64 with two
+      warpgroups 257; 128 x 128 spills registers under the hi/lo split, 278).
+    * fp8 pages: the E4M3 -> bf16 conversion of every K/V tile is the extra cost, so two heads of a group
+      share each converted tile (128 rows = 64 tokens x 2 heads, 8 warps, no pipelining: the converted
+      tile goes through registers anyway): 203 TFLOP/s (2 stages 194, 8 heads 195, 64 x 64 one head 178).
+    Keys per step never exceed a page; 16 <= BLOCK_N keeps the MMA's N side legal."""
+    bn = min(64, p)
+    if d >= 128 and kv_dtype == torch.float8_e4m3fn:
+        return PrefillTiles(block_m=128, block_n=bn, num_warps=8, num_stages=1, heads=2)
+    return PrefillTiles(block_m=64, block_n=bn, num_warps=4, num_stages=3)
+
+
+@helper
+def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr, PV_SPLIT: tl.constexpr,
+               CUDA: tl.constexpr):
+    """One key block of online softmax: acc [BM, D], m_i/l_i [BM] fp32; q [BM, D], k/v [BN, D] MMA
+    operands (bf16 compiled, fp32 interpreted); allowed [BM, BN] bool when MASKED."""
+    if CUDA:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    p_hi = to_bf16(p, CUDA)
+    if CUDA:
+        acc = tl.dot(p_hi, v, acc)
+        if PV_SPLIT:
+            acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA), v, acc)
+    else:
+        acc = tl.dot(p_hi.to(tl.float32), v, acc, input_precision="ieee")
+        if PV_SPLIT:
+            acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA).to(tl.float32), v, acc, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@helper
+def _load_keys(ptr, slot, head, stride_slot, stride_head, toks, d, key_ok, D: tl.constexpr, KV_FP8: tl.constexpr,
+               CUDA: tl.constexpr, MASKED: tl.constexpr):
+    """[BN, D] tile (tokens `toks` of one page, one KV head) as an MMA operand; keys outside key_ok load as 0
+    (masked steps only: past L a page holds stale or never-written bytes, possibly NaN codes)."""
+    ptrs = ptr + slot * stride_slot + head * stride_head + toks[:, None] * D + d[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=key_ok[:, None], other=0)
+    else:
+        x = tl.load(ptrs)
+    if KV_FP8:
+        x = e4m3_to(x, CUDA, CUDA)  # bf16 compiled, fp32 interpreted; exact either way
+    elif not CUDA:
+        x = x.to(tl.float32)
+    return x
+
+
+@kernel
+def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, qstart_ptr,
+                              stride_qt, stride_qh, stride_ot, stride_oh, stride_k_slot, stride_k_head,
+                              stride_v_slot, stride_v_head, stride_table, qk_scale,
+                              GROUP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, HEADS: tl.constexpr, KV_FP8: tl.constexpr,
+                              PV_SPLIT: tl.constexpr, CUDA: tl.constexpr):
+    head0 = tl.program_id(0) * HEADS
+    m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2)
+    q_begin = tl.load(qstart_ptr + seq)
+    n = tl.load(qstart_ptr + seq + 1) - q_begin
+    L = tl.load(seq_lens_ptr + seq)
+    BLOCK_T: tl.constexpr = BLOCK_M // HEADS  # query tokens per program
+    row0 = m_blk * BLOCK_T
+    if row0 < n:
+        r = tl.arange(0, BLOCK_M)
+        rows = row0 + r // HEADS  # tile row -> (query token, head): the HEADS heads of a token are adjacent
+        heads = head0 + r % HEADS
+        row_ok = rows < n
+        tok = (q_begin + rows).to(tl.int64)
+        d = tl.arange(0, D)
+        o_ptrs = o_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        if L == 0:  # graph padding
+            tl.store(o_ptrs, tl.zeros([BLOCK_M, D], tl.bfloat16), mask=row_ok[:, None])
+        else:
+            q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            if not CUDA:
+                q = q.to(tl.float32)
+            kv_head = head0 // GROUP
+            pos = L - n + rows  # absolute position of each query row
+            first_pos = L - n + row0
+            last_pos = tl.minimum(first_pos + BLOCK_T - 1, L - 1)
+            PAGE_BLOCKS: tl.constexpr = P // BLOCK_N
+            full_blocks = (first_pos + 1) // BLOCK_N  # every key of these blocks is visible to every row
+            end_blocks = last_pos // BLOCK_N + 1
+            in_blk = tl.arange(0, BLOCK_N)
+            table = table_ptr + seq.to(tl.int64) * stride_table
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            for kb in range(0, full_blocks):
+                slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
+                toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
+                k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, toks, D, KV_FP8, CUDA,
+                               False)
+                v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, toks, D, KV_FP8, CUDA,
+                               False)
+                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, qk_scale, None, False, PV_SPLIT, CUDA)
+            for kb in range(full_blocks, end_blocks):
+                slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
+                toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
+                keys = kb * BLOCK_N + in_blk
+                key_ok = keys < L
+                k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8, CUDA,
+                               True)
+                v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8, CUDA,
+                               True)
+                allowed = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, True, PV_SPLIT, CUDA)
+            # every row sees at least its own key, so l_i >= 1 on the rows that are stored
+            o = acc / l_i[:, None]
+            tl.store(o_ptrs, to_bf16(o, CUDA), mask=row_ok[:, None])
+
+
+# --- raw call ----------------------------------------------------------------------------------
+
+
+def _check_pages(name: str, t: torch.Tensor, dtype: torch.dtype | None, device: torch.device) -> tuple[int, ...]:
+    check_tensor(name, t, dtype, device=device)
+    if t.dtype not in KV_DTYPES:
+        raise TypeError(f"{name}: expected one of {KV_DTYPES}, found {t.dtype}")
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected [num_slots, Hk, P, D], found shape {tuple(t.shape)}")
+    _, hk, p, d = t.shape
+    if t.stride(3) != 1 or t.stride(2) != d or t.stride(1) != p * d:
+        raise ValueError(f"{name}: expected contiguous [Hk, P, D] inside a slot (strides (*, {p * d}, {d}, 1)), "
+                         f"found strides {tuple(t.stride())}")
+    return tuple(t.shape)
+
+
+def _check_meta(name: str, t: torch.Tensor, dim: int, device: torch.device) -> None:
+    check_tensor(name, t, torch.int32, device=device)
+    if t.dim() != dim or t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected an int32 tensor of {dim} dim(s) with unit last stride, "
+                         f"found shape {tuple(t.shape)} strides {tuple(t.stride())}")
+
+
+def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slot_table: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, sm_scale: float,
+                      max_query_len: int, tiles: PrefillTiles | None = None) -> torch.Tensor:
+    """Raw call. Writes and returns `out`. max_query_len (a host int) must be >= every sequence's
+    query count: it sizes the grid; rows past it would be left unwritten."""
+    check_tensor("q", q, torch.bfloat16)
+    if q.dim() != 3 or q.stride(2) != 1:
+        raise ValueError(f"q: expected [T, Hq, D] with unit stride along D, found shape {tuple(q.shape)} "
+                         f"strides {tuple(q.stride())}")
+    t, hq, d = q.shape
+    dev = q.device
+    _, hk, p, dk = _check_pages("k_pages", k_pages, None, dev)
+    vs = _check_pages("v_pages", v_pages, k_pages.dtype, dev)
+    if vs[1:] != (hk, p, dk) or vs[0] != k_pages.shape[0]:
+        raise ValueError(f"v_pages: expected shape {tuple(k_pages.shape)} (as k_pages), found {vs}")
+    if dk != d:
+        raise ValueError(f"k_pages: expected head dim D = {d} (q's), found {dk}")
+    if hq % hk:
+        raise ValueError(f"q: expected Hq a multiple of Hk = {hk} (GQA), found Hq = {hq}")
+    if d < 16 or d & (d - 1) or p < 16 or p & (p - 1):
+        raise ValueError(f"k_pages: expected power-of-two D and P >= 16 (MMA tiles), found D = {d}, P = {p}")
+    check_tensor("out", out, torch.bfloat16, (t, hq, d), dev)
+    if out.stride(2) != 1:
+        raise ValueError(f"out: expected unit stride along D, found strides {tuple(out.stride())}")
+    _check_meta("slot_table", slot_table, 2, dev)
+    s = slot_table.shape[0]
+    _check_meta("seq_lens", seq_lens, 1, dev)
+    _check_meta("query_start", query_start, 1, dev)
+    if seq_lens.shape[0] != s or query_start.shape[0] != s + 1:
+        raise ValueError(f"seq_lens/query_start: expected [S] and [S+1] with S = {s} (slot_table rows), found "
+                         f"{tuple(seq_lens.shape)} and {tuple(query_start.shape)}")
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
+        raise ValueError(f"max_query_len: expected a positive int, found {max_query_len!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (float, int)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale: expected a positive float, found {sm_scale!r}")
+    cfg = tiles or default_tiles(d, p, k_pages.dtype)
+    if not isinstance(cfg, PrefillTiles):
+        raise TypeError(f"tiles: expected PrefillTiles or None, found {type(tiles).__name__}")
+    block_n = min(cfg.block_n, p)
+    if block_n < 16 or p % block_n:
+        raise ValueError(f"tiles.block_n: expected a power of two >= 16 dividing P = {p}, found {cfg.block_n}")
+    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"tiles.block_m: expected a power of two >= 16 (MMA rows), found {cfg.block_m}")
+    if cfg.heads < 1 or (hq // hk) % cfg.heads or cfg.block_m % cfg.heads:
+        raise ValueError(f"tiles.heads: expected a divisor of the GQA group {hq // hk} and of block_m {cfg.block_m}, "
+                         f"found {cfg.heads}")
+    if s > 65535 or triton.cdiv(max_query_len, cfg.block_m // cfg.heads) > 65535:
+        raise ValueError(f"slot_table/max_query_len: grid y and z hold at most 65535 query blocks / sequences, "
+                         f"found {s} sequences and max_query_len {max_query_len}")
+    if s == 0 or t == 0:
+        return out
+    fp8 = k_pages.dtype == torch.float8_e4m3fn
+    kp = k_pages.view(torch.uint8) if fp8 else k_pages
+    vp = v_pages.view(torch.uint8) if fp8 else v_pages
+    grid = (hq // cfg.heads, triton.cdiv(max_query_len, cfg.block_m // cfg.heads), s)
+    _prefill_attention_kernel[grid](
+        q, kp, vp, out, slot_table, seq_lens, query_start,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1),
+        v_pages.stride(0), v_pages.stride(1), slot_table.stride(0), float(sm_scale) * LOG2E,
+        GROUP=hq // hk, D=d, P=p, BLOCK_M=cfg.block_m, BLOCK_N=block_n, HEADS=cfg.heads, KV_FP8=fp8,
+        PV_SPLIT=cfg.pv_split, CUDA=is_compiled(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+# --- reference, stock, compare ---------------------------------------------------------------------
+
+
+class PrefillReference(NamedTuple):
+    """The fp32 result and the per-element scales of its tolerance band (see compare)."""
+
+    out: torch.Tensor  # [T, Hq, D] fp32 (rows owned by no sequence: NaN, i.e. not compared)
+    weighted_abs_v: torch.Tensor  # [T, Hq, D] sum_j w_j |v_j|, w the softmax weights
+    score_abs: torch.Tensor  # [T, Hq] sm_scale * max_j sum_d |q_d k_jd| over the visible keys
+    num_keys: torch.Tensor  # [T, 1, 1] L of the row's sequence (the summation length)
+
+
+def _spans(seq_lens: torch.Tensor, query_start: torch.Tensor) -> list[tuple[int, int, int]]:
+    lens = seq_lens.tolist()
+    qs = query_start.tolist()
+    spans = []
+    for i, L in enumerate(lens):
+        n = qs[i + 1] - qs[i]
+        if n < 0 or L < 0 or (L > 0 and n > L):
+            raise ValueError(f"query_start/seq_lens: sequence {i} has {n} queries and {L} keys; expected "
+                             "0 <= n <= L (or L = 0 for padding)")
+        spans.append((qs[i], n, L))
+    return spans
+
+
+def gather_keys(pages: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_slots, Hk, P, D] pages of one sequence (slots [nb]) -> [length, Hk, D] fp32, decoded as
+    PagedKVCache.read(..., torch.bfloat16) decodes them (bf16 and E4M3 are exact in fp32 and bf16)."""
+    sel = pages[slots.long()]  # [nb, Hk, P, D]
+    nb, hk, p, d = sel.shape
+    return sel.permute(0, 2, 1, 3).reshape(nb * p, hk, d)[:length].float()
+
+
+def prefill_attention_reference(q, k_pages, v_pages, slot_table, seq_lens, query_start, out=None, *, sm_scale,
+                                max_query_len, tiles=None, query_chunk: int = 256) -> PrefillReference:
+    """True fp32 causal GQA attention per sequence, queries in chunks (memory O(chunk * L), never L x L)."""
+    t, hq, d = q.shape
+    hk = k_pages.shape[1]
+    g = hq // hk
+    p = k_pages.shape[2]
+    dev = q.device
+    ref = torch.full((t, hq, d), float("nan"), dtype=torch.float32, device=dev)
+    wabs = torch.zeros(t, hq, d, dtype=torch.float32, device=dev)
+    score_abs = torch.zeros(t, hq, dtype=torch.float32, device=dev)
+    num_keys = torch.zeros(t, 1, 1, dtype=torch.float32, device=dev)
+    with true_fp32():
+        for s, (q0, n, L) in enumerate(_spans(seq_lens, query_start)):
+            if n > max_query_len:
+                raise ValueError(f"max_query_len: expected >= every sequence's query count, found {max_query_len} "
+                                 f"< {n} (sequence {s})")
+            if n == 0:
+                continue
+            if L == 0:
+                ref[q0:q0 + n] = 0.0
+                continue
+            slots = slot_table[s, :triton.cdiv(L, p)]
+            k = gather_keys(k_pages, slots, L)  # [L, Hk, D]
+            v = gather_keys(v_pages, slots, L)
+            key_pos = torch.arange(L, device=dev)
+            num_keys[q0:q0 + n] = float(L)
+            for c0 in range(0, n, query_chunk):
+                c1 = min(n, c0 + query_chunk)
+                qc = q[q0 + c0:q0 + c1].float().view(c1 - c0, hk, g, d)
+                pos = L - n + torch.arange(c0, c1, device=dev)
+                visible = (key_pos.view(1, 1, 1, L) <= pos.view(1, 1, -1, 1))  # [1, 1, c, L]
+                sc = torch.einsum("chgd,lhd->hgcl", qc, k) * sm_scale
+                w = torch.softmax(sc.masked_fill(~visible, float("-inf")), dim=-1)
+                o = torch.einsum("hgcl,lhd->chgd", w, v)
+                ref[q0 + c0:q0 + c1] = o.reshape(c1 - c0, hq, d)
+                wabs[q0 + c0:q0 + c1] = torch.einsum("hgcl,lhd->chgd", w, v.abs()).reshape(c1 - c0, hq, d)
+                qk_abs = torch.einsum("chgd,lhd->hgcl", qc.abs(), k.abs()).masked_fill(~visible, 0.0)
+                score_abs[q0 + c0:q0 + c1] = (qk_abs.amax(-1) * sm_scale).permute(2, 0, 1).reshape(c1 - c0, hq)
+    return PrefillReference(ref, wabs, score_abs, num_keys)
+
+
+def prefill_attention_stock(q, k_pages, v_pages, slot_table, seq_lens, query_start, out, *, sm_scale,
+                            max_query_len, tiles=None) -> torch.Tensor:
+    """The model's stock path: per sequence, gather K/V and run m3serve.model.msa.attend (fp32)."""
+    hk, p = k_pages.shape[1], k_pages.shape[2]
+    for s, (q0, n, L) in enumerate(_spans(seq_lens, query_start)):
+        if n == 0:
+            continue
+        if L == 0:
+            out[q0:q0 + n] = 0
+            continue
+        slots = slot_table[s, :triton.cdiv(L, p)]
+        k = gather_keys(k_pages, slots, L).to(torch.bfloat16)
+        v = gather_keys(v_pages, slots, L).to(torch.bfloat16)
+        pos = (L - n + torch.arange(n, device=q.device)).view(1, n)
+        out[q0:q0 + n] = attend(q[None, q0:q0 + n], k[None], v[None], pos, sm_scale)[0].to(torch.bfloat16)
+    return out
+
+
+# Relative error of the p operand of the p.v MMAs: hi + lo carries p to 2**-18 (p_lo is bf16 of the
+# exact remainder, |p - p_hi| <= 2**-9 p); a single bf16 p to 2**-9. Doubled for margin.
+P_REL_SPLIT = 2.0**-17
+P_REL_SINGLE = 2.0**-8
+
+
+def band(ref: PrefillReference, d: int, p_rel: float = P_REL_SPLIT) -> torch.Tensor:
+    """Tolerance of a bf16 output element against the fp32 reference (worst-case bounds).
+
+    With w_j the softmax weights and A = sum_j w_j |v_j| (weighted_abs_v):
+    * bf16 output: one ulp of the reference, 2**-7 |ref| (the kernel rounds once; the exact value may
+      sit across a rounding boundary from ref).
+    * scores: both sides accumulate exact q_d k_jd products in fp32 (<= D u sum_d |q_d k_jd| each; the
+      tensor cores may truncate, so 2 D u on the kernel's side), plus a few roundings of |s| from the
+      scale, the log2(e) fold and the max subtraction, and ex2.approx (< 2**-21 relative). A score
+      error <= e in every key moves the normalized weights by <= 2e relative, the output by <= 2e A.
+      e = (4 D + 8) u * score_abs + 2**-20.
+    * p.v operand: p's relative error p_rel (see P_REL_SPLIT) moves the output by <= 2 p_rel A.
+    * summation order of the L-term sums acc and l (kernel with truncation and the per-page rescales,
+      and the reference): <= (6 L + 16) u A.
+    """
+    u = FP32_U
+    score_err = (4 * d + 8) * u * ref.score_abs[..., None] + 2.0**-20
+    rel = 2.0 * score_err + 2.0 * p_rel + (6.0 * ref.num_keys + 16.0) * u
+    return BF16_REL * ref.out.abs() + rel * ref.weighted_abs_v + 1e-30
+
+
+def compare(out: torch.Tensor, ref: PrefillReference, case: Case) -> None:
+    """|out - ref| <= band(ref) on every row a sequence owns (see band for the terms and why);
+    rows of padding sequences must be exactly 0."""
+    owned = torch.isfinite(ref.out[:, 0, 0])
+    d = out.shape[-1]
+    tiles = case.kwargs.get("tiles")
+    p_rel = P_REL_SPLIT if tiles is None or tiles.pv_split else P_REL_SINGLE
+    assert_band("attn.prefill", out[owned], ref.out[owned], band(ref, d, p_rel)[owned])
+
+
+# --- cases and cells -------------------------------------------------------------------------------
+
+
+def _page_pool(num_slots: int, hk: int, p: int, d: int, kv_dtype: torch.dtype, device: torch.device):
+    """(k_pages, v_pages) typed views into one byte pool with K and V at offsets of a wider slot, as
+    PagedKVCache lays sub-pages out (slot stride > Hk*P*D), every byte poisoned with a NaN code."""
+    esize = torch.empty((), dtype=kv_dtype).element_size()
+    page_bytes = hk * p * d * esize
+    pad = 256
+    pool = torch.empty(num_slots, 2 * page_bytes + 2 * pad, dtype=torch.uint8, device=device)
+    nan_code = 0x7F if kv_dtype == torch.float8_e4m3fn else 0xFF  # E4M3 NaN; bf16 0xFFFF is a NaN too
+    pool.fill_(nan_code)
+
+    def view(off: int) -> torch.Tensor:
+        return pool[:, off:off + page_bytes].view(kv_dtype).view(num_slots, hk, p, d)
+
+    return view(pad), view(2 * pad + page_bytes)
+
+
+def make_step(query_lens: list[int], context_lens: list[int], p: int, num_slots: int, gen: torch.Generator | None,
+              device: torch.device, max_blocks: int | None = None):
+    """Step metadata for sequences with the given query and context counts (context 0 and query > 0 is a
+    first chunk; a sequence with query > 0 and seq_len 0 is padding: pass context -1). Pages are taken from
+    a random permutation of slots 1.. (slot 0 stays unallocated: table entries past the end point at it).
+    Returns (slot_table, seq_lens, query_start, seq_lens list)."""
+    lens = [0 if c < 0 else c + n for n, c in zip(query_lens, context_lens)]
+    pages = [triton.cdiv(L, p) for L in lens]
+    b = max([1, *pages]) if max_blocks is None else max_blocks
+    if sum(pages) > num_slots - 1:
+        raise ValueError(f"num_slots: {num_slots} slots cannot hold {sum(pages)} pages plus the unallocated slot 0")
+    perm = (torch.randperm(num_slots - 1, generator=gen) if gen is not None else torch.arange(num_slots - 1)) + 1
+    table = torch.zeros(len(lens), b, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(pages):
+        table[s, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+    qs = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return table.to(device), torch.tensor(lens, dtype=torch.int32).to(device), qs.to(device), lens
+
+
+def _step_shape(rows: int, p: int) -> tuple[list[int], list[int]]:
+    """The sequences one case holds: a first chunk of `rows` tokens, a later chunk of `rows` tokens after a
+    context that is not page-aligned, and a padding sequence owning min(rows, 3) rows."""
+    return [rows, rows, min(rows, 3)], [0, 2 * p + 5 + rows // 3, -1]
+
+
+def make_step_case(shape: tuple[int, ...], query_lens: list[int], context_lens: list[int], device: torch.device,
+                   gen: torch.Generator | None, tiles: PrefillTiles | None = None,
+                   max_query_len: int | None = None) -> Case:
+    """A case for any step: shape (Hq, Hk, D, P, kv bits), per sequence its query count and context
+    (-1: a padding sequence, seq_len 0). q ~ 2 N(0, 1) (peaked softmax rows), K/V ~ N(0, 1) rounded to
+    the page dtype, pages scattered over a pool whose every other byte is a NaN code. gen None: constant
+    values (warm-up; 'meta' tensors for the compile check)."""
+    hq, hk, d, p, bits = shape
+    kv_dtype = _BITS_KV[bits]
+    total_pages = sum(triton.cdiv(max(c, 0) + n, p) for n, c in zip(query_lens, context_lens) if c >= 0)
+    num_slots = total_pages + 3
+    meta = device.type == "meta"
+    table, seq_lens, qstart, lens = make_step(query_lens, context_lens, p, num_slots, None if meta else gen,
+                                              device)
+    t = sum(query_lens)
+    k_pages, v_pages = _page_pool(num_slots, hk, p, d, kv_dtype, device)
+    if gen is None or meta:
+        q = torch.full((t, hq, d), 0.5, dtype=torch.bfloat16, device=device)
+        if not meta:
+            k_pages.fill_(0.25)
+            v_pages.fill_(1.0)
+    else:
+        g = device_rng(gen, device)
+        q = (2.0 * torch.randn(t, hq, d, generator=g, device=device)).to(torch.bfloat16)
+        slot_rows = table.long()
+        for s, L in enumerate(lens):
+            if L == 0:
+                continue
+            nb = triton.cdiv(L, p)
+            for pages in (k_pages, v_pages):
+                x = torch.randn(L, hk, d, generator=g, device=device).to(kv_dtype)
+                full = torch.full((nb * p, hk, d), float("nan"), device=device).to(kv_dtype)
+                full[:L] = x
+                pages[slot_rows[s, :nb]] = full.view(nb, p, hk, d).permute(0, 2, 1, 3)
+    kv_bytes = sum(triton.cdiv(L, p) * p for L in lens) * 2 * hk * d * (bits // 8)
+    mql = max([1, *query_lens]) if max_query_len is None else max_query_len
+    return Case(args=(q, k_pages, v_pages, table, seq_lens, qstart, poisoned((t, hq, d), torch.bfloat16, device)),
+                kwargs={"sm_scale": d ** -0.5, "max_query_len": mql, "tiles": tiles},
+                bytes_moved=kv_bytes + 2 * q.numel() * 2)
+
+
+def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
+    query_lens, context_lens = _step_shape(rows, cell.shape[3])
+    return make_step_case(cell.shape, query_lens, context_lens, device, gen, cell.config.get("tiles"), rows)
+
+
+def causal_flops(query_lens: list[int], seq_lens: list[int], hq: int, d: int) -> int:
+    """2 * 2 * D * Hq * (visible (query, key) pairs): q.k and p.v, one multiply-add = 2 flops."""
+    pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(query_lens, seq_lens) if L > 0)
+    return 4 * d * hq * pairs
+
+
+def _cell(hq: int, hk: int, d: int, p: int, kv: torch.dtype, rows: tuple[int, int], why: str) -> Cell:
+    return Cell(rows=rows, shape=(hq, hk, d, p, _KV_BITS[kv]), why=why, config={"tiles": default_tiles(d, p, kv)})
+
+
+CELLS = (
+    _cell(64, 4, 128, 128, torch.bfloat16, (1, 16384), "M3 TP1 dense layer, bf16 cache"),
+    _cell(64, 4, 128, 128, torch.float8_e4m3fn, (1, 16384), "M3 TP1 dense layer, FP8 cache (the nvfp4 hybrid)"),
+    _cell(32, 2, 128, 128, torch.bfloat16, (1, 16384), "M3 TP2 dense layer, bf16 cache"),
+    _cell(32, 2, 128, 128, torch.float8_e4m3fn, (1, 16384), "M3 TP2 dense layer, FP8 cache (the nvfp4 hybrid)"),
+    _cell(4, 2, 64, 32, torch.bfloat16, (1, 4096), "embedded model, bf16 cache"),
+    _cell(4, 2, 64, 32, torch.float8_e4m3fn, (1, 4096), "embedded model, FP8 cache"),
+)
+
+_INTERP_TILES = PrefillTiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
+INTERP_CELLS = (
+    Cell(rows=(1, 2), shape=(4, 2, 32, 16, 16), why="interpreter: bf16 pages, 1-2 queries (decode-like chunks)",
+         config={"tiles": _INTERP_TILES}),
+    Cell(rows=(21, 21), shape=(4, 2, 32, 16, 8), why="interpreter: FP8 pages, two query blocks, masked tail",
+         config={"tiles": _INTERP_TILES}),
+    Cell(rows=(40, 40), shape=(2, 1, 16, 16, 16), why="interpreter: GQA 2:1, D 16, BLOCK_M 32 over 16-token pages",
+         config={"tiles": PrefillTiles(block_m=32, block_n=16, num_warps=4, num_stages=1)}),
+)
+
+
+def warmup(device: torch.device) -> None:
+    """One launch per cell compiles every variant: query counts and lengths are runtime values."""
+    for c in CELLS:
+        case = make_case(c, min(c.rows[1], 256), device, None)
+        prefill_attention(*case.args, **case.kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+ENTRY = Entry(
+    name="attn.prefill", kind="attn.prefill", raw_call=prefill_attention, reference=prefill_attention_reference,
+    compare=compare, make_case=make_case, cells=CELLS, interp_cells=INTERP_CELLS, warmup=warmup,
+    enabled=lambda: ENABLED, stock=prefill_attention_stock,
+)
+ENTRIES = (ENTRY,)
+

@@ -1,0 +1,428 @@
+"""The MoE's gate|up and down projections on the register-operand MMA step of _mma_gemv, for 1-8 tokens
+(compiled for sm_90 only; the router is _nvfp4.moe_router, and on the CPU the raw call interprets _nvfp4's kernels).
+
+Shape legend (T tokens <= 8, E experts, H hidden, I expert width, S routed slots; slot S is the shared expert):
+    x          [T, H]        bf16
+    w13, s13   [E, 2I, H/8] int32 words, [E, 2I, H/16] E4M3 (gate rows, then up rows); g13 [E, 2] fp32
+    w2, s2     [E, H, I/8], [E, H, I/16]; g2 [E]
+    shared     the same with E = 1 (NVFP4 only: a BF16 shared expert keeps _nvfp4's kernels)
+    slot_e     [SP]          touched experts ascending, -1 padded (moe_router)
+    slot_w     [SP, T]       fp32 routing weight of token t for slot s (0: not routed)
+    act        [S + 1, T, I] bf16 SwiGLU-OAI activations
+    part       [DSPLIT, 8, H] fp32 down partials; count [H / BN] int32, zero between launches
+
+Why: each touched expert at 1-8 tokens is a GEMV whose token columns come free with mma.m16n8k16, so both
+projections run _mma_gemv's step (16-byte loads decoded in the registers that are the MMA's A operand) over
+all T tokens, whether or not a token was routed to the expert: a token's activations for an expert it was not
+routed to are computed and then weighted by 0 (slot_w), which costs MMA columns, not bytes.
+
+gate|up (grid (I / BNA, S + 1), BNA = 8 * RP * warps activation columns): a thread's row pair is (gate row n,
+up row n) (load_asm's gate_up pairing), so its accumulators hold both inputs of SwiGLU for the same (n, token)
+and the epilogue (swiglu_store_asm) writes act directly; the whole K = H range per CTA (no partial workspace).
+
+down (grid (H / BN, DSPLIT), BN = 16 * RP * warps rows of H): one CTA walks the slots (touched experts in
+ascending order, then the shared one), each over its I / DSPLIT slice; the register ring runs across slot
+boundaries (the flat step index picks the slot), and at a slot's end fold_asm adds acc * 2**8 / g2[e] *
+slot_w[s, t] into the output registers. Split over I with _splitk's ordered reduction.
+
+Numerics (inside moe.nvfp4's bands): the decoded weights and the MMA are _mma_gemv's (exact products, fp32
+accumulation); gate and up are scaled acc * 2**8 / g (correctly rounded division) as _nvfp4, SwiGLU-OAI in fp32
+with the hardware exp2, activations rounded once to bf16; per-expert sums are weighted and added in slot order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from m3serve.kernels.gemm import _mma_ptx as P
+from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._pdl import pdl_release, pdl_wait
+from m3serve.kernels.gemm._mma_gemv import MMA_ROWS, STEP, asm_block, mma_epilogue, ring_advance
+
+_NX = tl.constexpr(P.X_REGS // 2)
+
+
+@dataclass(frozen=True)
+class MmaMoEConfig:
+    """moe.nvfp4 on the MMA step at 1-8 tokens. The router fields and BT (its padded token tile) are
+    MoEConfig's; DSPLIT splits the down projection's I range (I / DSPLIT a multiple of 128)."""
+
+    BT: int = 16
+    RBE: int = 16
+    RBK: int = 128
+    RSPLIT: int = 16
+    router_warps: int = 4
+    RP: int = 1
+    num_warps: int = 4  # gate|up
+    STAGES: int = 2
+    DSPLIT: int = 4
+    down_warps: int = 4
+    down_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("STAGES", "down_stages"):
+            if getattr(self, name) not in (2, 3):
+                raise ValueError(f"MmaMoEConfig.{name}: expected 2 or 3, found {getattr(self, name)}")
+        for name in ("num_warps", "down_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8):
+                raise ValueError(f"MmaMoEConfig.{name}: expected 1, 2, 4 or 8, found {getattr(self, name)}")
+        if self.RP not in (1, 2):
+            raise ValueError(f"MmaMoEConfig.RP: expected 1 or 2, found {self.RP}")
+        if self.DSPLIT < 1:
+            raise ValueError(f"MmaMoEConfig.DSPLIT: expected >= 1, found {self.DSPLIT}")
+
+    @property
+    def bna(self) -> int:
+        """gate|up activation columns per CTA."""
+        return 8 * self.RP * self.num_warps
+
+    @property
+    def dbn(self) -> int:
+        """down rows of H per CTA."""
+        return 16 * self.RP * self.down_warps
+
+    def fits(self, h: int, i: int) -> str | None:
+        """None, or why (E, H, I) does not fit this config."""
+        if i % self.bna:
+            return f"I={i} is not a multiple of the gate|up tile {self.bna}"
+        if h % self.dbn:
+            return f"H={h} is not a multiple of the down tile {self.dbn}"
+        if h % STEP or i % (STEP * self.DSPLIT):
+            return f"H={h} and I / DSPLIT={i}/{self.DSPLIT} must be multiples of {STEP}"
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def gate_up_asm(rp: int) -> dict:
+    load, load_c = P.load_asm(P.FMT_NVFP4, rp, gate_up=True)
+    mma, mma_c = P.compute_asm(P.FMT_NVFP4, rp)
+    xload, xload_c = P.xload_asm()
+    store, store_c = P.swiglu_store_asm(rp)
+    return dict(LOAD=load, LOAD_C=load_c, N_LOAD=load_c.count("=") // 2, MMA=mma, MMA_C=mma_c, XLOAD=xload,
+                XLOAD_C=xload_c, STORE=store, STORE_C=store_c)
+
+
+@functools.lru_cache(maxsize=None)
+def down_asm(rp: int, partial: bool) -> dict:
+    load, load_c = P.load_asm(P.FMT_NVFP4, rp)
+    mma, mma_c = P.compute_asm(P.FMT_NVFP4, rp)
+    xload, xload_c = P.xload_asm()
+    fold, fold_c = P.fold_asm(rp)
+    store, store_c = P.store_asm(rp, P.MODE_PARTIAL if partial else P.MODE_FINAL, 0)
+    return dict(LOAD=load, LOAD_C=load_c, N_LOAD=load_c.count("=") // 2, MMA=mma, MMA_C=mma_c, XLOAD=xload,
+                XLOAD_C=xload_c, FOLD=fold, FOLD_C=fold_c, STORE=store, STORE_C=store_c)
+
+
+@kernel
+def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr, T, H, I,
+                    stride_xb, S, swiglu_alpha, swiglu_limit, RP: tl.constexpr, NW: tl.constexpr,
+                    STAGES: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr,
+                    MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr,
+                    STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (I / BNA, S + 1): program (j, s) -> act[s, :T, j*BNA:(j+1)*BNA]. Padding slots (slot_e = -1) exit."""
+    pdl_wait(PDL)  # before any global access (_pdl)
+    Tn: tl.constexpr = 64 * NW
+    BNA: tl.constexpr = 8 * RP * NW
+    NACC: tl.constexpr = 4 * RP // 2
+    s = tl.program_id(1)
+    n0 = tl.program_id(0) * BNA
+    routed = s < S
+    e = tl.load(slot_e_ptr + s, mask=routed, other=0)
+    if (not routed) or e >= 0:
+        row_b = (H // 2).to(tl.int64)
+        srow_b = (H // 16).to(tl.int64)
+        e64 = e.to(tl.int64)
+        w_base = tl.where(routed, w13_ptr.to(tl.int64) + e64 * (2 * I) * row_b, sw13_ptr.to(tl.int64))
+        s_base = tl.where(routed, s13_ptr.to(tl.int64) + e64 * (2 * I) * srow_b, ss13_ptr.to(tl.int64))
+        gg = tl.where(routed, tl.load(g13_ptr + 2 * e), tl.load(sg13_ptr))
+        gu = tl.where(routed, tl.load(g13_ptr + 2 * e + 1), tl.load(sg13_ptr + 1))
+        zl = tl.zeros([Tn], tl.int64)
+        zi = tl.zeros([Tn], tl.int32)
+        zf = tl.zeros([Tn], tl.float32)
+        w_row = w_base + n0.to(tl.int64) * row_b
+        s_row = s_base + n0.to(tl.int64) * srow_b
+        ub = zl + I * row_b  # the up row of activation column n is I rows after its gate row
+        usb = zl + I * srow_b
+        sw = zi + (H // 2)
+        ss = zi + (H // 16)
+        sx = zi + stride_xb
+        mm = zi + (T - 1)
+        x_base = x_ptr.to(tl.int64)
+        last = H - 128
+        acc = (zf,) * NACC
+        xs = asm_block((zl + x_base, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        st0 = asm_block((zl + w_row, zl + s_row, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+        st1 = st0
+        if STAGES == 3:
+            k1 = tl.minimum(128, last)
+            st1 = asm_block((zl + (w_row + k1 // 2), zl + (s_row + k1 // 16), sw, ss, ub, usb), False, N_LOAD,
+                            LOAD, LOAD_C, False)
+        for k0 in range(0, H, 128):
+            kn = tl.minimum(k0 + 128 * (STAGES - 1), last)
+            nxt = asm_block((zl + (w_row + kn // 2), zl + (s_row + kn // 16), sw, ss, ub, usb), False, N_LOAD,
+                            LOAD, LOAD_C, False)
+            xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
+                           False)
+            acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
+            xs = xn
+        pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
+        act_slot = act_ptr.to(tl.int64) + s.to(tl.int64) * T * I * 2
+        asm_block(acc + (zl + act_slot, zi + n0, zi + T, zi + I, zf + gg, zf + gu, zf + swiglu_alpha,
+                         zf + swiglu_limit), False, 1, STORE, STORE_C, False)
+
+
+@helper
+def down_step(j, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T, H, I, S):
+    """Byte addresses of flat step j (clamped to the last) of a down CTA: slot j // KT, its K tile j % KT:
+    the weights and scales of the CTA's first row there, and the slot's activations at that column."""
+    j = tl.minimum(j, total - 1)
+    s = j // KT
+    routed = s < n_valid
+    e = tl.load(slot_e_ptr + s, mask=routed, other=0).to(tl.int64)
+    row_b = (I // 2).to(tl.int64)
+    srow_b = (I // 16).to(tl.int64)
+    w_base = tl.where(routed, w2_ptr.to(tl.int64) + e * H * row_b, sw2_ptr.to(tl.int64))
+    s_base = tl.where(routed, s2_ptr.to(tl.int64) + e * H * srow_b, ss2_ptr.to(tl.int64))
+    k0 = k_lo + (j - s * KT) * 128
+    a_slot = tl.where(routed, s, S).to(tl.int64)
+    wk = w_base + n0.to(tl.int64) * row_b + k0 // 2
+    sk = s_base + n0.to(tl.int64) * srow_b + k0 // 16
+    xa = act_ptr.to(tl.int64) + (a_slot * T * I + k0) * 2
+    return wk, sk, xa
+
+
+@kernel
+def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_ptr, slot_w_ptr, y_ptr, part_ptr,
+                 count_ptr, T, H, I, S, stride_y, DSPLIT, KT, SP: tl.constexpr, SPLITK: tl.constexpr,
+                 RP: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr,
+                 N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr,
+                 XLOAD_C: tl.constexpr, FOLD: tl.constexpr, FOLD_C: tl.constexpr, STORE: tl.constexpr,
+                 STORE_C: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (H / BN, DSPLIT): y[:T, tile] = sum_slots w_slot * (act_slot @ W2_e^T) / g2_e + act_S @ W2_sh^T /
+    sg2, each CTA over I columns [pid_k * KT * 128, +KT * 128) of every slot (KT steps a slot)."""
+    pdl_wait(PDL)  # before any global access (_pdl)
+    Tn: tl.constexpr = 64 * NW
+    BN: tl.constexpr = 16 * RP * NW
+    BM: tl.constexpr = 8
+    NACC: tl.constexpr = 4 * RP // 2
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BN
+    k_lo = pid_k * (KT * 128)
+    n_valid = tl.sum((tl.load(slot_e_ptr + tl.arange(0, SP)) >= 0).to(tl.int32), axis=0)
+    total = (n_valid + 1) * KT  # the touched slots, then the shared expert
+    zl = tl.zeros([Tn], tl.int64)
+    zi = tl.zeros([Tn], tl.int32)
+    zf = tl.zeros([Tn], tl.float32)
+    sw = zi + (I // 2)
+    ss = zi + (I // 16)
+    sx = zi + I * 2
+    mm = zi + (T - 1)
+    zero = (zf,) * NACC
+    acc = zero
+    out = zero
+    wk, sk, xa = down_step(0, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T,
+                           H, I, S)
+    st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+    xs = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+    st1 = st0
+    if STAGES == 3:
+        wk, sk, xa = down_step(1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
+                               act_ptr, T, H, I, S)
+        st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+    for s in range(0, n_valid + 1):
+        for kk in range(0, KT):
+            j = s * KT + kk
+            # x one step ahead; the weights STAGES - 1 steps ahead (the same step at ring depth 2: one address walk)
+            wk, sk, xa = down_step(j + 1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
+                                   act_ptr, T, H, I, S)
+            if STAGES == 3:
+                wk, sk, _ = down_step(j + 2, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr,
+                                       ss2_ptr, act_ptr, T, H, I, S)
+            nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+            xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+            acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
+            xs = xn
+        routed = s < n_valid
+        e = tl.load(slot_e_ptr + s, mask=routed, other=0)
+        cs = 256.0 / tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
+        wr = tl.where(routed, slot_w_ptr.to(tl.int64) + s.to(tl.int64) * T * 4, 0)
+        out = asm_block(out + acc + (zl + wr, zf + cs, zi + T), True, NACC, FOLD, FOLD_C, True)
+        acc = zero
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
+    mma_epilogue(out, y_ptr, part_ptr, count_ptr, y_ptr, pid_n, pid_k, n0, T, H, stride_y, 0, DSPLIT, zl, zi, SPLITK,
+                 0, BM, BN, STORE, STORE_C)
+
+
+def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out, *, t: int, h: int, e: int,
+                   i: int, s: int, swiglu_alpha: float, swiglu_limit: float, cfg: MmaMoEConfig,
+                   launches: str) -> None:
+    """The gate|up and down launches after moe_router (w*: int32 words, s*: uint8 scales; shared NVFP4)."""
+    if x.device.type not in ("cuda", "meta"):
+        raise ValueError(f"x: the MMA MoE runs compiled only (inline PTX), found a {x.device.type} tensor")
+    if t > MMA_ROWS:
+        raise ValueError(f"x: the MMA MoE serves 1..{MMA_ROWS} tokens, found T={t}")
+    if x.data_ptr() % 16:
+        raise ValueError(f"x: the MMA MoE reads 16-byte vectors of each row; expected a 16-byte aligned base, found "
+                         f"address % 16 = {x.data_ptr() % 16}")
+    why = cfg.fits(h, i)
+    if why:
+        raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit {cfg}: {why}")
+    sp = ws.slot_e.numel()
+    if "g" in launches:
+        mma_moe_gate_up[(i // cfg.bna, s + 1)](
+            x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i, x.stride(0) * 2, s, float(swiglu_alpha),
+            float(swiglu_limit), RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES, **gate_up_asm(cfg.RP),
+            num_warps=cfg.num_warps, num_stages=1)
+    if "d" in launches:
+        kt = i // cfg.DSPLIT // STEP
+        mma_moe_down[(h // cfg.dbn, cfg.DSPLIT)](
+            ws.act, w2, s2, g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart, ws.dcount, t, h, i, s,
+            out.stride(0), cfg.DSPLIT, kt, SP=sp, SPLITK=cfg.DSPLIT > 1, RP=cfg.RP, NW=cfg.down_warps,
+            STAGES=cfg.down_stages, **down_asm(cfg.RP, cfg.DSPLIT > 1), num_warps=cfg.down_warps, num_stages=1)
+
+
+def dpart_numel(cfg: MmaMoEConfig, h: int) -> int:
+    return cfg.DSPLIT * MMA_ROWS * h if cfg.DSPLIT > 1 else 1
+
+
+# --- CPU execution of the same PTX (tests) ----------------------------------------------------------------
+
+
+def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_e, slot_w, *, s: int, cfg: MmaMoEConfig,
+            swiglu_alpha: float, swiglu_limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act [S + 1, T, I] bf16, y [T, H] bf16) from running both kernels' PTX blocks on _ptx_emu, CTA by CTA
+    and warp by warp, with the kernels' own scalar logic (slot order, the ring across slot boundaries and its
+    clamped last steps, split-K in order). CPU tensors (w*: uint8 packed bytes, s*: E4M3), tiny shapes."""
+    import numpy as np
+
+    from m3serve.kernels.gemm import _ptx_emu as E
+
+    t, h = x.shape
+    i = w2.shape[2] * 2
+    why = cfg.fits(h, i)
+    if why or t > MMA_ROWS:
+        raise ValueError(f"emulate: shape (T={t}, H={h}, I={i}) does not fit {cfg}: {why}")
+    mem = E.Memory()
+    xa = mem.add(x.contiguous().view(torch.int16).numpy())
+    regions = {}
+    for name, a in (("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2), ("sw13", sw13), ("ss13", ss13), ("sw2", sw2),
+                    ("ss2", ss2)):
+        regions[name] = mem.add(a.contiguous().view(torch.uint8).numpy())
+    swa = mem.add(slot_w.contiguous().float().numpy())
+    act_base, act = mem.add_view(np.full((s + 1, t, i), 0x7FC0, np.uint16))
+    y_base, y = mem.add_view(np.full((t, h), 0x7FC0, np.uint16))
+    pa, part = mem.add_view(np.full(cfg.DSPLIT * MMA_ROWS * h, np.nan, np.float32))
+    e_list = slot_e.tolist()
+    n_valid = sum(1 for v in e_list if v >= 0)
+
+    def pair(*vals) -> list:
+        out = []
+        for v in vals:
+            if isinstance(v, float):
+                v = int(np.float32(v).view(np.uint32))
+            out += [np.full(E.LANES, int(v) & 0xFFFFFFFFFFFFFFFF, np.uint64)] * 2
+        return out
+
+    def ring(warp, n_steps, ahead, words_at, x_at, mma_text, n_acc, acc):
+        """The kernels' loop: loads STAGES - 1 steps ahead (clamped to the last step), x one step ahead."""
+        xs = x_at(0)
+        pending = [words_at(d) for d in range(ahead)]
+        for j in range(n_steps):
+            pending.append(words_at(j + ahead))
+            xn = x_at(j + 1)
+            acc = E.run_block(mma_text, warp, acc + pending.pop(0) + xs, n_acc, mem)
+            xs = xn
+        return acc
+
+    n_acc = P.acc_regs(cfg.RP)
+    # gate|up
+    gu = gate_up_asm(cfg.RP)
+    n_load = 2 * gu["N_LOAD"]
+    row_b, srow_b = h // 2, h // 16
+    steps = h // STEP
+    for sl in range(s + 1):
+        routed = sl < s
+        ex = e_list[sl] if routed else 0
+        if routed and ex < 0:
+            continue
+        wb = regions["w13"] + ex * 2 * i * row_b if routed else regions["sw13"]
+        sb = regions["s13"] + ex * 2 * i * srow_b if routed else regions["ss13"]
+        gg, gup = (float(g13[ex, 0]), float(g13[ex, 1])) if routed else (float(sg13[0, 0]), float(sg13[0, 1]))
+        for j in range(i // cfg.bna):
+            n0 = j * cfg.bna
+            for warp in range(cfg.num_warps):
+                def words_at(st, n0=n0, wb=wb, sb=sb):
+                    k0 = min(st, steps - 1) * STEP
+                    return E.run_block(gu["LOAD"], warp, pair(wb + n0 * row_b + k0 // 2, sb + n0 * srow_b + k0 // 16,
+                                                              row_b, srow_b, i * row_b, i * srow_b), n_load, mem)
+
+                def x_at(st):
+                    return E.run_block(gu["XLOAD"], warp, pair(xa + min(st, steps - 1) * STEP * 2, h * 2, t - 1),
+                                       P.X_REGS, mem)
+
+                acc = ring(warp, steps, cfg.STAGES - 1, words_at, x_at, gu["MMA"], n_acc,
+                           [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)])
+                E.run_block(gu["STORE"], warp, acc + pair(act_base + sl * t * i * 2, n0, t, i, gg, gup,
+                                                          float(swiglu_alpha), float(swiglu_limit)), 2, mem)
+    # down
+    dn = down_asm(cfg.RP, cfg.DSPLIT > 1)
+    n_load = 2 * dn["N_LOAD"]
+    row_b, srow_b = i // 2, i // 16
+    kt = i // cfg.DSPLIT // STEP
+    total = (n_valid + 1) * kt
+    for pid_n in range(h // cfg.dbn):
+        n0 = pid_n * cfg.dbn
+        for pid_k in range(cfg.DSPLIT):
+            k_lo = pid_k * kt * STEP
+            for warp in range(cfg.down_warps):
+                def at(jj):
+                    jj = min(jj, total - 1)
+                    sl = jj // kt
+                    routed = sl < n_valid
+                    ex = e_list[sl] if routed else 0
+                    wb = regions["w2"] + ex * h * row_b if routed else regions["sw2"]
+                    sb = regions["s2"] + ex * h * srow_b if routed else regions["ss2"]
+                    k0 = k_lo + (jj - sl * kt) * STEP
+                    return (wb + n0 * row_b + k0 // 2, sb + n0 * srow_b + k0 // 16,
+                            act_base + ((sl if routed else s) * t * i + k0) * 2)
+
+                def words_at(jj):
+                    wk, sk, _ = at(jj)
+                    return E.run_block(dn["LOAD"], warp, pair(wk, sk, row_b, srow_b), n_load, mem)
+
+                def x_at(jj):
+                    return E.run_block(dn["XLOAD"], warp, pair(at(jj)[2], i * 2, t - 1), P.X_REGS, mem)
+
+                out = [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)]
+                xs = x_at(0)
+                pending = [words_at(d) for d in range(cfg.down_stages - 1)]
+                for sl in range(n_valid + 1):
+                    acc = [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)]
+                    for kk in range(kt):
+                        jj = sl * kt + kk
+                        pending.append(words_at(jj + cfg.down_stages - 1))
+                        xn = x_at(jj + 1)
+                        acc = E.run_block(dn["MMA"], warp, acc + pending.pop(0) + xs, n_acc, mem)
+                        xs = xn
+                    routed = sl < n_valid
+                    gs = float(g2[e_list[sl]]) if routed else float(sg2[0])
+                    cs = float(np.float32(256.0) / np.float32(gs))
+                    wr = swa + sl * t * 4 if routed else 0
+                    out = E.run_block(dn["FOLD"], warp, out + acc + pair(wr, cs, t), n_acc, mem)
+                if cfg.DSPLIT == 1:
+                    E.run_block(dn["STORE"], warp, out + pair(y_base, n0, t, h, 0, 0), 2, mem)
+                else:
+                    E.run_block(dn["STORE"], warp, out + pair(pa + pid_k * MMA_ROWS * h * 4, n0, t, h, 0, 0), 2, mem)
+        if cfg.DSPLIT > 1:
+            tile = part.reshape(cfg.DSPLIT, MMA_ROWS, h)[:, :t, n0:n0 + cfg.dbn]
+            tot = np.zeros(tile.shape[1:], np.float32)
+            for sp_ in range(cfg.DSPLIT):
+                tot = (tot + tile[sp_]).astype(np.float32)
+            y[:, n0:n0 + cfg.dbn] = E._f32_to_bf16_rne(tot).astype(np.uint16)
+    as_bf16 = lambda a: torch.from_numpy(a.astype(np.int16).copy()).view(torch.bfloat16)  # noqa: E731
+    return as_bf16(act), as_bf16(y)

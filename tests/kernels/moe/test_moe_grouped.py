@@ -1,0 +1,256 @@
+"""moe.grouped on the CPU (Triton interpreter): the routing is model/moe.py's, the padded grouping covers every
+(token, slot) pair once in fixed shapes, no step syncs with the host, the compare rejects wrong intermediates, the
+routing hook serves every expert format of the tiny preset within the entry's bands of stock, and require names
+what no cell covers. (Every interpreter cell against the reference: tests/kernels/test_catalog_interp.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3serve.kernels.moe import grouped as G
+from m3serve.kernels.formats._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
+from m3serve.kernels.catalog import Cell
+from m3serve.model.moe import MoE, route
+from m3serve.targets import plan, routing
+from m3serve.targets.dispatch import lookup, resolve
+
+CPU = torch.device("cpu")
+FMTS = (FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4)
+
+
+def _case(fmt: int, rows: int, seed: int, e: int = 8, a: int = 2, bm: int = 16):
+    cell = Cell(rows=(rows, rows), shape=(fmt, e, 64, 32, a), why="test",
+                config={"moe": G.GroupedConfig(BM=bm, BN=32, BK=32, CBH=64, CBT=2)})
+    return G.make_case(cell, rows, CPU, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rows,e,a", [(1, 8, 2), (7, 8, 2), (33, 128, 4), (300, 16, 4)])
+def test_routing_is_model_route(rows, e, a):
+    """Same ids (as a set per token; ties are measure-zero on random inputs) and the same weights per id as
+    model/moe.py::route, bit for bit (the same ops on the same device)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    wr = 0.05 * torch.randn(e, 96, generator=g)
+    bias = 0.1 * torch.randn(e, generator=g)
+    ids, w = G.route_sorted(x, wr, bias, a)
+    ref_ids, ref_w = route(x, wr, bias, a)
+    order = ref_ids.sort(dim=1)
+    assert torch.equal(ids, order.values)
+    assert torch.equal(w, ref_w.gather(1, order.indices))
+    assert bool((ids[:, 1:] > ids[:, :-1]).all())
+
+
+@pytest.mark.parametrize("rows,e,a,bm", [(1, 8, 2, 16), (5, 4, 4, 16), (64, 128, 4, 16), (200, 8, 2, 64),
+                                         (1000, 128, 4, 128)])
+def test_grouping_covers_every_pair_once_in_fixed_shapes(rows, e, a, bm):
+    g = torch.Generator().manual_seed(rows + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:a] for _ in range(rows)]).sort(dim=1).values
+    pair, blk = G.group_pairs(ids, e, bm)
+    length, nb = G.padded_length(rows, e, a, bm)
+    assert pair.shape == (length,) and blk.shape == (nb,) and length == nb * bm
+    assert length >= rows * a + min(e, rows * a) * (bm - 1) > length - bm  # the fixed bound, rounded to blocks
+    valid = pair >= 0
+    assert torch.equal(pair[valid].long().sort().values, torch.arange(rows * a))
+    pos = torch.arange(length)[valid]
+    assert torch.equal(blk.long()[pos // bm], ids.reshape(-1)[pair[valid].long()])  # each pair in its expert's block
+    assert bool((blk[:-1] <= blk[1:]).all()) and bool((blk <= e).all())
+    # a block past the used ones holds no pair; a used block starts with a real pair (runs start at block edges)
+    used = blk < e
+    assert not bool(valid.view(nb, bm)[~used].any())
+    assert bool(valid.view(nb, bm)[used][:, 0].all())
+    # another routing of the same row count: the same shapes (a CUDA graph of T replays for any routing)
+    pair2, blk2 = G.group_pairs(torch.zeros_like(ids) + torch.arange(a), e, bm)
+    assert pair2.shape == pair.shape and blk2.shape == blk.shape
+
+
+@pytest.mark.parametrize("rows,e,a,bm", [(1, 8, 2, 16), (5, 4, 4, 16), (37, 128, 4, 16), (64, 128, 4, 16),
+                                         (64, 8, 2, 16)])
+def test_decode_batch_launch_equals_the_torch_route_and_grouping(rows, e, a, bm):
+    """route_group_small (one program, decode batches) vs route_sorted + group_pairs on the same inputs: the same
+    ids, padded positions and block experts; weights to a few fp32 ulps (another order of the renormalising sum,
+    Triton's sigmoid)."""
+    g = torch.Generator().manual_seed(rows * e)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    wr = 0.05 * torch.randn(e, 64, generator=g)
+    bias = 0.1 * torch.randn(e, generator=g)
+    length, nb = G.padded_length(rows, e, a, bm)
+    ids, w, pair, blk = G._route_group_small(x, wr, bias, a, bm, length, nb)
+    ref_ids, ref_w = G.route_sorted(x, wr, bias, a)
+    ref_pair, ref_blk = G.group_pairs(ref_ids, e, bm)
+    assert torch.equal(ids.long(), ref_ids)
+    assert torch.allclose(w, ref_w, rtol=8 * 2.0**-24, atol=0)
+    assert torch.equal(pair, ref_pair) and torch.equal(blk, ref_blk)
+
+
+class _HostSync(RuntimeError):
+    pass
+
+
+def _forbid_host_syncs(monkeypatch):
+    def refuse(name):
+        def f(*args, **kwargs):
+            raise _HostSync(f"host sync: {name}")
+        return f
+    for name in ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+    for name in ("unique", "nonzero", "bincount", "unique_consecutive", "masked_select"):
+        monkeypatch.setattr(torch, name, refuse(f"torch.{name}"))
+
+
+def test_routing_and_grouping_make_no_host_sync(monkeypatch):
+    """The torch part of the raw call (routing + grouping) never reads a tensor value on the host: every
+    value-dependent step stays a device tensor (the Triton launches after it take only host ints and tensors)."""
+    case = _case(FMT_NVFP4, 9, seed=3)
+    x, wr, bias = case.args[:3]
+    _forbid_host_syncs(monkeypatch)
+    ids, _ = G.route_sorted(x, wr, bias, 2)
+    G.group_pairs(ids, 8, 16)
+    with pytest.raises(_HostSync):  # the guard itself works
+        torch.unique(ids)
+
+
+def test_raw_call_launches_take_no_host_value(monkeypatch):
+    """The whole raw call under the guard, with the Triton launches recorded instead of run: nothing but tensors
+    and host ints / floats (fixed by T and the config) reaches a launch."""
+    from m3serve.kernels import _jit
+    for rows, first in ((5, ["route_group_small"]), (70, [])):  # decode batch: routing + grouping in one launch
+        case = _case(FMT_MXFP8, rows, seed=4)
+        with _jit.capture_launches() as rec:
+            _forbid_host_syncs(monkeypatch)
+            G.moe_grouped(*case.args, **case.kwargs)
+            monkeypatch.undo()
+            launches = list(rec)
+        assert [k.__name__ for k, *_ in launches] == first + ["grouped_gate_up", "grouped_down", "grouped_combine"]
+        for _, grid, args, _ in launches:
+            assert all(isinstance(g, int) for g in grid)
+            assert all(isinstance(v, (torch.Tensor, int, float)) for v in args)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("what", ["act", "y", "pair", "out"])
+def test_compare_rejects_wrong_intermediates(fmt, what):
+    case = _case(fmt, 6, seed=5)
+    out = G.moe_grouped(*case.args, **case.kwargs)
+    ref = G.moe_grouped_reference(*case.args, **case.kwargs)
+    G.compare(out, ref, case)
+    ws = case.args[13]
+    if what == "act":
+        p = int(torch.nonzero(ws.pair >= 0)[3])
+        ws.act[p, 5] = ws.act[p, 5].float() * 1.5 + 0.25
+    elif what == "y":
+        ws.y[4, 7] = float("nan")
+    elif what == "pair":
+        p = torch.nonzero(ws.pair >= 0).flatten()
+        ws.pair[p[0]] = ws.pair[p[1]]  # one pair twice, another never
+    else:
+        out[2, 3] = out[2, 3].float() * 1.5 + 1.0
+    with pytest.raises(AssertionError):
+        G.compare(out, ref, case)
+
+
+def test_raw_call_names_bad_arguments():
+    case = _case(FMT_NVFP4, 3, seed=6)
+    args = list(case.args)
+    bad = list(args)
+    bad[6] = args[6][:, :1].contiguous().repeat(1, 3)  # f13 with 3 parts
+    with pytest.raises(ValueError, match="w13 factors"):
+        G.moe_grouped(*bad, **case.kwargs)
+    bad = list(args)
+    bad[7] = args[7].view(torch.float8_e4m3fn)  # w2 in the wrong dtype
+    with pytest.raises(TypeError, match="w2"):
+        G.moe_grouped(*bad, **case.kwargs)
+    bad = list(args)
+    bad[3] = FMT_MXFP8  # NVFP4 tensors under another format code
+    with pytest.raises((TypeError, ValueError), match="w13"):
+        G.moe_grouped(*bad, **case.kwargs)
+    with pytest.raises(ValueError, match="top_k"):
+        G.moe_grouped(*args, top_k=9)
+
+
+# --- the routing hook on the tiny preset, every expert format ------------------------------------------
+
+
+def _tiny_moe(quant: str):
+    """The first MoE layer of the tiny preset with random weights, experts kept in `quant` (dense: BF16)."""
+    from m3serve.model.loader import load_model
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True,
+                       quantization=None if quant == "dense" else quant, seed=0, keep_quantized=True)
+    return next(x for x in model.modules() if isinstance(x, MoE))
+
+
+def _grouped(m, mode: str) -> routing.MoEKernel:
+    """The bound MoE kernel of layer m with only its moe.grouped route (the dense tiny layer's plan sends it to
+    the all-experts path instead, which this file does not test)."""
+    kind, shape = plan.moe_grouped_key(m)
+    route = plan.Route(kind, shape, resolve(kind, shape))
+    return routing.MoEKernel(None, routing.RowTable(route, "mlp", mode), shape, mode)
+
+
+@pytest.mark.parametrize("quant", ["dense", "fp8", "mxfp8", "nvfp4"])
+def test_hook_matches_stock_on_the_tiny_preset(quant):
+    """The bound moe.grouped kernel (run_grouped: the interpreter on CPU tensors) vs the stock MoE of the same
+    layer, 3 and 70 tokens.
+    Stock rounds the gate|up output to bf16 before SwiGLU (the kernel does not), and for FP8 / NVFP4 each GEMM
+    output once more before its per-row scale; so they agree to a few bf16 ulps of the output scale, not bits:
+    tolerance 2**-5 of max |out| (a wrong expert or weight moves outputs by O(1) of it)."""
+    m = _tiny_moe(quant)
+    assert m.w13.fmt == ("dense" if quant == "dense" else quant)
+    for rows in (3, 70):
+        x = torch.randn(rows, m.w13.in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        with torch.no_grad():
+            ref = m(x)
+            got = _grouped(m, "require").run_grouped(m, x)
+        assert got is not None and got.shape == ref.shape and got.dtype == torch.bfloat16
+        err = (got.float() - ref.float()).abs().max()
+        assert err <= 2.0 ** -5 * ref.float().abs().max(), f"{quant} rows {rows}: max |got - stock| {float(err)}"
+
+
+def test_require_names_what_no_cell_covers():
+    m = _tiny_moe("mxfp8")
+    _, shape = plan.moe_grouped_key(m)
+    assert shape == (FMT_MXFP8, 8, 128, 64, 2)
+    with pytest.raises(ValueError, match=r"moe.grouped: rows 20000 shape \(1, 8, 128, 64, 2\).*outside"):
+        lookup("moe.grouped", 20000, shape, "require")
+    assert lookup("moe.grouped", 20000, shape, "auto") is None
+    x = torch.zeros(1, 128, dtype=torch.float32)
+    with pytest.raises(ValueError, match="experts.w13: require mode"):
+        _grouped(m, "require").run_grouped(m, x)
+    assert _grouped(m, "auto").run_grouped(m, x) is None
+    with pytest.raises(ValueError, match=r"rows 5 shape \(1, 8, 96, 64, 2\)"):
+        lookup("moe.grouped", 5, (FMT_MXFP8, 8, 96, 64, 2), "require")
+
+
+def test_dense_tiny_preset_keeps_the_exact_all_experts_path():
+    """Dense experts with at most ALL_EXPERTS_MAX experts (the tiny preset, the embedded model) stay on
+    moe_all_experts, which equals stock bit for bit at top-2 (tests/targets/test_moe_all_experts.py): the grouped
+    entry is neither planned nor warmed for them."""
+    m = _tiny_moe("dense")
+    assert m.w13.num_experts <= plan.ALL_EXPERTS_MAX
+    bound = routing.install(torch.nn.Sequential(m), "auto")
+    assert [(mp.role, tuple(mp.routes)) for mp in bound.modules if mp.name == "0"] == [
+        ("moe.all_experts", ("router", "act"))]
+    assert routing.warm_calls(bound, 2048) == []
+
+
+def test_explain_names_the_grouped_moe():
+    from m3serve.model.loader import load_model
+    from m3serve.targets.explain import module_placements
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="nvfp4",
+                       seed=0, keep_quantized=True)
+    moes = [p for p in module_placements(model, 8) if p.module.endswith(".mlp") and "moe" in (p.entry or "")]
+    assert moes and {p.entry for p in moes} == {"moe.grouped"}, [p.line() for p in moes]
+    assert all("tiny preset" in p.detail and "nvfp4 experts" in p.detail for p in moes)
+
+
+def test_decode_cell_compiles_for_sm90_without_spills():
+    """The decode-batch cell's launches (route_group_small included, which the prefill cell of test_aot.py does
+    not reach) compile for sm_90 with Triton's ptxas, without register spills."""
+    from m3serve.kernels import aot_check
+    e = G.ENTRY
+    cell = next(c for c in e.cells if c.shape == (FMT_BF16, 128, 6144, 3072, 4) and c.rows[0] == 1)
+    results = aot_check.run([type(e)(**{**e.__dict__, "cells": (cell,)})], arch=90)
+    names = {r.name for _, _, r in results}
+    assert {"route_group_small", "grouped_gate_up", "grouped_down", "grouped_combine"} <= names, names
+    for _, _, r in results:
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.stack} B stack, {r.local} B local"
