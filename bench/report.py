@@ -506,6 +506,27 @@ def render_host_overhead(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_host_stream_cost(files: list[ResultFile]) -> str:
+    """bench/host_stream_cost.py: server-thread CPU per stream and decode step (model compute replaced by a wait)."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf, "points")):
+            w = f"{rf.name}.points[{i}]"
+            table.append([count(need(r, "streams", w)), sig(need(r, "engine_thread_us_per_stream_step", w)),
+                          sig(need(r, "loop_thread_us_per_stream_step", w)),
+                          sig(need(r, "total_us_per_stream_step", w)), sig(need(r, "rows_per_step", w)),
+                          pct(need(r, "sync_step_fraction", w))])
+        headers = ["streams", "engine thread µs", "event loop µs", "total µs per stream-step", "rows per step",
+                   "synchronous steps"]
+        label = opt(rf.data, "command", rf.name, "str") or ""
+        blocks.append(file_block("Host CPU per stream and decode step (server + engine + detokenizer, compute "
+                                 "replaced by a fixed wait)" + (" — after" if "after" in label else
+                                                                 " — before" if "before" in label else ""),
+                                 md_table(headers, table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_tp(files: list[ResultFile]) -> str:
     step_rows, allreduce_rows = [], []
     for rf in files:
@@ -930,6 +951,8 @@ KINDS = (
          lambda d: "summary" in d and _row_keys(d, "entry", "variant", "frac_copy"), render_gemv_variants),
     Kind("host_overhead", "Host overhead", ("host_overhead",), ("host_overhead-*.json",),
          lambda d: _row_keys(d, "per_request_us", "context"), render_host_overhead),
+    Kind("host_stream_cost", "Host cost per stream", ("host_stream_cost",), ("host_stream_cost-*.json",),
+         lambda d: isinstance(d.get("points"), list), render_host_stream_cost),
     Kind("tp", "Tensor parallelism", ("tp",), ("tp-*.json",),
          lambda d: {"tp1", "tp2", "decode_speedup_tp2_over_tp1"} <= d.keys(), render_tp),
     Kind("prefill", "Prefill", ("prefill",), ("prefill-*.json",),
