@@ -91,6 +91,7 @@ class SpeculativeEngine(LLMEngine):
         self._flight_sampled = False     # the SpecSteps step in flight ran the sampled variant
         self.graph_steps = 0             # steps that ran as SpecSteps
         self.overlapped_steps = 0        # of them, launched before the previous one was read back
+        self.split_steps = 0             # of them, beside prefill chunks that ran eagerly in the same step
         self.rng = DeviceRNG(config.seed, model.device)
         self.capture = self.runner.capture
         self._state: dict[int, SpecState] = {}
@@ -215,11 +216,26 @@ class SpeculativeEngine(LLMEngine):
         reqs = self._target_step_requests(chunks)
         if reqs is not None:
             return self._target_step(reqs)
+        done: list[Request] = []
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.reaches_end]
+        if decodes and len(decodes) < len(chunks):
+            # prefill chunks beside decoding rows: the decoding rows keep the step program (one launch), the
+            # prefills run eagerly after it (an eager step of every row costs the verify and K draft passes of
+            # all of them in host launches, on every step that admits a request)
+            reqs = self._target_step_requests(decodes)
+            if reqs is not None:
+                self.split_steps += 1
+                done = self._target_step(reqs)
+                chunks = [c for c in chunks if not (c.num_tokens == 1 and c.reaches_end)]
+        return done + self._eager_step(chunks)
+
+    def _eager_step(self, chunks) -> list[Request]:
+        """Verify + draft passes of `chunks` on the host-driven path (prefill chunks, logprobs, penalties, ...)."""
         done = self._resolve_inflight()       # the eager step needs every token on the host
         if done:
             chunks = [c for c in chunks if not c.request.is_finished]
-            if not chunks:
-                return done
+        if not chunks:
+            return done
         with torch.inference_mode():
             items = self._plan(chunks)
             sampled = [it for it in items if it.sample]

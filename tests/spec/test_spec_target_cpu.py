@@ -89,6 +89,9 @@ def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, fo
     got, reqs = _run(eng)
     assert got == ref
     assert eng.graph_steps >= 3 and (eng.overlapped_steps >= 2 if overlap else eng.overlapped_steps == 0)
+    # the second prompt is prefilled in two chunks: its second chunk runs eagerly beside the first request's
+    # decode, which keeps the step program
+    assert eng.split_steps >= 1
     per_pos = eng.stats()["spec_decode"]["accepted_per_position"]
     assert per_pos == ref_per_pos
     assert 0 < per_pos[-1] < per_pos[0]          # 2 and 3 = K drafts accepted both occurred
