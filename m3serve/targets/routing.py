@@ -34,9 +34,9 @@ from m3serve.kernels.gemm._gemm_tiles import make_workspace as gemm_workspace
 from m3serve.kernels.moe.grouped import make_workspace as grouped_workspace
 from m3serve.kernels.moe.nvfp4 import make_moe_workspace
 from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
-from m3serve.model.layers import Linear, RMSNorm, rope_inv_freq
+from m3serve.model.layers import Linear, RMSNorm, rope_inv_freq, swiglu_oai
 from m3serve.model.m3 import Attention
-from m3serve.model.moe import DenseMLP, MoE
+from m3serve.model.moe import DenseMLP, MoE, route as stock_route
 from m3serve.targets import fused_projection
 from m3serve.targets.dispatch import miss
 from m3serve.targets.plan import (ALL_EXPERTS_MAX, GROUPED_FMT, KernelPlan, Route, build_drafter_plan,
@@ -312,8 +312,6 @@ def moe_all_experts(m, x: torch.Tensor, router: RowTable | None = None, act: Row
     logits in another fp32 summation order: a near-tie may select differently) and the experts' activation
     mlp.swiglu_oai (one bf16 ulp), each within its entry's stated tolerance; require raises outside their
     certified cells."""
-    from m3serve.model.layers import swiglu_oai
-    from m3serve.model.moe import route
     t, e = x.shape[0], m.w13.num_experts
     fused = _routes(x) and x.dtype == torch.bfloat16 and t > 0
     launch = router(t) if fused and router is not None else None
@@ -322,7 +320,7 @@ def moe_all_experts(m, x: torch.Tensor, router: RowTable | None = None, act: Row
         ids = torch.empty(t, m.top_k, dtype=torch.int64, device=x.device)
         launch.run(x.contiguous(), m.router, m.e_score_correction_bias, m.top_k, weights, ids)
     else:
-        ids, weights = route(x, m.router, m.e_score_correction_bias, m.top_k)      # [T, A]
+        ids, weights = stock_route(x, m.router, m.e_score_correction_bias, m.top_k)      # [T, A]
     w13, w2 = m.w13.dense_weight(x.dtype), m.w2.dense_weight(x.dtype)               # [E, 2I, H], [E, H, I]
     xe = x.unsqueeze(0).expand(e, *x.shape)                                          # [E, T, H]
     gate_up = torch.bmm(xe, w13.transpose(1, 2))                                     # [E, T, 2I]
