@@ -146,7 +146,11 @@ def test_sampled_variant_keeps_greedy_rows_exact_and_is_reproducible(model, gree
     (greedy, sampled), eng = _mixed(model, overlap=True)
     assert greedy == greedy_reference[0]
     assert len(sampled) == MAX_TOKENS[1] + 4
-    assert eng.spec_steps.sampled_replays >= 2 and eng.spec_steps.sampled_replays == eng.graph_steps
+    # every step with both rows takes the sampled variant; a split step (the greedy row decoding beside the
+    # sampled request's second prefill chunk) may hold greedy rows only
+    ss = eng.spec_steps
+    assert ss.sampled_replays >= 2 and eng.graph_steps - eng.split_steps <= ss.sampled_replays <= eng.graph_steps
+    assert ss.replays == eng.graph_steps
     assert eng.overlapped_steps >= 1
     assert _mixed(model, overlap=False)[0] == [greedy, sampled]
 
