@@ -92,6 +92,8 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device)
         if random_weights is None:
             random_weights = not os.path.isdir(model)
+        self.route = route or ("auto" if self.device.type == "cuda" else "off")
+        _default_target_context(resolve_config(model), self.route, engine_kwargs)   # TP ranks get the same
         self.tp_context = None
         self.kv_fp8_layers_source = None       # the kv_scales.json that named the FP8 layers (kv_fp8_layers="auto")
         if tensor_parallel_size != 1:
@@ -108,8 +110,6 @@ class LLM:
         torch.manual_seed(seed)
         self.model = load_model(model, device=self.device, dtype=self.dtype, random_weights=random_weights,
                                 quantization=quantization, seed=seed)
-        self.route = route or ("auto" if self.device.type == "cuda" else "off")
-        _default_target_context(self.model.cfg, self.route, engine_kwargs)
         if self.route != "off":
             max_rows = _max_step_rows(engine_kwargs, speculative_config)
             routing.install(self.model, self.route, max_rows=max_rows)   # require: uncovered rows raise here

@@ -1,7 +1,6 @@
 """Weight-decoding GEMM for prefill rows (>= 49): y[M, N] = x[M, K] @ W^T with W in NVFP4 / MXFP8 / FP8 decoded
 in registers (exact bf16 tensor-core operands, fp32 accumulation), tiled over M as well as N, so a prefill chunk
-reads each weight tile from HBM about once and never materialises a dequantized weight (the stock path
-dequantizes the whole weight on every call).
+reads each weight tile from HBM about once and (below 512 rows) never materialises a dequantized weight.
 
 Shape legend:
     x      [M, K]   bf16 activations, row stride stride_xm
