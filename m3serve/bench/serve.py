@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from m3serve.benchmeta import git_commit
+
 WORKLOADS = ("fixed", "agentic")
 
 
@@ -269,7 +271,7 @@ async def run_bench(cfg: BenchConfig) -> dict:
     meta["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     meta["x_axis"] = "interactivity_x90 = 1000 / P90(ITL ms), tokens/s/user"
     meta["y_axis"] = "total_tokens_per_s_per_gpu = (input + output tokens) / s / num_gpus"
-    return {"meta": meta, "results": levels}
+    return {"commit": git_commit(), "meta": meta, "results": levels}
 
 
 def format_table(result: dict) -> str:

@@ -65,6 +65,8 @@ def test_bench_fixed_and_agentic_end_to_end(server, tmp_path, capsys):
     assert rc == 0
     f, a = json.loads(fixed.read_text()), json.loads(agentic.read_text())
     assert [r["concurrency"] for r in f["results"]] == [1, 2, 4] and f["meta"]["label"] == "stock"
+    from m3serve.benchmeta import git_commit
+    assert f["commit"] == git_commit() != "", "a serving results file names the commit it measured"
     for r in f["results"]:
         n = 2 * r["concurrency"]
         assert (r["requests"], r["completed"], r["failed"]) == (n, n, 0)
