@@ -86,6 +86,13 @@ closing)  # the round's new cells and fixed paths (kernel tests beside the model
     --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   [ "${T_DECODE:-70}" -gt 0 ] && phase decode-m3_5-nvfp4 ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  # the same bench from an older tree in .baseline/ (git archive of $BASELINE_COMMIT: its package and bench/decode.py),
+  # right after, on the same GPU: the side-by-side no-regression check
+  if [ -d .baseline ] && [ "${T_DECODE:-70}" -gt 0 ]; then
+    (cd .baseline && M3SERVE_COMMIT=${BASELINE_COMMIT:-unknown} PYTHONPATH=$PWD:${PYTHONPATH#$OLDPWD} phase decode-m3_5-nvfp4-baseline \
+      ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 --routes target \
+      --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4-baseline.json")
+  fi
   ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \

@@ -13,19 +13,26 @@ import torch
 
 def git_commit() -> str:
     """$M3SERVE_COMMIT when set (the device machine receives a working-tree copy, whose .git, if any, may be
-    stale), else HEAD of the checkout (+ "-dirty")."""
+    stale), else HEAD of the checkout (+ "-dirty" when tracked files outside bench/results/ differ: a results file
+    written by an earlier run of the same session changes no code that is measured)."""
     if os.environ.get("M3SERVE_COMMIT"):
         return os.environ["M3SERVE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
         if out.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-            return out.stdout.strip() + ("-dirty" if dirty else "")
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+            return out.stdout.strip() + ("-dirty" if changes_measured_code(status) else "")
     except OSError:
         pass
     return "unknown"
+
+
+def changes_measured_code(porcelain_status: str) -> bool:
+    """True when `git status --porcelain` lists a changed path outside bench/results/."""
+    return any(line.strip() and not line[3:].strip().strip('"').startswith("bench/results/")
+               for line in porcelain_status.splitlines())
 
 
 def run_metadata() -> dict:
