@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 # the device copy's .git may be stale: results record the commit the caller passes (M3SERVE_COMMIT=$(git rev-parse HEAD))
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # at most 8 files come back from a device call: the logs travel as one archive
-pack_logs() { (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log prefill-profile-*.txt 2>/dev/null)); }
+pack_logs() { (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.txt 2>/dev/null)); }
 trap pack_logs EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -93,6 +93,22 @@ closing)  # the round's new cells and fixed paths (kernel tests beside the model
       ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 --routes target \
       --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4-baseline.json")
   fi
+  ;;
+kv)      # the main job cold / warm, and the hybrid KV cache on the H200 target: real-dims rotation error, held-out
+         # accuracy (BF16 KV vs the default hybrid and vs every sparse layer NVFP4), the rotation's cost on the step
+  phase generate ${T_GENERATE:-100} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
+  phase kv-rotation ${T_KVROT:-90} python3 bench/kv_rotation.py --preset minimax-m3:5 --device cuda --tokens 4096 \
+    --json "$OUT/kv-rotation-h200.json"
+  phase eval-kv-hybrid ${T_EVAL:-110} python3 -m m3serve.eval --config-a engine:kv=bf16,route=auto \
+    --config-b engine:kv=nvfp4,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-hybrid-target-h200.json"
+  phase eval-kv-all-nvfp4 ${T_EVAL:-110} python3 -m m3serve.eval \
+    --config-a "recorded:$OUT/eval-kv-bf16-vs-hybrid-target-h200.json#engine:kv=bf16,route=auto" \
+    --config-b engine:kv=nvfp4,fp8=none,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-nvfp4-target-h200.json"
+  for rot in off auto; do
+    phase decode-m3_5-nvfp4-rot-$rot ${T_DECODE:-50} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
+      --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation $rot \
+      --out "$OUT/decode-target-h200-kv-rotation-$rot.json"
+  done
   ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
