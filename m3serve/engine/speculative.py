@@ -217,8 +217,11 @@ class SpeculativeEngine(LLMEngine):
         if reqs is not None:
             return self._target_step(reqs)
         done: list[Request] = []
+        # classified before any launch: reading back the step in flight moves a decoding row's num_computed, after
+        # which its chunk no longer reaches_end and would pass for a prefill
         decodes = [c for c in chunks if c.num_tokens == 1 and c.reaches_end]
-        if decodes and len(decodes) < len(chunks):
+        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.reaches_end)]
+        if decodes and prefills:
             # prefill chunks beside decoding rows: the decoding rows keep the step program (one launch), the
             # prefills run eagerly after it (an eager step of every row costs the verify and K draft passes of
             # all of them in host launches, on every step that admits a request)
@@ -226,7 +229,7 @@ class SpeculativeEngine(LLMEngine):
             if reqs is not None:
                 self.split_steps += 1
                 done = self._target_step(reqs)
-                chunks = [c for c in chunks if not (c.num_tokens == 1 and c.reaches_end)]
+                chunks = prefills
         return done + self._eager_step(chunks)
 
     def _eager_step(self, chunks) -> list[Request]:

@@ -97,6 +97,25 @@ def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, fo
     assert 0 < per_pos[-1] < per_pos[0]          # 2 and 3 = K drafts accepted both occurred
 
 
+def test_arrival_while_a_step_is_in_flight(model, forced_reference):
+    """A prompt arriving while the first request's step is in flight: the split step launches the decoding row,
+    which reads the flight back, and there the first request finishes (max_tokens 2; the warm-up's shape): its
+    chunk must not be taken for a prefill (it was, and the eager step got a row of 0 tokens). Both requests get
+    the tokens they get when they arrive together (greedy, forced acceptance: the outputs depend on neither the
+    batch nor the arrival step); no page leaks."""
+    ref, _ = forced_reference
+    eng = _spec(model, True, forced_acceptance=3.5)
+    first = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while eng._inflight is None:
+        eng.step()
+    late = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS[1], temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert [list(first.output_token_ids), list(late.output_token_ids)] == [ref[0][:2], ref[1]]
+    assert eng.split_steps >= 1
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots
+
+
 def test_abort_while_a_step_is_in_flight(model, forced_reference):
     """An aborted request's in-flight results are dropped; the other request is unaffected; no page leaks."""
     ref, _ = forced_reference
