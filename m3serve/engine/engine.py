@@ -23,6 +23,7 @@ from m3serve.engine.sampler import sample, sampling_key, top_logprobs
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
 from m3serve.engine.token_masks import TokenMaskRows
+from m3serve.kernels._jit import COMPILE_WATCH
 from m3serve.kernels.catalog import all_entries
 from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.block_table import DeviceBlockTables
@@ -601,6 +602,7 @@ class LLMEngine:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.kv.num_slots,
                 "preemptions": self.scheduler.num_preemptions,
+                "kernel_compiles_after_warmup": COMPILE_WATCH.count,
                 "structured_masked_steps": self.grammars.masked_steps if self.grammars is not None else 0,
                 "structured_graph_masked_steps": self.grammars.graph_masked_steps if self.grammars is not None else 0}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import subprocess
 import tempfile
@@ -152,6 +153,39 @@ class DualKernel:
                 return self.cpu[grid](*args, **kwargs)
 
         return launch
+
+
+# --- kernels compiled while serving ---------------------------------------------------------------
+
+class CompileWatch:
+    """Counts the Triton kernel variants first built in this process after `arm()` (compiled, or loaded from
+    Triton's disk cache: both are a stall in front of whoever launched it), and logs each with its specialization.
+
+    Why: Triton builds one variant per specialization of a kernel's integer arguments (== 1, divisible by 16,
+    other), so a serving step of a shape class the start-up warm-up never ran (16 prompts prefilled together, say)
+    compiles in front of its requests: a TTFT spike that no unit test sees. Armed at the end of the warm-up, the
+    count should stay 0; `m3serve_kernel_compiles_after_warmup` exports it and the log names the kernel."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.compiled: list[str] = []
+
+    def arm(self) -> None:
+        if not self.armed:
+            triton.knobs.runtime.jit_post_compile_hook = self._on_compile
+            self.armed = True
+
+    def _on_compile(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
+        self.compiled.append(repr)
+        logging.getLogger("m3serve").warning("a Triton kernel variant was built after the warm-up (a stall in front "
+                                             "of this step; engine/warmup.py should reach it): %s", repr)
+
+    @property
+    def count(self) -> int:
+        return len(self.compiled)
+
+
+COMPILE_WATCH = CompileWatch()   # one per process: Triton's hook is process-wide
 
 
 def kernel(fn: Callable) -> DualKernel:

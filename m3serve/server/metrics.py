@@ -14,6 +14,7 @@ clean), the same series as `vllm:<name>` on request (`/metrics?names=vllm`, for 
     m3serve_engine_alive                             gauge      1 while the engine loop runs (0 once it died)
     m3serve_kv_pages_capacity / _free / _used / _cached   gauge   KV pages
     m3serve_engine_steps_total, m3serve_http_responses_total{status}   counter
+    m3serve_kernel_compiles_after_warmup_total       counter    Triton kernel variants built after the warm-up
     m3serve_spec_*                                   gauge      speculative decoding statistics (engine.stats())
 
 promtool's lint refuses ':' in names (it reserves them for recording rules; vLLM's own exposition fails it), so
@@ -148,6 +149,9 @@ class _EngineCollector:
         yield self._counter("m3serve_prefix_cache_hits", "Prompt tokens found in the prefix cache (KV shared).",
                             s.get("prefix_cache_hits", 0))
         yield self._counter("m3serve_engine_steps", "Engine steps run.", s.get("steps", 0))
+        yield self._counter("m3serve_kernel_compiles_after_warmup", "Triton kernel variants built after the start-up "
+                            "warm-up (each a stall in front of a step; 0 when the warm-up reached every shape class).",
+                            s.get("kernel_compiles_after_warmup", 0))
         if "acceptance_length" in s:
             yield self._gauge("m3serve_spec_acceptance_length", "Mean tokens emitted per speculative verify step.",
                               s["acceptance_length"])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from m3serve import LLM, SamplingParams
-from m3serve.engine.warmup import warm_up, warmup_prompt_lengths
+from m3serve.engine.warmup import shape_class, warm_up, warmup_prompt_lengths
+from m3serve.kernels._jit import CompileWatch
 
 
 def test_prompt_lengths_cover_the_specializations_and_fit():
@@ -30,3 +31,37 @@ def test_warm_up_leaves_the_engine_empty():
     eng.add_request([5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="already has requests"):
         warm_up(eng)
+
+
+def test_warm_up_reaches_every_sequence_and_token_count_class():
+    """Triton builds a variant per class (== 1, divisible by 16, other) of a kernel's integer arguments; the prefill
+    steps' sequence and token counts are such arguments of the attention kernels, so the warm-up must run a step
+    of every reachable (sequences, tokens) class pair, or the first such serving step compiles in front of its
+    requests (16 prompts of 128 tokens prefilled together: (x16, x16), the TTFT spike measured at 16 users)."""
+    llm = LLM("tiny", random_weights=True, max_num_batched_tokens=64, max_num_seqs=32)
+    eng = llm.engine
+    seen = set()
+    build = eng._build_batch
+
+    def recording(chunks):
+        seen.add((shape_class(len(chunks)), shape_class(sum(c.num_tokens for c in chunks))))
+        return build(chunks)
+
+    eng._build_batch = recording
+    warm_up(eng)
+    want = {("1", "1"), ("1", "x16"), ("1", "other"), ("x16", "x16"), ("x16", "other"), ("other", "x16"),
+            ("other", "other")}
+    assert want <= seen, f"classes never run by the warm-up: {sorted(want - seen)}"
+
+
+def test_compile_watch_counts_and_exports(caplog):
+    """The hook Triton calls after building a variant (called here as Triton calls it: keywords only) counts it and
+    logs its name; the engine's stats and /metrics carry the count."""
+    watch = CompileWatch()
+    with caplog.at_level("WARNING", logger="m3serve"):
+        watch._on_compile(key=None, repr="_kv_write_kernel[num_warps=4](num_flat: i32)", fn=None, compile={},
+                          is_manual_warmup=False, already_compiled=False)
+    assert watch.count == 1 and "_kv_write_kernel" in caplog.text
+    from m3serve.server.metrics import ServerMetrics
+    text = ServerMetrics("m", process=False).render({"alive": 1, "kernel_compiles_after_warmup": 3})
+    assert 'm3serve_kernel_compiles_after_warmup_total{model_name="m"} 3.0' in text

@@ -85,3 +85,35 @@ def test_embedded_model_graphs_up_to_max_num_seqs_plain_and_spec():
     out = _greedy(spec, prompts, 12)
     assert steps.replays > before and all(len(o) == 12 for o in out)
     _release(spec)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_no_kernel_variant_is_built_after_the_warm_up(spec):
+    """What a serving sweep sends (128-token prompts arriving 1, 4, 16 and 64 at a time, then arrivals beside
+    decoding requests) builds no Triton variant the warm-up did not: each one would stall the step in front of
+    its requests (the TTFT p90 of ~0.7 s at 16 users)."""
+    _need_cuda()
+    from m3serve import LLM, SamplingParams, embedded_drafter
+    from m3serve.kernels._jit import COMPILE_WATCH
+    kw = {"speculative_config": {"method": "eagle3", "model": embedded_drafter(), "num_speculative_tokens": 3}} \
+        if spec else {}
+    llm = LLM(device="cuda", max_num_seqs=128, **kw)
+    before = COMPILE_WATCH.count
+    vocab = llm.model.cfg.vocab_size
+    eng = llm.engine
+    salt = 0
+    for wave in (1, 4, 16, 64, 5, 17):
+        reqs = []
+        for i in range(wave):
+            salt += 1
+            reqs.append(eng.add_request([(101 + 7919 * salt + 31 * j) % (vocab - 16) + 16 for j in range(128)],
+                                        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+            if i == wave // 2:
+                eng.step()                       # the rest arrive beside a decoding or prefilling step
+        while any(not r.is_finished for r in reqs):
+            eng.step()
+        eng.drain()
+        for r in reqs:
+            eng.release(r)
+    assert COMPILE_WATCH.count == before, COMPILE_WATCH.compiled[before:]
+    _release(llm)
