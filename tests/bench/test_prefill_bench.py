@@ -36,3 +36,21 @@ def test_bench_writes_both_engines(tmp_path):
     for row in doc["results"]:
         assert row["tokens"] == 40 and row["ttft_s"] > 0 and row["frac_bf16_peak"] > 0
     assert doc["commit"] and "command" in doc
+
+
+def test_interference_bench_rows(tmp_path):
+    """bench/prefill_interference.py at the tiny preset: one row per chunk size; a chunk 4x larger prefills the
+    same prompt in fewer steps (the decode rows ride in every one of them); the streams' ITL is recorded."""
+    out = tmp_path / "pi.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "prefill_interference.py"), "--model", "tiny",
+                        "--quant", "none", "--prompt", "200", "--chunks", "32,128", "--streams", "2", "--device",
+                        "cpu", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    small, large = doc["results"]
+    assert (small["chunk"], large["chunk"]) == (32, 128)
+    assert small["prefill_steps"] >= 200 // 32 and large["prefill_steps"] <= 2 < small["prefill_steps"]
+    for row in (small, large):
+        assert row["ttft_s"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] > 0
+        assert row["baseline_itl_ms"]["p50"] > 0
+    assert doc["bench"] == "prefill_interference" and doc["commit"]
