@@ -121,6 +121,23 @@ serve-kv)  # the embedded model served plain and Eagle3 side by side, then the h
     --config-a "recorded:$OUT/eval-kv-bf16-vs-hybrid-target-h200.json#engine:kv=bf16,route=auto" \
     --config-b engine:kv=nvfp4,fp8=none,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-nvfp4-target-h200.json"
   ;;
+kv-cost)  # the H200 KV eval (every sparse layer NVFP4 vs BF16 KV) beside the GPU tests of the warm-up and of every
+          # expert format, then the rotation's cost on the minimax-m3:5 NVFP4 decode step, side by side
+  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+  timeout ${T_EVAL:-200} python3 -m m3serve.eval --config-a engine:kv=bf16,route=auto \
+    --config-b engine:kv=nvfp4,fp8=none,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-nvfp4-target-h200.json" \
+    > "$OUT/eval-kv.log" 2>&1 &
+  timeout ${T_TESTS:-200} $k --timeout 190 tests/runtime/test_no_cliffs_gpu.py -k no_kernel_variant > "$OUT/pytest-warmup.log" 2>&1 &
+  timeout ${T_TESTS:-200} $k --timeout 190 tests/kernels/moe/test_moe_grouped_gpu.py -k every_expert_format \
+    tests/runtime/test_token_filters_gpu.py > "$OUT/pytest-formats.log" 2>&1 &
+  wait
+  for l in "$OUT"/pytest-*.log "$OUT"/eval-kv.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
+  for rot in off auto; do
+    phase decode-m3_5-nvfp4-rot-$rot ${T_DECODE:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
+      --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation $rot \
+      --out "$OUT/decode-target-h200-kv-rotation-$rot.json"
+  done
+  ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
