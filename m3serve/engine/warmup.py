@@ -18,6 +18,9 @@ import time
 
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.kernels._jit import COMPILE_WATCH
+from m3serve.kernels.attention._paged_call import tile_config
+from m3serve.kernels.attention.msa_index import scores_tile
+from m3serve.runtime.step_plan import split_plan
 
 log = logging.getLogger("m3serve")
 
@@ -27,12 +30,31 @@ def shape_class(n: int) -> str:
     return "1" if n == 1 else "x16" if n % 16 == 0 else "other"
 
 
-def warmup_prompt_lengths(max_model_len: int, max_num_batched_tokens: int, capacity_tokens: int) -> list[int]:
+def variant_lengths(engine, limit: int) -> list[int]:
+    """The shortest prompt length of each attention-kernel variant a prompt prefilled alone selects by its length:
+    msa.scores' query tile (BQ, QCHUNKS: one more dot per 16 query rows up to 128), the split-KV factors
+    (split_plan rounds rows up to a graph bucket below 256) and the dense rows' query stacking (QB). A serving
+    step of another length reuses one of them: the kernels specialise on no count (kernel_unspecialized)."""
+    cfg, hk = engine.model.cfg, engine.kv.spec.num_kv_heads
+    g = max(1, cfg.num_attention_heads // max(1, cfg.num_key_value_heads))
+    seen, out = set(), []
+    for n in range(1, limit + 1):
+        key = (scores_tile(n, cfg.index_n_heads),
+               split_plan(n, engine.tables.max_blocks, hk, cfg.index_topk_blocks, engine.sparse_tiles),
+               tile_config(g, engine.kv.page_size, n, False).QB)
+        if key not in seen:
+            seen.add(key)
+            out.append(n)
+    return out
+
+
+def warmup_prompt_lengths(max_model_len: int, max_num_batched_tokens: int, capacity_tokens: int,
+                          extra: tuple[int, ...] = ()) -> list[int]:
     """Prompt lengths covering the integer specializations of a prefill chunk: 1 token, odd lengths, multiples
     of 16, a page-crossing length, a full chunk and (when it fits) a chunked prompt; each leaves room for two
     generated tokens and all of them fit the cache at once."""
     limit = min(max_model_len - 2, capacity_tokens // 4)
-    wanted = [1, 5, 16, 33, 128, 131, max_num_batched_tokens, max_num_batched_tokens + 37]
+    wanted = [1, 5, 16, 33, 128, 131, max_num_batched_tokens, max_num_batched_tokens + 37, *extra]
     out = sorted({n for n in wanted if 1 <= n <= limit})
     total, kept = 0, []
     for n in out:                       # all at once must fit the cache (no preemption during warm-up)
@@ -49,8 +71,9 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
         raise RuntimeError("warm_up: the engine already has requests; warm up before serving")
     t0 = time.perf_counter()
     vocab = engine.model.cfg.vocab_size
-    lengths = warmup_prompt_lengths(engine.max_model_len, engine.config.max_num_batched_tokens,
-                                    engine.capacity_tokens)
+    budget = engine.config.max_num_batched_tokens
+    lengths = warmup_prompt_lengths(engine.max_model_len, budget, engine.capacity_tokens,
+                                    tuple(variant_lengths(engine, min(256, budget))))
     n_req = n_tok = 0
 
     def prompt(n: int, salt: int) -> list[int]:
@@ -101,4 +124,4 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     return {"requests": n_req, "tokens": n_tok, "seconds": secs}
 
 
-__all__ = ["shape_class", "warm_up", "warmup_prompt_lengths"]
+__all__ = ["shape_class", "variant_lengths", "warm_up", "warmup_prompt_lengths"]

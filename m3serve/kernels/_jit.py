@@ -157,6 +157,23 @@ class DualKernel:
 
 # --- kernels compiled while serving ---------------------------------------------------------------
 
+def describe_variant(name: str, compile: dict) -> str:
+    """A variant as Triton's compile hook hands it over: its launch options, its constexpr values (an integer
+    specialised to 1 is one of them) and the integer arguments specialised as divisible by 16."""
+    sig = compile.get("signature") or {}
+    names = list(sig)
+
+    def arg(path) -> str:
+        i = path[0] if isinstance(path, tuple) and path else path
+        return names[i] if isinstance(i, int) and i < len(names) else str(path)
+
+    consts = ", ".join(f"{arg(p)}={v}" for p, v in (compile.get("constants") or {}).items())
+    attrs = (compile.get("configs") or [{}])[0] or {}
+    x16 = [arg(p) for p in attrs if not str(sig.get(arg(p), "")).startswith("*")]
+    opts = f"num_warps={compile.get('num_warps')}, num_stages={compile.get('num_stages')}"
+    return f"{name}[{opts}]({consts}" + (f"; divisible by 16: {', '.join(x16)}" if x16 else "") + ")"
+
+
 class CompileWatch:
     """Counts the Triton kernel variants first built in this process after `arm()` (compiled, or loaded from
     Triton's disk cache: both are a stall in front of whoever launched it), and logs each with its specialization.
@@ -176,9 +193,10 @@ class CompileWatch:
             self.armed = True
 
     def _on_compile(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
-        self.compiled.append(repr)
+        what = describe_variant(getattr(fn, "name", "?"), compile)
+        self.compiled.append(what)
         logging.getLogger("m3serve").warning("a Triton kernel variant was built after the warm-up (a stall in front "
-                                             "of this step; engine/warmup.py should reach it): %s", repr)
+                                             "of this step; engine/warmup.py should reach it): %s", what)
 
     @property
     def count(self) -> int:

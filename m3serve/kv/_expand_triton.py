@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from m3serve.kernels._jit import kernel
+from m3serve.kernels._jit import kernel, kernel_unspecialized
 
 
 @kernel
@@ -45,7 +45,9 @@ def expand_triton(mirror: Tensor, rows: Tensor, index_scale: int, kv_offset: int
     _expand_kernel[grid](mirror, rows, slot_out, sub_out, b, index_scale, kv_offset, BLOCK=block)
 
 
-@kernel  # compiled for CUDA tensors, interpreted for CPU tensors (tests)
+# every eager step stages a different number of rows and tokens (and so offsets into the stage): not specialised,
+# so one variant serves all of them instead of one per (== 1 / divisible by 16 / other) class of each
+@kernel_unspecialized("num_seqs", "num_tokens", "off_change", "off_data", "off_tok", "off_pos")
 def _prepare_kernel(mirror_ptr, stage_ptr, slot_ptr, sub_ptr, slotmap_ptr, num_seqs, num_tokens, num_blocks,
                     page_size, index_scale, kv_offset, off_change, off_data, off_tok, off_pos,
                     BLOCK: tl.constexpr, TBLOCK: tl.constexpr):

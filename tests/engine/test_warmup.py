@@ -3,11 +3,15 @@ engine empty (no requests, every page free, no prefix-cache entries)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from m3serve import LLM, SamplingParams
 from m3serve.engine.warmup import shape_class, warm_up, warmup_prompt_lengths
 from m3serve.kernels._jit import CompileWatch
+from m3serve.kernels.attention.msa_index import scores_tile
+from m3serve.runtime.step_plan import split_plan
 
 
 def test_prompt_lengths_cover_the_specializations_and_fit():
@@ -43,8 +47,12 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
     seen = set()
     build = eng._build_batch
 
+    longest = set()
+
     def recording(chunks):
         seen.add((shape_class(len(chunks)), shape_class(sum(c.num_tokens for c in chunks))))
+        if len(chunks) == 1:
+            longest.add(chunks[0].num_tokens)
         return build(chunks)
 
     eng._build_batch = recording
@@ -52,16 +60,32 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
     want = {("1", "1"), ("1", "x16"), ("1", "other"), ("x16", "x16"), ("x16", "other"), ("other", "x16"),
             ("other", "other")}
     assert want <= seen, f"classes never run by the warm-up: {sorted(want - seen)}"
+    # the attention kernels' variants chosen by a step's query length (msa.scores' tile, the split-KV factors):
+    # a prompt prefilled alone of each, up to the step budget
+    cfg, hk = eng.model.cfg, eng.kv.spec.num_kv_heads
+
+    def variant(n):
+        return (scores_tile(n, cfg.index_n_heads),
+                split_plan(n, eng.tables.max_blocks, hk, cfg.index_topk_blocks, eng.sparse_tiles))
+
+    missing = {variant(n) for n in range(1, 65)} - {variant(n) for n in longest}
+    assert not missing, f"attention variants never run alone by the warm-up: {sorted(missing)}"
 
 
 def test_compile_watch_counts_and_exports(caplog):
     """The hook Triton calls after building a variant (called here as Triton calls it: keywords only) counts it and
     logs its name; the engine's stats and /metrics carry the count."""
     watch = CompileWatch()
+    compile = {"signature": {"q_ptr": "*bf16", "S": "i32", "T": "constexpr", "B": "i32", "QB": "constexpr"},
+               "constants": {(2,): 1, (4,): 4}, "configs": [{(0,): [["tt.divisibility", 16]],
+                                                             (3,): [["tt.divisibility", 16]]}],
+               "num_warps": 4, "num_stages": 2}
     with caplog.at_level("WARNING", logger="m3serve"):
-        watch._on_compile(key=None, repr="_kv_write_kernel[num_warps=4](num_flat: i32)", fn=None, compile={},
+        watch._on_compile(key=None, repr="?", fn=SimpleNamespace(name="paged_attn_split"), compile=compile,
                           is_manual_warmup=False, already_compiled=False)
-    assert watch.count == 1 and "_kv_write_kernel" in caplog.text
+    assert watch.count == 1
+    assert watch.compiled[0] == "paged_attn_split[num_warps=4, num_stages=2](T=1, QB=4; divisible by 16: B)"
+    assert watch.compiled[0] in caplog.text
     from m3serve.server.metrics import ServerMetrics
     text = ServerMetrics("m", process=False).render({"alive": 1, "kernel_compiles_after_warmup": 3})
     assert 'm3serve_kernel_compiles_after_warmup_total{model_name="m"} 3.0' in text

@@ -97,7 +97,7 @@ def test_no_kernel_variant_is_built_after_the_warm_up(spec):
     from m3serve.kernels._jit import COMPILE_WATCH
     kw = {"speculative_config": {"method": "eagle3", "model": embedded_drafter(), "num_speculative_tokens": 3}} \
         if spec else {}
-    llm = LLM(device="cuda", max_num_seqs=128, **kw)
+    llm = LLM(device="cuda", max_num_seqs=128, kv_cache_bytes=2 << 30, **kw)
     before = COMPILE_WATCH.count
     vocab = llm.model.cfg.vocab_size
     eng = llm.engine

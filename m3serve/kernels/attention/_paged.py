@@ -47,7 +47,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from m3serve.kernels.formats._decode import to_bf16
-from m3serve.kernels._jit import helper, kernel
+from m3serve.kernels._jit import helper, kernel_unspecialized
 from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.attention._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
 
@@ -55,7 +55,9 @@ NEG_INF = tl.constexpr(float("-inf"))
 P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 hi + lo
 
 
-@kernel
+# the step's sequence and row counts are not specialised: an eager step of any size reuses the variant its
+# constexprs (tile, splits) select, instead of compiling one per (== 1 / divisible by 16 / other) class
+@kernel_unspecialized("S", "T")
 def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
                      out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
@@ -321,7 +323,7 @@ def _store_out(acc, m_i, l_i, cols, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok
             tl.store(ml_ptr + 2 * w + 1, l_i, mask=row_ok)
 
 
-@kernel
+@kernel_unspecialized("T")
 def paged_attn_combine(acc_ptr, ml_ptr, out_ptr, T, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
     """One (row, head): out = sum_s 2**(m_s - M) acc_s / sum_s 2**(m_s - M) l_s, splits in order
