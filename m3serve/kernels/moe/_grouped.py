@@ -157,7 +157,7 @@ def decode_experts(w_ptr, s_ptr, wb_ptr, E0, N, K, FMT: tl.constexpr, GS: tl.con
     [E, N, K] weight of format FMT, group-scaled as load_w_tile gives it to the in-register path (NVFP4
     e2m1 * scale * 2**-8, MXFP8 e4m3 * 2**e, FP8 e4m3: exact in bf16), the per-row factor NOT applied (the GEMM's
     row_factor applies it to the fp32 sums, as the in-register path does). gemm/_tiled.dequant_weight's body per
-    expert, with an int64 expert offset (a group of experts passes 2**31 elements)."""
+    expert, with an int64 expert offset (a group's [EG, N, K] passes 2**31 elements at M3 dims from EG 57 on)."""
     nt = N // BN
     el = tl.program_id(0) // nt
     rn = (tl.program_id(0) % nt) * BN + tl.arange(0, BN)

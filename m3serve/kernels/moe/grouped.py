@@ -287,8 +287,7 @@ def _check_decode_once(fmt: int, cfg: GroupedConfig, e: int, h: int, i: int, ws:
 def decode_group(fmt: int, w, s, e0: int, eg: int, wdec: torch.Tensor, cfg: GroupedConfig) -> torch.Tensor:
     """Experts e0 .. e0 + eg - 1 of a stacked quantized weight [E, N, K] (the raw call's (w, s) tensors) -> their
     group-scaled values, exact in bf16, as a [eg, N, K] view of wdec (one decode_experts launch)."""
-    e, n = w.shape[0], w.shape[1]
-    k = w.shape[2] * (2 if fmt == FMT_NVFP4 else 1)
+    n, k = w.shape[1], w.shape[2] * (2 if fmt == FMT_NVFP4 else 1)
     wa, sa, _ = _kernel_views(fmt, w, s, None)
     out = wdec[: eg * n * k].view(eg, n, k)
     decode_experts[(eg * (n // cfg.DEC_BN), k // cfg.DEC_BK)](
