@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from m3serve.kernels.formats._decode import NVFP4_UNIT, to_bf16, x_cols
+from m3serve.kernels.formats._decode import NVFP4_UNIT, to_bf16
 from m3serve.kernels._jit import helper, kernel_unspecialized
 from m3serve.kernels.moe._nvfp4 import swiglu_oai
 from m3serve.kernels.gemm._wstream import load_w_tile, mma, x_tile
@@ -157,14 +157,19 @@ def decode_experts(w_ptr, s_ptr, wb_ptr, E0, N, K, FMT: tl.constexpr, GS: tl.con
     [E, N, K] weight of format FMT, group-scaled as load_w_tile gives it to the in-register path (NVFP4
     e2m1 * scale * 2**-8, MXFP8 e4m3 * 2**e, FP8 e4m3: exact in bf16), the per-row factor NOT applied (the GEMM's
     row_factor applies it to the fp32 sums, as the in-register path does). gemm/_tiled.dequant_weight's body per
-    expert, with an int64 expert offset (a group's [EG, N, K] passes 2**31 elements at M3 dims from EG 57 on)."""
+    expert (NVFP4 tiles permuted to natural order before a contiguous store), with an int64 expert offset (a group's [EG, N, K] passes 2**31 elements at M3 dims from EG 57 on)."""
     nt = N // BN
     el = tl.program_id(0) // nt
     rn = (tl.program_id(0) % nt) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
     wp, sp = expert_base(w_ptr, s_ptr, E0 + el, N, K, FMT)
     w = load_w_tile(wp, sp, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)  # [BN, BK], columns in x_cols order
-    cols = x_cols(k0, BK, FMT)
+    if FMT == 0:
+        # NVFP4 tiles come in pair order (position 2a + b of each 8 holds column a + 4b): put them back in natural
+        # order in registers (x_tile's permutation, inverted) so the store is contiguous and vectorisable instead
+        # of one 2-byte store per element at the x_cols addresses
+        w = w.reshape(BN, BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(BN, BK)
+    cols = k0 + tl.arange(0, BK)
     out = wb_ptr + el.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + cols[None, :]
     tl.store(out, to_bf16(w.to(tl.float32), CUDA))
 
