@@ -395,3 +395,31 @@ def test_decode_once_cells_compile_for_sm90_without_spills():
     assert names.count("decode_experts") == 3 and names.count("grouped_gate_up") == 3, names
     for _, _, r in results:
         assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.stack} B stack, {r.local} B local"
+
+
+@pytest.mark.parametrize("quant", ["mxfp8", "nvfp4"])
+def test_hook_runs_the_decode_once_band(quant, monkeypatch):
+    """The routing hook (MoEKernel.run_grouped) given a decode-once cell for the tiny preset's layer: its workspace
+    carries the shared decode scratch and the result matches the stock MoE as the in-register hook does
+    (test_hook_matches_stock_on_the_tiny_preset: 2**-5 of max |out|), and the in-register hook's output to the
+    same tolerance (same operands and factors; only the summation order differs)."""
+    m = _tiny_moe(quant)
+    kind, shape = plan.moe_grouped_key(m)
+    cfg = G.GroupedConfig(BM=16, BN=32, BK=32, CBH=128, DECODE_ONCE=True, EXPERT_GROUP=3, DEC_BN=32, DEC_BK=32)
+    once = routing.Launch(G.ENTRY, Cell(rows=(1, 16384), shape=shape, why="test", config={"moe": cfg}), "moe")
+    hook = routing.MoEKernel(None, None, shape, "require")
+    hook.grouped = lambda rows: once
+    x = torch.randn(70, m.w13.in_features, generator=torch.Generator().manual_seed(70)).to(torch.bfloat16)
+    decoded = []
+    real = G.decode_group
+    monkeypatch.setattr(G, "decode_group", lambda *a: decoded.append(a[3]) or real(*a))
+    with torch.no_grad():
+        ref = m(x)
+        got = hook.run_grouped(m, x)
+        assert decoded == [0, 0, 3, 3, 6, 6], decoded  # gate|up and down of each group of 3 of the 8 experts
+        reg = _grouped(m, "require").run_grouped(m, x)
+        assert len(decoded) == 6, "the in-register hook decodes nothing up front"
+    scale = ref.float().abs().max()
+    assert got is not None and got.shape == ref.shape and got.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() <= 2.0 ** -5 * scale
+    assert (got.float() - reg.float()).abs().max() <= 2.0 ** -5 * scale
