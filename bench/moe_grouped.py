@@ -12,6 +12,17 @@ tensor peak (~790 TFLOP/s, the roofline of prefill chunks). Every case first pas
 --variants also times a few tile variants of each case's certified config (same inputs, each through the compare
 first) for choosing the cells' configs; under 10 minutes a call, split by --fmts / --rows.
 Writes bench/results/kernels-moe-grouped-h200.json (and a copy under --out-dir).
+
+    python3 bench/moe_grouped.py --decode-once [--out-dir DIR]                                (GPU, ~1 minute)
+The decode-once band (issue 29) against the in-register path, one layer at M3 dims: NVFP4 / MXFP8 / BF16 experts
+(--fmts) at 2048 / 4096 / 8192 / 16384 tokens (--rows; defaults differ in this mode). Per (format, T): the
+in-register path as the catalog had it before the band (the 513-2048 cell's tiles at <= 2048 tokens, the BM 128
+tiles above), and the decode-once path (the band's config, at every T so the threshold can be read off), each as
+total (the raw call: routing, grouping, expert launches, combine), gemm (the gate|up + down launches alone; for the
+in-register path they include its decode) and, decode-once, decode (the decode_experts launches alone); CUDA graphs,
+median of --iters (default 5 here). The cases at <= --check-rows tokens (4096) first pass the entry's compare; the
+larger ones are certified by the GPU tests. BF16 experts have no decode-once path: their row is the floor the band
+aims at. Writes kernels-moe-grouped-decode-once-h200.json (--name) with one line printed per row.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -92,6 +104,96 @@ def bench_one(fmt: int, rows: int, iters: int, stock: bool, flush: torch.Tensor,
     return rec
 
 
+def _paths(fmt: int, rows: int, shape: tuple, cells: tuple) -> dict[str, G.GroupedConfig]:
+    """{path: config} at `rows` tokens: the in-register path as before the band, and (quantized) the band's."""
+    cells = [c for c in cells if c.shape == (fmt, *shape)]
+    band = next(c for c in cells if c.config["moe"].DECODE_ONCE) if fmt != FMT_BF16 else None
+    cur = next(c for c in cells if c.rows[0] <= rows <= c.rows[1]).config["moe"]
+    out = {"in_register": replace(cur, DECODE_ONCE=False)}
+    if band is not None:
+        out["decode_once"] = band.config["moe"]
+    return out
+
+
+def _timed(fn, iters: int) -> float:
+    """Median seconds of fn, graphed (eager if capture fails); no L2 flush (every call streams gigabytes)."""
+    g = graphed(fn)
+    return time_call(g if g is not None else fn, iters, None)
+
+
+def decode_once_sweep(fmts: list[str], rows_list: list[int], iters: int, check_rows: int, *,
+                      dev: torch.device | None = None, shape: tuple = SHAPE, cells: tuple = G.CELLS,
+                      timed=_timed) -> list[dict]:
+    """The --decode-once rows (module docstring). dev / shape / cells / timed: the CPU smoke test's small stand-ins."""
+    dev = dev or torch.device("cuda")
+    e, h, i, a = shape
+    alpha, limit = G.SWIGLU_ALPHA, G.SWIGLU_LIMIT
+    out = []
+    for f in fmts:
+        fmt = FMTS[f]
+        t_max = max(rows_list)
+        band = next(c for c in cells if c.shape == (fmt, *shape) and c.rows[0] <= t_max <= c.rows[1])
+        base = G.make_case(band, t_max, dev, torch.Generator().manual_seed(29))  # the weights, made once per format
+        (x_all, router_w, bias, _, w13, s13, f13, w2, s2, f2, sh_all, scaling, _, _, _) = base.args
+        del base
+        for rows in sorted(rows_list):
+            rec = {"fmt": f, "rows": rows}
+            x, shared = x_all[:rows], sh_all[:rows]
+            for path, cfg in _paths(fmt, rows, shape, cells).items():
+                ws = G.make_workspace(cfg, rows, e, h, i, a, dev)
+                o = torch.full((rows, h), float("nan"), dtype=torch.bfloat16, device=dev)
+                args = (x, router_w, bias, fmt, w13, s13, f13, w2, s2, f2, shared, scaling, o, ws, cfg)
+                case = G.Case(args=args, kwargs={"top_k": a}, bytes_moved=0)
+                try:
+                    G.moe_grouped(*args, top_k=a)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    if rows <= check_rows:
+                        G.compare(o, G.moe_grouped_reference(*args, top_k=a), case)
+                        rec[f"{path}_checked"] = True
+                    rec[f"{path}_config"] = repr(cfg)
+                    rec[f"{path}_total_ms"] = timed(lambda: G.moe_grouped(*args, top_k=a), iters) * 1e3
+
+                    def gemm_only(x=x, ws=ws, cfg=cfg):
+                        G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, decode=False)
+                    rec[f"{path}_gemm_ms"] = timed(gemm_only, iters) * 1e3
+                    if cfg.DECODE_ONCE:
+                        def decode_only(x=x, ws=ws, cfg=cfg):
+                            G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, gemm=False)
+                        rec[f"{path}_decode_ms"] = timed(decode_only, iters) * 1e3
+                    rec[f"{path}_ok"] = True
+                except AssertionError as err:
+                    rec[f"{path}_ok"], rec[f"{path}_error"] = False, str(err)[:400]
+                except Exception:  # noqa: BLE001 - recorded, the sweep goes on
+                    rec[f"{path}_ok"], rec[f"{path}_error"] = False, traceback.format_exc()[-600:]
+                del ws, o, args, case
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            if "decode_once_total_ms" in rec and "in_register_total_ms" in rec:
+                rec["speedup"] = rec["in_register_total_ms"] / rec["decode_once_total_ms"]
+            out.append(rec)
+            print(_summary(rec), flush=True)
+        del x_all, sh_all, w13, s13, f13, w2, s2, f2
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _summary(rec: dict) -> str:
+    def ms(key):
+        v = rec.get(key)
+        return "  -  " if v is None else f"{v:6.2f}"
+    line = (f"{rec['fmt']:>5} T={rec['rows']:>5}: in-register total {ms('in_register_total_ms')} ms "
+            f"(gemm {ms('in_register_gemm_ms')})")
+    if "decode_once_config" in rec or "decode_once_error" in rec:
+        line += (f" | decode-once total {ms('decode_once_total_ms')} ms (decode {ms('decode_once_decode_ms')}, "
+                 f"gemm {ms('decode_once_gemm_ms')})")
+        if "speedup" in rec:
+            line += f" x{rec['speedup']:.2f}"
+    errs = [k for k in rec if k.endswith("_error")]
+    return line + (f"  FAILED: {', '.join(errs)}" if errs else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,8,64,256,2048,8192")
@@ -99,9 +201,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--stock", action="store_true", help="also time the stock per-expert loop (eager)")
     ap.add_argument("--variants", action="store_true", help="also time tile variants of each certified config")
-    ap.add_argument("--name", default="kernels-moe-grouped-h200.json")
+    ap.add_argument("--name", default=None, help="results file name (default by mode)")
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--decode-once", action="store_true", help="the decode-once band vs the in-register path")
+    ap.add_argument("--check-rows", type=int, default=4096, help="--decode-once: compare the cases up to these rows")
     args = ap.parse_args(argv)
+    if args.decode_once:
+        t0 = time.time()
+        rows = args.rows if args.rows != ap.get_default("rows") else "2048,4096,8192,16384"
+        fmts = args.fmts if args.fmts != ap.get_default("fmts") else "nvfp4,mxfp8,bf16"
+        iters = args.iters if args.iters != ap.get_default("iters") else 5
+        results = decode_once_sweep(fmts.split(","), [int(v) for v in rows.split(",")], iters, args.check_rows)
+        doc = {**run_metadata(), "shape": {"E": SHAPE[0], "H": SHAPE[1], "I": SHAPE[2], "top_k": SHAPE[3]},
+               "decode_once_rows": G.DECODE_ONCE_ROWS, "iters": iters, "wall_s": round(time.time() - t0, 1),
+               "results": results}
+        _write(doc, args.name or "kernels-moe-grouped-decode-once-h200.json", args.out_dir)
+        print(f"wall {doc['wall_s']} s", flush=True)
+        return 0 if all(not k.endswith("_error") for r in results for k in r) else 1
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     flush_l2(flush)
     results = []
@@ -118,10 +234,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(results[-1]["error"], flush=True)
     doc = {**run_metadata(), "shape": {"E": SHAPE[0], "H": SHAPE[1], "I": SHAPE[2], "top_k": SHAPE[3]},
            "hbm_bytes_per_s": HBM, "bf16_peak_flops": BF16_PEAK, "results": results}
-    for d in [ROOT / "bench" / "results"] + ([Path(args.out_dir)] if args.out_dir else []):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / args.name).write_text(json.dumps(doc, indent=1) + "\n")
+    _write(doc, args.name or "kernels-moe-grouped-h200.json", args.out_dir)
     return 0
+
+
+def _write(doc: dict, name: str, out_dir: str | None) -> None:
+    for d in [ROOT / "bench" / "results"] + ([Path(out_dir)] if out_dir else []):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,17 @@ ENTRIES = all_entries()
 # one real cell per kernel family: split-K GEMM per weight format, both heads, the norm, the MoE
 PICK = {"linear.nvfp4": 0, "linear.mxfp8": 0, "linear.fp8": 0, "linear.nvfp4.tiled": 1, "linear.mxfp8.tiled": 1,
         "linear.fp8.tiled": 1, "head.bf16": 0, "head.head12": 0,
-        "norm.add_rms": 0, "moe.nvfp4": 0, "moe.grouped": 45, "kv.write": 0, "msa.scores": 0, "msa.select": 0,
+        "norm.add_rms": 0, "moe.nvfp4": 0, "moe.grouped": None, "kv.write": 0, "msa.scores": 0, "msa.select": 0,
         "attn.paged": 4, "attn.prefill": 0, "norm.rms": 0, "attn.qk_prep": 0, "mlp.swiglu_oai": 0, "moe.route_small": 0}
 
 
 @pytest.mark.parametrize("name", sorted(PICK))
 def test_kernels_compile_for_sm90_without_spills(name: str) -> None:
     e = ENTRIES[name]
-    cell = e.cells[PICK[name]]
+    if name == "moe.grouped":  # NVFP4 experts decoded in registers at M3 TP1 prefill rows (BM 128)
+        cell = next(c for c in e.cells if c.shape == (0, 128, 6144, 3072, 4) and c.rows[0] == 2049)
+    else:
+        cell = e.cells[PICK[name]]
     one = type(e)(**{**e.__dict__, "cells": (cell,)})
     results = aot_check.run([one], arch=90)
     assert results, f"{name}: no kernel launch captured"

@@ -25,6 +25,12 @@ _wstream: the weight tile [BN, BK] is the MMA's long side and the block's BM tok
 tile read serves all BM gathered rows. Weights are decoded in registers (load_w_tile: exact bf16 operands) and
 the accumulation is fp32; per-row factors (FP8 decode scale, NVFP4 2**8 / ENCODE scale) apply to the fp32 sums.
 
+Decode-once band (moe/grouped.py, GroupedConfig.DECODE_ONCE): decode_experts writes a group of EG experts to a
+bf16 scratch holding exactly the values load_w_tile feeds the MMA, and the same gate|up / down kernels then run with
+FMT = BF16 on that scratch, restricted to the group's experts (E0, EG: other blocks exit), while RF keeps the
+quantized format's per-row factor (RF = FMT on the in-register path): the same operands, fp32 accumulation and
+factor, so the same values up to summation order.
+
 The down launch writes each pair's own row of y, and the combine sums a token's A rows in slot order (ascending
 expert id, the stock loop's order) times the routing weight: no float atomics, so eager and graph replay are
 bit-identical, and the routing-weight fold sits where stock applies it (after the bf16 rounding of y).
@@ -91,55 +97,81 @@ def weight_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK
         return load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)
 
 
-@kernel_unspecialized("T", "L", "NB")
-def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T, L, NB, H, I, E, P, stride_x,
-                    swiglu_alpha, swiglu_limit, A: tl.constexpr, FMT: tl.constexpr, GS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr,
-                    PTX: tl.constexpr):
-    """grid (NB * I / BN,): program (b, j) -> act[b*BM:(b+1)*BM, j*BN:(j+1)*BN] for the block's valid positions."""
+@kernel_unspecialized("T", "L", "NB", "E0", "EG")
+def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T, L, NB, H, I, E0, EG, P, stride_x,
+                    swiglu_alpha, swiglu_limit, A: tl.constexpr, FMT: tl.constexpr, RF: tl.constexpr,
+                    GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
+                    CUDA: tl.constexpr, PTX: tl.constexpr):
+    """grid (NB * I / BN,): program (b, j) -> act[b*BM:(b+1)*BM, j*BN:(j+1)*BN] for the block's valid positions,
+    for the blocks of experts E0 .. E0 + EG - 1 only (w holds those EG experts; the others' programs exit)."""
     b, j = swizzle(tl.program_id(0), NB, I // BN, GM)
     e = tl.load(blk_e_ptr + b)
-    if e < E:
+    if (e >= E0) & (e < E0 + EG):
         rp = b * BM + tl.arange(0, BM)
         pair = tl.load(pair_ptr + rp)
         valid = pair >= 0
         tok = tl.where(valid, pair // A, T)  # T: masked to 0 by x_tile
         rn = j * BN + tl.arange(0, BN)
-        wp, sp = expert_base(w_ptr, s_ptr, e, 2 * I, H, FMT)
+        wp, sp = expert_base(w_ptr, s_ptr, e - E0, 2 * I, H, FMT)
         g = tl.zeros([BN, BM], tl.float32)
         u = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, H, BK):
             xt = x_tile(x_ptr, tok, T, k0, stride_x, FMT, BM, BK)
             g = mma(g, weight_tile(wp, sp, rn, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
             u = mma(u, weight_tile(wp, sp, rn + I, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
-        g = row_factor(g, f_ptr, e, rn, 2 * I, P, FMT)
-        u = row_factor(u, f_ptr, e, rn + I, 2 * I, P, FMT)
+        g = row_factor(g, f_ptr, e, rn, 2 * I, P, RF)
+        u = row_factor(u, f_ptr, e, rn + I, 2 * I, P, RF)
         a = tl.trans(swiglu_oai(g, u, swiglu_alpha, swiglu_limit))  # [BM, BN]
         tl.store(act_ptr + rp.to(tl.int64)[:, None] * I + rn[None, :], to_bf16(a, CUDA), mask=valid[:, None])
 
 
-@kernel_unspecialized("T", "L", "NB")
-def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L, NB, H, I, E, P,
-                 FMT: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+@kernel_unspecialized("T", "L", "NB", "E0", "EG")
+def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L, NB, H, I, E0, EG, P,
+                 FMT: tl.constexpr, RF: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
     """grid (NB * H / BN,): program (b, j) -> y[pair, j*BN:(j+1)*BN] = bf16(act[pos] @ W2_e^T x row factor) for
-    the block's valid positions (padding is masked out of the operand and never stored)."""
+    the block's valid positions (padding is masked out of the operand and never stored), experts E0 .. E0 + EG - 1
+    only, as grouped_gate_up."""
     b, j = swizzle(tl.program_id(0), NB, H // BN, GM)
     e = tl.load(blk_e_ptr + b)
-    if e < E:
+    if (e >= E0) & (e < E0 + EG):
         rp = b * BM + tl.arange(0, BM)
         pair = tl.load(pair_ptr + rp)
         valid = pair >= 0
         rm = tl.where(valid, rp, L)  # L: masked to 0 by x_tile
         rn = j * BN + tl.arange(0, BN)
-        wp, sp = expert_base(w_ptr, s_ptr, e, H, I, FMT)
+        wp, sp = expert_base(w_ptr, s_ptr, e - E0, H, I, FMT)
         acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, I, BK):
             w = weight_tile(wp, sp, rn, k0, I, FMT, BN, BK, GS, CUDA, PTX)
             acc = mma(acc, w, x_tile(act_ptr, rm, L, k0, I, FMT, BM, BK), CUDA)
-        acc = row_factor(acc, f_ptr, e, rn, H, P, FMT)
+        acc = row_factor(acc, f_ptr, e, rn, H, P, RF)
         yt = tl.trans(acc)  # [BM, BN]
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], to_bf16(yt, CUDA), mask=valid[:, None])
+
+
+@kernel_unspecialized("E0")
+def decode_experts(w_ptr, s_ptr, wb_ptr, E0, N, K, FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+    """grid (EG * N / BN, K / BK): wb[el] (bf16 [N, K], natural column order) = expert E0 + el of a stacked
+    [E, N, K] weight of format FMT, group-scaled as load_w_tile gives it to the in-register path (NVFP4
+    e2m1 * scale * 2**-8, MXFP8 e4m3 * 2**e, FP8 e4m3: exact in bf16), the per-row factor NOT applied (the GEMM's
+    row_factor applies it to the fp32 sums, as the in-register path does). gemm/_tiled.dequant_weight's body per
+    expert (NVFP4 tiles permuted to natural order before a contiguous store), with an int64 expert offset (a group's [EG, N, K] passes 2**31 elements at M3 dims from EG 57 on)."""
+    nt = N // BN
+    el = tl.program_id(0) // nt
+    rn = (tl.program_id(0) % nt) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    wp, sp = expert_base(w_ptr, s_ptr, E0 + el, N, K, FMT)
+    w = load_w_tile(wp, sp, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)  # [BN, BK], columns in x_cols order
+    if FMT == 0:
+        # NVFP4 tiles come in pair order (position 2a + b of each 8 holds column a + 4b): put them back in natural
+        # order in registers (x_tile's permutation, inverted) so the store is contiguous and vectorisable instead
+        # of one 2-byte store per element at the x_cols addresses
+        w = w.reshape(BN, BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(BN, BK)
+    cols = k0 + tl.arange(0, BK)
+    out = wb_ptr + el.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + cols[None, :]
+    tl.store(out, to_bf16(w.to(tl.float32), CUDA))
 
 
 @kernel_unspecialized("T")

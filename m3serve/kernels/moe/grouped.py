@@ -12,6 +12,20 @@ Steps (all on the device, none syncs with the host):
   4. down        one launch over (block, H tile), bf16 expert output per pair
   5. combine     one launch: out = bf16((sum_a y_a * w_a) * routed_scaling + shared), slots in expert order
 
+Row bands: steps 3-4 decode quantized experts in registers (every tile of every block), except in the decode-once
+band (quantized experts at the M3 TP1 shape from DECODE_ONCE_ROWS = 4096 tokens, GroupedConfig.DECODE_ONCE): there
+the experts are decoded in groups of EXPERT_GROUP (32: a 2.4 GB bf16 scratch at M3 dims) into one bf16 scratch
+(_grouped.decode_experts: the exact group-scaled values load_w_tile hands the MMA), and the same gate|up and down
+kernels run per group on the bf16 operand path, restricted to the group's experts, with the quantized format's
+per-row factor applied to the fp32 sums as before (_grouped.row_factor): the same operands, accumulation precision,
+factor and roundings, so the same compare bands (only the summation order differs). Why: at prefill chunks every
+expert tile is decoded by every block of that expert (T A / E / BM of them: 2 at 8192 tokens, BM 128), and the
+in-register decode keeps the MMA loop off tensor-core rate (NVFP4 8192-token prefill of minimax-m3:5 on the H200:
+~38 ms in moe.grouped vs ~16 ms with BF16 experts, ~11 ms more per layer), while decoding a layer's 128 experts once
+writes ~14.5 GB of bf16 (~3-5 ms at HBM rate). At 4096 tokens the difference is half that, about the decode's
+cost: the band starts there. The groups bound the scratch; their loop is over host ints fixed by E, so the call
+stays graph-safe and free of host syncs.
+
 Semantics (the reference, fp32 with TF32 off):
     ids, w = route(x)                               (w renormalised, times routed_scaling in the combine)
     act_e  = bf16(swiglu_oai(x @ W13_e^T))          (gate rows first, then up rows: the stock layout)
@@ -37,7 +51,7 @@ These are the in-memory QWeight layouts (m3serve/model/qweight.py): both publish
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
@@ -46,7 +60,9 @@ from m3serve.kernels.formats._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NV
 from m3serve.kernels.formats._e2m1_ptx import use_ptx
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels.gemm._linear import fresh_x
-from m3serve.kernels.moe._grouped import grouped_combine, grouped_down, grouped_gate_up, route_group_small
+from m3serve.kernels.gemm._tiled import _scratch as bf16_scratch
+from m3serve.kernels.moe._grouped import (decode_experts, grouped_combine, grouped_down, grouped_gate_up,
+                                          route_group_small)
 from m3serve.kernels.catalog import (BF16_REL, FP32_U, Case, Cell, Entry, assert_band, device_rng, gemm_band,
                                      poisoned, true_fp32)
 from m3serve.kernels.gemm.mxfp8 import random_e4m3
@@ -75,6 +91,10 @@ class GroupedConfig:
     GM: int = 8  # blocks per program group sharing each weight tile (_grouped.swizzle)
     CBT: int = 4  # combine: tokens x hidden columns per program
     CBH: int = 512
+    DECODE_ONCE: bool = False  # quantized experts decoded to a bf16 scratch per expert group (module docstring)
+    EXPERT_GROUP: int = 32  # experts per decoded group: the scratch holds EXPERT_GROUP x 2I x H bf16
+    DEC_BN: int = 64  # decode_experts tile (rows x columns of one expert weight per program)
+    DEC_BK: int = 128
 
     @property
     def dbn(self) -> int:
@@ -104,13 +124,24 @@ class GroupedWorkspace:
     pair: torch.Tensor | None = None  # [L] int32
     blk_e: torch.Tensor | None = None  # [NB] int32
     extra: dict = field(default_factory=dict)
+    wdec: torch.Tensor | None = None  # decode-once band: [decode_scratch_numel] bf16, one group's decoded weight
+
+
+def decode_scratch_numel(cfg: GroupedConfig, e: int, h: int, i: int) -> int:
+    """bf16 elements of the decode-once scratch: one group's gate|up [G, 2I, H] or down [G, H, I] weight at a time
+    (down is decoded after the group's gate|up launch has read gate|up: stream order)."""
+    return min(cfg.EXPERT_GROUP, e) * 2 * i * h
 
 
 def make_workspace(cfg: GroupedConfig, t: int, e: int, h: int, i: int, a: int, device: torch.device
                    ) -> GroupedWorkspace:
+    """act and y sized by this call's rows; in the decode-once band also the decode scratch, which is the
+    device's one bf16 scratch (gemm/_tiled's, shared with the dense linears' decode; grown, never shrunk): every
+    layer and call reuses it (calls are stream-ordered; two streams must not run the band at once)."""
     length, _ = padded_length(t, e, a, cfg.BM)
+    wdec = bf16_scratch(device, torch.bfloat16, decode_scratch_numel(cfg, e, h, i)) if cfg.DECODE_ONCE else None
     return GroupedWorkspace(act=torch.empty(length, i, dtype=torch.bfloat16, device=device),
-                            y=torch.empty(t * a, h, dtype=torch.bfloat16, device=device))
+                            y=torch.empty(t * a, h, dtype=torch.bfloat16, device=device), wdec=wdec)
 
 
 # --- steps 1-2: routing and grouping (torch, no host sync) ------------------------------------------
@@ -231,6 +262,88 @@ def _kernel_views(fmt: int, w, s, f):
     return w, w, w
 
 
+def _check_decode_once(fmt: int, cfg: GroupedConfig, e: int, h: int, i: int, ws: GroupedWorkspace, dev) -> None:
+    if fmt == FMT_BF16:
+        raise ValueError(f"config {cfg}: DECODE_ONCE decodes quantized experts; {FMT_NAMES[fmt]} experts have "
+                         "nothing to decode (use a config without it)")
+    if cfg.EXPERT_GROUP < 1:
+        raise ValueError(f"config {cfg}: EXPERT_GROUP must be at least 1, found {cfg.EXPERT_GROUP}")
+    for what, size, tile in (("2I", 2 * i, cfg.DEC_BN), ("H", h, cfg.DEC_BN), ("H", h, cfg.DEC_BK),
+                             ("I", i, cfg.DEC_BK)):
+        if size % tile:
+            raise ValueError(f"shape (E={e}, H={h}, I={i}): {what} = {size} is not a multiple of the decode tile "
+                             f"{tile} of config {cfg}")
+    if cfg.DEC_BK % _GS[fmt]:
+        raise ValueError(f"config {cfg}: DEC_BK must be a multiple of {_GS[fmt]} for {FMT_NAMES[fmt]} experts")
+    need = decode_scratch_numel(cfg, e, h, i)
+    wd = ws.wdec
+    if not isinstance(wd, torch.Tensor) or wd.dtype != torch.bfloat16 or wd.dim() != 1 or wd.numel() < need \
+            or wd.device != dev or not wd.is_contiguous():
+        raise ValueError(f"workspace.wdec: expected a contiguous bf16 [>= {need}] on {dev} (EXPERT_GROUP "
+                         f"{cfg.EXPERT_GROUP} x 2I {2 * i} x H {h}; make_workspace), found "
+                         f"{None if not isinstance(wd, torch.Tensor) else (wd.dtype, tuple(wd.shape), wd.device)}")
+
+
+def decode_group(fmt: int, w, s, e0: int, eg: int, wdec: torch.Tensor, cfg: GroupedConfig) -> torch.Tensor:
+    """Experts e0 .. e0 + eg - 1 of a stacked quantized weight [E, N, K] (the raw call's (w, s) tensors) -> their
+    group-scaled values, exact in bf16, as a [eg, N, K] view of wdec (one decode_experts launch)."""
+    n, k = w.shape[1], w.shape[2] * (2 if fmt == FMT_NVFP4 else 1)
+    wa, sa, _ = _kernel_views(fmt, w, s, None)
+    out = wdec[: eg * n * k].view(eg, n, k)
+    decode_experts[(eg * (n // cfg.DEC_BN), k // cfg.DEC_BK)](
+        wa, sa, out, e0, n, k, FMT=fmt, GS=_GS[fmt], BN=cfg.DEC_BN, BK=cfg.DEC_BK, CUDA=is_compiled(w),
+        PTX=use_ptx(w), num_warps=4)
+    return out
+
+
+def expert_launches(x, fmt: int, w13, s13, f13, w2, s2, f2, ws: GroupedWorkspace, cfg: GroupedConfig, top_k: int,
+                    swiglu_alpha: float, swiglu_limit: float, *, decode: bool = True, gemm: bool = True) -> None:
+    """Steps 3-4 on the routing already in ws (pair, blk_e): x -> ws.act -> ws.y. In-register decode: one gate|up
+    and one down launch over every block. Decode-once band: per group of EXPERT_GROUP experts, decode gate|up into
+    ws.wdec, gate|up on it (that group's blocks), decode down into ws.wdec, down on it. decode / gemm False leave
+    out the decode or the GEMM launches (bench/moe_grouped.py times them apart; the raw call runs both)."""
+    t, h = x.shape
+    e = w13.shape[0]
+    i = w2.shape[-1] * (2 if fmt == FMT_NVFP4 else 1)
+    length, nb = ws.pair.shape[0], ws.blk_e.shape[0]
+    p13 = f13.shape[1] if f13 is not None else 1
+    p2 = f2.shape[1] if f2 is not None else 1
+    cuda, ptx = is_compiled(x), use_ptx(x)
+    _, _, c13 = _kernel_views(fmt, w13, s13, f13)
+    _, _, c2 = _kernel_views(fmt, w2, s2, f2)
+    up_warps, up_stages = cfg.num_warps, cfg.num_stages
+    dn_warps, dn_stages = cfg.down_warps or cfg.num_warps, cfg.down_stages or cfg.num_stages
+
+    def gate_up(wa, sa, e0, eg, wfmt):
+        grouped_gate_up[(nb * (i // cfg.BN),)](
+            x, wa, sa, c13, ws.pair, ws.blk_e, ws.act, t, length, nb, h, i, e0, eg, p13, x.stride(0),
+            float(swiglu_alpha), float(swiglu_limit), A=top_k, FMT=wfmt, RF=fmt, GS=_GS[wfmt], BM=cfg.BM, BN=cfg.BN,
+            BK=cfg.BK, GM=cfg.GM, CUDA=cuda, PTX=ptx, num_warps=up_warps, num_stages=up_stages)
+
+    def down(wa, sa, e0, eg, wfmt):
+        grouped_down[(nb * (h // cfg.dbn),)](
+            ws.act, wa, sa, c2, ws.pair, ws.blk_e, ws.y, t, length, nb, h, i, e0, eg, p2, FMT=wfmt, RF=fmt,
+            GS=_GS[wfmt], BM=cfg.BM, BN=cfg.dbn, BK=cfg.dbk, GM=cfg.GM, CUDA=cuda, PTX=ptx, num_warps=dn_warps,
+            num_stages=dn_stages)
+
+    if not cfg.DECODE_ONCE:
+        if gemm:
+            a13, b13, _ = _kernel_views(fmt, w13, s13, f13)
+            a2, b2, _ = _kernel_views(fmt, w2, s2, f2)
+            gate_up(a13, b13, 0, e, fmt)
+            down(a2, b2, 0, e, fmt)
+        return
+    g = min(cfg.EXPERT_GROUP, e)
+    for e0 in range(0, e, g):
+        eg = min(g, e - e0)
+        wb = decode_group(fmt, w13, s13, e0, eg, ws.wdec, cfg) if decode else ws.wdec
+        if gemm:
+            gate_up(wb, wb, e0, eg, FMT_BF16)
+        wb = decode_group(fmt, w2, s2, e0, eg, ws.wdec, cfg) if decode else ws.wdec
+        if gemm:
+            down(wb, wb, e0, eg, FMT_BF16)
+
+
 def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, shared, routed_scaling: float,
                 out: torch.Tensor, workspace: GroupedWorkspace, config: GroupedConfig, top_k: int = 4,
                 swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
@@ -255,8 +368,8 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
         raise ValueError(f"top_k: expected an int in 1..{e}, found {top_k!r}")
     i = w2.shape[-1] * (2 if fmt == FMT_NVFP4 else 1)
-    p13 = _check_weight("w13", fmt, w13, s13, f13, e, 2 * i, h, dev)
-    p2 = _check_weight("w2", fmt, w2, s2, f2, e, h, i, dev)
+    _check_weight("w13", fmt, w13, s13, f13, e, 2 * i, h, dev)
+    _check_weight("w2", fmt, w2, s2, f2, e, h, i, dev)
     bk_unit = 32 if fmt == FMT_MXFP8 else 16
     for what, size, tile in (("H", h, cfg.BK), ("I", i, cfg.BN), ("I", i, cfg.dbk), ("H", h, cfg.dbn),
                              ("H", h, cfg.CBH)):
@@ -265,6 +378,8 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
                              f"of config {cfg}")
     if cfg.BK % bk_unit or cfg.dbk % bk_unit:
         raise ValueError(f"config {cfg}: K tiles must be multiples of {bk_unit} for {FMT_NAMES[fmt]} experts")
+    if cfg.DECODE_ONCE:
+        _check_decode_once(fmt, cfg, e, h, i, workspace, dev)
     if shared is not None and (shared.dtype != torch.bfloat16 or tuple(shared.shape) != (t, h)
                                or not shared.is_contiguous()):
         raise ValueError(f"shared: expected a contiguous bf16 [T={t}, H={h}] or None, found "
@@ -279,7 +394,7 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
             raise ValueError(f"workspace.{name}: expected contiguous bf16 {want} on {dev} (make_workspace), found "
                              f"{got.dtype} {tuple(got.shape)} on {got.device}")
 
-    cuda, ptx = is_compiled(x), use_ptx(x)
+    cuda = is_compiled(x)
     if t <= SMALL_T and e <= SMALL_E:
         ids, weights, pair, blk_e = _route_group_small(x, router_w, router_bias, top_k, cfg.BM, length, nb)
     else:
@@ -287,17 +402,7 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
         pair, blk_e = group_pairs(ids, e, cfg.BM)
     ws.ids, ws.weights, ws.pair, ws.blk_e = ids, weights, pair, blk_e
 
-    gs = _GS[fmt]
-    a13, b13, c13 = _kernel_views(fmt, w13, s13, f13)
-    a2, b2, c2 = _kernel_views(fmt, w2, s2, f2)
-    grouped_gate_up[(nb * (i // cfg.BN),)](
-        x, a13, b13, c13, pair, blk_e, ws.act, t, length, nb, h, i, e, p13, x.stride(0), float(swiglu_alpha),
-        float(swiglu_limit), A=top_k, FMT=fmt, GS=gs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GM=cfg.GM, CUDA=cuda,
-        PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grouped_down[(nb * (h // cfg.dbn),)](
-        ws.act, a2, b2, c2, pair, blk_e, ws.y, t, length, nb, h, i, e, p2, FMT=fmt, GS=gs, BM=cfg.BM,
-        BN=cfg.dbn, BK=cfg.dbk, GM=cfg.GM, CUDA=cuda, PTX=ptx, num_warps=cfg.down_warps or cfg.num_warps,
-        num_stages=cfg.down_stages or cfg.num_stages)
+    expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, top_k, swiglu_alpha, swiglu_limit)
     grouped_combine[(triton.cdiv(t, cfg.CBT), h // cfg.CBH)](
         ws.y, weights, shared if shared is not None else ws.y, out, t, h, float(routed_scaling), A=top_k,
         HAS_SHARED=shared is not None, BT=cfg.CBT, BH=cfg.CBH, CUDA=cuda, num_warps=4)
@@ -506,6 +611,8 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     if gen is not None:
         ws.act.fill_(float("nan"))  # the intermediates are checked too: poison them
         ws.y.fill_(float("nan"))
+        if ws.wdec is not None:  # a weight read before its group's decode would show
+            ws.wdec.fill_(float("nan"))
     per_elem = {FMT_NVFP4: 9 / 16, FMT_MXFP8: 33 / 32, FMT_FP8: 1.0, FMT_BF16: 2.0}[fmt]
     wbytes = int(min(e, rows * a) * 3 * h * i * per_elem)
     return Case(args=(x, router_w, bias, fmt, w13, s13, f13, w2, s2, f2, shared, 2.0, out, ws, cfg),
@@ -520,6 +627,13 @@ M3_BANDS = (
     ((513, 2048), GroupedConfig(BM=64, BN=128, BK=64, num_warps=8, CBT=8)),
     ((2049, 16384), GroupedConfig(BM=128, BN=128, BK=64, num_warps=8, CBT=8)),
 )
+# The decode-once band (module docstring): quantized experts at the M3 TP1 shape from DECODE_ONCE_ROWS tokens, the
+# in-register BM 128 tiles below it. Its GEMMs run on the BF16 operand path, so it takes the BF16 band's tiles.
+DECODE_ONCE_ROWS = 4096
+M3_DECODE_ONCE_BANDS = M3_BANDS[:3] + (
+    ((2049, DECODE_ONCE_ROWS - 1), M3_BANDS[3][1]),
+    ((DECODE_ONCE_ROWS, 16384), replace(M3_BANDS[3][1], DECODE_ONCE=True, EXPERT_GROUP=32)),
+)
 SMALL_BANDS = (  # the tiny preset (H 128, I 64) and the embedded model (H 256, I 128): 8 experts, top-2
     ((1, 64), GroupedConfig(BM=16, BN=32, BK=32, CBH=128)),
     ((65, 1024), GroupedConfig(BM=64, BN=32, BK=32, CBH=128)),
@@ -531,10 +645,21 @@ SHAPES = (
     ((8, 256, 128, 2), "the embedded model's MoE layers", SMALL_BANDS),
     ((8, 128, 64, 2), "the tiny preset's MoE layers", SMALL_BANDS),
 )
+
+
+def _bands(fmt: int, shape: tuple, bands: tuple) -> tuple:
+    return M3_DECODE_ONCE_BANDS if fmt != FMT_BF16 and shape == (128, 6144, 3072, 4) else bands
+
+
+def _why(fmt: int, why: str, rows: tuple, cfg: GroupedConfig) -> str:
+    band = (f", experts decoded once per call to bf16 in groups of {cfg.EXPERT_GROUP}" if cfg.DECODE_ONCE else "")
+    return f"{why}, {FMT_NAMES[fmt]} experts, {rows[0]}-{rows[1]} tokens{band}"
+
+
 CELLS = tuple(
-    Cell(rows=rows, shape=(fmt, *shape), why=f"{why}, {FMT_NAMES[fmt]} experts, {rows[0]}-{rows[1]} tokens",
-         config={"moe": cfg})
-    for fmt in (FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4) for shape, why, bands in SHAPES for rows, cfg in bands
+    Cell(rows=rows, shape=(fmt, *shape), why=_why(fmt, why, rows, cfg), config={"moe": cfg})
+    for fmt in (FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4) for shape, why, bands in SHAPES
+    for rows, cfg in _bands(fmt, shape, bands)
 )
 _ICFG = GroupedConfig(BM=16, BN=32, BK=32, CBH=64, CBT=2, GM=3)
 INTERP_CELLS = tuple(
@@ -548,6 +673,15 @@ INTERP_CELLS = tuple(
          "40 tokens: runs longer than a block, other down tiles"),
         ((70, 70), 8, 2, GroupedConfig(BM=32, BN=32, BK=32, CBH=64, CBT=8, GM=4), True,
          "70 tokens: routing and grouping by torch ops (beyond the decode-batch launch)"),
+    )
+) + tuple(
+    Cell(rows=rows, shape=(fmt, 8, 64, 32, a), why=f"interpreter: {FMT_NAMES[fmt]}, decode-once band, {why}",
+         config={"moe": replace(cfg, DECODE_ONCE=True, DEC_BN=32, DEC_BK=32), "shared": True})
+    for fmt in (FMT_FP8, FMT_MXFP8, FMT_NVFP4)
+    for rows, a, cfg, why in (
+        ((70, 70), 2, GroupedConfig(BM=32, BN=32, BK=32, CBH=64, CBT=8, GM=4, EXPERT_GROUP=3),
+         "70 tokens, groups of 3 of 8 experts (the last one partial)"),
+        ((1, 2), 2, replace(_ICFG, EXPERT_GROUP=2), "1-2 tokens top-2, groups of 2 of 8 experts: some get no token"),
     )
 )
 

@@ -254,3 +254,172 @@ def test_decode_cell_compiles_for_sm90_without_spills():
     assert {"route_group_small", "grouped_gate_up", "grouped_down", "grouped_combine"} <= names, names
     for _, _, r in results:
         assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.stack} B stack, {r.local} B local"
+
+
+# --- the decode-once band (quantized experts decoded to bf16 per expert group) --------------------------------
+
+DECODE_ONCE_CELLS = [c for c in G.INTERP_CELLS if c.config["moe"].DECODE_ONCE]
+
+
+def test_decode_once_band_is_certified_for_the_m3_shape():
+    """Quantized experts at the M3 TP1 shape: the in-register path up to DECODE_ONCE_ROWS - 1 tokens, the
+    decode-once band from there to 16384; BF16 experts and the other shapes keep their bands."""
+    for fmt in FMTS:
+        bands = sorted((c.rows, c.config["moe"].DECODE_ONCE) for c in G.CELLS if c.shape == (fmt, 128, 6144, 3072, 4))
+        assert bands[0][0][0] == 1 and bands[-1][0][1] == 16384
+        assert all(a[0][1] + 1 == b[0][0] for a, b in zip(bands, bands[1:])), bands
+        once = [rows for rows, d in bands if d]
+        assert once == ([] if fmt == FMT_BF16 else [(G.DECODE_ONCE_ROWS, 16384)])
+    assert not any(c.config["moe"].DECODE_ONCE for c in G.CELLS if c.shape[1:] != (128, 6144, 3072, 4))
+    assert {c.shape[0] for c in DECODE_ONCE_CELLS} == {FMT_FP8, FMT_MXFP8, FMT_NVFP4}
+
+
+@pytest.mark.parametrize("cell", DECODE_ONCE_CELLS, ids=[c.why for c in DECODE_ONCE_CELLS])
+def test_decode_once_band_matches_reference(cell):
+    """Each decode-once interpreter cell at each of its row counts: fresh random inputs, output, activations,
+    expert outputs and the decode scratch poisoned with NaN, against the true-fp32 reference through the entry's
+    compare (the in-register path's bands: the same operands, accumulation and row factors). Groups of 3 of 8
+    experts (the last partial) at 70 tokens; groups of 2 at 1-2 tokens top-2, where at least two of the four groups
+    get no token (their blocks exit, their decode is still written and unread)."""
+    cfg = cell.config["moe"]
+    for rows in cell.row_counts():
+        case = G.make_case(cell, rows, CPU, torch.Generator().manual_seed(500 + rows + cell.shape[0]))
+        ws = case.args[13]
+        assert ws.wdec is not None and bool(ws.wdec.isnan().all())
+        out = G.moe_grouped(*case.args, **case.kwargs)
+        G.compare(out, G.moe_grouped_reference(*case.args, **case.kwargs), case)
+        touched = set((ws.ids.long() // cfg.EXPERT_GROUP).flatten().tolist())
+        groups = -(-cell.shape[1] // cfg.EXPERT_GROUP)
+        if rows <= 2:
+            assert len(touched) < groups, "the case must leave a group without tokens"
+
+
+def _stacked(fmt: int, e: int, n: int, k: int, seed: int):
+    """(w, s, f) of a stacked expert weight; NVFP4 / MXFP8 group scales drawn over every finite code (E4M3 scales:
+    subnormals included; E8M0 2**-20 .. 2**10), E2M1 / E4M3 values over every code but NaN."""
+    g = torch.Generator().manual_seed(seed)
+    w, s, f = G.random_weight(fmt, e, n, k, 1, CPU, g)
+    if fmt == FMT_NVFP4:
+        codes = torch.randint(0, 0x7F, s.shape, generator=g, dtype=torch.uint8)
+        s = codes.view(torch.float8_e4m3fn)
+    elif fmt == FMT_MXFP8:
+        s = torch.randint(107, 138, s.shape, generator=g, dtype=torch.uint8)
+    return w, s, f
+
+
+@pytest.mark.parametrize("fmt", [FMT_FP8, FMT_MXFP8, FMT_NVFP4])
+def test_decoded_scratch_equals_the_reference_dequantization(fmt):
+    """decode_group writes, for each group of experts, exactly the group-scaled values of the reference
+    dequantization (fp32 compare, bit for bit): NVFP4 e2m1 * scale * 2**-8 (QWeight.dequantize_factored's W'
+    times 2**-8: the in-register path's NVFP4 unit), MXFP8 e4m3 * 2**e (QWeight.dequantize), FP8 e4m3 (the
+    decode scale is the row factor, applied after the GEMM); and nothing past the group's [eg, N, K] view."""
+    e, n, k, group = 5, 64, 128, 2
+    cfg = G.GroupedConfig(BM=16, BN=32, BK=32, DECODE_ONCE=True, EXPERT_GROUP=group, DEC_BN=32, DEC_BK=64)
+    w, s, f = _stacked(fmt, e, n, k, seed=fmt)
+    q = G.qweight_of(fmt, w, s, f)
+    wdec = torch.full((group * n * k + 7,), float("nan"), dtype=torch.bfloat16)
+    for e0 in range(0, e, group):
+        eg = min(group, e - e0)
+        wdec.fill_(float("nan"))
+        got = G.decode_group(fmt, w, s, e0, eg, wdec, cfg)
+        assert got.shape == (eg, n, k) and got.data_ptr() == wdec.data_ptr()
+        for el in range(eg):
+            if fmt == FMT_NVFP4:
+                want = q.dequantize_factored(torch.float32, e0 + el)[0] * 2.0 ** -8
+            elif fmt == FMT_FP8:
+                want = w[e0 + el].float()
+            else:
+                want = q.dequantize(torch.float32, e0 + el)
+            assert torch.equal(got[el].float(), want), f"expert {e0 + el}"
+        assert bool(wdec[eg * n * k:].isnan().all()), "decode wrote past its group"
+
+
+def test_decode_once_launches_take_no_host_value(monkeypatch):
+    """The decode-once raw call under the host-sync guard, launches recorded: per group of experts the gate|up
+    decode, gate|up on the bf16 scratch (FMT BF16, the format's row factor RF), the down decode, down; grids and
+    arguments are host ints / floats fixed by T, E and the config, so the call is graph-safe like the rest."""
+    from m3serve.kernels import _jit
+    cell = next(c for c in DECODE_ONCE_CELLS if c.shape[0] == FMT_NVFP4 and c.rows == (70, 70))
+    case = G.make_case(cell, 70, CPU, torch.Generator().manual_seed(8))
+    with _jit.capture_launches() as rec:
+        _forbid_host_syncs(monkeypatch)
+        G.moe_grouped(*case.args, **case.kwargs)
+        monkeypatch.undo()
+        launches = list(rec)
+    per_group = ["decode_experts", "grouped_gate_up", "decode_experts", "grouped_down"]
+    assert [k.__name__ for k, *_ in launches] == per_group * 3 + ["grouped_combine"]
+    for kern, grid, args, kwargs in launches:
+        assert all(isinstance(g, int) for g in grid)
+        assert all(isinstance(v, (torch.Tensor, int, float)) for v in args)
+        if kern.__name__ in ("grouped_gate_up", "grouped_down"):
+            assert kwargs["FMT"] == FMT_BF16 and kwargs["RF"] == FMT_NVFP4
+    assert [args[3] for k, _, args, _ in launches if k.__name__ == "decode_experts"] == [0, 0, 3, 3, 6, 6]
+    assert [(args[12], args[13]) for k, _, args, _ in launches if k.__name__ == "grouped_gate_up"] == [
+        (0, 3), (3, 3), (6, 2)]  # (first expert, experts) of each group: E0, EG
+
+
+def test_decode_once_names_bad_arguments():
+    cell = next(c for c in DECODE_ONCE_CELLS if c.shape[0] == FMT_MXFP8 and c.rows == (70, 70))
+    case = G.make_case(cell, 70, CPU, torch.Generator().manual_seed(9))
+    args = list(case.args)
+    ws = args[13]
+    small = G.GroupedWorkspace(act=ws.act, y=ws.y, wdec=ws.wdec[: ws.wdec.numel() - 1].clone())
+    with pytest.raises(ValueError, match=r"workspace.wdec: expected a contiguous bf16 \[>= 12288\]"):
+        G.moe_grouped(*args[:13], small, *args[14:], **case.kwargs)
+    with pytest.raises(ValueError, match="workspace.wdec"):
+        G.moe_grouped(*args[:13], G.GroupedWorkspace(act=ws.act, y=ws.y), *args[14:], **case.kwargs)
+    cfg = args[14]
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="decode tile"):
+        G.moe_grouped(*args[:14], replace(cfg, DEC_BK=48), **case.kwargs)
+    with pytest.raises(ValueError, match="DEC_BK must be a multiple of 32 for mxfp8"):
+        G.moe_grouped(*args[:14], replace(cfg, DEC_BK=16), **case.kwargs)
+    with pytest.raises(ValueError, match="EXPERT_GROUP must be at least 1"):
+        G.moe_grouped(*args[:14], replace(cfg, EXPERT_GROUP=0), **case.kwargs)
+    dense = _case(FMT_BF16, 6, seed=10)
+    d = list(dense.args)
+    dcfg = replace(d[14], DECODE_ONCE=True)
+    with pytest.raises(ValueError, match="DECODE_ONCE decodes quantized experts"):
+        G.moe_grouped(*d[:13], G.make_workspace(dcfg, 6, 8, 64, 32, 2, CPU), dcfg, **dense.kwargs)
+
+
+def test_decode_once_cells_compile_for_sm90_without_spills():
+    """The decode-once band's launches (decode_experts per format, gate|up and down on the bf16 scratch with each
+    format's row factor) compile for sm_90 with Triton's ptxas, without register spills."""
+    from m3serve.kernels import aot_check
+    e = G.ENTRY
+    cells = tuple(c for c in e.cells if c.config["moe"].DECODE_ONCE)
+    assert len(cells) == 3
+    results = aot_check.run([type(e)(**{**e.__dict__, "cells": cells})], arch=90)
+    names = [r.name for _, _, r in results]
+    assert names.count("decode_experts") == 3 and names.count("grouped_gate_up") == 3, names
+    for _, _, r in results:
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.stack} B stack, {r.local} B local"
+
+
+@pytest.mark.parametrize("quant", ["mxfp8", "nvfp4"])
+def test_hook_runs_the_decode_once_band(quant, monkeypatch):
+    """The routing hook (MoEKernel.run_grouped) given a decode-once cell for the tiny preset's layer: its workspace
+    carries the shared decode scratch and the result matches the stock MoE as the in-register hook does
+    (test_hook_matches_stock_on_the_tiny_preset: 2**-5 of max |out|), and the in-register hook's output to the
+    same tolerance (same operands and factors; only the summation order differs)."""
+    m = _tiny_moe(quant)
+    kind, shape = plan.moe_grouped_key(m)
+    cfg = G.GroupedConfig(BM=16, BN=32, BK=32, CBH=128, DECODE_ONCE=True, EXPERT_GROUP=3, DEC_BN=32, DEC_BK=32)
+    once = routing.Launch(G.ENTRY, Cell(rows=(1, 16384), shape=shape, why="test", config={"moe": cfg}), "moe")
+    hook = routing.MoEKernel(None, None, shape, "require")
+    hook.grouped = lambda rows: once
+    x = torch.randn(70, m.w13.in_features, generator=torch.Generator().manual_seed(70)).to(torch.bfloat16)
+    decoded = []
+    real = G.decode_group
+    monkeypatch.setattr(G, "decode_group", lambda *a: decoded.append(a[3]) or real(*a))
+    with torch.no_grad():
+        ref = m(x)
+        got = hook.run_grouped(m, x)
+        assert decoded == [0, 0, 3, 3, 6, 6], decoded  # gate|up and down of each group of 3 of the 8 experts
+        reg = _grouped(m, "require").run_grouped(m, x)
+        assert len(decoded) == 6, "the in-register hook decodes nothing up front"
+    scale = ref.float().abs().max()
+    assert got is not None and got.shape == ref.shape and got.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() <= 2.0 ** -5 * scale
+    assert (got.float() - reg.float()).abs().max() <= 2.0 ** -5 * scale

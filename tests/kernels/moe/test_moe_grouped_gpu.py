@@ -8,6 +8,7 @@ Run: python -m pytest -m gpu tests/kernels/moe/test_moe_grouped_gpu.py -q
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ M3 = (128, 6144, 3072, 4)
 
 
 @pytest.mark.parametrize("fmt", [FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4])
-@pytest.mark.parametrize("rows", [1, 8, 64, 256, 2048])
+@pytest.mark.parametrize("rows", [1, 8, 64, 256, 2048, G.DECODE_ONCE_ROWS])
 def test_graph_replay_is_bit_identical_to_eager(fmt, rows):
     """Capture the raw call (routing and grouping included) for one row count; replay equals eager bit for bit,
     and after new activations are copied in (another routing), replay equals eager on those too."""
@@ -79,10 +80,10 @@ def test_graph_replay_is_bit_identical_to_eager(fmt, rows):
     assert torch.equal(replayed, out)
 
 
-@pytest.mark.parametrize("fmt", [FMT_BF16, FMT_NVFP4])
-def test_no_host_sync(fmt):
+@pytest.mark.parametrize("fmt,rows", [(FMT_BF16, 300), (FMT_NVFP4, 300), (FMT_NVFP4, G.DECODE_ONCE_ROWS)])
+def test_no_host_sync(fmt, rows):
     dev = _dev()
-    case = G.make_case(_cell(fmt, M3, 300), 300, dev, torch.Generator().manual_seed(3))
+    case = G.make_case(_cell(fmt, M3, rows), rows, dev, torch.Generator().manual_seed(3))
     G.moe_grouped(*case.args, **case.kwargs)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -91,6 +92,54 @@ def test_no_host_sync(fmt):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("fmt", [FMT_FP8, FMT_MXFP8, FMT_NVFP4])
+def test_decode_once_scratch_is_exact_compiled(fmt):
+    """The compiled decode_experts (NVFP4 through the inline-PTX decoder when PTX_E2M1 is on, E4M3 / E8M0 through
+    the hardware conversions) writes the reference's group-scaled values bit for bit, for every finite group-scale
+    code, at the M3 gate|up shape (2 experts of a 3-expert stack, so the expert offset is exercised)."""
+    from tests.kernels.moe.test_moe_grouped import _stacked
+    dev = _dev()
+    w, s, f = (t.to(dev) if t is not None else None for t in _stacked(fmt, 3, 6144, 6144, seed=fmt))
+    cfg = _cell(fmt, M3, G.DECODE_ONCE_ROWS).config["moe"]
+    q = G.qweight_of(fmt, w, s, f)
+    wdec = torch.full((2 * 6144 * 6144,), float("nan"), dtype=torch.bfloat16, device=dev)
+    got = G.decode_group(fmt, w, s, 1, 2, wdec, cfg)
+    torch.cuda.synchronize()
+    for el in range(2):
+        if fmt == FMT_NVFP4:
+            want = q.dequantize_factored(torch.float32, 1 + el)[0] * 2.0 ** -8
+        elif fmt == FMT_FP8:
+            want = w[1 + el].float()
+        else:
+            want = q.dequantize(torch.float32, 1 + el)
+        assert torch.equal(got[el].float(), want), f"expert {1 + el}"
+
+
+@pytest.mark.parametrize("fmt", [FMT_FP8, FMT_MXFP8, FMT_NVFP4])
+def test_decode_once_and_in_register_paths_agree(fmt):
+    """The same inputs (and so the same routing) through the decode-once config and the in-register config at 4096
+    tokens: both within the entry's bands of the same true-fp32 reference (the decode-once band claims no other
+    tolerance: same operands, fp32 accumulation and row factors, only the summation order differs)."""
+    dev = _dev()
+    once = _cell(fmt, M3, G.DECODE_ONCE_ROWS)
+    reg = _cell(fmt, M3, G.DECODE_ONCE_ROWS - 1)
+    assert once.config["moe"].DECODE_ONCE and not reg.config["moe"].DECODE_ONCE
+    case = G.make_case(once, G.DECODE_ONCE_ROWS, dev, torch.Generator().manual_seed(41))
+    out = G.moe_grouped(*case.args, **case.kwargs).clone()
+    torch.cuda.synchronize()
+    ref = G.moe_grouped_reference(*case.args, **case.kwargs)
+    G.compare(out, ref, case)
+    args = list(case.args)
+    cfg = reg.config["moe"]
+    args[13] = G.make_workspace(cfg, G.DECODE_ONCE_ROWS, *M3, dev)
+    args[14] = cfg
+    args[12] = torch.full_like(args[12], float("nan"))
+    out_reg = G.moe_grouped(*args, **case.kwargs)
+    torch.cuda.synchronize()
+    G.compare(out_reg, ref, replace(case, args=tuple(args)))
+    assert not bool(out_reg.isnan().any())
 
 
 @pytest.mark.parametrize("quant", [None, "fp8", "mxfp8", "nvfp4"])
