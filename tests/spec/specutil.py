@@ -18,7 +18,8 @@ def prompts(n: int, lo: int = 3, hi: int = 90, seed: int = 0) -> list[list[int]]
 
 
 def spec_cfg(k: int = 3, **kw) -> dict:
-    return {"method": "eagle3", "model": None, "num_speculative_tokens": k, **kw}
+    """These tests check the speculative step at every batch size: the batch-size policy is off unless asked."""
+    return {"method": "eagle3", "model": None, "num_speculative_tokens": k, "disable_by_batch_size": None, **kw}
 
 
 def plain_outputs(model, ps: list[list[int]], params: list[SamplingParams], **cfg) -> list[list[int]]:
