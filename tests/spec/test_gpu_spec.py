@@ -88,7 +88,8 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
     items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:6]
     ps = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
 
     def run(eng):
         reqs = [eng.add_request(p, params) for p in ps]
@@ -221,7 +222,8 @@ def test_sampled_spec_graphs_match_the_plain_target_distribution():
         return torch.tensor(outs)
 
     plain = run(llm.engine)
-    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
     eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
     assert eng.enable_target(graphs=True, mode="require")
     got = run(eng)
