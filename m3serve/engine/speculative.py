@@ -5,6 +5,10 @@ state, one request's share of a step), spec_verify.py (greedy / rejection-sample
 forced acceptance), spec_rng.py (the device RNG), spec_batch.py (step preparation through
 DeviceBlockTables.prepare), spec_runner.py (the device work every tensor-parallel rank repeats).
 
+Batch-size policy (speculative_config.disable_by_batch_size, vLLM's name): a step with more decoding requests
+than the threshold runs as a plain step (LLMEngine._step_chunks: its decode graphs and overlap loop on the target);
+the others speculate as below. Only one kind of step is ever in flight: the other kind reads it back first.
+
 One `SpeculativeEngine.step()`:
   1. schedule as usual; every decode request that holds K' <= K drafts from the previous step gets pages for
      K' more tokens (blocks.append_slots; if that fails it verifies no drafts this step, which stays exact);
@@ -130,7 +134,9 @@ class SpeculativeEngine(LLMEngine):
         step with a sampled request (temperature, top-k, top-p) by rejection sampling (sampling=True: a second
         graph per bucket and the drafts' distributions kept on the device, max_num_seqs x K x V fp32). Every
         other step (prefill, logprobs, penalties, the last tokens before max_model_len) takes the eager path
-        below, which is exact too.
+        below, which is exact too. With speculative_config.disable_by_batch_size set, the plain decode target is
+        enabled too (LLMEngine.enable_target: its decode graphs for the buckets above the threshold), for the
+        steps the policy runs plainly.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
         m = self.model
