@@ -132,6 +132,23 @@ def test_sampled_requests_are_reproducible_per_seed(model):
     assert [len(o) for o in outs[0]] == [16, 8, 20]
 
 
+def test_logprobs_through_plain_and_speculative_phases(model):
+    """Logprobs requests (which never overlap) across the switch: tokens and logprobs as plain decoding's."""
+    from m3serve import LLM
+    kw = dict(device="cpu", dtype="float32", kv_cache_bytes=4 << 20)
+    ps = [{"prompt_token_ids": p} for p in prompts(2, seed=16)]
+    sp = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2) for m in (5, 14)]
+    a = LLM("tiny", **kw).generate(ps, sp, use_tqdm=False)
+    spec = LLM("tiny", **kw, speculative_config=spec_cfg(3, disable_by_batch_size=1))
+    b = spec.generate(ps, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for da, db in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert da.keys() == db.keys() and all(abs(da[t] - db[t]) < 1e-5 for t in da)
+    plain, spec_steps, _ = _counts(spec.engine)
+    assert plain >= 3 and spec_steps >= 3 and b[1].spec_metrics["verify_steps"] > 0
+
+
 def test_policy_off_and_default(model):
     """None speculates at every batch size (no plain step, nothing counted); the default threshold is the named
     constant and shows in stats()."""
