@@ -89,7 +89,10 @@ class CheatEngine(SpeculativeEngine):
         super()._record(st, k, a)
 
 
-def cheat_engine(model, ps, params, ref_outputs, k: int = 3, corrupt_every: int = 5, **cfg) -> CheatEngine:
+def cheat_engine(model, ps, params, ref_outputs, k: int = 3, corrupt_every: int = 5, spec: dict | None = None,
+                 **cfg) -> CheatEngine:
+    """spec: more speculative_config keys (e.g. disable_by_batch_size)."""
     reference = {tuple(p): out for p, out in zip(ps, ref_outputs)}
-    return CheatEngine(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}), speculative_config=spec_cfg(k),
-                       reference=reference, corrupt_every=corrupt_every)
+    return CheatEngine(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}),
+                       speculative_config=spec_cfg(k, **(spec or {})), reference=reference,
+                       corrupt_every=corrupt_every)

@@ -54,8 +54,7 @@ def test_two_decoding_requests_run_plainly_then_one_speculates_again(model, over
     ps = prompts(2, 20, 40, seed=11)
     params = [_greedy(7), _greedy(30)]
     ref = plain_outputs(model, ps, params)
-    eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=4)
-    eng.spec = SpecConfig.from_dict({**eng.spec.to_dict(), "disable_by_batch_size": 1})
+    eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=4, spec={"disable_by_batch_size": 1})
     if overlap:
         eng.graphs = FakeGraphs(eng)
     reqs, log = _drive_two(eng, ps, params)
@@ -86,8 +85,8 @@ def test_staggered_arrivals_switch_often_and_stay_exact(model, overlap):
     params = [_greedy(int(torch.randint(4, 30, (1,), generator=g))) for _ in ps]
     arrivals = [0, 0, 3, 6, 10, 18, 25, 40]
     ref = plain_outputs(model, ps, params)
-    eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=3, max_num_batched_tokens=48)
-    eng.spec = SpecConfig.from_dict({**eng.spec.to_dict(), "disable_by_batch_size": 2})
+    eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=3, spec={"disable_by_batch_size": 2},
+                       max_num_batched_tokens=48)
     if overlap:
         eng.graphs = FakeGraphs(eng)
     reqs = run_staggered(eng, ps, params, arrivals)
@@ -102,8 +101,8 @@ def test_preemption_with_the_policy(model):
     ps = prompts(4, 30, 40, seed=4)
     params = [_greedy(36)] * 4
     ref = plain_outputs(model, ps, params)
-    eng = cheat_engine(model, ps, params, ref, k=3, kv_cache_bytes=1 << 19, max_num_seqs=4)
-    eng.spec = SpecConfig.from_dict({**eng.spec.to_dict(), "disable_by_batch_size": 2})
+    eng = cheat_engine(model, ps, params, ref, k=3, spec={"disable_by_batch_size": 2}, kv_cache_bytes=1 << 19,
+                       max_num_seqs=4)
     reqs = run_staggered(eng, ps, params, [0, 0, 0, 5])
     assert eng.scheduler.num_preemptions > 0
     assert [list(r.output_token_ids) for r in reqs] == ref
