@@ -57,7 +57,8 @@ def test_vllm_names_with_the_model_label():
     assert value(s, "m3serve_spec_disable_by_batch_size", **lab) == 2
     assert value(s, "m3serve_spec_policy_plain_steps_total", **lab) == 7
     assert value(s, "m3serve_spec_policy_spec_steps_total", **lab) == 3
-    assert types["m3serve_spec_policy_plain_steps"] == "counter" and types["m3serve_spec_disable_by_batch_size"] == "gauge"
+    assert types["m3serve_spec_policy_plain_steps"] == "counter"
+    assert types["m3serve_spec_disable_by_batch_size"] == "gauge"
     assert types["m3serve_request_success"] == "counter" and types["m3serve_kv_cache_usage_perc"] == "gauge"
     for (name, labels), _ in s.items():          # every series but the process collector's carries the model
         if name.startswith(("m3serve_", "m3serve_")):
