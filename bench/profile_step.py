@@ -35,7 +35,7 @@ def main() -> None:
     spec = None
     if args.spec:
         from m3serve.llm import DEFAULT_MODEL_DIR
-        spec = {"method": "eagle3", "num_speculative_tokens": args.spec,
+        spec = {"method": "eagle3", "num_speculative_tokens": args.spec, "disable_by_batch_size": None,
                 "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3") if embedded else None}
         if not embedded:
             spec["forced_acceptance"] = args.forced_al

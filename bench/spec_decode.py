@@ -55,7 +55,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    spec_cfg = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k}
+    # the speculative step itself at every batch size (the batch-size policy off)
+    spec_cfg = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k,
+                "disable_by_batch_size": None}
     # Two engines share the process: each takes a bounded KV budget instead of 90 % of the GPU.
     kv = {"kv_cache_bytes": 2 << 30}
     plain = LLM(DEFAULT_MODEL_DIR, device=args.device, **kv)

@@ -40,7 +40,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     _, plain = decode(llm.engine, ps, params, args.batch)
     cfg = EngineConfig(**{f: getattr(llm.engine.config, f) for f in llm.engine.config.__dataclass_fields__})
-    spec_cfg = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    spec_cfg = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
+                "disable_by_batch_size": None}       # the speculative step at this batch, not the policy
     out = {"bench": "spec_divergence", **run_metadata(), "batch": args.batch, "prompts": args.prompts, "runs": []}
     for overlap in (True, False):
         eng = SpeculativeEngine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)

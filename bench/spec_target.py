@@ -80,7 +80,7 @@ def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict
     greedy = args.temperature == 0
     engines = [("plain", 0, plain)]
     for k in ks:
-        spec_cfg = {"method": "eagle3", "num_speculative_tokens": k,
+        spec_cfg = {"method": "eagle3", "num_speculative_tokens": k, "disable_by_batch_size": None,  # every batch
                     "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3") if tiny else None}
         if forced is not None:
             spec_cfg["forced_acceptance"] = forced

@@ -11,11 +11,11 @@ import weakref
 import torch
 
 from m3serve.distributed.launch import TPLaunchSpec
+from m3serve.distributed.spec_driver import tp_spec_config
 from m3serve.distributed.startup import start_tp
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.spec_config import SpecConfig
 from m3serve.engine.speculative import SpeculativeEngine
 from m3serve.engine.warmup import warm_up
 from m3serve.kv.scales import apply_model_kv_scales, resolve_kv_fp8_layers, resolve_kv_rotation
@@ -196,7 +196,7 @@ class LLM:
         check_tp_shapes(resolve_config(model), size)       # a bad size fails here, before any process starts
         spec_dict = None
         if speculative_config is not None:                  # a bad config fails here too; a dir is made absolute
-            spec_dict = SpecConfig.from_dict(speculative_config).to_dict()
+            spec_dict = tp_spec_config(speculative_config).to_dict()
             if spec_dict["model"] is not None:
                 spec_dict["model"] = os.path.abspath(spec_dict["model"])
         kw = dict(engine_kwargs)

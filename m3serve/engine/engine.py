@@ -148,8 +148,10 @@ class LLMEngine:
         self.target_attention = True
         self.model.use_attention(PAGED_KERNELS)
         if graphs:
-            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties,
-                                       token_masks=self.token_masks)
+            own = self._own_sampling_step()
+            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets,
+                                       penalties=self.penalties if own else None,
+                                       token_masks=self.token_masks if own else None)
             self.graphs.capture(mode)
         return True
 
@@ -263,8 +265,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.allowed_token_ids: token id {bad[0]} outside the vocabulary "
                              f"[0, {vocab})")
-        own = all(getattr(type(self), m) is getattr(LLMEngine, m) for m in ("step", "_forward_sample", "_sample_rows"))
-        if own:
+        if self._own_sampling_step():
             return
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None), ("min_p", 0.0),
@@ -275,6 +276,11 @@ class LLMEngine:
                                  "(penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words, "
                                  "prompt_logprobs and structured_outputs are applied by LLMEngine's own sampling "
                                  "step)")
+
+    def _own_sampling_step(self) -> bool:
+        """This engine samples through LLMEngine's own step, which applies penalties, logit_bias, bans, grammars
+        (a subclass that replaces it refuses them, and its decode graphs need no processed variant)."""
+        return all(getattr(type(self), m) is getattr(LLMEngine, m) for m in ("step", "_forward_sample", "_sample_rows"))
 
     def _grammars(self):
         """The structured-output grammars, made on first use (xgrammar takes seconds to import and to index the
@@ -344,6 +350,11 @@ class LLMEngine:
             chunks = self.scheduler.schedule()
         if not chunks:
             return self._resolve_inflight() + self._unschedulable()
+        return self._step_chunks(chunks)
+
+    def _step_chunks(self, chunks: list[ScheduledChunk]) -> list[Request]:
+        """Run the scheduled chunks as one plain step: a decode graph (overlapped when every row allows it) or an
+        eager step. SpeculativeEngine runs its plain steps here too (speculative_config.disable_by_batch_size)."""
         graph_step = self.graphs is not None and all(c.num_tokens == 1 and c.reaches_end for c in chunks) \
             and self.graphs.bucket_for(len(chunks)) is not None
         if graph_step and self.overlap and all(self._overlappable(c.request) for c in chunks):

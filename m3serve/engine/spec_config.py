@@ -1,10 +1,15 @@
 """`speculative_config` (vLLM's shape): {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K,
-"forced_acceptance": AL | None, "draft_seed": int}, parsed and validated once."""
+"forced_acceptance": AL | None, "draft_seed": int, "disable_by_batch_size": N | None}, parsed and validated once."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+# Steps with more decoding requests than this run as plain decode steps (SpeculativeEngine.step). From the measured
+# sweep bench/results/serve/serve-pareto-h200.json (embedded model, Eagle3 K=3, H200): speculation wins per user at
+# concurrency 1 and loses from concurrency 4 on, so 2 is the largest batch assumed to still gain from it.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
 @dataclass
@@ -14,6 +19,8 @@ class SpecConfig:
     num_speculative_tokens: int = 3
     forced_acceptance: float | None = None  # mean acceptance length (tokens per verify step) to force
     draft_seed: int = 0                   # random drafter weights
+    # vLLM's name: above this many decoding requests a step runs without speculation; None: always speculate
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def from_dict(cls, d: dict | SpecConfig) -> SpecConfig:
@@ -36,6 +43,10 @@ class SpecConfig:
         if fa is not None and (not isinstance(fa, (int, float)) or not 1.0 <= fa <= k + 1):
             raise ValueError(f"speculative_config.forced_acceptance: expected a mean acceptance length in "
                              f"[1, {k + 1}] (num_speculative_tokens + 1), found {fa!r}")
+        n = cfg.disable_by_batch_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size: expected an int >= 1 or None (never "
+                             f"disable), found {n!r}")
         if cfg.model is not None and not isinstance(cfg.model, str):
             raise TypeError(f"speculative_config.model: expected a directory path or None, found "
                             f"{type(cfg.model).__name__}")
@@ -45,4 +56,4 @@ class SpecConfig:
         return dataclasses.asdict(self)
 
 
-__all__ = ["SpecConfig"]
+__all__ = ["SpecConfig", "DEFAULT_DISABLE_BY_BATCH_SIZE"]

@@ -5,6 +5,10 @@ state, one request's share of a step), spec_verify.py (greedy / rejection-sample
 forced acceptance), spec_rng.py (the device RNG), spec_batch.py (step preparation through
 DeviceBlockTables.prepare), spec_runner.py (the device work every tensor-parallel rank repeats).
 
+Batch-size policy (speculative_config.disable_by_batch_size, vLLM's name): a step with more decoding requests
+than the threshold runs as a plain step (LLMEngine._step_chunks: its decode graphs and overlap loop on the target);
+the others speculate as below. Only one kind of step is ever in flight: the other kind reads it back first.
+
 One `SpeculativeEngine.step()`:
   1. schedule as usual; every decode request that holds K' <= K drafts from the previous step gets pages for
      K' more tokens (blocks.append_slots; if that fails it verifies no drafts this step, which stays exact);
@@ -37,6 +41,7 @@ Shape legend: R requests that sample this step, K' <= K drafts of a request, V t
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +67,14 @@ from m3serve.targets.explain import spec_step_placements, uncertified_attention,
 from m3serve.targets.routing import install_drafter, mode_of
 
 log = logging.getLogger("m3serve")
+
+
+class _SpecFlight(NamedTuple):
+    """A SpecSteps step not read back yet. The plain decode graphs' flight (LLMEngine's) may stand in
+    self._inflight instead, after a step the batch-size policy ran plainly: this type tells them apart."""
+    launched: object
+    reqs: list[Request]
+    preemptions: dict[int, int]          # request id -> its preemption count at launch
 
 
 def build_drafter(spec: SpecConfig, model: M3ForCausalLM) -> Eagle3Drafter:
@@ -92,6 +105,9 @@ class SpeculativeEngine(LLMEngine):
         self.graph_steps = 0             # steps that ran as SpecSteps
         self.overlapped_steps = 0        # of them, launched before the previous one was read back
         self.split_steps = 0             # of them, beside prefill chunks that ran eagerly in the same step
+        # steps with decoding requests that speculative_config.disable_by_batch_size ran plainly / speculatively
+        self.policy_plain_steps = 0
+        self.policy_spec_steps = 0
         self.rng = DeviceRNG(config.seed, model.device)
         self.capture = self.runner.capture
         self._state: dict[int, SpecState] = {}
@@ -118,7 +134,9 @@ class SpeculativeEngine(LLMEngine):
         step with a sampled request (temperature, top-k, top-p) by rejection sampling (sampling=True: a second
         graph per bucket and the drafts' distributions kept on the device, max_num_seqs x K x V fp32). Every
         other step (prefill, logprobs, penalties, the last tokens before max_model_len) takes the eager path
-        below, which is exact too.
+        below, which is exact too. With speculative_config.disable_by_batch_size set, the plain decode target is
+        enabled too (LLMEngine.enable_target: its decode graphs for the buckets above the threshold), for the
+        steps the policy runs plainly.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
         m = self.model
@@ -131,6 +149,7 @@ class SpeculativeEngine(LLMEngine):
             raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
         k = self.spec.num_speculative_tokens
         buckets = buckets or buckets_up_to(self.config.max_num_seqs)
+        plain_buckets = self._policy_buckets(buckets)
         # bucket 1 always stays: K <= 16 and the tables hold max_num_batched_tokens + K per sequence
         buckets = tuple(b for b in buckets if b * (k + 1) <= min(self.tables.max_tokens, MAX_ROWS))
         width = self._certified_table_width()
@@ -153,7 +172,17 @@ class SpeculativeEngine(LLMEngine):
         self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs,
                                     sampling=sampling)
         self.spec_steps.capture(mode)
+        if plain_buckets and m.device.type == "cuda":
+            # the steps the policy runs plainly take the plain engine's target: its decode graphs (overlap loop)
+            # for the batches above the threshold, the paged-cache kernels in its eager steps. The tables were
+            # sized above, so this keeps them (SpecSteps captured their buffers).
+            LLMEngine.enable_target(self, graphs=graphs, buckets=plain_buckets, mode=mode)
         return True
+
+    def _policy_buckets(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        """The graph buckets a plain step of the batch-size policy can land in (none when it is off)."""
+        limit = self.spec.disable_by_batch_size
+        return () if limit is None else tuple(b for b in buckets if b > limit)
 
     def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
         """The base cache plus the shared Eagle3 draft layer (K/V sub-pages in every slot). The drafter is
@@ -193,6 +222,9 @@ class SpeculativeEngine(LLMEngine):
         m = t.metrics()
         m["num_speculative_tokens"] = self.spec.num_speculative_tokens
         m["forced_acceptance"] = self.spec.forced_acceptance
+        m["disable_by_batch_size"] = self.spec.disable_by_batch_size
+        m["policy_plain_steps"] = self.policy_plain_steps
+        m["policy_spec_steps"] = self.policy_spec_steps
         m["acceptance_rate_per_position"] = [a / p if p else None
                                              for a, p in zip(t.accepted_per_pos, t.proposed_per_pos)]
         out["spec_decode"] = m
@@ -213,10 +245,25 @@ class SpeculativeEngine(LLMEngine):
         chunks = self.scheduler.schedule()
         if not chunks:
             return self._resolve_inflight() + self._unschedulable()
+        limit = self.spec.disable_by_batch_size
+        if limit is not None:
+            decoding = sum(c.num_tokens == 1 and c.reaches_end for c in chunks)
+            if decoding > limit:
+                self.policy_plain_steps += 1
+                return self._plain_step(chunks)
+            self.policy_spec_steps += int(decoding > 0)
+        done: list[Request] = []
+        if self._inflight is not None and not isinstance(self._inflight, _SpecFlight):
+            # a plain decode graph step in flight: its rows' last tokens are still on the device, where the
+            # speculative step does not look for them. Plain steps move num_computed at launch, so the chunks
+            # stay as scheduled once it is read back.
+            done = self._resolve_inflight()
+            chunks = [c for c in chunks if not c.request.is_finished]
+            if not chunks:
+                return done
         reqs = self._target_step_requests(chunks)
         if reqs is not None:
-            return self._target_step(reqs)
-        done: list[Request] = []
+            return done + self._target_step(reqs)
         # classified before any launch: reading back the step in flight moves a decoding row's num_computed, after
         # which its chunk no longer reaches_end and would pass for a prefill
         decodes = [c for c in chunks if c.num_tokens == 1 and c.reaches_end]
@@ -228,9 +275,31 @@ class SpeculativeEngine(LLMEngine):
             reqs = self._target_step_requests(decodes)
             if reqs is not None:
                 self.split_steps += 1
-                done = self._target_step(reqs)
+                done += self._target_step(reqs)
                 chunks = prefills
         return done + self._eager_step(chunks)
+
+    def _plain_step(self, chunks) -> list[Request]:
+        """The step as the plain engine runs it (no drafts, verify rows or draft passes): LLMEngine's decode graph
+        (overlapped) or eager step. A SpecSteps step in flight is read back first: the plain step stages its rows'
+        tokens and positions from the host. Its requests keep no drafts: the state they were made for is gone, so
+        the next speculative step of each is the eager one (verify its last token, draft anew)."""
+        done = []
+        if isinstance(self._inflight, _SpecFlight):
+            done = self._resolve_inflight()
+            chunks = [c for c in chunks if not c.request.is_finished]
+            # that flight moved its rows on by up to K + 1 tokens after they were scheduled; the pages it took
+            # (below n + 2K) hold the new decode position unless K = 1
+            if not all(self.blocks.append_slots(c.request.request_id, c.request.num_computed + c.num_tokens)
+                       for c in chunks):
+                return done          # no room: the next schedule() preempts
+            if not chunks:
+                return done
+        for c in chunks:
+            st = self._state.get(c.request.request_id)
+            if st is not None:
+                st.drop_drafts()
+        return done + self._step_chunks(chunks)
 
     def _eager_step(self, chunks) -> list[Request]:
         """Verify + draft passes of `chunks` on the host-driven path (prefill chunks, logprobs, penalties, ...)."""
@@ -252,7 +321,7 @@ class SpeculativeEngine(LLMEngine):
     # ------------------------------------------------------------------ the decode target's step
     def _in_flight(self) -> dict[int, int]:
         """request id -> its preemption count at launch, for the requests of the SpecSteps step in flight."""
-        return self._inflight[2] if self._inflight is not None else {}
+        return self._inflight.preemptions if isinstance(self._inflight, _SpecFlight) else {}
 
     def _target_step_requests(self, chunks) -> list[Request] | None:
         """The requests of `chunks` when the step can run as SpecSteps: every chunk a decode (greedy, or sampled
@@ -314,16 +383,18 @@ class SpeculativeEngine(LLMEngine):
         self._flight_sampled = sampling is not None
         self.graph_steps += 1
         self.overlapped_steps += any(moving)
-        prev, self._inflight = self._inflight, (launched, reqs, {r.request_id: r.num_preemptions for r in reqs})
+        prev, self._inflight = self._inflight, _SpecFlight(launched, reqs,
+                                                           {r.request_id: r.num_preemptions for r in reqs})
         if not self.overlap:
             return self._resolve(prev) + self._resolve_inflight()
         return self._resolve(prev)
 
     def _resolve(self, inflight) -> list[Request]:
         """Read back a SpecSteps step: each request that is still running as it was launched (not finished,
-        aborted or preempted since) appends what it emitted; the others' results are dropped."""
-        if inflight is None:
-            return []
+        aborted or preempted since) appends what it emitted; the others' results are dropped. A plain decode
+        graph step (the batch-size policy's) is read back as LLMEngine does."""
+        if not isinstance(inflight, _SpecFlight):
+            return super()._resolve(inflight)
         launched, reqs, preemptions = inflight
         res = self.spec_steps.fetch(launched)
         k = self.spec.num_speculative_tokens

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s flag: e.g. \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\' '
                         '("model": null = a random drafter, with "forced_acceptance" for benchmarks)')
+    p.add_argument("--speculative-disable-by-batch-size", default=None, metavar="N|none",
+                   help="vLLM's flag: steps with more than N decoding requests run without speculation; 'none' "
+                        "speculates at every batch size (default: speculative_config's, 2 at TP 1, none under "
+                        "--tp)")
     p.add_argument("--route", choices=["off", "auto", "require"], default=None,
                    help="kernel routing: off = stock PyTorch, auto = certified Triton entries where they serve "
                         "(stock elsewhere), require = raise outside them (default: auto on CUDA, off on CPU)")
@@ -120,6 +124,24 @@ def run(args: argparse.Namespace) -> int:
             return 2
         extra["speculative_config"] = {"method": "eagle3", "model": drafter,
                                        "num_speculative_tokens": args.speculative_tokens}
+    if args.speculative_disable_by_batch_size is not None:
+        spec = extra.get("speculative_config")
+        if spec is None:
+            print("m3serve serve: --speculative-disable-by-batch-size needs --speculative-tokens or "
+                  "--speculative-config", file=sys.stderr)
+            return 2
+        raw = args.speculative_disable_by_batch_size
+        try:
+            limit = None if raw.lower() == "none" else int(raw)
+        except ValueError:
+            print(f"m3serve serve: --speculative-disable-by-batch-size: expected an int >= 1 or 'none', found {raw!r}",
+                  file=sys.stderr)
+            return 2
+        if spec.get("disable_by_batch_size", limit) != limit:
+            print(f"m3serve serve: --speculative-disable-by-batch-size {raw} and --speculative-config's "
+                  f"disable_by_batch_size {spec['disable_by_batch_size']!r} disagree", file=sys.stderr)
+            return 2
+        spec["disable_by_batch_size"] = limit     # SpecConfig validates it (an int < 1 is a ValueError there)
     llm = LLM(model, **extra, device=args.device, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,

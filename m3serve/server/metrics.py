@@ -15,7 +15,11 @@ clean), the same series as `vllm:<name>` on request (`/metrics?names=vllm`, for 
     m3serve_kv_pages_capacity / _free / _used / _cached   gauge   KV pages
     m3serve_engine_steps_total, m3serve_http_responses_total{status}   counter
     m3serve_kernel_compiles_after_warmup_total       counter    Triton kernel variants built after the warm-up
-    m3serve_spec_*                                   gauge      speculative decoding statistics (engine.stats())
+    m3serve_spec_*                                   gauge      speculative decoding statistics (engine.stats()),
+                                                                among them m3serve_spec_disable_by_batch_size (the
+                                                                policy's threshold; absent when the policy is off)
+    m3serve_spec_policy_plain_steps_total / _spec_steps_total   counter   steps with decoding requests that the
+                                                                batch-size policy ran plainly / speculatively
 
 promtool's lint refuses ':' in names (it reserves them for recording rules; vLLM's own exposition fails it), so
 the `vllm:` form is the alias, not the default. Engine figures come from the engine loop's latest snapshot, read
@@ -37,6 +41,13 @@ disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "m3serve_"
+# the speculative batch-size policy's step counts (SpeculativeEngine.stats): counters, not spec_* gauges
+SPEC_POLICY_COUNTERS = {
+    "spec_policy_plain_steps": "Steps with decoding requests run without speculation (more decoding requests "
+                               "than speculative_config.disable_by_batch_size).",
+    "spec_policy_spec_steps": "Steps with decoding requests run speculatively under "
+                              "speculative_config.disable_by_batch_size.",
+}
 # vLLM's metrics, by their names after the prefix (`vllm:` + name in vLLM's exposition)
 VLLM_METRICS = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
@@ -155,7 +166,11 @@ class _EngineCollector:
         if "acceptance_length" in s:
             yield self._gauge("m3serve_spec_acceptance_length", "Mean tokens emitted per speculative verify step.",
                               s["acceptance_length"])
-        for key in sorted(k for k in s if k.startswith("spec_") and k.replace("_", "").isalnum()):
+        for key, help in SPEC_POLICY_COUNTERS.items():
+            if key in s:
+                yield self._counter(f"m3serve_{key}", help, s[key])
+        for key in sorted(k for k in s if k.startswith("spec_") and k.replace("_", "").isalnum()
+                          and k not in SPEC_POLICY_COUNTERS):
             v = s[key]
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 yield self._gauge(f"m3serve_{key}", f"Speculative decoding statistic {key} (engine.stats()).", v)

@@ -412,8 +412,10 @@ def measure_acceptance(target_dir: str | Path, drafter_dir: str | Path, data_dir
     ecfg = EngineConfig(max_num_seqs=max(num_prompts, 1), max_num_batched_tokens=max(2048, longest * num_prompts),
                         seed=seed, kv_cache_bytes=(1 << 30) if dev.type == "cuda" else 64 << 20)  # 2 engines, 1 GPU
     plain = LLMEngine(target, ecfg)
+    # acceptance is measured at every batch size: the batch-size policy would decode large batches plainly
     spec = SpeculativeEngine(target, ecfg, speculative_config={"method": "eagle3", "model": str(drafter_dir),
-                                                               "num_speculative_tokens": k})
+                                                               "num_speculative_tokens": k,
+                                                               "disable_by_batch_size": None})
     out: dict = {"k": k, "num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
                  "device": str(dev), "dtype": str(dt), "runs": {}}
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

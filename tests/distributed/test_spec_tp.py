@@ -36,7 +36,9 @@ def _run(llm, prompts, params):
 @pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "eagle3", "config.json")),
                     reason="the embedded model and its drafter are not in this checkout")
 def test_embedded_model_tp2_speculative_greedy_equals_tp1():
-    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    # TP 1 speculates at every batch size too (the batch-size policy is off under TP)
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
     prompts = ["To be, or not to be, that is the question:", "ROMEO:\n", "The king is dead. Long live",
                "First Citizen:\nBefore we proceed any further, hear me speak."]
     one = LLM(DEFAULT_MODEL_DIR, speculative_config=spec, **KW)
@@ -56,7 +58,7 @@ def test_embedded_model_tp2_speculative_greedy_equals_tp1():
 def test_shared_head_drafter_tp2_equals_tp1_greedy_and_sampled(monkeypatch):
     # tiny + a random drafter that shares the target's vocab-parallel embedding and LM head: the greedy drafts
     # are a vocab-parallel argmax and the draft embedding an all-reduce, which the follower must match.
-    spec = {"method": "eagle3", "model": None, "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": None, "num_speculative_tokens": 3, "disable_by_batch_size": None}
     prompts = [{"prompt_token_ids": p} for p in token_prompts(4, 5, 70, seed=40)]
     mixed = [GREEDY, SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=3, ignore_eos=True),
              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
@@ -83,3 +85,10 @@ def test_bad_speculative_config_fails_before_any_worker_starts():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM("tiny", speculative_config={"method": "eagle3", "num_speculative_tokens": 0}, tensor_parallel_size=2,
             **KW)
+
+
+def test_batch_size_policy_is_refused_before_any_worker_starts():
+    """Its plain steps are not broadcast to the followers: a value is refused (the default there is None)."""
+    with pytest.raises(ValueError, match="disable_by_batch_size = 2"):
+        LLM("tiny", speculative_config={"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 2},
+            tensor_parallel_size=2, **KW)

@@ -74,7 +74,8 @@ def test_tp2_nccl_speculative_greedy_equals_tp1_on_the_embedded_model():
     from m3serve.llm import DEFAULT_MODEL_DIR
     from m3serve.tokenizer import chat_token_ids
     torch.backends.cuda.matmul.allow_tf32 = False
-    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}     # TP 1 speculates at every batch size too (the policy is off at TP 2)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     one = LLM(DEFAULT_MODEL_DIR, speculative_config=spec, **KW)
     items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:8]

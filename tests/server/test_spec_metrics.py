@@ -28,3 +28,6 @@ def test_metrics_report_speculation(model_dir):
     assert "m3serve_spec_acceptance_length" in values, sorted(values)
     assert 2.0 <= values["m3serve_spec_acceptance_length"] <= 3.0
     assert values.get("m3serve_spec_verify_steps", 0) >= 1
+    # the batch-size policy (its default threshold): a request alone speculates
+    assert values["m3serve_spec_disable_by_batch_size"] == 2
+    assert values["m3serve_spec_policy_spec_steps_total"] >= 1 and values["m3serve_spec_policy_plain_steps_total"] == 0

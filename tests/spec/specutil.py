@@ -18,7 +18,8 @@ def prompts(n: int, lo: int = 3, hi: int = 90, seed: int = 0) -> list[list[int]]
 
 
 def spec_cfg(k: int = 3, **kw) -> dict:
-    return {"method": "eagle3", "model": None, "num_speculative_tokens": k, **kw}
+    """These tests check the speculative step at every batch size: the batch-size policy is off unless asked."""
+    return {"method": "eagle3", "model": None, "num_speculative_tokens": k, "disable_by_batch_size": None, **kw}
 
 
 def plain_outputs(model, ps: list[list[int]], params: list[SamplingParams], **cfg) -> list[list[int]]:
@@ -88,7 +89,10 @@ class CheatEngine(SpeculativeEngine):
         super()._record(st, k, a)
 
 
-def cheat_engine(model, ps, params, ref_outputs, k: int = 3, corrupt_every: int = 5, **cfg) -> CheatEngine:
+def cheat_engine(model, ps, params, ref_outputs, k: int = 3, corrupt_every: int = 5, spec: dict | None = None,
+                 **cfg) -> CheatEngine:
+    """spec: more speculative_config keys (e.g. disable_by_batch_size)."""
     reference = {tuple(p): out for p, out in zip(ps, ref_outputs)}
-    return CheatEngine(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}), speculative_config=spec_cfg(k),
-                       reference=reference, corrupt_every=corrupt_every)
+    return CheatEngine(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}),
+                       speculative_config=spec_cfg(k, **(spec or {})), reference=reference,
+                       corrupt_every=corrupt_every)

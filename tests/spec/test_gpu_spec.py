@@ -88,7 +88,8 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
     items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:6]
     ps = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
 
     def run(eng):
         reqs = [eng.add_request(p, params) for p in ps]
@@ -106,6 +107,40 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
         st = eng.stats()["spec_decode"]
         assert eng.graph_steps >= 10 and st["acceptance_length"] > 2.0   # verify_steps counts requests
     assert outs[True] == outs[False] == ref
+
+
+def test_batch_size_policy_on_the_decode_target_equals_plain_greedy():
+    """The default policy (disable_by_batch_size 2) on the embedded model: batches of 3-4 decode through the plain
+    decode graphs (captured by SpeculativeEngine.enable_target for the buckets above 2) and the overlap loop,
+    batches of 1-2 through SpecSteps, switching as requests arrive and finish; greedy tokens equal the plain
+    target's, with graphs and with enforce_eager; no page leaks."""
+    import json
+    import os
+    from m3serve import LLM
+    from m3serve.llm import DEFAULT_MODEL_DIR
+    from m3serve.tokenizer import chat_token_ids
+    llm = LLM(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_bytes=256 << 20, max_num_seqs=4)
+    items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:6]
+    ps = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 12, 56, 20, 30, 64)]
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    arrivals = [0, 0, 0, 3, 9, 30]
+
+    ref = [list(r.output_token_ids) for r in run_staggered(llm.engine, ps, params, arrivals)]
+    for graphs in (True, False):
+        eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
+        assert eng.enable_target(graphs=graphs, mode="require")
+        assert (eng.graphs is not None) == graphs and eng.target_attention
+        if graphs:
+            assert eng.graphs.captured == (4,) and not eng.graphs.processed_graphs
+        got = [list(r.output_token_ids) for r in run_staggered(eng, ps, params, arrivals)]
+        assert got == ref, graphs
+        st = eng.stats()["spec_decode"]
+        assert st["disable_by_batch_size"] == 2 and st["policy_plain_steps"] >= 10 and st["policy_spec_steps"] >= 10
+        assert eng.graph_steps >= 5 and st["verify_steps"] > 0
+        if graphs:
+            assert eng.graphs.replays >= 10
+        assert eng.blocks.num_free_slots() == eng.kv.num_slots and eng._inflight is None
 
 
 def test_routed_drafter_norm_matches_the_stock_llama_norm():
@@ -221,7 +256,8 @@ def test_sampled_spec_graphs_match_the_plain_target_distribution():
         return torch.tensor(outs)
 
     plain = run(llm.engine)
-    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
     eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
     assert eng.enable_target(graphs=True, mode="require")
     got = run(eng)

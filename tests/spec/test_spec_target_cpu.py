@@ -228,3 +228,43 @@ def test_install_drafter_routes_exact_norms_and_joins_projections():
     assert layer.self_attn.kernel is not None and layer.mlp.kernel is not None
     install_drafter(d, "off")
     assert all(getattr(m, "kernel", None) is None for m in d.modules())
+
+
+def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_graphs(model):
+    """disable_by_batch_size=1 with SpecSteps for single requests and the plain overlap loop (the stand-in for the
+    decode graphs) for two. A SpecSteps step is in flight when a request whose prompt is all in the prefix cache
+    but its last token joins: that step holds two decoding rows, so it runs plainly and must read the flight
+    back first (both in flight are different kinds: they share nothing on the device); when the first request
+    finishes, the other speculates again (first the eager step: no drafts for its state, then SpecSteps). Both
+    get exactly the eager engine's greedy tokens; no page leaks."""
+    from m3serve.engine.speculative import _SpecFlight
+    from tests.engine.test_overlap_loop import FakeGraphs
+
+    eng = _spec(model, True, disable_by_batch_size=1)
+    eng.graphs = FakeGraphs(eng, buckets=(2, 4))
+    cached = PROMPTS[1][:eng.kv.page_size + 1]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
+    ref_eng = _spec(model, False)
+    ref = [ref_eng.add_request(p, sp) for p, sp in zip((PROMPTS[0], cached), params)]
+    while ref_eng.has_work():
+        ref_eng.step()
+    ref = [list(r.output_token_ids) for r in ref]
+    seen = []
+    plain_step = eng._plain_step
+    eng._plain_step = lambda chunks: seen.append(isinstance(eng._inflight, _SpecFlight)) or plain_step(chunks)
+    warm = eng.add_request(cached, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert warm.is_finished
+    first = eng.add_request(PROMPTS[0], params[0])
+    while not isinstance(eng._inflight, _SpecFlight):
+        eng.step()
+    late = eng.add_request(cached, params[1])
+    while eng.has_work():
+        eng.step()
+    assert [list(first.output_token_ids), list(late.output_token_ids)] == ref
+    assert seen[0] is True and eng.policy_plain_steps >= 3 and eng.graphs.runs >= 3
+    assert eng.stats()["spec_decode"]["policy_spec_steps"] >= 4 and eng.graph_steps >= 3
+    assert eng.graphs.pending_reads == 0 and eng._inflight is None
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots
