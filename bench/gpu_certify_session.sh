@@ -138,6 +138,28 @@ kv-cost)  # the H200 KV eval (every sparse layer NVFP4 vs BF16 KV) beside the GP
       --out "$OUT/decode-target-h200-kv-rotation-$rot.json"
   done
   ;;
+closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no compile after the warm-up, the
+           # speculation batch-size policy), then: the decode-once band timed, prefill at 8k beside transformers,
+           # serving plain vs Eagle3 (policy on), the minimax-m3:5 NVFP4 decode step (no-regression)
+  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
+  timeout ${T_TESTS:-120} $k --timeout 110 tests/kernels/moe/test_moe_grouped_gpu.py \
+    -k "decode_once or (4096 and not cell_matches)" > "$OUT/pytest-moe-band.log" 2>&1 &
+  timeout ${T_TESTS:-120} $k --timeout 110 tests/kernels/test_gpu.py -k "moe.grouped and 3072 and (r4096 or r2049)" \
+    > "$OUT/pytest-moe-cells.log" 2>&1 &
+  timeout ${T_TESTS:-120} $k --timeout 110 tests/runtime/test_no_cliffs_gpu.py -k no_kernel_variant \
+    > "$OUT/pytest-warmup.log" 2>&1 &
+  timeout ${T_TESTS:-120} $k --timeout 110 tests/spec/test_gpu_spec.py -k batch_size_policy > "$OUT/pytest-policy.log" 2>&1 &
+  wait
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
+  phase moe-decode-once ${T_MOE:-60} python3 bench/moe_grouped.py --decode-once --fmts nvfp4,mxfp8,bf16 \
+    --rows 2048,4096,8192 --iters 5 --out-dir "$OUT"
+  phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,mxfp8 \
+    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
+  phase serve ${T_SERVE:-170} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
+  phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+    --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
