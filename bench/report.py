@@ -603,6 +603,27 @@ def render_prefill(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_moe_decode_once(files: list[ResultFile]) -> str:
+    """bench/moe_grouped.py --decode-once: one MoE layer at M3 dims, the in-register path vs the decode-once band."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            once = opt(r, "decode_once_total_ms", w)
+            table.append([need(r, "fmt", w, "str"), count(need(r, "rows", w, "int")),
+                          f"{need(r, 'in_register_total_ms', w):.2f}",
+                          f"{once:.2f}" if once is not None else DASH,
+                          f"{r['decode_once_decode_ms']:.2f}" if once is not None else DASH,
+                          f"{r['decode_once_gemm_ms']:.2f}" if once is not None else DASH,
+                          f"{r['speedup']:.2f}x" if once is not None else DASH])
+        headers = ["experts", "tokens", "in-register (ms)", "decode-once (ms)", "of it decode", "of it GEMMs",
+                   "speedup"]
+        blocks.append(file_block("moe.grouped, one layer (E 128, H 6144, I 3072, top-4): the in-register decode vs "
+                                 "decoding the experts once to bf16", md_table(headers, table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_spec_target(files: list[ResultFile]) -> str:
     """bench/spec_target.py: the plain decode target vs SpecSteps graphs per model, batch and K, per user."""
     blocks = []
@@ -943,6 +964,8 @@ KINDS = (
     Kind("attention", "Attention", ("attention",), ("attention-*.json",),
          lambda d: _row_keys(d, "entry", "query_tokens", "us") or (bool(d.get("decode_step"))
                                                                    and d.get("results") == []), render_attention),
+    Kind("moe_decode_once", "MoE decode-once band", (), ("kernels-moe-grouped-decode-once*.json",),
+         lambda d: _row_keys(d, "fmt", "in_register_total_ms"), render_moe_decode_once),
     Kind("kernels", "Kernels", ("kernels",), ("kernels-*.json",),
          lambda d: "goals" in d and _row_keys(d, "entry", "shape", "frac_copy"), render_kernels),
     Kind("kernel_variants", "Kernel variants", (), ("kernel-variants*.json",),

@@ -499,3 +499,16 @@ def test_spec_target_rows(report, tmp_path):
     assert table_rows(out, "model") == [["m", "1", "0", "plain", "1000", "—", "—", "—"],
                                         ["m", "1", "3", "spec", "1500", "1.5×", "3.50", "yes"],
                                         ["m", "4", "3", "spec", "800", "0.80×", "2.76 (forced 2.78)", "—"]]
+
+
+def test_moe_decode_once(report, tmp_path):
+    """bench/moe_grouped.py --decode-once rows: a BF16 row has no decode-once columns; the file is not taken for
+    a kernels file though its name starts like one."""
+    rows = [{"fmt": "nvfp4", "rows": 8192, "in_register_total_ms": 19.88, "decode_once_total_ms": 15.12,
+             "decode_once_decode_ms": 6.78, "decode_once_gemm_ms": 7.65, "speedup": 1.3148},
+            {"fmt": "bf16", "rows": 8192, "in_register_total_ms": 8.83}]
+    write(tmp_path, "kernels/kernels-moe-grouped-decode-once-h200.json",
+          {**PROVENANCE, "command": "bench/moe_grouped.py --decode-once", "results": rows})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "experts") == [["nvfp4", "8192", "19.88", "15.12", "6.78", "7.65", "1.31x"],
+                                          ["bf16", "8192", "8.83", "—", "—", "—", "—"]]
