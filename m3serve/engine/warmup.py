@@ -48,6 +48,25 @@ def variant_lengths(engine, limit: int) -> list[int]:
     return out
 
 
+def scored_lengths(engine) -> list[int]:
+    """Prompt lengths that end in a chunk of each msa.scores query tile (BQ, QCHUNKS) while the sequence is longer
+    than the indexer's top-k blocks: only such sequences are scored, so a short prompt of the same length never
+    builds the variant (seen on the H200: a 65-96-row chunk beside a long sequence compiled while serving). Each is
+    m whole chunks of the step budget (together past the top-k blocks) and then n tokens."""
+    cfg = engine.model.cfg
+    if "sparse" not in cfg.layer_types:
+        return []
+    budget = engine.config.max_num_batched_tokens
+    m = -(-(cfg.index_topk_blocks * cfg.index_block_size + 1) // budget)
+    seen, out = set(), []
+    for n in range(1, min(128, budget) + 1):
+        key = scores_tile(n, cfg.index_n_heads)
+        if key not in seen:
+            seen.add(key)
+            out.append(m * budget + n)
+    return out
+
+
 def warmup_prompt_lengths(max_model_len: int, max_num_batched_tokens: int, capacity_tokens: int,
                           extra: tuple[int, ...] = ()) -> list[int]:
     """Prompt lengths covering the integer specializations of a prefill chunk: 1 token, odd lengths, multiples
@@ -89,6 +108,8 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     ]
     # a prompt alone in its step (one sequence is its own specialization of the kernels' sequence count)
     waves += [[(n, greedy)] for n in lengths if n <= engine.config.max_num_batched_tokens]
+    waves += [[(n, greedy)] for n in scored_lengths(engine)
+              if n + 2 <= min(engine.max_model_len, engine.capacity_tokens // 2)]
     # a sequence count divisible by 16 is a specialization too (16 prompts prefilled together: measured on the H200
     # as a TTFT p90 of ~0.7 s at 16 users while p50 was 60 ms), with a token count divisible by 16 and with an
     # odd one; and several prompts whose tokens add up to a multiple of 16
@@ -124,4 +145,4 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     return {"requests": n_req, "tokens": n_tok, "seconds": secs}
 
 
-__all__ = ["shape_class", "variant_lengths", "warm_up", "warmup_prompt_lengths"]
+__all__ = ["scored_lengths", "shape_class", "variant_lengths", "warm_up", "warmup_prompt_lengths"]

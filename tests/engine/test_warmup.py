@@ -47,12 +47,16 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
     seen = set()
     build = eng._build_batch
 
-    longest = set()
+    longest, scored = set(), set()
+    cfg = eng.model.cfg
 
     def recording(chunks):
         seen.add((shape_class(len(chunks)), shape_class(sum(c.num_tokens for c in chunks))))
         if len(chunks) == 1:
             longest.add(chunks[0].num_tokens)
+        # msa.scores runs only for sequences past the indexer's top-k blocks, with a tile set by the longest chunk
+        if any(c.request.num_computed + c.num_tokens > cfg.index_topk_blocks * cfg.index_block_size for c in chunks):
+            scored.add(scores_tile(max(c.num_tokens for c in chunks), cfg.index_n_heads))
         return build(chunks)
 
     eng._build_batch = recording
@@ -62,7 +66,7 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
     assert want <= seen, f"classes never run by the warm-up: {sorted(want - seen)}"
     # the attention kernels' variants chosen by a step's query length (msa.scores' tile, the split-KV factors):
     # a prompt prefilled alone of each, up to the step budget
-    cfg, hk = eng.model.cfg, eng.kv.spec.num_kv_heads
+    hk = eng.kv.spec.num_kv_heads
 
     def variant(n):
         return (scores_tile(n, cfg.index_n_heads),
@@ -70,6 +74,8 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
 
     missing = {variant(n) for n in range(1, 65)} - {variant(n) for n in longest}
     assert not missing, f"attention variants never run alone by the warm-up: {sorted(missing)}"
+    unscored = {scores_tile(n, cfg.index_n_heads) for n in range(1, 65)} - scored
+    assert not unscored, f"msa.scores tiles never run on a scored sequence by the warm-up: {sorted(unscored)}"
 
 
 def test_compile_watch_counts_and_exports(caplog):
