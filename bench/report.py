@@ -709,9 +709,10 @@ def render_serve_pareto(files: list[ResultFile]) -> str:
                               need(r, "failed", wr, "int"), sig(need(r, "total_tokens_per_s_per_gpu", wr)),
                               f"{sig(need(ttft, 'p50', wr + '.ttft_ms'))} / {sig(need(ttft, 'p90', wr + '.ttft_ms'))}",
                               f"{sig(need(itl, 'p50', wr + '.itl_ms'))} / {sig(need(itl, 'p90', wr + '.itl_ms'))}",
-                              sig(need(r, "interactivity_x90", wr))])
+                              sig(need(r, "interactivity_x90", wr)),
+                              or_dash(opt(r, "interactivity_tpot_p90", wr), sig)])
         headers = ["model", "mode", "weights", "concurrency", "failed", "total tok/s per GPU", "TTFT p50 / p90 ms",
-                   "ITL p50 / p90 ms", "tok/s per user (1000 / P90 ITL)"]
+                   "ITL p50 / p90 ms", "tok/s per user (1000 / P90 ITL)", "tok/s per user (1000 / P90 TPOT)"]
         blocks.append(file_block("Serving sweeps (Pareto front file)", md_table(headers, table), rf))
     return "\n\n".join(blocks)
 
@@ -1067,6 +1068,45 @@ def render_report(results_dir: Path = RESULTS_DIR) -> str:
     return "\n\n".join(sections)
 
 
+def _prefill_summary(rf: ResultFile) -> list[list[str]]:
+    """Each m3serve TTFT of a prefill file, beside transformers' BF16 TTFT at the same length when the same run
+    measured it."""
+    rows, hf = [], {}
+    for i, r in enumerate(rows_of(rf)):
+        w = f"{rf.name}.results[{i}]"
+        if need(r, "engine", w, "str") == "transformers" and opt(r, "ttft_s", w) is not None:
+            hf[need(r, "tokens", w, "int")] = r["ttft_s"]
+    for i, r in enumerate(rows_of(rf)):
+        w = f"{rf.name}.results[{i}]"
+        ttft = opt(r, "ttft_s", w)
+        if need(r, "engine", w, "str") != "m3serve" or ttft is None:
+            continue
+        n = need(r, "tokens", w, "int")
+        vs = f" ({sig(ttft / hf[n], 2)}x transformers' BF16 {ms(hf[n])} ms, same run)" if n in hf else ""
+        q = need(r, "quantization", w, "str")
+        rows.append([f"prefill TTFT, {count(n)} tokens, {'BF16' if q == 'none' else q.upper()} weights",
+                     need(r, "model", w, "str"), f"{ms(ttft)} ms{vs}", code(rf.name)])
+    return rows
+
+
+def _serve_summary(rf: ResultFile, concurrency: int = 64) -> list[list[str]]:
+    """Each run of a Pareto file at `concurrency` users: ITL p50, per-user tok/s (1 / P90 TPOT), total tok/s."""
+    rows = []
+    for i, run in enumerate(need(rf.data, "runs", rf.name, "list")):
+        w = f"{rf.name}.runs[{i}]"
+        for j, r in enumerate(need(run, "results", w, "list")):
+            wr = f"{w}.results[{j}]"
+            if need(r, "concurrency", wr, "int") != concurrency:
+                continue
+            per_user = opt(r, "interactivity_tpot_p90", wr)
+            rows.append([f"served, {need(run, 'mode', w, 'str')}, {concurrency} users",
+                         f"{need(run, 'model', w, 'str')} ({(run.get('quantization') or 'bf16').upper()} weights)",
+                         f"ITL p50 {sig(need(need(r, 'itl_ms', wr, 'dict'), 'p50', wr + '.itl_ms'))} ms, "
+                         + (f"{sig(per_user)} tok/s per user, " if per_user is not None else "")
+                         + f"{sig(need(r, 'total_tokens_per_s_per_gpu', wr))} tok/s in all", code(rf.name)])
+    return rows
+
+
 def render_summary(results_dir: Path = RESULTS_DIR) -> str:
     """The README's headline figures (without the marker lines): per model, the fastest decode step measured at
     batch 1 on a routed path and the best speculative speedup at batch 1; every accuracy comparison. Each row
@@ -1099,6 +1139,12 @@ def render_summary(results_dir: Path = RESULTS_DIR) -> str:
             if key not in best or value > best[key][0]:
                 best[key] = (value, row)
     rows = [row for _, (_, row) in sorted(best.items())]
+    for rf in files:
+        kind = recognise(rf)
+        if kind is not None and kind.name == "prefill":
+            rows += _prefill_summary(rf)
+        elif kind is not None and kind.name == "serve_pareto":
+            rows += _serve_summary(rf)
     for rf in files:
         kind = recognise(rf)
         if kind is not None and kind.name == "eval_kv":

@@ -512,3 +512,26 @@ def test_moe_decode_once(report, tmp_path):
     out = report.render_report(tmp_path)
     assert table_rows(out, "experts") == [["nvfp4", "8192", "19.88", "15.12", "6.78", "7.65", "1.31x"],
                                           ["bf16", "8192", "8.83", "—", "—", "—", "—"]]
+
+
+def test_summary_prefill_and_serving_rows(report, tmp_path):
+    """The README summary: each m3serve TTFT, with its ratio to transformers' only when the same file (one run)
+    measured transformers at that length; each serving run at 64 users."""
+    write(tmp_path, "prefill/prefill-h200.json", {**PROVENANCE, "bench": "prefill", "command": "bench/prefill.py",
+          "results": [{"engine": "m3serve", "model": "minimax-m3:5", "quantization": "nvfp4", "tokens": 8192,
+                       "chunk": 8192, "ttft_s": 0.0947, "frac_bf16_peak": 0.45},
+                      {"engine": "m3serve", "model": "minimax-m3:5", "quantization": "nvfp4", "tokens": 1024,
+                       "chunk": 8192, "ttft_s": 0.02, "frac_bf16_peak": 0.2},
+                      {"engine": "transformers", "model": "minimax-m3:5", "quantization": "none", "tokens": 8192,
+                       "chunk": 8192, "ttft_s": 0.1731, "frac_bf16_peak": 0.25}]})
+    point = {"concurrency": 64, "failed": 0, "total_tokens_per_s_per_gpu": 45694.4, "ttft_ms": {"p50": 62.9, "p90": 85.2},
+             "itl_ms": {"p50": 1.87, "p90": 2.25}, "interactivity_x90": 443.8, "interactivity_tpot_p90": 418.0}
+    write(tmp_path, "serve/serve-pareto-h200.json", {**PROVENANCE, "command": "bench/serve_pareto.py", "runs": [
+        {"model": "embedded", "mode": "plain", "results": [{**point, "concurrency": 1}, point]}]})
+    rows = table_rows(report.render_summary(tmp_path), "figure")
+    assert ["prefill TTFT, 8192 tokens, NVFP4 weights", "minimax-m3:5",
+            "94.7 ms (0.55x transformers' BF16 173 ms, same run)", "`prefill/prefill-h200.json`"] in rows
+    assert ["prefill TTFT, 1024 tokens, NVFP4 weights", "minimax-m3:5", "20.0 ms", "`prefill/prefill-h200.json`"] in rows
+    assert ["served, plain, 64 users", "embedded (BF16 weights)", "ITL p50 1.87 ms, 418 tok/s per user, 45694 tok/s in all",
+            "`serve/serve-pareto-h200.json`"] in rows
+    assert sum(r[0].startswith("served") for r in rows) == 1
