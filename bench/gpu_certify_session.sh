@@ -110,17 +110,6 @@ kv)      # the main job cold / warm, and the hybrid KV cache on the H200 target:
       --out "$OUT/decode-target-h200-kv-rotation-$rot.json"
   done
   ;;
-serve-kv)  # the embedded model served plain and Eagle3 side by side, then the hybrid KV cache on the H200 target
-  phase serve ${T_SERVE:-220} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
-  phase kv-rotation ${T_KVROT:-90} python3 bench/kv_rotation.py --preset minimax-m3:5 --device cuda --tokens 4096 \
-    --json "$OUT/kv-rotation-h200.json"
-  phase eval-kv-hybrid ${T_EVAL:-110} python3 -m m3serve.eval --config-a engine:kv=bf16,route=auto \
-    --config-b engine:kv=nvfp4,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-hybrid-target-h200.json"
-  phase eval-kv-all-nvfp4 ${T_EVAL:-110} python3 -m m3serve.eval \
-    --config-a "recorded:$OUT/eval-kv-bf16-vs-hybrid-target-h200.json#engine:kv=bf16,route=auto" \
-    --config-b engine:kv=nvfp4,fp8=none,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-nvfp4-target-h200.json"
-  ;;
 kv-cost)  # the H200 KV eval (every sparse layer NVFP4 vs BF16 KV) beside the GPU tests of the warm-up and of every
           # expert format, then the rotation's cost on the minimax-m3:5 NVFP4 decode step, side by side
   k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
