@@ -18,6 +18,7 @@ from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.speculative import SpeculativeEngine
 from m3serve.engine.warmup import warm_up
+from m3serve.kernels._jit import COMPILE_WATCH
 from m3serve.kv.scales import apply_model_kv_scales, resolve_kv_fp8_layers, resolve_kv_rotation
 from m3serve.model.loader import load_model, resolve_config
 from m3serve.model.parallel import check_tp_shapes
@@ -112,8 +113,9 @@ class LLM:
                                 quantization=quantization, seed=seed)
         if self.route != "off":
             max_rows = _max_step_rows(engine_kwargs, speculative_config)
-            routing.install(self.model, self.route, max_rows=max_rows)   # require: uncovered rows raise here
-            routing.warmup(self.model, max_rows=max_rows)
+            with COMPILE_WATCH.startup():
+                routing.install(self.model, self.route, max_rows=max_rows)   # require: uncovered rows raise here
+                routing.warmup(self.model, max_rows=max_rows)
         self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
             model, kv_scales, kv_fp8_layers, engine_kwargs.get("kv_cache_dtype", "auto"))
@@ -182,9 +184,10 @@ class LLM:
                 raise ValueError(f"route='require': the decode target needs dtype bfloat16 on CUDA, found "
                                  f"{self.dtype} on {self.device}")
             return
-        self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
         # compile every prefill / mixed-step variant now, not in front of the first request (engine/warmup.py)
-        self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
+        with COMPILE_WATCH.startup():
+            self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
+            self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
                   speculative_config: dict | None = None) -> None:

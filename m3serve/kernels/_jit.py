@@ -186,6 +186,16 @@ class CompileWatch:
     def __init__(self) -> None:
         self.armed = False
         self.compiled: list[str] = []
+        self._startups = 0          # start-ups in progress (another LLM built in the same process, say)
+
+    @contextlib.contextmanager
+    def startup(self) -> Iterator[None]:
+        """Variants built inside are a start-up's own (compiling before serving is its job): not counted."""
+        self._startups += 1
+        try:
+            yield
+        finally:
+            self._startups -= 1
 
     def arm(self) -> None:
         if not self.armed:
@@ -193,6 +203,8 @@ class CompileWatch:
             self.armed = True
 
     def _on_compile(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
+        if self._startups:
+            return
         what = describe_variant(getattr(fn, "name", "?"), compile)
         self.compiled.append(what)
         logging.getLogger("m3serve").warning("a Triton kernel variant was built after the warm-up (a stall in front "

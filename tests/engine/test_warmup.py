@@ -92,6 +92,14 @@ def test_compile_watch_counts_and_exports(caplog):
     assert watch.count == 1
     assert watch.compiled[0] == "paged_attn_split[num_warps=4, num_stages=2](T=1, QB=4; divisible by 16: B)"
     assert watch.compiled[0] in caplog.text
+    with watch.startup():          # a second LLM's start-up in the same process compiles its own variants
+        with watch.startup():
+            watch._on_compile(key=None, repr="?", fn=SimpleNamespace(name="k"), compile=compile,
+                              is_manual_warmup=False, already_compiled=False)
+    assert watch.count == 1
+    watch._on_compile(key=None, repr="?", fn=SimpleNamespace(name="k"), compile=compile, is_manual_warmup=False,
+                      already_compiled=False)
+    assert watch.count == 2
     from m3serve.server.metrics import ServerMetrics
     text = ServerMetrics("m", process=False).render({"alive": 1, "kernel_compiles_after_warmup": 3})
     assert 'm3serve_kernel_compiles_after_warmup_total{model_name="m"} 3.0' in text
