@@ -99,21 +99,60 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuGrap
                 "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemsetAsync")
 
 
-def profile_steps(eng, steps: int) -> tuple[float, float]:
-    """(GPU-busy seconds per step, launch calls per step) over `steps` engine steps."""
+def triton_families() -> dict[str, str]:
+    """Triton kernel name -> its op family (the kernels/ sub-package, or `kv` for the block-table kernels): every
+    @kernel of the package, found by walking its modules."""
+    import importlib
+    import pkgutil
+
+    import m3serve.kernels as kernels_pkg
+    from m3serve.kernels._jit import DualKernel
+    names = ["m3serve.kv._expand_triton"] + [m.name for m in pkgutil.walk_packages(kernels_pkg.__path__,
+                                                                                    "m3serve.kernels.")]
+    out = {}
+    for name in names:
+        mod = importlib.import_module(name)
+        parts = name.split(".")
+        family = parts[2] if parts[1] == "kernels" and len(parts) > 3 else parts[1]
+        for v in vars(mod).values():
+            if isinstance(v, DualKernel):
+                out[v.__name__] = family
+    return out
+
+
+def kernel_class(name: str, families: dict[str, str]) -> str:
+    """The class a GPU kernel's time is reported under: a catalog family (gemm, moe, attention, norm, mlp, head,
+    spec, formats, kv), `cublas` (cuBLAS / CUTLASS GEMMs), `copy` (memcpy / memset), or `torch` (the rest: PyTorch's
+    elementwise, reduction and indexing kernels)."""
+    if name in families:
+        return families[name]
+    low = name.lower()
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    if any(t in low for t in ("gemm", "cutlass", "nvjet", "xmma", "sm90_")):
+        return "cublas"
+    return "torch"
+
+
+def profile_steps(eng, steps: int) -> tuple[float, float, dict[str, float]]:
+    """(GPU-busy seconds per step, launch calls per step, GPU seconds per step by kernel class) over `steps`
+    engine steps."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
-    busy_us, launches = 0.0, 0
+    families = triton_families()
+    busy_us, launches, by_class = 0.0, 0, {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             busy_us += ev.device_time
+            c = kernel_class(ev.name, families)
+            by_class[c] = by_class.get(c, 0.0) + ev.device_time
         elif ev.name in LAUNCH_CALLS:
             launches += 1
-    return busy_us / 1e6 / steps, launches / steps
+    return busy_us / 1e6 / steps, launches / steps, {c: us / 1e6 / steps for c, us in sorted(by_class.items())}
 
 
 WINDOW = 8   # decode steps per timing sample on the target (the eager routes sync every step anyway: 1)
@@ -140,14 +179,14 @@ def time_decode(llm, batch: int, context: int, steps: int, seed: int, window: in
             eng.step()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) / window)
-    busy, launches = profile_steps(eng, 3)
+    busy, launches, by_class = profile_steps(eng, 3)
     tokens = [list(r.output_token_ids) for r in reqs]
     for r in reqs:
         eng.abort(r.request_id)
     med = statistics.median(times[1:])
     return {"median_s": med, "min_s": min(times[1:]), "steps": window * (len(times) - 1), "window": window,
             "tokens_per_s": batch / med,
-            "gpu_busy_s": busy, "launches_per_step": launches, "_tokens": tokens}
+            "gpu_busy_s": busy, "gpu_s_by_class": by_class, "launches_per_step": launches, "_tokens": tokens}
 
 
 def main() -> None:

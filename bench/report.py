@@ -318,14 +318,16 @@ def render_decode(files: list[ResultFile]) -> str:
                 "route": need(r, "route", w, "str"), "median_s": need(r, "median_s", w),
                 "tokens_per_s": need(r, "tokens_per_s", w), "busy": opt(r, "gpu_busy_s", w),
                 "launches": opt(r, "launches_per_step", w), "roofline": opt(r, "fraction_of_roofline", w),
-                "agree": opt(r, "greedy_agreement_vs_off", w)})
+                "agree": opt(r, "greedy_agreement_vs_off", w),
+                "classes": opt(r, "gpu_s_by_class", w, "dict")})
         off = {p["key"]: p["median_s"] for p in parsed if p["route"] == "off"}
         parsed.sort(key=lambda p: (p["key"], ROUTE_ORDER.get(p["route"], len(ROUTE_ORDER)), p["route"]))
-        has = {f: any(p[f] is not None for p in parsed) for f in ("busy", "launches", "roofline", "agree")}
+        has = {f: any(p[f] is not None for p in parsed) for f in ("busy", "launches", "roofline", "agree", "classes")}
         headers = ["model", "batch", "context", "route", "ms/step", "tok/s"]
         headers += [h for f, h in (("busy", "GPU busy ms"), ("launches", "launches/step"),
                                    ("roofline", "% of roofline")) if has[f]]
         headers += ["speedup vs off"] + (["greedy agreement vs off"] if has["agree"] else [])
+        headers += ["GPU ms per step by kernel class"] if has["classes"] else []
         table = []
         for p in parsed:
             row = [p["key"][0], p["key"][1], p["key"][2], p["route"], ms(p["median_s"]), sig(p["tokens_per_s"])]
@@ -336,6 +338,9 @@ def render_decode(files: list[ResultFile]) -> str:
             row.append(times(base / p["median_s"]) if base is not None and p["route"] != "off" else DASH)
             if has["agree"]:
                 row.append(DASH if p["agree"] is None or p["route"] == "off" else pct(p["agree"]))
+            if has["classes"]:
+                c = p["classes"] or {}
+                row.append(", ".join(f"{k} {ms(v)}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])) or DASH)
             table.append(row)
         models = sorted({p["key"][0] for p in parsed})
         routes = sorted({p["route"] for p in parsed}, key=lambda r: (ROUTE_ORDER.get(r, len(ROUTE_ORDER)), r))

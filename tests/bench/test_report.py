@@ -137,6 +137,17 @@ def test_decode_target_schema(report, tmp_path):
     assert "**m3-tiny-verse: routes off, auto, target, greedy**" in report.render_report(tmp_path)
 
 
+def test_decode_gpu_time_by_class(report, tmp_path):
+    """A file whose rows carry gpu_s_by_class gets one more column, classes by time, largest first."""
+    f = decode_target_file()
+    f["results"][2]["gpu_s_by_class"] = {"attention": 0.0003, "moe": 0.0021, "gemm": 0.0014}
+    write(tmp_path, "decode-target-h200.json", f)
+    out = report.render_report(tmp_path)
+    assert headers_of(out, "model")[-1] == "GPU ms per step by kernel class"
+    rows = table_rows(out, "model")
+    assert sorted(r[-1] for r in rows) == ["moe 2.10, gemm 1.40, attention 0.300"] + ["—"] * 5
+
+
 def test_decode_old_schema_takes_the_model_from_the_preset(report, tmp_path):
     rows = [{"route": r, "batch": 4, "context": 1024, "median_s": s, "tokens_per_s": 4 / s,
              "fraction_of_roofline": 0.0085} for r, s in (("auto", 0.0693), ("off", 0.1893))]

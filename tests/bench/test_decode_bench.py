@@ -1,0 +1,32 @@
+"""bench/decode.py's per-class GPU time: every catalog kernel is attributed to its op family by the package's own
+kernel objects (no hand-kept name list), cuBLAS / copies / PyTorch kernels to their classes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from decode import kernel_class, triton_families  # noqa: E402
+
+
+def test_every_family_is_found_and_named_by_its_sub_package():
+    fam = triton_families()
+    want = {"_kv_write_kernel": "attention", "paged_attn_split": "attention", "_block_scores_kernel": "attention",
+            "_rms_norm_kernel": "norm", "_add_rmsnorm_kernel": "norm", "grouped_gate_up": "moe",
+            "grouped_down": "moe", "_gate_kernel": "mlp", "_prepare_kernel": "kv"}
+    assert {k: fam.get(k) for k in want} == want
+    assert {"gemm", "moe", "attention", "norm", "mlp", "head", "spec", "kv"} <= set(fam.values())
+
+
+def test_other_kernels_by_name():
+    fam = triton_families()
+    assert kernel_class("grouped_down", fam) == "moe"
+    assert kernel_class("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn>", fam) \
+        == "cublas"
+    assert kernel_class("nvjet_tst_128x64_64x8_1x1_v_bz_TNN", fam) == "cublas"
+    assert kernel_class("Memcpy DtoD (Device -> Device)", fam) == "copy"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", fam) \
+        == "torch"
