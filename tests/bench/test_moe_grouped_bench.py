@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +36,7 @@ def _cells():
     return tuple(out)
 
 
+@pytest.mark.slow   # ~30 s: the band's kernels in the interpreter at the sweep's shapes
 def test_decode_once_sweep_runs_and_summarises():
     calls = []
 

@@ -97,6 +97,7 @@ def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, fo
     assert 0 < per_pos[-1] < per_pos[0]          # 2 and 3 = K drafts accepted both occurred
 
 
+@pytest.mark.slow   # ~20 s of interpreter end to end: the fast tier keeps the forced-acceptance run
 def test_arrival_while_a_step_is_in_flight(model, forced_reference):
     """A prompt arriving while the first request's step is in flight: the split step launches the decoding row,
     which reads the flight back, and there the first request finishes (max_tokens 2; the warm-up's shape): its
@@ -116,6 +117,7 @@ def test_arrival_while_a_step_is_in_flight(model, forced_reference):
     assert eng.blocks.num_free_slots() == eng.kv.num_slots
 
 
+@pytest.mark.slow   # ~20 s of interpreter end to end: the fast tier keeps the forced-acceptance run
 def test_abort_while_a_step_is_in_flight(model, forced_reference):
     """An aborted request's in-flight results are dropped; the other request is unaffected; no page leaks."""
     ref, _ = forced_reference
@@ -230,6 +232,7 @@ def test_install_drafter_routes_exact_norms_and_joins_projections():
     assert all(getattr(m, "kernel", None) is None for m in d.modules())
 
 
+@pytest.mark.slow   # ~20 s of interpreter end to end: the fast tier keeps the forced-acceptance run
 def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_graphs(model):
     """disable_by_batch_size=1 with SpecSteps for single requests and the plain overlap loop (the stand-in for the
     decode graphs) for two. A SpecSteps step is in flight when a request whose prompt is all in the prefix cache
