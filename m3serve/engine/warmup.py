@@ -70,8 +70,8 @@ def scored_lengths(engine) -> list[int]:
 def warmup_prompt_lengths(max_model_len: int, max_num_batched_tokens: int, capacity_tokens: int,
                           extra: tuple[int, ...] = ()) -> list[int]:
     """Prompt lengths covering the integer specializations of a prefill chunk: 1 token, odd lengths, multiples
-    of 16, a page-crossing length, a full chunk and (when it fits) a chunked prompt; each leaves room for two
-    generated tokens and all of them fit the cache at once."""
+    of 16, a page-crossing length, a full chunk and (when it fits) a chunked prompt, plus `extra` (variant_lengths);
+    each leaves room for two generated tokens and all of them fit the cache at once."""
     limit = min(max_model_len - 2, capacity_tokens // 4)
     wanted = [1, 5, 16, 33, 128, 131, max_num_batched_tokens, max_num_batched_tokens + 37, *extra]
     out = sorted({n for n in wanted if 1 <= n <= limit})
