@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
 #   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
 #   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
-#   ... verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
+#   ... backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -149,6 +149,17 @@ closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no com
     --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
+backlog)  # last round's unrun GPU checks, each test file alone (parallel runs shared the memory), then the
+          # deep-decode baseline with its per-class breakdown and the 24-layer 8k prefill
+  phase pytest-no-compile ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+    tests/runtime/test_no_cliffs_gpu.py -k no_kernel_variant
+  phase pytest-moe-m3 ${T_B:-110} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 -rfE \
+    tests/kernels/test_gpu.py -k "moe.grouped and 3072 and (r4096 or r2049)"
+  phase pytest-formats ${T_C:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE \
+    tests/runtime/test_no_cliffs_gpu.py -k every_format tests/runtime/test_token_filters_gpu.py
+  phase decode-m3_24 ${T_DECODE:-150} python3 bench/decode.py --models minimax-m3:24 --batch 1,8 --context 512 \
+    --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-m3_24.json"
   ;;
 final)   # the one-call version when device time is short: certification first, then the headline measurements
   phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
