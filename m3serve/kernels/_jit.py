@@ -124,9 +124,10 @@ def capture_launches() -> Iterator[list]:
 
 
 class DualKernel:
-    def __init__(self, fn: Callable, do_not_specialize: tuple[str, ...] = ()) -> None:
+    def __init__(self, fn: Callable, do_not_specialize: tuple[str, ...] = (), unaligned: tuple[str, ...] = ()) -> None:
         self.fn = fn
-        self.gpu = JITFunction(fn, do_not_specialize=list(do_not_specialize) or None)
+        self.gpu = JITFunction(fn, do_not_specialize=list(do_not_specialize) or None,
+                               do_not_specialize_on_alignment=list(unaligned) or None)
         self.cpu = InterpretedFunction(fn)
         self.__name__ = fn.__name__
         # kernels with a PDL constexpr follow _pdl's contract and are launched with programmatic dependence
@@ -170,8 +171,10 @@ def describe_variant(name: str, compile: dict) -> str:
     consts = ", ".join(f"{arg(p)}={v}" for p, v in (compile.get("constants") or {}).items())
     attrs = (compile.get("configs") or [{}])[0] or {}
     x16 = [arg(p) for p in attrs if not str(sig.get(arg(p), "")).startswith("*")]
+    aligned = [arg(p) for p in attrs if str(sig.get(arg(p), "")).startswith("*")]
     opts = f"num_warps={compile.get('num_warps')}, num_stages={compile.get('num_stages')}"
-    return f"{name}[{opts}]({consts}" + (f"; divisible by 16: {', '.join(x16)}" if x16 else "") + ")"
+    return (f"{name}[{opts}]({consts}" + (f"; divisible by 16: {', '.join(x16)}" if x16 else "")
+            + (f"; 16-byte aligned: {', '.join(aligned)}" if aligned else "") + ")")
 
 
 class CompileWatch:
@@ -222,11 +225,14 @@ def kernel(fn: Callable) -> DualKernel:
     return DualKernel(fn)
 
 
-def kernel_unspecialized(*names: str) -> Callable[[Callable], DualKernel]:
+def kernel_unspecialized(*names: str, unaligned: tuple[str, ...] = ()) -> Callable[[Callable], DualKernel]:
     """@kernel whose integer arguments `names` are not specialised (== 1, divisible by 16): one compiled variant
     serves every value, so a kernel launched at thousands of row counts compiles once per config (warm-up can
-    then reach every variant with one call per cell)."""
-    return lambda fn: DualKernel(fn, names)
+    then reach every variant with one call per cell). `unaligned`: pointer arguments not specialised on 16-byte
+    alignment, for the step metadata (sequence lengths, query starts) that are views at offsets of one staged
+    upload: their alignment follows the step's sequence and token counts, so each alignment would be a variant."""
+    return lambda fn: DualKernel(fn, names, unaligned)
+
 
 
 def is_compiled(t: torch.Tensor) -> bool:

@@ -90,7 +90,7 @@ def test_compile_watch_counts_and_exports(caplog):
         watch._on_compile(key=None, repr="?", fn=SimpleNamespace(name="paged_attn_split"), compile=compile,
                           is_manual_warmup=False, already_compiled=False)
     assert watch.count == 1
-    assert watch.compiled[0] == "paged_attn_split[num_warps=4, num_stages=2](T=1, QB=4; divisible by 16: B)"
+    assert watch.compiled[0] == "paged_attn_split[num_warps=4, num_stages=2](T=1, QB=4; divisible by 16: B; 16-byte aligned: q_ptr)"
     assert watch.compiled[0] in caplog.text
     with watch.startup():          # a second LLM's start-up in the same process compiles its own variants
         with watch.startup():

@@ -70,3 +70,19 @@ def test_linear_configs_divide_their_shapes() -> None:
             # fp32 partials than weight bytes, and at that size the launch, not the stream, sets the time.
             min_programs = 96 if n >= 2048 else 16
             assert (n // g.BN) * g.SPLIT >= min_programs, f"{name} {c.shape}: too few programs to stream the weight"
+
+
+def test_step_metadata_pointers_are_not_specialised_on_alignment():
+    """Sequence lengths and query starts are views at offsets of one staged upload, so their 16-byte alignment
+    follows the step's sequence and token counts: specialised on it, a kernel would build a variant per alignment
+    while serving (seen on the H200: msa.scores compiled after the warm-up when a step's count moved the lengths
+    onto an aligned address)."""
+    from m3serve.kernels.attention._paged import paged_attn_split
+    from m3serve.kernels.attention.msa_index import _block_scores_kernel, _select_kernel
+    from m3serve.kernels.attention.prefill import _prefill_attention_kernel
+    for k, names in ((paged_attn_split, ("len_ptr", "qs_ptr")), (_block_scores_kernel, ("lens_ptr", "qs_ptr")),
+                     (_select_kernel, ("lens_ptr", "qs_ptr")),
+                     (_prefill_attention_kernel, ("seq_lens_ptr", "qstart_ptr"))):
+        params = {p.name: p for p in k.gpu.params}
+        assert all(params[n].do_not_specialize_on_alignment for n in names), k.__name__
+        assert not params["q_ptr" if "q_ptr" in params else "scores_ptr"].do_not_specialize_on_alignment

@@ -57,7 +57,7 @@ P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 
 
 # the step's sequence and row counts are not specialised: an eager step of any size reuses the variant its
 # constexprs (tile, splits) select, instead of compiling one per (== 1 / divisible by 16 / other) class
-@kernel_unspecialized("S", "T")
+@kernel_unspecialized("S", "T", unaligned=("len_ptr", "qs_ptr"))
 def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
                      out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,

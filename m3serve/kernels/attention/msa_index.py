@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from m3serve.kernels.formats._decode import e4m3_to_f32
-from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels._jit import helper, is_compiled, kernel_unspecialized
 from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.catalog import FP32_U, Case, Cell, Entry, check_operand, check_shape, poisoned, true_fp32
 from m3serve.kv import codec
@@ -67,7 +67,7 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-@kernel
+@kernel_unspecialized(unaligned=("lens_ptr", "qs_ptr"))
 def _block_scores_kernel(q_ptr, ik_ptr, table_ptr, lens_ptr, qs_ptr, out_ptr, topk,
                          stride_qt, stride_qh, ik_slot, ik_tok, stride_tab, stride_ot, stride_oh,
                          HK: tl.constexpr, HKP: tl.constexpr, DI: tl.constexpr, P: tl.constexpr,
@@ -362,7 +362,7 @@ def warmup_scores(device: torch.device) -> None:
 
 # --- msa.select -------------------------------------------------------------------------------
 
-@kernel
+@kernel_unspecialized(unaligned=("lens_ptr", "qs_ptr"))
 def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_sh, stride_ot, stride_oh,
                    HK: tl.constexpr, BP: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr, P: tl.constexpr,
                    LOCAL: tl.constexpr, INIT: tl.constexpr, PDL: tl.constexpr = False):

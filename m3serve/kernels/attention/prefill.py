@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from m3serve.kernels.formats._decode import e4m3_to, to_bf16
-from m3serve.kernels._jit import helper, is_compiled, kernel
+from m3serve.kernels._jit import helper, is_compiled, kernel_unspecialized
 from m3serve.kernels.catalog import (
     BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng, poisoned, true_fp32,
 )
@@ -133,7 +133,7 @@ def _load_keys(ptr, slot, head, stride_slot, stride_head, toks, d, key_ok, D: tl
     return x
 
 
-@kernel
+@kernel_unspecialized(unaligned=("seq_lens_ptr", "qstart_ptr"))
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, qstart_ptr,
                               stride_qt, stride_qh, stride_ot, stride_oh, stride_k_slot, stride_k_head,
                               stride_v_slot, stride_v_head, stride_table, qk_scale,

@@ -119,10 +119,13 @@ _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """The device's scratch of `dtype`, at least `numel` elements (grown, never shrunk)."""
+    """The device's scratch of `dtype`, at least `numel` elements (grown, never shrunk). Process-wide, so it is
+    made outside inference mode: an inference tensor (made inside an engine step) could not be written later by a
+    call outside it (the next LLM's routing warm-up in the same process)."""
     buf = _SCRATCH.get((device, dtype))
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):
+            buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
