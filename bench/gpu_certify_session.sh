@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
 #   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
 #   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
-#   ... backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
+#   ... prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -149,6 +149,17 @@ closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no com
     --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
+prefill-round)  # issue 29's open goals: the 131k prompt at 16k chunks (profiled), minimax-m3:24 at 8k, the chunk
+                # size against running streams, attn.prefill's tiles after a 120k context
+  phase prefill-131k-c16k ${T_A:-170} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
+    --chunk 16384 --repeat 1 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-nvfp4-128k-c16k-h200.json"
+  phase prefill-m3_24-8k ${T_B:-150} python3 bench/prefill.py --model minimax-m3:24 --tokens 8192 --quant nvfp4 \
+    --chunk 8192 --repeat 2 --no-transformers --out "$OUT/prefill-m3_24-8k-h200.json"
+  phase prefill-interference ${T_C:-200} python3 bench/prefill_interference.py --model minimax-m3:5 --quant nvfp4 \
+    --prompt 32768 --chunks 2048,8192 --streams 4 --out "$OUT/prefill-interference-h200.json"
+  phase attn-prefill-ctx120k ${T_D:-70} python3 bench/prefill_attention_variants.py --n 8192 --ctx 122880 --iters 5 \
+    --out-dir "$OUT"
   ;;
 backlog)  # last round's unrun GPU checks, each test file alone (parallel runs shared the memory), then the
           # deep-decode baseline with its per-class breakdown and the 24-layer 8k prefill
