@@ -32,15 +32,17 @@ def shape_class(n: int) -> str:
 
 def variant_lengths(engine, limit: int) -> list[int]:
     """The shortest prompt length of each attention-kernel variant a prompt prefilled alone selects by its length:
-    msa.scores' query tile (BQ, QCHUNKS: one more dot per 16 query rows up to 128), the split-KV factors
-    (split_plan rounds rows up to a graph bucket below 256) and the dense rows' query stacking (QB). A serving
-    step of another length reuses one of them: the kernels specialise on no count (kernel_unspecialized)."""
+    msa.scores' query tile (BQ, QCHUNKS: one more dot per 16 query rows up to 128), whether attn.paged splits the
+    keys (its split count is a runtime value; one split writes the output directly) and the dense rows' query
+    stacking (QB). A serving step of another length reuses one of them: the kernels specialise on no count
+    (kernel_unspecialized)."""
     cfg, hk = engine.model.cfg, engine.kv.spec.num_kv_heads
     g = max(1, cfg.num_attention_heads // max(1, cfg.num_key_value_heads))
     seen, out = set(), []
     for n in range(1, limit + 1):
         key = (scores_tile(n, cfg.index_n_heads),
-               split_plan(n, engine.tables.max_blocks, hk, cfg.index_topk_blocks, engine.sparse_tiles),
+               tuple(splits > 1 for splits in split_plan(n, engine.tables.max_blocks, hk, cfg.index_topk_blocks,
+                                                         engine.sparse_tiles)),
                tile_config(g, engine.kv.page_size, n, False).QB)
         if key not in seen:
             seen.add(key)

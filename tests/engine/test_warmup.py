@@ -64,13 +64,14 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
     want = {("1", "1"), ("1", "x16"), ("1", "other"), ("x16", "x16"), ("x16", "other"), ("other", "x16"),
             ("other", "other")}
     assert want <= seen, f"classes never run by the warm-up: {sorted(want - seen)}"
-    # the attention kernels' variants chosen by a step's query length (msa.scores' tile, the split-KV factors):
-    # a prompt prefilled alone of each, up to the step budget
+    # the attention kernels' variants chosen by a step's query length (msa.scores' tile, whether attn.paged
+    # splits the keys: its split count is a runtime value): a prompt prefilled alone of each, up to the step budget
     hk = eng.kv.spec.num_kv_heads
 
     def variant(n):
         return (scores_tile(n, cfg.index_n_heads),
-                split_plan(n, eng.tables.max_blocks, hk, cfg.index_topk_blocks, eng.sparse_tiles))
+                tuple(splits > 1 for splits in split_plan(n, eng.tables.max_blocks, hk, cfg.index_topk_blocks,
+                                                          eng.sparse_tiles)))
 
     missing = {variant(n) for n in range(1, 65)} - {variant(n) for n in longest}
     assert not missing, f"attention variants never run alone by the warm-up: {sorted(missing)}"

@@ -57,14 +57,14 @@ P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 
 
 # the step's sequence and row counts are not specialised: an eager step of any size reuses the variant its
 # constexprs (tile, splits) select, instead of compiling one per (== 1 / divisible by 16 / other) class
-@kernel_unspecialized("S", "T", unaligned=("len_ptr", "qs_ptr"))
+@kernel_unspecialized("S", "T", "num_splits", unaligned=("len_ptr", "qs_ptr"))
 def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
-                     out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale,
+                     out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale, num_splits,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
                      stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr,
+                     SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr,
                      ROT: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
@@ -103,7 +103,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
     else:
         ntiles = TOPK * TPP + t * 0
     ntiles = tl.where(leader & (L > 0), tl.maximum(ntiles, 0), 0)
-    per = tl.cdiv(ntiles, NUM_SPLITS)
+    per = tl.cdiv(ntiles, num_splits)
     lo = split * per
     hi = tl.minimum(lo + per, ntiles)
 
@@ -204,15 +204,15 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
     if FMT == 0 and ROT:
         acc = _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D, CUDA)
         _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
-                   stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+                   stride_ot, stride_oh, HQ, D, SPLIT, True, CUDA)
     elif FMT == 0:
         _store_out(acc_e, m_i, l_i, col_e, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
-                   stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+                   stride_oh, HQ, D, SPLIT, True, CUDA)
         _store_out(acc_o, m_i, l_i, col_e + 1, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
-                   stride_oh, HQ, D, NUM_SPLITS, False, CUDA)
+                   stride_oh, HQ, D, SPLIT, False, CUDA)
     else:
         _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
-                   stride_ot, stride_oh, HQ, D, NUM_SPLITS, True, CUDA)
+                   stride_ot, stride_oh, HQ, D, SPLIT, True, CUDA)
 
 
 @helper
@@ -307,11 +307,11 @@ def load_fp8_pairs_f16(page_ptr16, tok, tok_ok, D: tl.constexpr):
 
 @helper
 def _store_out(acc, m_i, l_i, cols, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot, stride_oh,
-               HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, WITH_ML: tl.constexpr,
+               HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, WITH_ML: tl.constexpr,
                CUDA: tl.constexpr):
     """Columns `cols` of the rows' results: normalised bf16 into out (one split), else the
     unnormalised partial (and, once per row, m and l) into the workspace."""
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = tl.math.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None])  # no key: acc = 0 -> 0
         o_ptr = out_ptr + trow * stride_ot + head * stride_oh
         tl.store(o_ptr[:, None] + cols[None, :], to_bf16(o, CUDA), mask=row_ok[:, None])
@@ -323,17 +323,19 @@ def _store_out(acc, m_i, l_i, cols, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok
             tl.store(ml_ptr + 2 * w + 1, l_i, mask=row_ok)
 
 
-@kernel_unspecialized("T")
-def paged_attn_combine(acc_ptr, ml_ptr, out_ptr, T, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
-    """One (row, head): out = sum_s 2**(m_s - M) acc_s / sum_s 2**(m_s - M) l_s, splits in order
-    (SP = NUM_SPLITS padded to a power of two, SC splits per chunk)."""
+@kernel_unspecialized("T", "num_splits")
+def paged_attn_combine(acc_ptr, ml_ptr, out_ptr, T, num_splits, stride_ot, stride_oh, HQ: tl.constexpr,
+                       D: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr = False):
+    """One (row, head): out = sum_s 2**(m_s - M) acc_s / sum_s 2**(m_s - M) l_s, splits in order, SC per chunk
+    (SP >= num_splits, a power of two). The split count is a runtime value, not a constexpr: the count follows
+    the step's row count, and one variant per count compiled while serving (a mixed prefill + decode step's
+    count was never in the warm-up)."""
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)
-    ok = sp < NUM_SPLITS
+    ok = sp < num_splits
     w = (sp * T + t) * HQ + h
     m = tl.load(ml_ptr + 2 * w, mask=ok, other=NEG_INF)
     l = tl.load(ml_ptr + 2 * w + 1, mask=ok, other=0.0)
@@ -342,9 +344,9 @@ def paged_attn_combine(acc_ptr, ml_ptr, out_ptr, T, stride_ot, stride_oh, HQ: tl
     total = tl.sum(tl.math.exp2(m - m_use) * l, 0)
     d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
-    for c0 in tl.static_range(0, NUM_SPLITS, SC):
+    for c0 in range(0, num_splits, SC):
         spc = c0 + tl.arange(0, SC)
-        okc = spc < NUM_SPLITS
+        okc = spc < num_splits
         wc = (spc * T + t) * HQ + h
         wt = tl.math.exp2(tl.load(ml_ptr + 2 * wc, mask=okc, other=NEG_INF) - m_use)
         part = tl.load(acc_ptr + wc[:, None] * D + d[None, :], mask=okc[:, None], other=0.0)

@@ -42,6 +42,7 @@ FMT_NAMES = {v: k for k, v in FMT_CODES.items()}
 _CONTAINER = {"nvfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 N_SM = 132  # H200 multiprocessors
 MAX_SPLITS = 64  # caps the fp32 partial traffic (Hq*D*4 bytes written + read per split and row)
+COMBINE_SP = triton.next_power_of_2(MAX_SPLITS)   # the combine's (m, l) vector: one variant for every split count
 MMA_ROWS = 64  # a multi-token block stacks up to this many (query token, head) rows
 
 
@@ -242,16 +243,15 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
     rot = rot_matrix if rot_matrix is not None else q
     paged_attn_split[(t_rows, hk, num_splits)](
         q, kp, vp, ks, vs, gs, rot, slot_table, seq_lens, query_start, sel_t, out, workspace.acc, workspace.ml,
-        n_seq, t_rows, slot_table.shape[1], qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        n_seq, t_rows, slot_table.shape[1], qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), *scale_strides, *sel_strides,
-        FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, NUM_SPLITS=num_splits,
+        FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, SPLIT=num_splits > 1,
         CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if num_splits > 1:
-        sp = triton.next_power_of_2(num_splits)
         paged_attn_combine[(t_rows, hq)](
-            workspace.acc, workspace.ml, out, t_rows, out.stride(0), out.stride(1), HQ=hq, D=d,
-            NUM_SPLITS=num_splits, SP=sp, SC=min(sp, 16), CUDA=cuda, num_warps=4)
+            workspace.acc, workspace.ml, out, t_rows, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,
+            SP=COMBINE_SP, SC=16, CUDA=cuda, num_warps=4)
     return out
 
 
