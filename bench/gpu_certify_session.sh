@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
 #   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
 #   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
-#   ... prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
+#   ... prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -149,6 +149,15 @@ closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no com
     --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
+prefill-round2)  # the fixes' GPU checks (no serving compile, token filters), the chunk size vs running streams
+                 # at 2k / 4k / 8k, the 131k prompt at 16k chunks with its kernel profile
+  phase pytest-no-compile ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+    tests/runtime/test_no_cliffs_gpu.py tests/runtime/test_token_filters_gpu.py -k "no_kernel_variant and False or token_filters"
+  phase prefill-interference ${T_C:-120} python3 bench/prefill_interference.py --model minimax-m3:5 --quant nvfp4 \
+    --prompt 32768 --chunks 2048,4096,8192 --streams 4 --out "$OUT/prefill-interference-h200.json"
+  phase prefill-131k-c16k ${T_B:-270} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
+    --chunk 16384 --repeat 1 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-nvfp4-128k-c16k-h200.json"
   ;;
 prefill-round)  # issue 29's open goals: the 131k prompt at 16k chunks (profiled), minimax-m3:24 at 8k, the chunk
                 # size against running streams, attn.prefill's tiles after a 120k context
