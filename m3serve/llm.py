@@ -95,6 +95,7 @@ class LLM:
             random_weights = not os.path.isdir(model)
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
         _default_target_context(resolve_config(model), self.route, engine_kwargs)   # TP ranks get the same
+        _default_step_tokens(self.device, self.route, engine_kwargs)
         self.tp_context = None
         self.kv_fp8_layers_source = None       # the kv_scales.json that named the FP8 layers (kv_fp8_layers="auto")
         if tensor_parallel_size != 1:
@@ -361,6 +362,23 @@ def _default_target_context(cfg, route: str, engine_kwargs: dict) -> None:
     engine_kwargs["max_model_len"] = TARGET_DEFAULT_CONTEXT
     logging.getLogger("m3serve").info("max_model_len defaults to %d on the decode target (the model allows %d: pass max_model_len to "
              "use more)", TARGET_DEFAULT_CONTEXT, cfg.max_position_embeddings)
+
+
+# Chosen on the H200 (bench/prefill_interference.py, minimax-m3:5 NVFP4, a 32k prompt beside 4 decoding streams;
+# bench/results/prefill/prefill-interference-h200.json): 2048 / 4096 / 8192-token steps gave the prompt a TTFT of
+# 0.78 / 0.65 / 0.54 s and the streams an ITL p50 of 46 / 71 / 110 ms while it prefilled (2 ms before). 8192 is
+# vLLM's serving default and where the quantized MoE's decode-once band pays (from 4096 tokens); a deployment
+# that values the running streams' ITL over long prompts' TTFT passes a smaller max_num_batched_tokens.
+TARGET_DEFAULT_STEP_TOKENS = 8192
+
+
+def _default_step_tokens(device: torch.device, route: str, engine_kwargs: dict) -> None:
+    """max_num_batched_tokens left unset (or None, the server's default): TARGET_DEFAULT_STEP_TOKENS on a routed
+    CUDA model, EngineConfig's default elsewhere (the CPU stock path)."""
+    if engine_kwargs.get("max_num_batched_tokens") is not None:
+        return
+    engine_kwargs["max_num_batched_tokens"] = TARGET_DEFAULT_STEP_TOKENS \
+        if device.type == "cuda" and route != "off" else EngineConfig.max_num_batched_tokens
 
 
 def _max_step_rows(engine_kwargs: dict, speculative_config: dict | None) -> int:

@@ -78,3 +78,21 @@ def test_routed_msa_model_defaults_to_the_target_context_and_keeps_an_explicit_o
     kw = {}
     _default_target_context(tiny, "auto", kw)
     assert kw == {}
+
+
+def test_step_token_default_follows_the_path():
+    """max_num_batched_tokens unset or None (the server's default): 8192 on the GPU decode target (measured against
+    the streams' ITL, llm.TARGET_DEFAULT_STEP_TOKENS), the engine's 2048 on the CPU stock path and with routing off;
+    a given value is kept."""
+    import torch
+    from m3serve.llm import TARGET_DEFAULT_STEP_TOKENS, _default_step_tokens
+    from m3serve.engine.engine import EngineConfig
+    cases = [(torch.device("cuda"), "auto", {}, TARGET_DEFAULT_STEP_TOKENS),
+             (torch.device("cuda"), "require", {"max_num_batched_tokens": None}, TARGET_DEFAULT_STEP_TOKENS),
+             (torch.device("cuda"), "off", {}, EngineConfig.max_num_batched_tokens),
+             (torch.device("cpu"), "off", {"max_num_batched_tokens": None}, EngineConfig.max_num_batched_tokens),
+             (torch.device("cuda"), "auto", {"max_num_batched_tokens": 1024}, 1024)]
+    for dev, route, kw, want in cases:
+        _default_step_tokens(dev, route, kw)
+        assert kw["max_num_batched_tokens"] == want, (dev, route)
+    assert TARGET_DEFAULT_STEP_TOKENS != EngineConfig.max_num_batched_tokens
