@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
 #   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
 #   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
-#   ... prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
+#   ... serve-round | prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -149,6 +149,13 @@ closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no com
     --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
+serve-round)  # issue 28's sweeps on one machine: the embedded model plain / Eagle3 and minimax-m3:5 NVFP4 plain /
+              # Eagle3 (forced acceptance), 128/128 tokens at C = 1 .. 128; the server logs stay in the phase log
+  phase serve-pareto ${T_SERVE:-560} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    minimax-m3:5:plain:nvfp4 minimax-m3:5:spec:nvfp4 --requests-per-user 4 --timeout 170 \
+    --out "$OUT/serve-pareto-h200.json"
+  grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
   ;;
 prefill-round2)  # the fixes' GPU checks (no serving compile, token filters), the chunk size vs running streams
                  # at 2k / 4k / 8k, the 131k prompt at 16k chunks with its kernel profile
