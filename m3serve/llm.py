@@ -95,7 +95,7 @@ class LLM:
             random_weights = not os.path.isdir(model)
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
         _default_target_context(resolve_config(model), self.route, engine_kwargs)   # TP ranks get the same
-        _default_step_tokens(self.device, self.route, engine_kwargs)
+        _default_step_tokens(self.device, self.route, engine_kwargs, speculative=speculative_config is not None)
         self.tp_context = None
         self.kv_fp8_layers_source = None       # the kv_scales.json that named the FP8 layers (kv_fp8_layers="auto")
         if tensor_parallel_size != 1:
@@ -369,16 +369,19 @@ def _default_target_context(cfg, route: str, engine_kwargs: dict) -> None:
 # 0.78 / 0.65 / 0.54 s and the streams an ITL p50 of 46 / 71 / 110 ms while it prefilled (2 ms before). 8192 is
 # vLLM's serving default and where the quantized MoE's decode-once band pays (from 4096 tokens); a deployment
 # that values the running streams' ITL over long prompts' TTFT passes a smaller max_num_batched_tokens.
+# Eagle3 serving keeps 2048: with 8192 the served sweep (bench/serve_pareto.py, the embedded model and its
+# drafter, 128/128 tokens) lost to plain serving per user at 4 and 16 users and fell to 0.42x plain's total at
+# 64 (TTFT p50 557 ms vs 53 ms with 2048; bench/results/serve/serve-pareto-spec-8192-h200.json).
 TARGET_DEFAULT_STEP_TOKENS = 8192
 
 
-def _default_step_tokens(device: torch.device, route: str, engine_kwargs: dict) -> None:
+def _default_step_tokens(device: torch.device, route: str, engine_kwargs: dict, speculative: bool = False) -> None:
     """max_num_batched_tokens left unset (or None, the server's default): TARGET_DEFAULT_STEP_TOKENS on a routed
-    CUDA model, EngineConfig's default elsewhere (the CPU stock path)."""
+    CUDA model without speculation, EngineConfig's default elsewhere (the CPU stock path, Eagle3)."""
     if engine_kwargs.get("max_num_batched_tokens") is not None:
         return
     engine_kwargs["max_num_batched_tokens"] = TARGET_DEFAULT_STEP_TOKENS \
-        if device.type == "cuda" and route != "off" else EngineConfig.max_num_batched_tokens
+        if device.type == "cuda" and route != "off" and not speculative else EngineConfig.max_num_batched_tokens
 
 
 def _max_step_rows(engine_kwargs: dict, speculative_config: dict | None) -> int:

@@ -50,23 +50,33 @@ def variant_lengths(engine, limit: int) -> list[int]:
     return out
 
 
-def scored_lengths(engine) -> list[int]:
-    """Prompt lengths that end in a chunk of each msa.scores query tile (BQ, QCHUNKS) while the sequence is longer
-    than the indexer's top-k blocks: only such sequences are scored, so a short prompt of the same length never
-    builds the variant (seen on the H200: a 65-96-row chunk beside a long sequence compiled while serving). Each is
-    m whole chunks of the step budget (together past the top-k blocks) and then n tokens."""
+def scored_tails(engine) -> list[int]:
+    """Chunk lengths n, one per msa.scores query tile (BQ, QCHUNKS), to run at a position past the indexer's top-k
+    blocks: only such sequences are scored, so a short prompt of the same length never builds the variant (seen on
+    the H200: a 65-96-row chunk beside a long sequence compiled while serving). `scored_prefix` says where."""
     cfg = engine.model.cfg
     if "sparse" not in cfg.layer_types:
         return []
-    budget = engine.config.max_num_batched_tokens
-    m = -(-(cfg.index_topk_blocks * cfg.index_block_size + 1) // budget)
     seen, out = set(), []
-    for n in range(1, min(128, budget) + 1):
+    for n in range(1, min(128, engine.config.max_num_batched_tokens) + 1):
         key = scores_tile(n, cfg.index_n_heads)
         if key not in seen:
             seen.add(key)
-            out.append(m * budget + n)
+            out.append(n)
     return out
+
+
+def scored_prefix(engine) -> tuple[int, bool]:
+    """(tokens before each scored tail, shared): with prefix caching, one whole-page prompt past the top-k blocks
+    that every tail request extends (its pages come from the cache, so the tail is the step's only chunk);
+    without it, whole chunks of the step budget that each tail request prefills first."""
+    cfg = engine.model.cfg
+    need = cfg.index_topk_blocks * cfg.index_block_size + 1
+    if engine.config.enable_prefix_caching:
+        page = engine.kv.page_size
+        return -(-need // page) * page, True
+    budget = engine.config.max_num_batched_tokens
+    return -(-need // budget) * budget, False
 
 
 def warmup_prompt_lengths(max_model_len: int, max_num_batched_tokens: int, capacity_tokens: int,
@@ -110,8 +120,13 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     ]
     # a prompt alone in its step (one sequence is its own specialization of the kernels' sequence count)
     waves += [[(n, greedy)] for n in lengths if n <= engine.config.max_num_batched_tokens]
-    waves += [[(n, greedy)] for n in scored_lengths(engine)
-              if n + 2 <= min(engine.max_model_len, engine.capacity_tokens // 2)]
+    prefix, shared = scored_prefix(engine)
+    tails = [n for n in scored_tails(engine) if prefix + n + 2 <= min(engine.max_model_len, engine.capacity_tokens // 2)]
+    if tails:
+        base = prompt(prefix, 9001)
+        if shared:
+            waves.append([(base, greedy)])             # its full pages stay in the prefix cache for the tails
+        waves += [[(base + prompt(n, 9002 + n), greedy)] for n in tails]
     # a sequence count divisible by 16 is a specialization too (16 prompts prefilled together: measured on the H200
     # as a TTFT p90 of ~0.7 s at 16 users while p50 was 60 ms), with a token count divisible by 16 and with an
     # odd one; and several prompts whose tokens add up to a multiple of 16
@@ -119,7 +134,8 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     if engine.config.max_num_seqs >= 16 and 16 * (n + 3) <= engine.capacity_tokens // 2:
         waves += [[(n, greedy)] * 16, [(n, greedy)] * 15 + [(n + 1, greedy)], [(16, greedy)] * 3]
     for w, wave in enumerate(waves):
-        reqs = [engine.add_request(prompt(n, w * 100 + i), params) for i, (n, params) in enumerate(wave)]
+        reqs = [engine.add_request(n if isinstance(n, list) else prompt(n, w * 100 + i), params)
+                for i, (n, params) in enumerate(wave)]
         # a late arrival joins while the others decode: a mixed prefill + decode step
         late = None
         steps = 0
@@ -147,4 +163,4 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     return {"requests": n_req, "tokens": n_tok, "seconds": secs}
 
 
-__all__ = ["scored_lengths", "shape_class", "variant_lengths", "warm_up", "warmup_prompt_lengths"]
+__all__ = ["scored_prefix", "scored_tails", "shape_class", "variant_lengths", "warm_up", "warmup_prompt_lengths"]

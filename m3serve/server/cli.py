@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step (default: 8192 on the GPU decode target, 2048 on the CPU path)")
+                   help="tokens per engine step (default: 8192 on the GPU decode target, 2048 with speculation and on the CPU path)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -95,4 +95,7 @@ def test_step_token_default_follows_the_path():
     for dev, route, kw, want in cases:
         _default_step_tokens(dev, route, kw)
         assert kw["max_num_batched_tokens"] == want, (dev, route)
+    kw = {}
+    _default_step_tokens(torch.device("cuda"), "auto", kw, speculative=True)    # Eagle3: measured better at 2048
+    assert kw["max_num_batched_tokens"] == EngineConfig.max_num_batched_tokens
     assert TARGET_DEFAULT_STEP_TOKENS != EngineConfig.max_num_batched_tokens
