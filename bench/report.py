@@ -608,6 +608,26 @@ def render_prefill(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_prefill_interference(files: list[ResultFile]) -> str:
+    """bench/prefill_interference.py: per step budget, a long prompt's TTFT and the ITL of the streams beside it."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            itl, base = need(r, "itl_ms", w, "dict"), need(r, "baseline_itl_ms", w, "dict")
+            table.append([need(r, "model", w, "str"), need(r, "quantization", w, "str"),
+                          count(need(r, "prompt_tokens", w, "int")), count(need(r, "chunk", w, "int")),
+                          count(need(r, "streams", w, "int")), ms(need(r, "ttft_s", w)),
+                          count(need(r, "prefill_steps", w, "int")), sig(need(itl, "p50", w + ".itl_ms")),
+                          sig(need(itl, "p99", w + ".itl_ms")), sig(need(base, "p50", w + ".baseline_itl_ms"))])
+        headers = ["model", "weights", "prompt tokens", "step budget", "streams", "prompt TTFT (ms)", "prefill steps",
+                   "stream ITL p50 (ms)", "stream ITL p99 (ms)", "ITL p50 before (ms)"]
+        blocks.append(file_block("Chunked prefill beside decoding streams: the step budget (max_num_batched_tokens) "
+                                 "trades the long prompt's TTFT against the streams' ITL", md_table(headers, table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_moe_decode_once(files: list[ResultFile]) -> str:
     """bench/moe_grouped.py --decode-once: one MoE layer at M3 dims, the in-register path vs the decode-once band."""
     blocks = []
@@ -984,6 +1004,9 @@ KINDS = (
          lambda d: isinstance(d.get("points"), list), render_host_stream_cost),
     Kind("tp", "Tensor parallelism", ("tp",), ("tp-*.json",),
          lambda d: {"tp1", "tp2", "decode_speedup_tp2_over_tp1"} <= d.keys(), render_tp),
+    Kind("prefill_interference", "Prefill beside decoding streams", ("prefill_interference",),
+         ("prefill-interference-*.json",), lambda d: _row_keys(d, "baseline_itl_ms", "chunk"),
+         render_prefill_interference),
     Kind("prefill", "Prefill", ("prefill",), ("prefill-*.json",),
          lambda d: _row_keys(d, "engine", "ttft_s", "tokens"), render_prefill),
     Kind("spec_decode", "Speculative decoding", ("spec_decode",), ("spec-decode-*.json",),
