@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
 #   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
 #   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
-#   ... serve-round | prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
+#   ... final-round | serve-round | prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -149,6 +149,24 @@ closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no com
     --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
+final-round)  # no regression from the model runner, side by side: baseline/ holds the tree before it (m3serve/ and
+              # bench/ of BASE_COMMIT, from `git archive`), each side runs its own benches; then issue 28's sweeps
+  base() { (cd baseline && PYTHONPATH=$PWD:/tmp/site M3SERVE_COMMIT=${BASE_COMMIT:?} "$@"); }
+  phase regress-decode-base ${T_A:-70} base python3 bench/decode.py --models m3-tiny-verse --batch 1,8 --context 512 \
+    --steps 20 --routes target --out "$OUT/decode-regress-base.json"
+  phase regress-decode-new ${T_A:-70} python3 bench/decode.py --models m3-tiny-verse --batch 1,8 --context 512 \
+    --steps 20 --routes target --out "$OUT/decode-regress-new.json"
+  phase regress-spec-base ${T_B:-60} base python3 bench/spec_target.py --models m3-tiny-verse --batch 1,4 --k 3 \
+    --out "$OUT/spec-regress-base.json"
+  phase regress-spec-new ${T_B:-60} python3 bench/spec_target.py --models m3-tiny-verse --batch 1,4 --k 3 \
+    --out "$OUT/spec-regress-new.json"
+  phase serve-pareto ${T_SERVE:-270} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    minimax-m3:5:plain:nvfp4 minimax-m3:5:spec:nvfp4 --requests-per-user 4 --timeout 170 \
+    --out "$OUT/serve-pareto-h200.json"
+  grep -n "variant was built\|ERROR\|off (" "$OUT/serve-pareto.log" | cut -c1-300 | head -20
+  phase spec-plain-step-cost ${T_C:-60} python3 bench/spec_plain_step_cost.py --batch 128 \
+    --out "$OUT/spec-plain-step-cost-h200.json"
   ;;
 serve-round)  # issue 28's sweeps on one machine: the embedded model plain / Eagle3 and minimax-m3:5 NVFP4 plain /
               # Eagle3 (forced acceptance), 128/128 tokens at C = 1 .. 128; the server logs stay in the phase log
