@@ -152,12 +152,12 @@ closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no com
   ;;
 final-round)  # no regression from the model runner, side by side: baseline/ holds the tree before it (m3serve/ and
               # bench/ of BASE_COMMIT, from `git archive`), each side runs its own benches; then issue 28's sweeps
-  base() { (cd baseline && PYTHONPATH=$PWD:/tmp/site M3SERVE_COMMIT=${BASE_COMMIT:?} "$@"); }
-  phase regress-decode-base ${T_A:-70} base python3 bench/decode.py --models m3-tiny-verse --batch 1,8 --context 512 \
+  base="env -C baseline PYTHONPATH=$PWD/baseline:/tmp/site M3SERVE_COMMIT=${BASE_COMMIT:?}"   # timeout runs it
+  phase regress-decode-base ${T_A:-70} $base python3 bench/decode.py --models m3-tiny-verse --batch 1,8 --context 512 \
     --steps 20 --routes target --out "$OUT/decode-regress-base.json"
   phase regress-decode-new ${T_A:-70} python3 bench/decode.py --models m3-tiny-verse --batch 1,8 --context 512 \
     --steps 20 --routes target --out "$OUT/decode-regress-new.json"
-  phase regress-spec-base ${T_B:-60} base python3 bench/spec_target.py --models m3-tiny-verse --batch 1,4 --k 3 \
+  phase regress-spec-base ${T_B:-60} $base python3 bench/spec_target.py --models m3-tiny-verse --batch 1,4 --k 3 \
     --out "$OUT/spec-regress-base.json"
   phase regress-spec-new ${T_B:-60} python3 bench/spec_target.py --models m3-tiny-verse --batch 1,4 --k 3 \
     --out "$OUT/spec-regress-new.json"
