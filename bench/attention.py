@@ -366,7 +366,7 @@ def decode_step(model: str, contexts: list[int], steps: int) -> tuple[list[dict]
     llm = LLM(model, **kwargs)
     load_s = time.perf_counter() - t0
     eng = llm.engine
-    if eng.graphs is None or not eng.target_attention:
+    if eng.runner.graphs is None or not eng.runner.target_attention:
         raise SystemExit(f"decode_step: the decode target is off for {model} (max_model_len {max_len}); the log "
                          "names the uncertified placements")
     print(f"decode_step: {model} loaded in {load_s:.1f} s; max_model_len {eng.max_model_len}, KV capacity "

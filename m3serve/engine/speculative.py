@@ -55,11 +55,10 @@ from m3serve.engine.spec_rng import DeviceRNG, mix32, sample_categorical
 from m3serve.engine.spec_runner import ARGMAX, LOGITS, NONE, HeadOut, SpecRunner
 from m3serve.engine.spec_state import SpecState, StepItem
 from m3serve.engine.spec_verify import forced_accepts, verify_greedy, verify_sampled
-from m3serve.kv.block_table import DeviceBlockTables
-from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.eagle3 import Eagle3Drafter, load_drafter, random_drafter
-from m3serve.model.m3 import ForwardBatch, M3ForCausalLM
+from m3serve.model.m3 import M3ForCausalLM
 from m3serve.runtime.decode_graphs import sampling_row
+from m3serve.runtime.model_runner import ModelRunner, all_certified
 from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
 from m3serve.runtime.step_plan import buckets_up_to
 from m3serve.targets.attention import PAGED_KERNELS
@@ -90,16 +89,30 @@ def step_token_capacity(config: EngineConfig, k: int) -> int:
     return config.max_num_batched_tokens + k * config.max_num_seqs
 
 
+def spec_runner_config(config: EngineConfig, spec: SpecConfig, drafter: Eagle3Drafter) -> dict:
+    """The ModelRunner arguments speculation needs: the shared Eagle3 draft layer in the cache (K/V sub-pages in
+    every slot, all the replicated drafter's heads on every rank) and block tables sized for verify steps (K more
+    tokens per sequence). No penalties: the speculative step refuses logits processing."""
+    return {"draft_kv_heads": drafter.cfg.num_key_value_heads,
+            "max_step_tokens": step_token_capacity(config, spec.num_speculative_tokens)}
+
+
 class SpeculativeEngine(LLMEngine):
     def __init__(self, model: M3ForCausalLM, config: EngineConfig, tokenizer=None, *,
-                 speculative_config: dict | SpecConfig, drafter: Eagle3Drafter | None = None):
+                 speculative_config: dict | SpecConfig, drafter: Eagle3Drafter | None = None,
+                 runner: ModelRunner | None = None, spec_runner: SpecRunner | None = None):
+        """runner: the device side of every step (default: a ModelRunner whose cache holds the shared draft layer
+        and whose tables hold verify steps, spec_runner_config); spec_runner: the speculative passes (default:
+        SpecRunner). A tensor-parallel group plugs in its broadcasting ones (m3serve.distributed.startup)."""
         self.spec = SpecConfig.from_dict(speculative_config)
         if drafter is None:
             drafter = build_drafter(self.spec, model)
         self.drafter = drafter.to(device=model.device, dtype=model.dtype).attach_target(model).eval()
-        super().__init__(model, config, tokenizer)
         k = self.spec.num_speculative_tokens
-        self.runner = SpecRunner(model, self.drafter)
+        if runner is None:
+            runner = ModelRunner(model, config, **spec_runner_config(config, self.spec, self.drafter))
+        super().__init__(model, config, tokenizer, runner=runner)
+        self.spec_runner = spec_runner if spec_runner is not None else SpecRunner(model, self.drafter)
         self.spec_steps = None           # m3serve.runtime.spec_graphs.SpecSteps (enable_target)
         self._flight_sampled = False     # the SpecSteps step in flight ran the sampled variant
         self.graph_steps = 0             # steps that ran as SpecSteps
@@ -109,21 +122,10 @@ class SpeculativeEngine(LLMEngine):
         self.policy_plain_steps = 0
         self.policy_spec_steps = 0
         self.rng = DeviceRNG(config.seed, model.device)
-        self.capture = self.runner.capture
+        self.capture = self.spec_runner.capture
         self._state: dict[int, SpecState] = {}
         self._totals = SpecState.empty(k)
         self._forced_step: dict[int, int] = {}
-
-    def _make_tables(self, width: int) -> None:
-        """The base allocator and scheduler, with device tables sized for verify steps (K more tokens per
-        sequence) and the draft view over the same allocator (its own device tables: sub-page geometry)."""
-        super()._make_tables(width)
-        cap = step_token_capacity(self.config, self.spec.num_speculative_tokens)
-        dev = self.model.device
-        self.tables = DeviceBlockTables(self.blocks, dev, index_scale=1, kv_offset=1, max_tokens=cap)
-        self.view = self.kv.draft_view(self.blocks)
-        self.view.tables = DeviceBlockTables(self.blocks, dev, self.view.index_scale, self.view.kv_offset,
-                                             max_tokens=cap)
 
     def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto",
                       sampling: bool = True) -> bool:
@@ -135,7 +137,7 @@ class SpeculativeEngine(LLMEngine):
         graph per bucket and the drafts' distributions kept on the device, max_num_seqs x K x V fp32). Every
         other step (prefill, logprobs, penalties, the last tokens before max_model_len) takes the eager path
         below, which is exact too. With speculative_config.disable_by_batch_size set, the plain decode target is
-        enabled too (LLMEngine.enable_target: its decode graphs for the buckets above the threshold), for the
+        enabled too (ModelRunner.enable_target: its decode graphs for the buckets above the threshold), for the
         steps the policy runs plainly.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
@@ -151,10 +153,9 @@ class SpeculativeEngine(LLMEngine):
         buckets = buckets or buckets_up_to(self.config.max_num_seqs)
         plain_buckets = self._policy_buckets(buckets)
         # bucket 1 always stays: K <= 16 and the tables hold max_num_batched_tokens + K per sequence
-        buckets = tuple(b for b in buckets if b * (k + 1) <= min(self.tables.max_tokens, MAX_ROWS))
-        width = self._certified_table_width()
-        if width != self.tables.max_blocks:
-            self._make_tables(width)
+        buckets = tuple(b for b in buckets if b * (k + 1) <= min(self.runner.tables.max_tokens, MAX_ROWS))
+        self._fit_certified_width()
+        width = self.runner.tables.max_blocks
         # buckets past the bookkeeping launches' certified sequences are dropped (their batches take the eager
         # speculative step); require raises for them below
         certified = tuple(b for b in buckets if all(p.entry is not None for p in spec_step_placements((b,), k)))
@@ -162,33 +163,27 @@ class SpeculativeEngine(LLMEngine):
             log.warning("speculative graphs: buckets %s dropped (spec.* launches certified up to %d sequences)",
                         [b for b in buckets if b not in certified], certified[-1])
             buckets = certified
-        missing = (uncertified_attention(m, self.kv, width, buckets, query_len=k + 1)
-                   + uncertified_draft_attention(self.drafter, self.kv, buckets, k)
+        missing = (uncertified_attention(m, self.runner.kv, width, buckets, query_len=k + 1)
+                   + uncertified_draft_attention(self.drafter, self.runner.kv, buckets, k)
                    + [p for p in spec_step_placements(buckets, k) if p.entry is None])
-        if not self._all_certified(missing, "speculative attention", "speculative decode target", mode):
+        if not all_certified(missing, "speculative attention", "speculative decode target", mode):
             return False
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
         m.use_attention(PAGED_KERNELS)   # the drafter runs its target's backend
-        self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs,
+        self.spec_steps = SpecSteps(m, self.drafter, self.runner.view, self.runner.tables, k, buckets, graphs=graphs,
                                     sampling=sampling)
         self.spec_steps.capture(mode)
         if plain_buckets and m.device.type == "cuda":
             # the steps the policy runs plainly take the plain engine's target: its decode graphs (overlap loop)
             # for the batches above the threshold, the paged-cache kernels in its eager steps. The tables were
             # sized above, so this keeps them (SpecSteps captured their buffers).
-            LLMEngine.enable_target(self, graphs=graphs, buckets=plain_buckets, mode=mode)
+            self.runner.enable_target(graphs, plain_buckets, mode)
         return True
 
     def _policy_buckets(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
         """The graph buckets a plain step of the batch-size policy can land in (none when it is off)."""
         limit = self.spec.disable_by_batch_size
         return () if limit is None else tuple(b for b in buckets if b > limit)
-
-    def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
-        """The base cache plus the shared Eagle3 draft layer (K/V sub-pages in every slot). The drafter is
-        replicated under tensor parallelism, so every rank holds all its KV heads."""
-        return super()._kv_spec(model, config, num_draft_layers=1,
-                                draft_num_kv_heads=self.drafter.cfg.num_key_value_heads * model.tp.size, **extra)
 
     # ------------------------------------------------------------------ bookkeeping
     def _st(self, req: Request) -> SpecState:
@@ -232,13 +227,6 @@ class SpeculativeEngine(LLMEngine):
 
     def reset_spec_stats(self) -> None:
         self._totals = SpecState.empty(self.spec.num_speculative_tokens)
-
-    # ------------------------------------------------------------------ device passes (TP: broadcast first)
-    def _run_target(self, batch: ForwardBatch, mode: int) -> HeadOut:
-        return self.runner.target(batch, mode)
-
-    def _run_draft(self, batch: ForwardBatch, src: torch.Tensor, gather: torch.Tensor | None, mode: int) -> HeadOut:
-        return self.runner.draft(batch, src, gather, mode)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Request]:
@@ -311,8 +299,8 @@ class SpeculativeEngine(LLMEngine):
         with torch.inference_mode():
             items = self._plan(chunks)
             sampled = [it for it in items if it.sample]
-            batch = pack_verify(items, self.tables, self.kv)
-            head = self._run_target(batch, self._target_mode(sampled))
+            batch = pack_verify(items, self.runner.tables, self.runner.kv)
+            head = self.spec_runner.target(batch, self._target_mode(sampled))
             emitted = self._verify(sampled, head) if sampled else []
             out = self._commit(items, sampled, emitted, head)
             self._draft(items)
@@ -609,9 +597,10 @@ class SpeculativeEngine(LLMEngine):
         greedy = all(r.params.greedy for r in reqs)
         mode = NONE if not reqs else (ARGMAX if greedy else LOGITS)
         t = len(src)
-        batch, tail = pack_spans(self.view.tables, self.view, [r.request_id for r in reqs_live], pos0, counts, ids,
+        view = self.runner.view
+        batch, tail = pack_spans(view.tables, view, [r.request_id for r in reqs_live], pos0, counts, ids,
                                  np.concatenate((src, gather)))
-        head = self._run_draft(batch, tail[:t], tail[t:], mode)
+        head = self.spec_runner.draft(batch, tail[:t], tail[t:], mode)
         if not reqs:
             return
         keys = None if greedy else self._keys(reqs)
@@ -623,10 +612,10 @@ class SpeculativeEngine(LLMEngine):
             act = np.nonzero(ks_np >= j)[0]
             if not len(act):
                 break
-            batch, sel = pack_spans(self.view.tables, self.view, [reqs[i].request_id for i in act.tolist()],
+            batch, sel = pack_spans(view.tables, view, [reqs[i].request_id for i in act.tolist()],
                                     c_prop[act] + j - 2, np.ones(len(act), dtype=np.int64), None, act)
             batch.input_ids = props[-1][sel]
-            head_j = self._run_draft(batch, sel, None, mode)
+            head_j = self.spec_runner.draft(batch, sel, None, mode)
             tok_j, q_j = self._propose(head_j, [reqs[i] for i in act.tolist()], greedy,
                                        None if keys is None else keys[sel])
             # scatter back into full-width tensors so later passes index by request
@@ -658,4 +647,4 @@ class SpeculativeEngine(LLMEngine):
 
 
 __all__ = ["SpeculativeEngine", "SpecConfig", "DeviceRNG", "mix32", "sample_categorical", "verify_greedy",
-           "verify_sampled", "forced_accepts", "build_drafter", "step_token_capacity"]
+           "verify_sampled", "forced_accepts", "build_drafter", "step_token_capacity", "spec_runner_config"]

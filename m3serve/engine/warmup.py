@@ -40,7 +40,7 @@ def variant_lengths(engine, limit: int) -> list[int]:
     seen, out = set(), []
     for n in range(1, limit + 1):
         key = (scores_tile(n, cfg.index_n_heads),
-               split_plan(n, engine.tables.max_blocks, hk, cfg.index_topk_blocks, engine.sparse_tiles),
+               split_plan(n, engine.runner.tables.max_blocks, hk, cfg.index_topk_blocks, engine.runner.sparse_tiles),
                tile_config(g, engine.kv.page_size, n, False).QB)
         if key not in seen:
             seen.add(key)

@@ -45,7 +45,7 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
     llm = LLM("tiny", random_weights=True, max_num_batched_tokens=64, max_num_seqs=32)
     eng = llm.engine
     seen = set()
-    build = eng._build_batch
+    build = eng.runner.build_batch
 
     longest, scored = set(), set()
     cfg = eng.model.cfg
@@ -59,7 +59,7 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
             scored.add(scores_tile(max(c.num_tokens for c in chunks), cfg.index_n_heads))
         return build(chunks)
 
-    eng._build_batch = recording
+    eng.runner.build_batch = recording
     warm_up(eng)
     want = {("1", "1"), ("1", "x16"), ("1", "other"), ("x16", "x16"), ("x16", "other"), ("other", "x16"),
             ("other", "other")}
@@ -70,7 +70,7 @@ def test_warm_up_reaches_every_sequence_and_token_count_class():
 
     def variant(n):
         return (scores_tile(n, cfg.index_n_heads),
-                split_plan(n, eng.tables.max_blocks, hk, cfg.index_topk_blocks, eng.sparse_tiles))
+                split_plan(n, eng.runner.tables.max_blocks, hk, cfg.index_topk_blocks, eng.runner.sparse_tiles))
 
     missing = {variant(n) for n in range(1, 65)} - {variant(n) for n in longest}
     assert not missing, f"attention variants never run alone by the warm-up: {sorted(missing)}"

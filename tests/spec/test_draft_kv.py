@@ -21,7 +21,7 @@ def model():
 
 def _token_kv(eng, req, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [n, Hk, D] of `positions` read straight from the view's flat pool through its expanded table."""
-    view = eng.view
+    view = eng.runner.view
     _, sub = view.build([req.request_id])
     p = view.page_size
     ks = [view.pool[int(sub[0, 0, t // p]), :, t % p] for t in positions]
@@ -31,7 +31,7 @@ def _token_kv(eng, req, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_draft_layer_reads_and_writes_only_through_the_view(model):
     eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(3))
-    kv, view = eng.kv, eng.view
+    kv, view = eng.kv, eng.runner.view
     assert view.layer == kv.draft_layer == kv.spec.num_layers == model.cfg.num_hidden_layers
     assert view.cache is kv and view.manager is eng.blocks
     log = {"view_write": 0, "view_read": 0, "draft_write_outside": 0, "draft_read_outside": 0, "target_write": 0}
@@ -116,11 +116,11 @@ def test_view_pool_is_what_the_drafter_reads(model):
     reqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
     for _ in range(3):
         eng.step()
-    pool = eng.view.pool
-    p = eng.view.page_size
+    pool = eng.runner.view.pool
+    p = eng.runner.view.page_size
 
     def poison(req, positions):
-        _, sub = eng.view.build([req.request_id])
+        _, sub = eng.runner.view.build([req.request_id])
         for t in positions:
             pool[int(sub[0, 0, t // p]), :, t % p] = float("nan")
             pool[int(sub[0, 1, t // p]), :, t % p] = float("nan")

@@ -84,7 +84,7 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
     from m3serve.tokenizer import chat_token_ids
     import json
     llm = LLM(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_bytes=256 << 20, max_num_seqs=4)
-    assert llm.engine.graphs is not None
+    assert llm.engine.runner.graphs is not None
     items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:6]
     ps = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -130,16 +130,16 @@ def test_batch_size_policy_on_the_decode_target_equals_plain_greedy():
     for graphs in (True, False):
         eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
         assert eng.enable_target(graphs=graphs, mode="require")
-        assert (eng.graphs is not None) == graphs and eng.target_attention
+        assert (eng.runner.graphs is not None) == graphs and eng.runner.target_attention
         if graphs:
-            assert eng.graphs.captured == (4,) and not eng.graphs.processed_graphs
+            assert eng.runner.graphs.captured == (4,) and not eng.runner.graphs.processed_graphs
         got = [list(r.output_token_ids) for r in run_staggered(eng, ps, params, arrivals)]
         assert got == ref, graphs
         st = eng.stats()["spec_decode"]
         assert st["disable_by_batch_size"] == 2 and st["policy_plain_steps"] >= 10 and st["policy_spec_steps"] >= 10
         assert eng.graph_steps >= 5 and st["verify_steps"] > 0
         if graphs:
-            assert eng.graphs.replays >= 10
+            assert eng.runner.graphs.replays >= 10
         assert eng.blocks.num_free_slots() == eng.kv.num_slots and eng._inflight is None
 
 

@@ -60,17 +60,29 @@ class CheckedEngine(CheatEngine):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.tables.prepare = _poisoned(self.tables)
-        self.view.tables.prepare = _poisoned(self.view.tables)
+        self.runner.tables.prepare = _poisoned(self.runner.tables)
+        self.runner.view.tables.prepare = _poisoned(self.runner.view.tables)
         self.checked = {"target": 0, "draft_first": 0, "draft_next": 0}
         self._items = []
+        passes = self.spec_runner
+        run_target, run_draft = passes.target, passes.draft
+
+        def target(batch, mode):
+            self._check_target(batch)
+            return run_target(batch, mode)
+
+        def draft(batch, src, gather, mode):
+            self._check_draft(batch, src, gather)
+            return run_draft(batch, src, gather, mode)
+
+        passes.target, passes.draft = target, draft
 
     def _plan(self, chunks):
         self._items = super()._plan(chunks)
         return self._items
 
     # ---------------------------------------------------------------- the verify pass
-    def _run_target(self, batch, mode):
+    def _check_target(self, batch):
         page = self.kv.page_size
         ids, pos, smap, spans, rows = [], [], [], [], []
         for it in self._items:                       # the old per-request packing
@@ -91,10 +103,9 @@ class CheckedEngine(CheatEngine):
         assert batch.logits_rows.tolist() == rows
         _assert_spans(batch, spans, page)
         self.checked["target"] += 1
-        return super()._run_target(batch, mode)
 
     # ---------------------------------------------------------------- the draft passes
-    def _run_draft(self, batch, src, gather, mode):
+    def _check_draft(self, batch, src, gather):
         page = self.kv.page_size
         if gather is not None:
             live = [it for it in self._items if not it.req.is_finished and it.req.allocated]
@@ -127,12 +138,11 @@ class CheckedEngine(CheatEngine):
         assert batch.positions.tolist() == pos
         assert batch.slot_mapping.tolist() == smap
         _assert_spans(batch, spans, page)
-        view = self.view
+        view = self.runner.view
         rows = self.blocks.rows_of([r.request_id for r in self._span_reqs(batch, gather)])
         _, sub_ref = build_block_tables_reference(self.blocks.host_table, rows, view.index_scale, view.kv_offset)
         assert torch.equal(view.tables.subpage_table[:len(rows)].cpu(), sub_ref)
         self.checked[key] += 1
-        return super()._run_draft(batch, src, gather, mode)
 
     def _span_reqs(self, batch, gather):
         if gather is not None:
@@ -198,6 +208,6 @@ def test_verify_step_may_exceed_the_scheduler_budget(model):
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 6
     ref = plain_outputs(model, ps, params)
     eng = _engine(model, ps, params, ref, max_num_batched_tokens=16)
-    assert eng.tables.max_tokens == 16 + 3 * eng.config.max_num_seqs
+    assert eng.runner.tables.max_tokens == 16 + 3 * eng.config.max_num_seqs
     reqs = run_staggered(eng, ps, params, [0] * 6)
     assert [list(r.output_token_ids) for r in reqs] == ref

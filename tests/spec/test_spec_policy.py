@@ -56,7 +56,7 @@ def test_two_decoding_requests_run_plainly_then_one_speculates_again(model, over
     ref = plain_outputs(model, ps, params)
     eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=4, spec={"disable_by_batch_size": 1})
     if overlap:
-        eng.graphs = FakeGraphs(eng)
+        eng.runner.graphs = FakeGraphs(eng)
     reqs, log = _drive_two(eng, ps, params)
     assert [list(r.output_token_ids) for r in reqs] == ref
     both = [i for i, row in enumerate(log) if row[0] == 2]
@@ -70,7 +70,7 @@ def test_two_decoding_requests_run_plainly_then_one_speculates_again(model, over
     assert max(eng.accept_hist[-3:]) > 0                    # ... and its drafts were accepted
     assert reqs[1].spec_metrics["verify_steps"] > 0
     if overlap:
-        assert eng.graphs.runs >= 5 and eng.graphs.pending_reads == 0
+        assert eng.runner.graphs.runs >= 5 and eng.runner.graphs.pending_reads == 0
     assert eng._inflight is None
     assert eng.blocks.num_free_slots() == eng.kv.num_slots  # every page came back
 
@@ -88,7 +88,7 @@ def test_staggered_arrivals_switch_often_and_stay_exact(model, overlap):
     eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=3, spec={"disable_by_batch_size": 2},
                        max_num_batched_tokens=48)
     if overlap:
-        eng.graphs = FakeGraphs(eng)
+        eng.runner.graphs = FakeGraphs(eng)
     reqs = run_staggered(eng, ps, params, arrivals)
     assert [list(r.output_token_ids) for r in reqs] == ref
     plain, spec, verify = _counts(eng)

@@ -51,7 +51,7 @@ def _spec(model, target: bool, **kw) -> SpeculativeEngine:
     eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3, **kw))
     if target:
         model.use_attention(PAGED_KERNELS)
-        eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False)
+        eng.spec_steps = SpecSteps(model, eng.drafter, eng.runner.view, eng.runner.tables, 3, (1, 2), graphs=False)
     return eng
 
 
@@ -144,7 +144,7 @@ def test_sampled_requests_take_the_eager_path_without_the_sampled_variant(model)
 def _mixed(model, overlap: bool) -> tuple[list[list[int]], SpeculativeEngine]:
     eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3))
     model.use_attention(PAGED_KERNELS)
-    eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False, sampling=True)
+    eng.spec_steps = SpecSteps(model, eng.drafter, eng.runner.view, eng.runner.tables, 3, (1, 2), graphs=False, sampling=True)
     eng.overlap = overlap
     params = [SamplingParams(max_tokens=MAX_TOKENS[0], temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=MAX_TOKENS[1] + 4, temperature=0.9, top_p=0.95, top_k=40, seed=5,
@@ -244,7 +244,7 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
     from tests.engine.test_overlap_loop import FakeGraphs
 
     eng = _spec(model, True, disable_by_batch_size=1)
-    eng.graphs = FakeGraphs(eng, buckets=(2, 4))
+    eng.runner.graphs = FakeGraphs(eng, buckets=(2, 4))
     cached = PROMPTS[1][:eng.kv.page_size + 1]
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
@@ -267,7 +267,7 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
     while eng.has_work():
         eng.step()
     assert [list(first.output_token_ids), list(late.output_token_ids)] == ref
-    assert seen[0] is True and eng.policy_plain_steps >= 3 and eng.graphs.runs >= 3
+    assert seen[0] is True and eng.policy_plain_steps >= 3 and eng.runner.graphs.runs >= 3
     assert eng.stats()["spec_decode"]["policy_spec_steps"] >= 4 and eng.graph_steps >= 3
-    assert eng.graphs.pending_reads == 0 and eng._inflight is None
+    assert eng.runner.graphs.pending_reads == 0 and eng._inflight is None
     assert eng.blocks.num_free_slots() == eng.kv.num_slots

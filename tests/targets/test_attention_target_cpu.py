@@ -23,7 +23,7 @@ def model():
 def _run(model, target: bool, kv: str):
     eng = LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=2, max_num_batched_tokens=32,
                                         max_model_len=128, kv_cache_dtype=kv))
-    eng.target_attention = target
+    eng.runner.target_attention = target
     if target:
         model.use_attention(PAGED_KERNELS)   # as enable_target does (it refuses the tiny preset's cells on CPU)
     reqs = [eng.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
