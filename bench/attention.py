@@ -59,7 +59,7 @@ from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.config import is_preset, preset  # noqa: E402
 from m3serve.kv.cache import PagedKVCache  # noqa: E402
 from m3serve.kv.spec import KVCacheSpec  # noqa: E402
-from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
+from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("decode", "msa", "kv_write", "prefill", "decode_step")
 MODULES = ("m3serve.kernels.attention.kv_write", "m3serve.kernels.attention.msa_index", "m3serve.kernels.attention.paged",

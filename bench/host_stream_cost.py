@@ -62,7 +62,7 @@ class HostOnlyGraphs:
     (GIL released) until the step's fixed device time has passed since its launch."""
 
     def __init__(self, engine, buckets, device_step_s: float, token_range: tuple[int, int], seed: int = 0):
-        from m3serve.runtime.step_plan import bucket_for
+        from m3serve.runtime.step_inputs import bucket_for
         self.engine, self.captured = engine, tuple(buckets)
         self._bucket_for = bucket_for
         self.sampling = True
@@ -100,7 +100,7 @@ class HostOnlyGraphs:
 def _install_fakes(engine, device_step_s: float, eager_step_s: float, token_range: tuple[int, int], stats: dict):
     """The decode target's host path on CPU: overlap loop on HostOnlyGraphs, eager steps with the target's batch
     metadata and a fixed-cost forward. Also counts step kinds for the report."""
-    from m3serve.runtime.step_plan import buckets_up_to
+    from m3serve.runtime.step_inputs import buckets_up_to
     runner = engine.runner
     runner.graphs = HostOnlyGraphs(engine, buckets_up_to(engine.config.max_num_seqs), device_step_s, token_range)
     runner.target_attention = True      # build_batch stages the kernels' metadata as on the GPU

@@ -12,6 +12,7 @@ from m3serve.distributed import protocol
 from m3serve.distributed.context import TPContext, WorkerDiedError
 from m3serve.engine.sampler import sample, top_logprobs
 from m3serve.runtime.model_runner import ModelRunner
+from m3serve.runtime.step_inputs import pack_step
 
 
 class StepBroadcast:
@@ -67,7 +68,7 @@ class TPDriverRunner(ModelRunner):
         if prompt_plan is not None or penalty_rows is not None or masked:
             raise ValueError("a tensor-parallel step takes no prompt logprobs or logits processing")
         mode, k = protocol.choose_mode([r.params.greedy for r in reqs], [r.params.logprobs for r in reqs])
-        header, payload = protocol.pack_step(batch, mode, k, self.broadcast.step_no)
+        header, payload = pack_step(batch, mode, k, self.broadcast.step_no)
 
         def run():
             res = protocol.run_step(self.model, batch, mode, k)

@@ -1,6 +1,6 @@
 """Rank 0 of a tensor-parallel group running speculative decoding: the speculative passes component
 (`TPSpecRunner`, plugged into the speculative engine beside driver.TPDriverRunner) whose target and draft passes
-are each broadcast to the followers first (spec_protocol.py). Greedy verification and greedy drafts use
+are each broadcast to the followers first (the wire form of runtime/step_inputs.py; followers: spec_protocol.py). Greedy verification and greedy drafts use
 vocab-parallel argmax (no full logits gathered); sampled verification, sampled drafts and logprobs gather the
 full rows, and rank 0 runs the same exact rejection sampler as at TP 1.
 
@@ -9,10 +9,10 @@ sampling step, whose penalties and prompt plans this group does not broadcast.""
 
 from __future__ import annotations
 
-from m3serve.distributed import spec_protocol
 from m3serve.distributed.driver import StepBroadcast
 from m3serve.engine.spec_config import SpecConfig
 from m3serve.engine.spec_runner import SpecRunner
+from m3serve.runtime.step_inputs import pack_draft, pack_target
 
 
 def tp_spec_config(speculative_config: dict | SpecConfig) -> SpecConfig:
@@ -36,11 +36,11 @@ class TPSpecRunner(SpecRunner):
         self.broadcast = broadcast
 
     def target(self, batch, mode):
-        header, payload = spec_protocol.pack_target(batch, mode, self.broadcast.step_no)
+        header, payload = pack_target(batch, mode, self.broadcast.step_no)
         return self.broadcast(header, payload, lambda: super(TPSpecRunner, self).target(batch, mode))
 
     def draft(self, batch, src, gather, mode):
-        header, payload = spec_protocol.pack_draft(batch, src, gather, mode, self.broadcast.step_no)
+        header, payload = pack_draft(batch, src, gather, mode, self.broadcast.step_no)
         return self.broadcast(header, payload, lambda: super(TPSpecRunner, self).draft(batch, src, gather, mode))
 
 

@@ -30,7 +30,7 @@ from m3serve.kv.cache import PagedKVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.runtime.decode_graphs import sampling_row
 from m3serve.runtime.model_runner import ModelRunner
-from m3serve.runtime.step_plan import buckets_up_to
+from m3serve.runtime.step_inputs import buckets_up_to
 
 log = logging.getLogger("m3serve")
 

@@ -60,7 +60,7 @@ from m3serve.model.m3 import M3ForCausalLM
 from m3serve.runtime.decode_graphs import sampling_row
 from m3serve.runtime.model_runner import ModelRunner, all_certified
 from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
-from m3serve.runtime.step_plan import buckets_up_to
+from m3serve.runtime.step_inputs import buckets_up_to
 from m3serve.targets.attention import PAGED_KERNELS
 from m3serve.targets.explain import spec_step_placements, uncertified_attention, uncertified_draft_attention
 from m3serve.targets.routing import install_drafter, mode_of

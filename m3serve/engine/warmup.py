@@ -20,7 +20,7 @@ from m3serve.engine.sampling_params import SamplingParams
 from m3serve.kernels._jit import COMPILE_WATCH
 from m3serve.kernels.attention._paged_call import tile_config
 from m3serve.kernels.attention.msa_index import scores_tile
-from m3serve.runtime.step_plan import split_plan
+from m3serve.runtime.step_inputs import split_plan
 
 log = logging.getLogger("m3serve")
 

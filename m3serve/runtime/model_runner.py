@@ -31,8 +31,8 @@ from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.runtime.decode_graphs import DecodeGraphs, Launched
-from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan
-from m3serve.targets.attention import PAGED_KERNELS, PagedStep
+from m3serve.runtime.step_inputs import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.targets.attention import PAGED_KERNELS
 from m3serve.targets.explain import uncertified_attention
 
 log = logging.getLogger("m3serve")

@@ -11,7 +11,7 @@ from m3serve import LLM, SamplingParams
 from m3serve.engine.warmup import shape_class, warm_up, warmup_prompt_lengths
 from m3serve.kernels._jit import CompileWatch
 from m3serve.kernels.attention.msa_index import scores_tile
-from m3serve.runtime.step_plan import split_plan
+from m3serve.runtime.step_inputs import split_plan
 
 
 def test_prompt_lengths_cover_the_specializations_and_fit():

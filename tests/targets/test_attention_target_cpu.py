@@ -48,7 +48,7 @@ def test_split_plan_counts_key_tiles_on_msa_layers():
     from m3serve.config import preset
     from m3serve.kernels.attention.paged import choose_num_splits
     from m3serve.kv.spec import KVCacheSpec
-    from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan
+    from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan
     m3 = KVCacheSpec.from_model_config(preset("minimax-m3"), kv_cache_dtype="nvfp4")
     assert sparse_tiles_per_block(m3) == 2
     dense, sparse = split_plan(1, 1025, 4, 16, sparse_tiles_per_block(m3))
