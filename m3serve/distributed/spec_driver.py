@@ -1,8 +1,8 @@
-"""Rank 0 of a tensor-parallel group running speculative decoding: the speculative passes component
-(`TPSpecRunner`, plugged into the speculative engine beside driver.TPDriverRunner) whose target and draft passes
-are each broadcast to the followers first (the wire form of runtime/step_inputs.py; followers: spec_protocol.py). Greedy verification and greedy drafts use
-vocab-parallel argmax (no full logits gathered); sampled verification, sampled drafts and logprobs gather the
-full rows, and rank 0 runs the same exact rejection sampler as at TP 1.
+"""Rank 0 of a tensor-parallel group running speculative decoding: `TPSpecRunner`, the speculative passes of
+the engine's SpecDecoding (beside driver.TPDriverRunner as its model runner), whose target and draft passes are
+each broadcast to the followers first (the wire form of runtime/step_inputs.py; followers: spec_protocol.py).
+Greedy verification and greedy drafts use vocab-parallel argmax (no full logits gathered); sampled verification,
+sampled drafts and logprobs gather the full rows, and rank 0 runs the same exact rejection sampler as at TP 1.
 
 The batch-size policy (speculative_config.disable_by_batch_size) is off here: its plain steps run the plain
 sampling step, whose penalties and prompt plans this group does not broadcast."""

@@ -1,8 +1,8 @@
 """Starting a tensor-parallel group: `start_tp(...)` is what LLM(..., tensor_parallel_size=N) calls. It launches or
 joins the group, loads this rank's shard, agrees on the KV size, and returns (context, model, engine) on rank 0:
-the ordinary LLMEngine (or SpeculativeEngine with a speculative config) with the group's broadcasting runner
-plugged in (driver.TPDriverRunner, and spec_driver.TPSpecRunner for the speculative passes). On a torchrun follower it serves until
-rank 0 shuts down and then ends the process (SystemExit(0)): only rank 0 runs the user's code after LLM(...).
+the ordinary LLMEngine with the group's broadcasting runner plugged in (driver.TPDriverRunner) and, with a
+speculative config, SpecDecoding over spec_driver.TPSpecRunner. On a torchrun follower it serves until rank 0
+shuts down and then ends the process (SystemExit(0)): only rank 0 runs the user's code after LLM(...).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from m3serve.distributed.spec_driver import TPSpecRunner, tp_spec_config
 from m3serve.distributed.worker import serve_follower
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.spec_config import SpecConfig
-from m3serve.engine.speculative import SpeculativeEngine, build_drafter, spec_runner_config
+from m3serve.engine.speculative import SpecDecoding, build_drafter, prepare_drafter, spec_runner_config
 from m3serve.model.loader import load_model
 
 
@@ -49,11 +49,11 @@ def start_tp(spec: TPLaunchSpec, engine_kwargs: dict, tokenizer) -> tuple[TPCont
             engine = LLMEngine(model, config, tokenizer, runner=TPDriverRunner(model, config, broadcast))
         else:
             spec_cfg = tp_spec_config(spec.speculative_config)
-            drafter = drafter.attach_target(model).eval()
-            engine = SpeculativeEngine(
-                model, config, tokenizer, speculative_config=spec_cfg, drafter=drafter,
+            drafter = prepare_drafter(spec_cfg, model, drafter)
+            engine = LLMEngine(
+                model, config, tokenizer,
                 runner=TPDriverRunner(model, config, broadcast, **spec_runner_config(config, spec_cfg, drafter)),
-                spec_runner=TPSpecRunner(model, drafter, broadcast))
+                speculation=SpecDecoding(spec_cfg, drafter, TPSpecRunner(model, drafter, broadcast)))
         if engine.kv.num_slots != slots:
             raise RuntimeError(f"rank 0 built {engine.kv.num_slots} KV slots, the group agreed on {slots}")
         return ctx, model, engine

@@ -62,9 +62,12 @@ class LLMEngine:
     """The host side of serving: requests, the scheduler, the block manager, stop checks, page commits and the
     overlap loop's bookkeeping. Every device operation goes through `self.runner` (m3serve.runtime.model_runner:
     the model, the KV cache, the device block tables, the decode graphs, the sampling step); a tensor-parallel
-    group plugs in its broadcasting runner (m3serve.distributed.driver.TPDriverRunner)."""
+    group plugs in its broadcasting runner (m3serve.distributed.driver.TPDriverRunner). With `speculation` (an
+    m3serve.engine.speculative.SpecDecoding, whose runner holds the draft layer: speculative_engine builds both)
+    each step is the speculative one."""
 
-    def __init__(self, model: M3ForCausalLM, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None):
+    def __init__(self, model: M3ForCausalLM, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None,
+                 speculation=None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         cfg = model.cfg
         dev = model.device
@@ -93,6 +96,8 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
         self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
+        # the speculative step's component (it reaches back into this engine's host state), None = plain steps
+        self.speculation = speculation.attach(self) if speculation is not None else None
 
     @property
     def kv(self) -> PagedKVCache:
@@ -103,7 +108,9 @@ class LLMEngine:
         """The decode target: attention through the paged-cache kernels for every step, and pure decode steps
         replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1 and every attention
         layer's decode kernels in certified cells; otherwise `auto` keeps the stock path (returns False, logs
-        why) and `require` raises naming each uncertified placement."""
+        why) and `require` raises naming each uncertified placement. With speculation: SpecDecoding.enable_target."""
+        if self.speculation is not None:
+            return self.speculation.enable_target(graphs, buckets, mode)
         self.runner.check_target()
         if self.requests:
             raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
@@ -209,10 +216,10 @@ class LLMEngine:
                               ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None)):
             value = getattr(params, name)
             if value != neutral and not (name in ("logit_bias", "bad_words") and not value):
-                raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {type(self).__name__} "
-                                 f"on {type(self.runner).__name__} "
+                step = "speculative decoding" if self.speculation is not None else type(self.runner).__name__
+                raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {step} "
                                  "(penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words, "
-                                 "prompt_logprobs and structured_outputs are applied by LLMEngine's own sampling "
+                                 "prompt_logprobs and structured_outputs are applied by ModelRunner's own sampling "
                                  "step)")
 
     def _grammars(self):
@@ -251,6 +258,8 @@ class LLMEngine:
                 self.scheduler.finish(m, "abort")
             self.penalties.release(m)
             self._release_grammar(m)
+            if self.speculation is not None:
+                self.speculation.forget(m.request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -283,11 +292,13 @@ class LLMEngine:
             chunks = self.scheduler.schedule()
         if not chunks:
             return self._resolve_inflight() + self._unschedulable()
+        if self.speculation is not None:
+            return self.speculation.step(chunks)
         return self._step_chunks(chunks)
 
     def _step_chunks(self, chunks: list[ScheduledChunk]) -> list[Request]:
         """Run the scheduled chunks as one plain step: a decode graph (overlapped when every row allows it) or an
-        eager step. SpeculativeEngine runs its plain steps here too (speculative_config.disable_by_batch_size)."""
+        eager step. SpecDecoding runs its plain steps here too (speculative_config.disable_by_batch_size)."""
         graphs = self.runner.graphs
         graph_step = graphs is not None and all(c.num_tokens == 1 and c.reaches_end for c in chunks) \
             and graphs.bucket_for(len(chunks)) is not None
@@ -378,6 +389,8 @@ class LLMEngine:
     def _resolve(self, inflight) -> list[Request]:
         if inflight is None:
             return []
+        if self.speculation is not None and self.speculation.owns(inflight):
+            return self.speculation.resolve(inflight)
         launched, reqs = inflight
         tokens = self.runner.fetch_tokens(launched)
         live, toks = [], []
@@ -480,14 +493,19 @@ class LLMEngine:
     def release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
         self._release_grammar(req)
+        if self.speculation is not None:
+            self.speculation.forget(req.request_id)
 
     def stats(self) -> dict:
-        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+        out = {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.runner.kv.num_slots,
                 "preemptions": self.scheduler.num_preemptions,
                 "kernel_compiles_after_warmup": COMPILE_WATCH.count,
                 "structured_masked_steps": self.grammars.masked_steps if self.grammars is not None else 0,
                 "structured_graph_masked_steps": self.grammars.graph_masked_steps if self.grammars is not None else 0}
+        if self.speculation is not None:
+            out["spec_decode"] = self.speculation.stats()
+        return out
 
 
 def _last_token(req: Request) -> int:

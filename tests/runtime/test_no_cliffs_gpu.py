@@ -78,7 +78,7 @@ def test_embedded_model_graphs_up_to_max_num_seqs_plain_and_spec():
     spec = LLM(dtype="bfloat16", max_num_seqs=128, kv_cache_bytes=kv,
                speculative_config={"method": "eagle3", "model": os.path.join(default_model(), "eagle3"),
                                    "num_speculative_tokens": 3, "disable_by_batch_size": None})
-    steps = spec.engine.spec_steps
+    steps = spec.engine.speculation.spec_steps
     assert steps.buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
     assert {b for b, _ in steps._graph} == set(steps.buckets) and not steps.blocked
     before = steps.replays
