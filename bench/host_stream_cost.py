@@ -107,7 +107,7 @@ def _install_fakes(engine, device_step_s: float, eager_step_s: float, token_rang
     rng = np.random.default_rng(1)
     lo, hi = token_range
 
-    def run(batch, reqs, prompt_plan=None, penalty_rows=None, masked=False):
+    def run(batch, reqs, prompt_plan=None, processing=None):
         stats["sync_steps"] += 1
         stats["sync_rows"] += len(reqs)
         # the eager step waits for the device (the real one also spends host time launching kernels: not here)

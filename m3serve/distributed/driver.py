@@ -52,8 +52,10 @@ class StepBroadcast:
 
 class TPDriverRunner(ModelRunner):
     """The ModelRunner of rank 0: the same cache, tables and batch packing (the followers receive the packed
-    step), no penalties, prompt logprobs or grammar masks (processes_logits is False: the engine refuses them),
-    no decode target (it needs TP 1)."""
+    step), no penalties, prompt logprobs or grammar masks (the engine refuses them), no decode target (it needs
+    TP 1)."""
+
+    processes_logits = False
 
     def __init__(self, model, config, broadcast: StepBroadcast, **kw):
         super().__init__(model, config, **kw)
@@ -62,10 +64,10 @@ class TPDriverRunner(ModelRunner):
     def fault(self) -> str | None:
         return self.broadcast.ctx.fault()
 
-    def run(self, batch, reqs, prompt_plan=None, penalty_rows=None, masked=False):
+    def run(self, batch, reqs, prompt_plan=None, processing=None):
         """The step on every rank: rank 0 samples (greedy rows by vocab-parallel argmax, no full rows gathered;
         a sampling row gathers the full logits and takes the ordinary sampler)."""
-        if prompt_plan is not None or penalty_rows is not None or masked:
+        if prompt_plan is not None or processing is not None:
             raise ValueError("a tensor-parallel step takes no prompt logprobs or logits processing")
         mode, k = protocol.choose_mode([r.params.greedy for r in reqs], [r.params.logprobs for r in reqs])
         header, payload = pack_step(batch, mode, k, self.broadcast.step_no)

@@ -30,7 +30,7 @@ from m3serve.kv.cache import PagedKVCache
 from m3serve.model.m3 import M3ForCausalLM
 from m3serve.runtime.decode_graphs import sampling_row
 from m3serve.runtime.model_runner import ModelRunner
-from m3serve.runtime.step_inputs import buckets_up_to
+from m3serve.runtime.step_inputs import LogitsProcessing, buckets_up_to
 
 log = logging.getLogger("m3serve")
 
@@ -71,25 +71,24 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         cfg = model.cfg
         dev = model.device
+        # the runner first: a GPU cache takes what is left of the memory budget, as before any engine state
+        self.runner = runner if runner is not None else ModelRunner(model, config)
+        page = self.runner.kv.page_size
         self.eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         # Penalties / logit_bias / min_tokens state: one device row per running request that uses them (rows are
-        # assigned here, per request; the runner applies the rows of a step).
+        # assigned here, per request; the runner applies a step's rows: _logits_processing).
         self.penalties = PenaltyState(config.max_num_seqs, cfg.vocab_size, dev, self.eos)
         # Structured output: allowed-token masks per penalty-state row (device), their grammars (host, made on
         # the first constrained request: m3serve.engine.structured).
         self.token_masks = TokenMaskRows(config.max_num_seqs, cfg.vocab_size, dev)
-        if runner is None:
-            runner = ModelRunner(model, config, penalties=self.penalties, token_masks=self.token_masks)
-        self.runner = runner
-        page = runner.kv.page_size
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // page)
         self._make_tables(self.max_blocks_per_seq)
-        self.capacity_tokens = runner.kv.num_slots * page
+        self.capacity_tokens = self.runner.kv.num_slots * page
         self.overlap = True              # with graphs: launch step n+1 before reading step n's tokens
-        self._inflight = None            # (launched graph step, its requests) not yet read back
+        self._inflight = None            # a launched graph step not read back: (launched, its requests), or speculation's
         self._ids = itertools.count()
         self.requests: dict[int, Request] = {}
         self.grammars = None
@@ -115,7 +114,9 @@ class LLMEngine:
         if self.requests:
             raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
         self._fit_certified_width()
-        return self.runner.enable_target(graphs, buckets or buckets_up_to(self.config.max_num_seqs), mode)
+        own = self.runner.processes_logits   # the graphs' processed variant applies the engine's state rows
+        return self.runner.enable_target(graphs, buckets or buckets_up_to(self.config.max_num_seqs), mode,
+                                         self.penalties if own else None, self.token_masks if own else None)
 
     def _fit_certified_width(self) -> None:
         """Re-size the allocator and tables to the smallest certified msa.select width that holds them."""
@@ -209,7 +210,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.allowed_token_ids: token id {bad[0]} outside the vocabulary "
                              f"[0, {vocab})")
-        if self.runner.processes_logits:
+        if self.runner.processes_logits and self.speculation is None:
             return
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None), ("min_p", 0.0),
@@ -324,7 +325,7 @@ class LLMEngine:
                 plan = prompt_logprobs.plan(chunks, starts, batch.input_ids.device)
             if plan is not None:   # the prompt rows' logits come from the same head call, after the sampled rows
                 batch.logits_rows = torch.cat((batch.logits_rows, plan.rows))
-            tokens, lp = self.runner.run(batch, reqs, plan, *self._logits_processing(reqs))
+            tokens, lp = self.runner.run(batch, reqs, plan, self._logits_processing(reqs))
         for c in chunks:
             c.request.num_computed += c.num_tokens
         if not sampled:
@@ -435,19 +436,19 @@ class LLMEngine:
                                             [r.num_computed for r in reqs], sampling, rows)
         if own:
             return self.runner.fetch_tokens(launched), None
-        return self.runner.sample(self.runner.graph_logits(launched), reqs, *self._logits_processing(reqs))
+        return self.runner.sample(self.runner.graph_logits(launched), reqs, self._logits_processing(reqs))
 
-    def _logits_processing(self, reqs: list[Request]) -> tuple[torch.Tensor | None, bool]:
+    def _logits_processing(self, reqs: list[Request]) -> LogitsProcessing | None:
         """The host side of an eager sampling step's logits processing, for runner.run / runner.sample: the rows'
-        penalty-state rows (None when no request in the batch uses penalties, logit_bias, min_tokens, bans or a
-        grammar; their host-written parts refreshed) and whether grammar masks were written for them."""
+        penalty-state rows (their host-written parts refreshed) and, when grammar masks were written for them,
+        the masks. None when no request in the batch uses penalties, logit_bias, min_tokens, bans or a grammar."""
         rows = self.penalties.rows_for(reqs)
         if rows is None:
-            return None, False
+            return None
         self.penalties.refresh()
         masked = self.grammars is not None and self.grammars.fill(
             [r.request_id for r in reqs], self.penalties.row_ids_for(reqs), in_graph=False)
-        return rows, masked
+        return LogitsProcessing(self.penalties, rows, self.token_masks if masked else None)
 
     def _check_stop(self, req: Request, tok: int) -> None:
         """After each appended token (both engines): queue a group's other candidates once the leader's prompt

@@ -99,7 +99,7 @@ def step_token_capacity(config: EngineConfig, k: int) -> int:
 def spec_runner_config(config: EngineConfig, spec: SpecConfig, drafter: Eagle3Drafter) -> dict:
     """The ModelRunner arguments speculation needs: the shared Eagle3 draft layer in the cache (K/V sub-pages in
     every slot, all the replicated drafter's heads on every rank) and block tables sized for verify steps (K more
-    tokens per sequence). No penalties: the speculative step refuses logits processing."""
+    tokens per sequence)."""
     return {"draft_kv_heads": drafter.cfg.num_key_value_heads,
             "max_step_tokens": step_token_capacity(config, spec.num_speculative_tokens)}
 

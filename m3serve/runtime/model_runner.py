@@ -10,7 +10,8 @@ Requests and scheduled chunks reach the runner duck-typed, because the runtime l
 types: a request's `request_id`, `num_computed`, `params`, `sample_key`, `num_tokens`, `prompt_token_ids`,
 `output_token_ids`; a chunk's `request`, `num_tokens`, `reaches_end`. The penalty / logit-bias state and the
 grammar masks stay with the engine (m3serve.engine.penalties, token_masks: their rows are assigned per request,
-host bookkeeping); the runner is handed the two objects and applies the rows the engine picks for a step.
+host bookkeeping); an eager step receives the rows the engine picked (step_inputs.LogitsProcessing), the decode
+graphs the two state objects at capture.
 
 A tensor-parallel group's rank 0 plugs in m3serve.distributed.driver.TPDriverRunner, which broadcasts each step
 to the followers before running it.
@@ -31,7 +32,7 @@ from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.runtime.decode_graphs import DecodeGraphs, Launched
-from m3serve.runtime.step_inputs import PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.step_inputs import LogitsProcessing, PagedStep, sparse_tiles_per_block, split_plan
 from m3serve.targets.attention import PAGED_KERNELS
 from m3serve.targets.explain import uncertified_attention
 
@@ -73,13 +74,14 @@ def all_certified(missing: list, what: str, target: str, mode: str) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model, config, *, penalties=None, token_masks=None, draft_kv_heads: int | None = None,
-                 max_step_tokens: int | None = None):
-        """config: the engine's EngineConfig (cache dtype and budget, max_num_batched_tokens). penalties /
-        token_masks: the engine's PenaltyState and TokenMaskRows when this runner's sampling step applies them
-        (None: `processes_logits` is False and the engine refuses such requests). draft_kv_heads: adds the
-        shared Eagle3 draft layer to the cache. max_step_tokens: tokens one step may pack (a verify step holds
-        K drafts per sequence more than the scheduler's budget)."""
+    # Its sampling step applies penalties, logit_bias, min_tokens, bans, grammar masks and prompt logprobs (a
+    # runner that cannot says False here, and the engine refuses such requests).
+    processes_logits = True
+
+    def __init__(self, model, config, *, draft_kv_heads: int | None = None, max_step_tokens: int | None = None):
+        """config: the engine's EngineConfig (cache dtype and budget, max_num_batched_tokens). draft_kv_heads:
+        adds the shared Eagle3 draft layer to the cache. max_step_tokens: tokens one step may pack (a verify step
+        holds K drafts per sequence more than the scheduler's budget)."""
         self.model, self.config = model, config
         dev = model.device
         spec = cache_spec(model, config, draft_kv_heads)
@@ -90,7 +92,6 @@ class ModelRunner:
             self.kv = PagedKVCache.from_budget(spec, device=dev, gpu_memory_utilization=config.gpu_memory_utilization)
         self.sparse_tiles = sparse_tiles_per_block(spec)   # split_plan's key tiles per MSA block (fixed per cache)
         self.max_step_tokens = max_step_tokens if max_step_tokens is not None else config.max_num_batched_tokens
-        self.penalties, self.token_masks = penalties, token_masks
         self.tables: DeviceBlockTables | None = None   # bind_tables
         self.view = None                 # the draft layer's DraftKVView (bind_tables, with a draft layer)
         self.target_attention = False    # attention through the paged-cache kernels (enable_target)
@@ -106,11 +107,6 @@ class ModelRunner:
     def graphs(self, graphs) -> None:
         self._graphs = graphs
         self.graphs_version += 1
-
-    @property
-    def processes_logits(self) -> bool:
-        """Its sampling step applies penalties, logit_bias, min_tokens, bans and grammar masks."""
-        return self.penalties is not None
 
     def fault(self) -> str | None:
         """Why this runner can run no more steps (None while it can); a single-process runner never fails so."""
@@ -147,19 +143,20 @@ class ModelRunner:
             raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {m.dtype} on {m.device} "
                              f"at TP {m.tp.size}")
 
-    def enable_target(self, graphs: bool, buckets: tuple[int, ...], mode: str) -> bool:
+    def enable_target(self, graphs: bool, buckets: tuple[int, ...], mode: str, penalties=None,
+                      token_masks=None) -> bool:
         """Attention through the paged-cache kernels for every step and, with graphs, one decode graph per bucket
-        (the processed variant when this runner processes logits). The tables must have their final width (the
-        engine re-sizes them first). auto: False (logged) when an attention placement is uncertified; require:
-        raises naming them."""
+        (with the engine's PenaltyState and TokenMaskRows also the processed variant). The tables must have their
+        final width (the engine re-sizes them first). auto: False (logged) when an attention placement is
+        uncertified; require: raises naming them."""
         missing = uncertified_attention(self.model, self.kv, self.tables.max_blocks, buckets)
         if not all_certified(missing, "attention", "decode target", mode):
             return False
         self.target_attention = True
         self.model.use_attention(PAGED_KERNELS)
         if graphs:
-            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=self.penalties,
-                                       token_masks=self.token_masks)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=penalties,
+                                       token_masks=token_masks)
             self.graphs.capture(mode)
         return True
 
@@ -204,12 +201,11 @@ class ModelRunner:
             step=step,
         )
 
-    def run(self, batch: ForwardBatch, reqs: list, prompt_plan=None, penalty_rows: torch.Tensor | None = None,
-            masked: bool = False) -> tuple[list[int], tuple | None]:
+    def run(self, batch: ForwardBatch, reqs: list, prompt_plan=None, processing: LogitsProcessing | None = None
+            ) -> tuple[list[int], tuple | None]:
         """Model forward, then one token per sampled row (batch.logits_rows order, one per request in `reqs`)
         and, when asked, (chosen logprobs, top ids, top logprobs) as lists. prompt_plan: prompt-logprob rows that
-        follow the sampled ones in batch.logits_rows (m3serve.engine.prompt_logprobs). penalty_rows / masked:
-        see `sample`."""
+        follow the sampled ones in batch.logits_rows (m3serve.engine.prompt_logprobs). processing: see `sample`."""
         with torch.inference_mode():
             logits = self.model(batch)
             if prompt_plan is not None:
@@ -217,20 +213,19 @@ class ModelRunner:
                 logits = logits[:len(reqs)]
         if not reqs:
             return [], None
-        return self.sample(logits, reqs, penalty_rows, masked)
+        return self.sample(logits, reqs, processing)
 
-    def sample(self, logits: torch.Tensor, reqs: list, penalty_rows: torch.Tensor | None = None,
-               masked: bool = False) -> tuple[list[int], tuple | None]:
-        """logits [R, V] -> one token per row. penalty_rows: each row's PenaltyState row (the engine assigns them
-        and refreshes their host-written parts); penalties, logit_bias and min_tokens then change the scores the
-        token is chosen from, and masked=True also applies those rows' grammar masks (the engine wrote them).
-        Logprobs stay those of the raw logits."""
-        scores = logits if penalty_rows is None else self.penalties.apply(logits, penalty_rows)
-        if masked:
-            scores = self.token_masks.apply(scores, penalty_rows)
+    def sample(self, logits: torch.Tensor, reqs: list, processing: LogitsProcessing | None = None
+               ) -> tuple[list[int], tuple | None]:
+        """logits [R, V] -> one token per row. processing (None: no request in the batch asks for it): penalties,
+        logit_bias and min_tokens change the scores the token is chosen from, then the grammar masks; the drawn
+        tokens are counted in the state rows. Logprobs stay those of the raw logits."""
+        scores = logits if processing is None else processing.penalties.apply(logits, processing.rows)
+        if processing is not None and processing.masks is not None:
+            scores = processing.masks.apply(scores, processing.rows)
         tokens = sample(scores, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
-        if penalty_rows is not None:
-            self.penalties.record(penalty_rows, tokens)
+        if processing is not None:
+            processing.penalties.record(processing.rows, tokens)
         want = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
         lp = top_logprobs(logits, tokens, want) if want is not None else None
         return tokens.tolist(), (tuple(x.tolist() for x in lp) if lp is not None else None)

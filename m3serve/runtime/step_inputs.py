@@ -4,6 +4,7 @@
                     uses for a step of that many rows (the same for an eager step and the graph of its bucket, so
                     both sum in the same order)
   PagedStep         the paged-cache kernels' device metadata of a step (views of its one staged upload)
+  LogitsProcessing  an eager step's penalty / logit-bias / grammar-mask rows, as the engine chose them
   the wire form     what tensor-parallel rank 0 broadcasts the followers per step or speculative pass: a header
                     and one payload, both host int64, on the control group (m3serve.distributed)
 
@@ -29,6 +30,7 @@ This file sits in the dispatch layer (docs/architecture.md) because the target's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -96,6 +98,14 @@ class PagedStep:
         if buf is None:
             buf = self.workspaces[key] = make()
         return buf
+
+
+class LogitsProcessing(NamedTuple):
+    """What an eager step's sampling applies besides temperature / top-k / top-p, chosen by the engine, which
+    assigns the state rows per request (m3serve.engine.penalties, token_masks: the runtime sits below them)."""
+    penalties: object       # PenaltyState: apply(logits, rows) before the draw, record(rows, tokens) after it
+    rows: Tensor            # [R] int64 each sampled row's state row (the neutral row for rows without processing)
+    masks: object | None    # TokenMaskRows whose `rows` hold this step's grammar masks; None: no grammar this step
 
 
 # ------------------------------------------------------------------ the tensor-parallel wire form

@@ -42,8 +42,8 @@ class HostRunner:
         return [c.request.all_token_ids[c.request.num_computed:c.request.num_computed + c.num_tokens]
                 for c in chunks]
 
-    def run(self, batch, reqs, prompt_plan=None, penalty_rows=None, masked=False):
-        assert prompt_plan is None and penalty_rows is None and not masked
+    def run(self, batch, reqs, prompt_plan=None, processing=None):
+        assert prompt_plan is None and processing is None
         self.steps.append(batch)
         return [100 + r.num_tokens for r in reqs], None
 
@@ -111,6 +111,28 @@ def test_the_real_runner_packs_and_runs_a_step(model):
     got = [fresh.add_request(p, GREEDY) for p in prompts]
     fresh.step()
     assert [r.output_token_ids for r in got] == [[t] for t in tokens]
+
+
+def test_the_engine_hands_the_runner_its_logits_processing(model):
+    """Penalty-state rows are assigned by the engine (per request) and applied by the runner: a biased request's
+    step carries its row, a plain batch none; the bias decides the token."""
+    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4))
+    seen = []
+    run = eng.runner.run
+
+    def recording(batch, reqs, prompt_plan=None, processing=None):
+        seen.append(processing)
+        return run(batch, reqs, prompt_plan, processing)
+
+    eng.runner.run = recording
+    plain = eng.add_request([5, 6, 7], GREEDY)
+    eng.step()
+    biased = eng.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, logit_bias={11: 100.0}))
+    eng.step()
+    assert seen[0] is None and seen[1] is not None and seen[1].masks is None
+    assert seen[1].penalties is eng.penalties
+    assert seen[1].rows.tolist() == eng.penalties.row_ids_for([plain, biased])   # decode row first, then prefill
+    assert biased.output_token_ids == [11]
 
 
 def test_the_real_runner_owns_the_target_switch(model):
