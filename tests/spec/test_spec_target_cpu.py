@@ -259,8 +259,9 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
         ref_eng.step()
     ref = [list(r.output_token_ids) for r in ref]
     seen = []
-    plain_step = eng._plain_step
-    eng._plain_step = lambda chunks: seen.append(isinstance(eng._inflight, _SpecFlight)) or plain_step(chunks)
+    spec = eng.speculation
+    plain_step = spec._plain_step
+    spec._plain_step = lambda chunks: seen.append(isinstance(eng._inflight, _SpecFlight)) or plain_step(chunks)
     warm = eng.add_request(cached, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while eng.has_work():
         eng.step()
