@@ -59,7 +59,7 @@ from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.config import is_preset, preset  # noqa: E402
 from m3serve.kv.cache import PagedKVCache  # noqa: E402
 from m3serve.kv.spec import KVCacheSpec  # noqa: E402
-from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
+from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("decode", "msa", "kv_write", "prefill", "decode_step")
 MODULES = ("m3serve.kernels.attention.kv_write", "m3serve.kernels.attention.msa_index", "m3serve.kernels.attention.paged",
@@ -366,7 +366,7 @@ def decode_step(model: str, contexts: list[int], steps: int) -> tuple[list[dict]
     llm = LLM(model, **kwargs)
     load_s = time.perf_counter() - t0
     eng = llm.engine
-    if eng.graphs is None or not eng.target_attention:
+    if eng.runner.graphs is None or not eng.runner.target_attention:
         raise SystemExit(f"decode_step: the decode target is off for {model} (max_model_len {max_len}); the log "
                          "names the uncertified placements")
     print(f"decode_step: {model} loaded in {load_s:.1f} s; max_model_len {eng.max_model_len}, KV capacity "

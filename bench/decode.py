@@ -75,8 +75,8 @@ def set_route(llm, route: str, graphs) -> None:
     """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl")."""
     from m3serve.targets import routing
     routing.install(llm.model, "off" if route == "off" else "auto")
-    llm.engine.target_attention = route != "off"
-    llm.engine.graphs = graphs.get(route)
+    llm.engine.runner.target_attention = route != "off"
+    llm.engine.runner.graphs = graphs.get(route)
 
 
 def graphs_with_pdl(llm, like, pdl: bool):
@@ -88,7 +88,7 @@ def graphs_with_pdl(llm, like, pdl: bool):
     before = _jit.PDL_ENABLED
     _jit.PDL_ENABLED = pdl
     try:
-        g = DecodeGraphs(llm.model, eng.kv, eng.tables, like.buckets, penalties=eng.penalties)
+        g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, like.buckets, penalties=eng.penalties)
         g.capture()
     finally:
         _jit.PDL_ENABLED = before
@@ -237,10 +237,10 @@ def main() -> None:
                   max_num_batched_tokens=max(2048, args.context), gpu_memory_utilization=0.85,
                   max_model_len=args.context + WINDOW * args.steps + 64, route="auto")
         loads[name] = time.perf_counter() - t0
-        graphs = {"target": llm.engine.graphs}
+        graphs = {"target": llm.engine.runner.graphs}
         for route, pdl in (("target-pdl", True), ("target-nopdl", False)):
             if route in routes:
-                graphs[route] = graphs_with_pdl(llm, llm.engine.graphs, pdl)
+                graphs[route] = graphs_with_pdl(llm, llm.engine.runner.graphs, pdl)
         base_tokens = {}
         for route in routes:
             set_route(llm, route, graphs)

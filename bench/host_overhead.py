@@ -81,7 +81,7 @@ def run_point(batch: int, context: int, device: torch.device, steps: int, warmup
     build_us, slot_us, uploaded, prepare_us, stage_us = [], [], [], [], []
     tok_np = np.arange(batch, dtype=np.int64)
     from m3serve.runtime.decode_graphs import pack_decode, sampling_row
-    from m3serve.runtime.step_plan import bucket_for, buckets_up_to
+    from m3serve.runtime.step_inputs import bucket_for, buckets_up_to
     bucket = bucket_for(batch, buckets_up_to(max(batch, 1)))
     sampling = [sampling_row(0.8, 40, 0.9, 1234 + i) for i in range(batch)]   # made once per request
     for step in range(warmup + steps):

@@ -7,7 +7,7 @@ model's tokenizer), the real engine and scheduler, and the decode target's host 
     staging (pack_decode + DeviceBlockTables.stage, what DecodeGraphs.run does on the host), then a random token
     per row "on the device"; reading a step's tokens waits until `--device-step-us` after its launch (a sleep,
     which releases the GIL like a CUDA event wait);
-  * steps with a prefill chunk take the synchronous path (read the step in flight, LLMEngine._build_batch with
+  * steps with a prefill chunk take the synchronous path (read the step in flight, ModelRunner.build_batch with
     the target's metadata, forward) with the forward replaced by a `--eager-step-us` wait and random tokens.
 `bench/host_overhead.py` times the block-table build alone; this one times everything around it.
 
@@ -62,7 +62,7 @@ class HostOnlyGraphs:
     (GIL released) until the step's fixed device time has passed since its launch."""
 
     def __init__(self, engine, buckets, device_step_s: float, token_range: tuple[int, int], seed: int = 0):
-        from m3serve.runtime.step_plan import bucket_for
+        from m3serve.runtime.step_inputs import bucket_for
         self.engine, self.captured = engine, tuple(buckets)
         self._bucket_for = bucket_for
         self.sampling = True
@@ -81,7 +81,7 @@ class HostOnlyGraphs:
         bucket = self.bucket_for(len(seq_ids))
         neutral = self.penalties.neutral if self.penalties is not None else 0
         tsi, pos, extra = pack_decode(bucket, token_ids, positions, sampling, penalty_rows, neutral)
-        self.engine.tables.stage(seq_ids, tsi, pos, extra=extra, pad_to=bucket)
+        self.engine.runner.tables.stage(seq_ids, tsi, pos, extra=extra, pad_to=bucket)
         now = time.perf_counter()
         self.busy_until = max(now, self.busy_until) + self.device_step_s
         self.runs += 1
@@ -100,20 +100,21 @@ class HostOnlyGraphs:
 def _install_fakes(engine, device_step_s: float, eager_step_s: float, token_range: tuple[int, int], stats: dict):
     """The decode target's host path on CPU: overlap loop on HostOnlyGraphs, eager steps with the target's batch
     metadata and a fixed-cost forward. Also counts step kinds for the report."""
-    from m3serve.runtime.step_plan import buckets_up_to
-    engine.graphs = HostOnlyGraphs(engine, buckets_up_to(engine.config.max_num_seqs), device_step_s, token_range)
-    engine.target_attention = True      # _build_batch stages the kernels' metadata as on the GPU
+    from m3serve.runtime.step_inputs import buckets_up_to
+    runner = engine.runner
+    runner.graphs = HostOnlyGraphs(engine, buckets_up_to(engine.config.max_num_seqs), device_step_s, token_range)
+    runner.target_attention = True      # build_batch stages the kernels' metadata as on the GPU
     rng = np.random.default_rng(1)
     lo, hi = token_range
 
-    def forward_sample(batch, reqs, prompt_plan=None):
+    def run(batch, reqs, prompt_plan=None, processing=None):
         stats["sync_steps"] += 1
         stats["sync_rows"] += len(reqs)
         # the eager step waits for the device (the real one also spends host time launching kernels: not here)
         time.sleep(eager_step_s)
         return rng.integers(lo, hi, len(reqs)).tolist(), None
 
-    engine._forward_sample = forward_sample
+    runner.run = run
     launch = engine._launch_overlapped
 
     def launch_overlapped(reqs):

@@ -42,7 +42,7 @@ from m3serve.kernels.moe import nvfp4 as moe_nvfp4  # noqa: E402
 from m3serve.kernels.moe._mma import MmaMoEConfig  # noqa: E402
 from m3serve.kernels.attention._paged_call import TileConfig, tile_config  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
-from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan  # noqa: E402
+from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan  # noqa: E402
 
 GROUPS = ("attn", "select", "moe")
 

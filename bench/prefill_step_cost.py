@@ -78,7 +78,7 @@ def main() -> None:
     running = [engine.add_request(prompt(), params) for _ in range(args.rows)]
     settle()
     decode = [_timed(engine, lambda: None) for _ in range(args.decode_steps)]   # steady overlap: no sync
-    out = {"rows": args.rows, "prompt_len": args.prompt_len, "graphs": engine.graphs is not None,
+    out = {"rows": args.rows, "prompt_len": args.prompt_len, "graphs": engine.runner.graphs is not None,
            "decode_step": _summary(decode), "prefill_alone": _summary(alone), "with_prefill": []}
     for k in [int(x) for x in args.new.split(",")]:
         first, after = [], []

@@ -1,6 +1,7 @@
 """Per-step host time of the sampler with and without penalties / logit_bias / min_tokens, batch 8.
 
-Times exactly what LLMEngine._sample_rows runs before reading tokens back: PenaltyState.rows_for, apply,
+Times exactly what an eager step's sampling runs before reading tokens back (LLMEngine._logits_processing:
+PenaltyState.rows_for; ModelRunner.sample: apply,
 sampler.sample, record. Requests are in steady decode (rows assigned in a warm-up step, as after a request's
 first token). Host time is the wall time of those calls; on CUDA the device is synchronized outside the timed
 region, so it is the host cost of enqueueing. On CPU the device work runs on the host too: the small-vocab CPU

@@ -24,7 +24,7 @@ from m3serve.benchmeta import run_metadata  # noqa: E402
 from bench.spec_target import chat_prompts, decode  # noqa: E402
 from m3serve import LLM, SamplingParams  # noqa: E402
 from m3serve.engine.engine import EngineConfig  # noqa: E402
-from m3serve.engine.speculative import SpeculativeEngine  # noqa: E402
+from m3serve.engine.speculative import speculative_engine  # noqa: E402
 from m3serve.llm import DEFAULT_MODEL_DIR  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main() -> None:
                 "disable_by_batch_size": None}       # the speculative step at this batch, not the policy
     out = {"bench": "spec_divergence", **run_metadata(), "batch": args.batch, "prompts": args.prompts, "runs": []}
     for overlap in (True, False):
-        eng = SpeculativeEngine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
+        eng = speculative_engine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
         assert eng.enable_target(graphs=True, mode="require")
         eng.overlap = overlap
         _, spec = decode(eng, ps, params, args.batch)

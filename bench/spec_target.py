@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from m3serve import LLM, SamplingParams  # noqa: E402
 from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.engine.engine import EngineConfig  # noqa: E402
-from m3serve.engine.speculative import SpeculativeEngine  # noqa: E402
+from m3serve.engine.speculative import speculative_engine  # noqa: E402
 from m3serve.llm import DEFAULT_MODEL_DIR  # noqa: E402
 from m3serve.tokenizer import chat_token_ids  # noqa: E402
 
@@ -84,7 +84,7 @@ def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict
                     "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3") if tiny else None}
         if forced is not None:
             spec_cfg["forced_acceptance"] = forced
-        spec = SpeculativeEngine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
+        spec = speculative_engine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
         if not spec.enable_target(graphs=True, mode="require"):
             raise SystemExit(f"{name}: the speculative target is off")
         engines.append(("spec", k, spec))
@@ -96,8 +96,8 @@ def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict
         for mode, k, eng in engines:
             decode(eng, ps[:b], params, b)                            # warm-up
             if mode == "spec":
-                eng.reset_spec_stats()
-                steps0 = eng.graph_steps
+                eng.speculation.reset_stats()
+                steps0 = eng.speculation.graph_steps
             tps, outs = decode(eng, ps, params, b)
             got[k] = outs
             st = eng.stats()["spec_decode"] if mode == "spec" else None
@@ -105,7 +105,7 @@ def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict
                    "forced_al": forced if mode == "spec" else None,
                    "acceptance_length": st["acceptance_length"] if st else None,
                    "tokens_per_s_per_user": tps, "context": None if tiny else args.context,
-                   "graph_steps": eng.graph_steps - steps0 if mode == "spec" else None,
+                   "graph_steps": eng.speculation.graph_steps - steps0 if mode == "spec" else None,
                    "temperature": args.temperature, "top_p": args.top_p, "identical_to_plain": None}
             if mode == "plain":
                 base = tps

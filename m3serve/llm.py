@@ -16,7 +16,7 @@ from m3serve.distributed.startup import start_tp
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.outputs import RequestOutput, request_output
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.engine.warmup import warm_up
 from m3serve.kernels._jit import COMPILE_WATCH
 from m3serve.kv.scales import apply_model_kv_scales, resolve_kv_fp8_layers, resolve_kv_rotation
@@ -127,8 +127,8 @@ class LLM:
             self._apply_kv_scales(model, kv_scales)
             self._enable_target(enforce_eager)
         else:  # vLLM's shape: {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K, ...}
-            self.engine = SpeculativeEngine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer,
-                                            speculative_config=speculative_config)
+            self.engine = speculative_engine(self.model, EngineConfig(seed=seed, **engine_kwargs), self.tokenizer,
+                                              speculative_config=speculative_config)
             self._apply_kv_scales(model, kv_scales)
             self._enable_target(enforce_eager)   # decode steps as SpecSteps graphs (spec_graphs.py)
 
@@ -298,7 +298,7 @@ class LLM:
 
     def _output(self, r) -> RequestOutput:
         out = request_output(r, self.tokenizer)
-        out.spec_metrics = getattr(r, "spec_metrics", None)  # acceptance per request (SpeculativeEngine)
+        out.spec_metrics = getattr(r, "spec_metrics", None)  # acceptance per request (speculative decoding)
         return out
 
     def get_tokenizer(self):

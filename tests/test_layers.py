@@ -16,7 +16,7 @@ LAYERS = (
     ("model", ("model",)),
     ("kv", ("kv",)),
     ("kernels", ("kernels",)),
-    ("targets", ("targets",)),
+    ("targets", ("targets", "runtime.step_inputs")),
     ("sampling", ("engine.sampling_params", "engine.structured_params", "engine.keyed_noise", "engine.sampler",
                   "engine.spec_rng", "engine.spec_verify")),
     ("runtime", ("runtime",)),

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from m3serve.distributed.protocol import HEADER_LEN, OP_STOP
 from m3serve.model.parallel import TPGroup
+from m3serve.runtime.step_inputs import HEADER_LEN, OP_STOP
 
 CONTROL_TIMEOUT = _dt.timedelta(days=365)
 POLL_S = 0.05

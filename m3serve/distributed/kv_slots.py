@@ -13,7 +13,7 @@ CPU_DEFAULT_KV_BYTES = 256 << 20   # LLMEngine's budget on CPU when none is give
 
 def rank_kv_spec(model, kv_cache_dtype: str, index_k_dtype: str, draft_kv_heads: int | None = None) -> KVCacheSpec:
     """draft_kv_heads: with speculation, the replicated drafter's KV heads (every rank holds all of them, as
-    SpeculativeEngine._kv_spec lays them out); None: no draft layer."""
+    runtime.model_runner.cache_spec lays them out); None: no draft layer."""
     draft = {} if draft_kv_heads is None else {"num_draft_layers": 1,
                                                "draft_num_kv_heads": draft_kv_heads * model.tp.size}
     return KVCacheSpec.from_model_config(model.cfg, tp_size=model.tp.size, kv_cache_dtype=kv_cache_dtype,

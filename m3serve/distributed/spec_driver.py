@@ -1,19 +1,18 @@
-"""Rank 0 of a tensor-parallel group running speculative decoding: the SpeculativeEngine whose target and
-draft passes are each broadcast to the followers first (spec_protocol.py). Greedy verification and greedy
-drafts use vocab-parallel argmax (no full logits gathered); sampled verification, sampled drafts and logprobs
-gather the full rows, and rank 0 runs the same exact rejection sampler as at TP 1.
+"""Rank 0 of a tensor-parallel group running speculative decoding: `TPSpecRunner`, the speculative passes of
+the engine's SpecDecoding (beside driver.TPDriverRunner as its model runner), whose target and draft passes are
+each broadcast to the followers first (the wire form of runtime/step_inputs.py; followers: spec_protocol.py).
+Greedy verification and greedy drafts use vocab-parallel argmax (no full logits gathered); sampled verification,
+sampled drafts and logprobs gather the full rows, and rank 0 runs the same exact rejection sampler as at TP 1.
 
-The batch-size policy (speculative_config.disable_by_batch_size) is off here: its plain steps run LLMEngine's
-sampling step, which this driver does not broadcast to the followers."""
+The batch-size policy (speculative_config.disable_by_batch_size) is off here: its plain steps run the plain
+sampling step, whose penalties and prompt plans this group does not broadcast."""
 
 from __future__ import annotations
 
-from m3serve.distributed import spec_protocol
-from m3serve.distributed.context import TPContext
-from m3serve.distributed.driver import broadcast_and_run
-from m3serve.engine.engine import EngineConfig
+from m3serve.distributed.driver import StepBroadcast
 from m3serve.engine.spec_config import SpecConfig
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.spec_runner import SpecRunner
+from m3serve.runtime.step_inputs import pack_draft, pack_target
 
 
 def tp_spec_config(speculative_config: dict | SpecConfig) -> SpecConfig:
@@ -29,24 +28,20 @@ def tp_spec_config(speculative_config: dict | SpecConfig) -> SpecConfig:
     return cfg
 
 
-class TPSpecDriverEngine(SpeculativeEngine):
-    def __init__(self, model, config: EngineConfig, tokenizer, ctx: TPContext, *, speculative_config,
-                 drafter=None):
-        self.ctx = ctx
-        self._step_no = 0
-        super().__init__(model, config, tokenizer, speculative_config=tp_spec_config(speculative_config),
-                         drafter=drafter)
+class TPSpecRunner(SpecRunner):
+    """SpecRunner whose every pass is broadcast first (the followers repeat it on their own SpecRunner)."""
 
-    def fault(self) -> str | None:
-        return self.ctx.fault()
+    def __init__(self, model, drafter, broadcast: StepBroadcast):
+        super().__init__(model, drafter)
+        self.broadcast = broadcast
 
-    def _run_target(self, batch, mode):
-        header, payload = spec_protocol.pack_target(batch, mode, self._step_no)
-        return broadcast_and_run(self, header, payload, lambda: self.runner.target(batch, mode))
+    def target(self, batch, mode):
+        header, payload = pack_target(batch, mode, self.broadcast.step_no)
+        return self.broadcast(header, payload, lambda: super(TPSpecRunner, self).target(batch, mode))
 
-    def _run_draft(self, batch, src, gather, mode):
-        header, payload = spec_protocol.pack_draft(batch, src, gather, mode, self._step_no)
-        return broadcast_and_run(self, header, payload, lambda: self.runner.draft(batch, src, gather, mode))
+    def draft(self, batch, src, gather, mode):
+        header, payload = pack_draft(batch, src, gather, mode, self.broadcast.step_no)
+        return self.broadcast(header, payload, lambda: super(TPSpecRunner, self).draft(batch, src, gather, mode))
 
 
-__all__ = ["TPSpecDriverEngine", "tp_spec_config"]
+__all__ = ["TPSpecRunner", "tp_spec_config"]

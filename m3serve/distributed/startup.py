@@ -1,24 +1,25 @@
 """Starting a tensor-parallel group: `start_tp(...)` is what LLM(..., tensor_parallel_size=N) calls. It launches or
-joins the group, loads this rank's shard, agrees on the KV size, and returns (context, model, engine) on rank 0
-(a TPDriverEngine, or a TPSpecDriverEngine with a speculative config). On a torchrun follower it serves until
-rank 0 shuts down and then ends the process (SystemExit(0)): only rank 0 runs the user's code after LLM(...).
+joins the group, loads this rank's shard, agrees on the KV size, and returns (context, model, engine) on rank 0:
+the ordinary LLMEngine with the group's broadcasting runner plugged in (driver.TPDriverRunner) and, with a
+speculative config, SpecDecoding over spec_driver.TPSpecRunner. On a torchrun follower it serves until rank 0
+shuts down and then ends the process (SystemExit(0)): only rank 0 runs the user's code after LLM(...).
 """
 
 from __future__ import annotations
 
 from m3serve.distributed.context import TPContext
-from m3serve.distributed.driver import TPDriverEngine
+from m3serve.distributed.driver import StepBroadcast, TPDriverRunner
 from m3serve.distributed.kv_slots import local_kv_slots, rank_kv_spec, slot_bytes
 from m3serve.distributed.launch import TPLaunchSpec, start
-from m3serve.distributed.spec_driver import TPSpecDriverEngine
+from m3serve.distributed.spec_driver import TPSpecRunner, tp_spec_config
 from m3serve.distributed.worker import serve_follower
-from m3serve.engine.engine import EngineConfig
+from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.spec_config import SpecConfig
-from m3serve.engine.speculative import build_drafter
+from m3serve.engine.speculative import SpecDecoding, build_drafter, prepare_drafter, spec_runner_config
 from m3serve.model.loader import load_model
 
 
-def start_tp(spec: TPLaunchSpec, engine_kwargs: dict, tokenizer) -> tuple[TPContext, object, TPDriverEngine]:
+def start_tp(spec: TPLaunchSpec, engine_kwargs: dict, tokenizer) -> tuple[TPContext, object, LLMEngine]:
     ctx = start(spec)
     if not ctx.is_driver:                                  # torchrun follower
         try:
@@ -43,11 +44,16 @@ def start_tp(spec: TPLaunchSpec, engine_kwargs: dict, tokenizer) -> tuple[TPCont
         ctx.store.set("go", str(slots))
         config = EngineConfig(seed=spec.seed, kv_cache_dtype=spec.kv_cache_dtype, index_k_dtype=spec.index_k_dtype,
                               kv_cache_bytes=slots * slot_bytes(kv_spec), **engine_kwargs)
+        broadcast = StepBroadcast(ctx)
         if drafter is None:
-            engine = TPDriverEngine(model, config, tokenizer, ctx)
+            engine = LLMEngine(model, config, tokenizer, runner=TPDriverRunner(model, config, broadcast))
         else:
-            engine = TPSpecDriverEngine(model, config, tokenizer, ctx, speculative_config=spec.speculative_config,
-                                        drafter=drafter)
+            spec_cfg = tp_spec_config(spec.speculative_config)
+            drafter = prepare_drafter(spec_cfg, model, drafter)
+            engine = LLMEngine(
+                model, config, tokenizer,
+                runner=TPDriverRunner(model, config, broadcast, **spec_runner_config(config, spec_cfg, drafter)),
+                speculation=SpecDecoding(spec_cfg, drafter, TPSpecRunner(model, drafter, broadcast)))
         if engine.kv.num_slots != slots:
             raise RuntimeError(f"rank 0 built {engine.kv.num_slots} KV slots, the group agreed on {slots}")
         return ctx, model, engine

@@ -21,19 +21,13 @@ import torch.distributed as dist
 from m3serve.distributed.context import TPContext, destroy_groups
 from m3serve.distributed.kv_slots import local_kv_slots, rank_kv_spec
 from m3serve.distributed.launch import TPLaunchSpec, init_groups
-from m3serve.distributed.protocol import (
-    HEADER_LEN,
-    OP_STEP,
-    OP_STOP,
-    payload_len,
-    run_step,
-    unpack_step,
-)
-from m3serve.distributed.spec_protocol import SPEC_OPS, run_spec_op
+from m3serve.distributed.protocol import run_step
+from m3serve.distributed.spec_protocol import run_spec_op
 from m3serve.engine.spec_runner import DraftLayerIO, SpecRunner
 from m3serve.engine.speculative import SpecConfig, build_drafter
 from m3serve.kv.cache import PagedKVCache
 from m3serve.model.loader import load_model
+from m3serve.runtime.step_inputs import HEADER_LEN, OP_STEP, OP_STOP, SPEC_OPS, payload_len, unpack_step
 
 FAULT_ENV = "M3SERVE_TP_FAULT"   # tests: "<rank>:load" or "<rank>:step<N>" makes that rank fail there
 

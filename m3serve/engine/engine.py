@@ -1,8 +1,9 @@
-"""The engine: requests in, one batched model step at a time, tokens out.
+"""The engine: requests in, one batched model step at a time, tokens out. Host-side only.
 
-One `step()`: schedule (continuous batching, chunked prefill, preemption) -> pack the step's tokens into a
-ForwardBatch over the paged KV cache -> model forward -> sample the rows that end a sequence's known tokens
--> append tokens, check stop conditions, commit full pages to the prefix cache, free finished requests.
+One `step()` (nano-vllm's schedule -> model_runner.run -> postprocess): schedule (continuous batching, chunked
+prefill, preemption) -> the runner (m3serve.runtime.model_runner) packs the step's tokens into a ForwardBatch over
+the paged KV cache, runs the model and samples the rows that end a sequence's known tokens -> append tokens, check
+stop conditions, commit full pages to the prefix cache, free finished requests.
 """
 
 from __future__ import annotations
@@ -19,22 +20,17 @@ from m3serve.engine import groups, prompt_logprobs, stopping, token_filters
 from m3serve.engine.detokenize import output_text
 from m3serve.engine.penalties import PenaltyState
 from m3serve.engine.request import Request, RequestGroup, Status
-from m3serve.engine.sampler import sample, sampling_key, top_logprobs
+from m3serve.engine.sampler import sampling_key
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.scheduler import ScheduledChunk, Scheduler
 from m3serve.engine.token_masks import TokenMaskRows
 from m3serve.kernels._jit import COMPILE_WATCH
-from m3serve.kernels.catalog import all_entries
 from m3serve.kv.block_manager import BlockManager
-from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.kv.cache import PagedKVCache
-from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
-from m3serve.kv.spec import KVCacheSpec
-from m3serve.model.m3 import ForwardBatch, M3ForCausalLM, SeqSpan
-from m3serve.runtime.decode_graphs import DecodeGraphs, sampling_row
-from m3serve.runtime.step_plan import buckets_up_to, sparse_tiles_per_block, split_plan
-from m3serve.targets.attention import PAGED_KERNELS, PagedStep
-from m3serve.targets.explain import uncertified_attention
+from m3serve.model.m3 import M3ForCausalLM
+from m3serve.runtime.decode_graphs import sampling_row
+from m3serve.runtime.model_runner import ModelRunner
+from m3serve.runtime.step_inputs import LogitsProcessing, buckets_up_to
 
 log = logging.getLogger("m3serve")
 
@@ -63,131 +59,80 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, model: M3ForCausalLM, config: EngineConfig, tokenizer=None):
+    """The host side of serving: requests, the scheduler, the block manager, stop checks, page commits and the
+    overlap loop's bookkeeping. Every device operation goes through `self.runner` (m3serve.runtime.model_runner:
+    the model, the KV cache, the device block tables, the decode graphs, the sampling step); a tensor-parallel
+    group plugs in its broadcasting runner (m3serve.distributed.driver.TPDriverRunner). With `speculation` (an
+    m3serve.engine.speculative.SpecDecoding, whose runner holds the draft layer: speculative_engine builds both)
+    each step is the speculative one."""
+
+    def __init__(self, model: M3ForCausalLM, config: EngineConfig, tokenizer=None, runner: ModelRunner | None = None,
+                 speculation=None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         cfg = model.cfg
         dev = model.device
-        spec = self._kv_spec(model, config)
-        if config.kv_cache_bytes is not None or dev.type != "cuda":
-            budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else 256 << 20
-            self.kv = PagedKVCache.from_budget(spec, device=dev, budget_bytes=budget)
-        else:
-            self.kv = PagedKVCache.from_budget(spec, device=dev, gpu_memory_utilization=config.gpu_memory_utilization)
-        page = self.kv.page_size
-        capacity = self.kv.num_slots * page
-        self.sparse_tiles = sparse_tiles_per_block(spec)   # split_plan's key tiles per MSA block (fixed per cache)
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.max_blocks_per_seq = -(-self.max_model_len // page)
-        self._make_tables(self.max_blocks_per_seq)
-        self.capacity_tokens = capacity
-        self.target_attention = False   # attention through the paged-cache kernels (enable_target)
-        self._graphs_version = 0         # bumped whenever `graphs` is replaced (keys per-request caches)
-        self.graphs = None               # m3serve.runtime.decode_graphs.DecodeGraphs (enable_target)
-        self.overlap = True              # with graphs: launch step n+1 before reading step n's tokens
-        self._inflight = None            # (launched graph step, its requests) not yet read back
-        self._ids = itertools.count()
-        self.requests: dict[int, Request] = {}
+        # the runner first: a GPU cache takes what is left of the memory budget, as before any engine state
+        self.runner = runner if runner is not None else ModelRunner(model, config)
+        page = self.runner.kv.page_size
         self.eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
-        # Penalties / logit_bias / min_tokens state: one device row per running request that uses them.
+        # Penalties / logit_bias / min_tokens state: one device row per running request that uses them (rows are
+        # assigned here, per request; the runner applies a step's rows: _logits_processing).
         self.penalties = PenaltyState(config.max_num_seqs, cfg.vocab_size, dev, self.eos)
         # Structured output: allowed-token masks per penalty-state row (device), their grammars (host, made on
         # the first constrained request: m3serve.engine.structured).
         self.token_masks = TokenMaskRows(config.max_num_seqs, cfg.vocab_size, dev)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_blocks_per_seq = -(-self.max_model_len // page)
+        self._make_tables(self.max_blocks_per_seq)
+        self.capacity_tokens = self.runner.kv.num_slots * page
+        self.overlap = True              # with graphs: launch step n+1 before reading step n's tokens
+        self._inflight = None            # a launched graph step not read back: (launched, its requests), or speculation's
+        self._ids = itertools.count()
+        self.requests: dict[int, Request] = {}
         self.grammars = None
         self._grammars_lock = threading.Lock()
         self._deferred: dict[int, RequestGroup] = {}          # leader id -> its candidates, queued after its prefill
         self._prompt_lp_pending: dict[int, Request] = {}      # requests still missing prompt logprobs
-        log.info("KV cache: %s", self.kv.describe())
+        # the speculative step's component (it reaches back into this engine's host state), None = plain steps
+        self.speculation = speculation.attach(self) if speculation is not None else None
 
     @property
-    def graphs(self):
-        return self._graphs
-
-    @graphs.setter
-    def graphs(self, graphs) -> None:
-        self._graphs = graphs
-        self._graphs_version += 1
-
-    def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
-        """The cache roles this engine needs (the speculative engine adds the shared draft layer)."""
-        fp8_layers = config.kv_fp8_layers
-        if isinstance(fp8_layers, str):
-            if fp8_layers != "auto":
-                raise ValueError(f"EngineConfig.kv_fp8_layers: expected 'auto' or a tuple of sparse layer ids, "
-                                 f"found {fp8_layers!r}")
-            fp8_layers = ()
-        seed = config.kv_rotation
-        if isinstance(seed, str):
-            if seed != "auto":
-                raise ValueError(f"EngineConfig.kv_rotation: expected 'auto', None or a non-negative int seed, "
-                                 f"found {seed!r}")
-            seed = DEFAULT_ROTATION_SEED if config.kv_cache_dtype == "nvfp4" else None
-        return KVCacheSpec.from_model_config(model.cfg, tp_size=model.tp.size, kv_cache_dtype=config.kv_cache_dtype,
-                                             index_k_dtype=config.index_k_dtype, model_dtype=model.dtype,
-                                             fp8_layers=fp8_layers, kv_rotation_seed=seed, **extra)
+    def kv(self) -> PagedKVCache:
+        """The runner's KV cache (read by calibration, memory reports and tests)."""
+        return self.runner.kv
 
     def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto") -> bool:
         """The decode target: attention through the paged-cache kernels for every step, and pure decode steps
         replayed as CUDA graphs (one per batch bucket). Needs a bf16 model on CUDA at TP 1 and every attention
         layer's decode kernels in certified cells; otherwise `auto` keeps the stock path (returns False, logs
-        why) and `require` raises naming each uncertified placement."""
-        if self.model.device.type != "cuda" or self.model.dtype != torch.bfloat16 or self.model.tp.size != 1:
-            raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {self.model.dtype} on "
-                             f"{self.model.device} at TP {self.model.tp.size}")
+        why) and `require` raises naming each uncertified placement. With speculation: SpecDecoding.enable_target."""
+        if self.speculation is not None:
+            return self.speculation.enable_target(graphs, buckets, mode)
+        self.runner.check_target()
         if self.requests:
             raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
-        buckets = buckets or buckets_up_to(self.config.max_num_seqs)
-        width = self._certified_table_width()
-        if width != self.tables.max_blocks:
+        self._fit_certified_width()
+        own = self.runner.processes_logits   # the graphs' processed variant applies the engine's state rows
+        return self.runner.enable_target(graphs, buckets or buckets_up_to(self.config.max_num_seqs), mode,
+                                         self.penalties if own else None, self.token_masks if own else None)
+
+    def _fit_certified_width(self) -> None:
+        """Re-size the allocator and tables to the smallest certified msa.select width that holds them."""
+        width = self.runner.certified_table_width()
+        if width != self.runner.tables.max_blocks:
             self._make_tables(width)
-        missing = uncertified_attention(self.model, self.kv, self.tables.max_blocks, buckets)
-        if not self._all_certified(missing, "attention", "decode target", mode):
-            return False
-        self.target_attention = True
-        self.model.use_attention(PAGED_KERNELS)
-        if graphs:
-            own = self._own_sampling_step()
-            self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets,
-                                       penalties=self.penalties if own else None,
-                                       token_masks=self.token_masks if own else None)
-            self.graphs.capture(mode)
-        return True
-
-    @staticmethod
-    def _all_certified(missing: list, what: str, target: str, mode: str) -> bool:
-        """True when no placement is missing; else `require` raises naming them and `auto` logs them."""
-        if not missing:
-            return True
-        why = "; ".join(p.line() for p in missing[:8]) + (f"; ... {len(missing) - 8} more" if len(missing) > 8 else "")
-        if mode == "require":
-            raise ValueError(f"route='require': {what} outside the certified cells: {why}")
-        log.warning("%s off (%s outside the certified cells): %s", target, what, why)
-        return False
-
-    def _certified_table_width(self) -> int:
-        """msa.select compiles per block-table width (padded to a power of two) and is certified at the model's
-        full context; use the smallest certified width that holds max_model_len (or keep ours)."""
-        cfg, need = self.model.cfg, self.tables.max_blocks
-        if not any(t == "sparse" for t in cfg.layer_types):
-            return need
-        hk, p = self.kv.spec.num_kv_heads, self.kv.page_size
-        widths = sorted(c.shape[3] for c in all_entries()["msa.select"].cells
-                        if c.shape[:3] == (hk, p, cfg.index_topk_blocks) and c.shape[3] >= need)
-        return widths[0] if widths else need
 
     def _make_tables(self, width: int) -> None:
-        """Allocator, scheduler and device block tables `width` pages wide. The tables hold slot ids (index_scale
-        1); kernels that need sub-page tables build their own views with the cache's geometry."""
+        """Allocator and scheduler `width` pages wide, and the runner's device block tables over them."""
         cfg = self.config
-        self.blocks = BlockManager(self.kv.num_slots, self.kv.page_size, max_seqs=cfg.max_num_seqs,
+        self.blocks = BlockManager(self.runner.kv.num_slots, self.runner.kv.page_size, max_seqs=cfg.max_num_seqs,
                                    max_blocks_per_seq=width, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
                                    admission_wait_s=cfg.admission_wait_s)
-        self.tables = DeviceBlockTables(self.blocks, self.model.device, index_scale=1, kv_offset=1,
-                                        max_tokens=cfg.max_num_batched_tokens)
+        self.runner.bind_tables(self.blocks)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:
@@ -265,22 +210,18 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.allowed_token_ids: token id {bad[0]} outside the vocabulary "
                              f"[0, {vocab})")
-        if self._own_sampling_step():
+        if self.runner.processes_logits and self.speculation is None:
             return
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_tokens", 0), ("logit_bias", None), ("prompt_logprobs", None), ("min_p", 0.0),
                               ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None)):
             value = getattr(params, name)
             if value != neutral and not (name in ("logit_bias", "bad_words") and not value):
-                raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {type(self).__name__} "
+                step = "speculative decoding" if self.speculation is not None else type(self.runner).__name__
+                raise ValueError(f"SamplingParams.{name} = {value!r}: not available with {step} "
                                  "(penalties, logit_bias, min_tokens, min_p, allowed_token_ids, bad_words, "
-                                 "prompt_logprobs and structured_outputs are applied by LLMEngine's own sampling "
+                                 "prompt_logprobs and structured_outputs are applied by ModelRunner's own sampling "
                                  "step)")
-
-    def _own_sampling_step(self) -> bool:
-        """This engine samples through LLMEngine's own step, which applies penalties, logit_bias, bans, grammars
-        (a subclass that replaces it refuses them, and its decode graphs need no processed variant)."""
-        return all(getattr(type(self), m) is getattr(LLMEngine, m) for m in ("step", "_forward_sample", "_sample_rows"))
 
     def _grammars(self):
         """The structured-output grammars, made on first use (xgrammar takes seconds to import and to index the
@@ -318,14 +259,16 @@ class LLMEngine:
                 self.scheduler.finish(m, "abort")
             self.penalties.release(m)
             self._release_grammar(m)
+            if self.speculation is not None:
+                self.speculation.forget(m.request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
     def fault(self) -> str | None:
-        """Why this engine can run no more steps (None while it can). A tensor-parallel driver reports its
-        group's (a worker that exited, a failed step); a single-process engine never becomes unusable."""
-        return None
+        """Why this engine can run no more steps (None while it can): its runner's (a tensor-parallel group's
+        runner reports a worker that exited or a failed step; a single-process runner never becomes unusable)."""
+        return self.runner.fault()
 
     def drain(self) -> list[Request]:
         """Read back the graph step in flight, if any (its tokens are accepted as a step would; a request that
@@ -336,7 +279,7 @@ class LLMEngine:
     def disable_graphs(self) -> None:
         """Continue on the eager target (or stock path): drain the step in flight, then drop the graphs."""
         self.drain()
-        self.graphs = None
+        self.runner.graphs = None
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
@@ -350,13 +293,16 @@ class LLMEngine:
             chunks = self.scheduler.schedule()
         if not chunks:
             return self._resolve_inflight() + self._unschedulable()
+        if self.speculation is not None:
+            return self.speculation.step(chunks)
         return self._step_chunks(chunks)
 
     def _step_chunks(self, chunks: list[ScheduledChunk]) -> list[Request]:
         """Run the scheduled chunks as one plain step: a decode graph (overlapped when every row allows it) or an
-        eager step. SpeculativeEngine runs its plain steps here too (speculative_config.disable_by_batch_size)."""
-        graph_step = self.graphs is not None and all(c.num_tokens == 1 and c.reaches_end for c in chunks) \
-            and self.graphs.bucket_for(len(chunks)) is not None
+        eager step. SpecDecoding runs its plain steps here too (speculative_config.disable_by_batch_size)."""
+        graphs = self.runner.graphs
+        graph_step = graphs is not None and all(c.num_tokens == 1 and c.reaches_end for c in chunks) \
+            and graphs.bucket_for(len(chunks)) is not None
         if graph_step and self.overlap and all(self._overlappable(c.request) for c in chunks):
             return self._launch_overlapped([c.request for c in chunks])
         done = []
@@ -372,16 +318,14 @@ class LLMEngine:
         if graph_step:
             tokens, lp = self._graph_decode(reqs)
         else:
-            batch = self._build_batch(chunks)
+            batch = self.runner.build_batch(chunks)
             plan = None
             if self._prompt_lp_pending:
                 starts = np.cumsum([0] + [c.num_tokens for c in chunks[:-1]]).tolist()
                 plan = prompt_logprobs.plan(chunks, starts, batch.input_ids.device)
-            if plan is None:
-                tokens, lp = self._forward_sample(batch, reqs)
-            else:                  # the prompt rows' logits come from the same head call, after the sampled rows
+            if plan is not None:   # the prompt rows' logits come from the same head call, after the sampled rows
                 batch.logits_rows = torch.cat((batch.logits_rows, plan.rows))
-                tokens, lp = self._forward_sample(batch, reqs, plan)
+            tokens, lp = self.runner.run(batch, reqs, plan, self._logits_processing(reqs))
         for c in chunks:
             c.request.num_computed += c.num_tokens
         if not sampled:
@@ -396,17 +340,17 @@ class LLMEngine:
         Fixed for a request's life under one set of graphs (its params, bans and grammar are), so it is worked
         out once per request and graphs object, not per row per step."""
         cached = req.overlap_for
-        if cached is not None and cached[0] == self._graphs_version:
+        if cached is not None and cached[0] == self.runner.graphs_version:
             return cached[1]
         ok = self._graph_decides(req) and not self._constrained(req)
-        req.overlap_for = (self._graphs_version, ok)
+        req.overlap_for = (self.runner.graphs_version, ok)
         return ok
 
     def _graph_decides(self, req: Request) -> bool:
         """A decode graph variant can choose its next token: no logprobs, sampling / penalties / grammar masks
         inside the graph. A constrained request is not overlappable (its next mask needs this token on the
         host) but still takes the processed graph."""
-        g = self.graphs
+        g = self.runner.graphs
         return (req.params.logprobs is None and (req.params.greedy or g.sampling)
                 and (not req.logits_processing or g.penalties is not None) and not req.has_dynamic_bans)
 
@@ -431,8 +375,8 @@ class LLMEngine:
         it from the device (-1 in the staged ids). Then step n is read back and accepted, while the GPU runs n+1.
         Returns the requests of step n that got their token (as a synchronous step would have)."""
         last = [-1 if r.pending else _last_token(r) for r in reqs]
-        launched = self.graphs.run([r.request_id for r in reqs], last, [r.num_computed for r in reqs],
-                                   *self._graph_choice(reqs))
+        launched = self.runner.launch_graph([r.request_id for r in reqs], last, [r.num_computed for r in reqs],
+                                            *self._graph_choice(reqs))
         for r in reqs:
             r.num_computed += 1
             r.pending += 1
@@ -446,8 +390,10 @@ class LLMEngine:
     def _resolve(self, inflight) -> list[Request]:
         if inflight is None:
             return []
+        if self.speculation is not None and self.speculation.owns(inflight):
+            return self.speculation.resolve(inflight)
         launched, reqs = inflight
-        tokens = self.graphs.fetch_tokens(launched)
+        tokens = self.runner.fetch_tokens(launched)
         live, toks = [], []
         for r, t in zip(reqs, tokens):
             r.pending -= 1
@@ -479,21 +425,6 @@ class LLMEngine:
                     self.blocks.has_uncommitted_full_pages(req.request_id, req.num_computed):
                 self.blocks.commit_full_pages(req.request_id, req.all_token_ids[:req.num_computed])
 
-    def _forward_sample(self, batch: ForwardBatch, reqs: list[Request],
-                        prompt_plan: prompt_logprobs.PromptLogprobPlan | None = None) -> tuple[list[int], tuple | None]:
-        """Model forward, then one token per sampled row (batch.logits_rows order, one per request in `reqs`)
-        and, when asked, (chosen logprobs, top ids, top logprobs) as lists. prompt_plan: prompt-logprob rows that
-        follow the sampled ones in batch.logits_rows. The tensor-parallel driver (m3serve.distributed.driver)
-        overrides this to broadcast the step and sample vocab-parallel (without prompt plans or penalties)."""
-        with torch.inference_mode():
-            logits = self.model(batch)
-            if prompt_plan is not None:
-                prompt_plan.record(logits[len(reqs):])
-                logits = logits[:len(reqs)]
-        if not reqs:
-            return [], None
-        return self._sample_rows(logits, reqs)
-
     def _graph_decode(self, reqs: list[Request]) -> tuple[list[int], tuple | None]:
         """A pure decode step as one graph replay; rows that the graph itself can decide (no logprobs, no logits
         processing) read back only token ids, otherwise the step's logits are sampled as an eager step would."""
@@ -501,68 +432,23 @@ class LLMEngine:
         sampling, rows = self._graph_choice(reqs) if own else (None, None)
         if rows is not None and self.grammars is not None:
             self.grammars.fill([r.request_id for r in reqs], rows, in_graph=True)
-        launched = self.graphs.run([r.request_id for r in reqs], [_last_token(r) for r in reqs],
-                                   [r.num_computed for r in reqs], sampling, rows)
+        launched = self.runner.launch_graph([r.request_id for r in reqs], [_last_token(r) for r in reqs],
+                                            [r.num_computed for r in reqs], sampling, rows)
         if own:
-            return self.graphs.fetch_tokens(launched), None
-        return self._sample_rows(self.graphs.logits(launched), reqs)
+            return self.runner.fetch_tokens(launched), None
+        return self.runner.sample(self.runner.graph_logits(launched), reqs, self._logits_processing(reqs))
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], tuple | None]:
-        """logits [R, V] -> one token per row; penalties, logit_bias and min_tokens change the scores the token
-        is chosen from (on the device, only when a request in the batch asks for them), logprobs stay raw."""
+    def _logits_processing(self, reqs: list[Request]) -> LogitsProcessing | None:
+        """The host side of an eager sampling step's logits processing, for runner.run / runner.sample: the rows'
+        penalty-state rows (their host-written parts refreshed) and, when grammar masks were written for them,
+        the masks. None when no request in the batch uses penalties, logit_bias, min_tokens, bans or a grammar."""
         rows = self.penalties.rows_for(reqs)
-        if rows is not None:
-            self.penalties.refresh()
-        scores = logits if rows is None else self.penalties.apply(logits, rows)
-        if rows is not None and self.grammars is not None and self.grammars.fill(
-                [r.request_id for r in reqs], self.penalties.row_ids_for(reqs), in_graph=False):
-            scores = self.token_masks.apply(scores, rows)
-        tokens = sample(scores, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
-        if rows is not None:
-            self.penalties.record(rows, tokens)
-        want = max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
-        lp = top_logprobs(logits, tokens, want) if want is not None else None
-        return tokens.tolist(), (tuple(x.tolist() for x in lp) if lp is not None else None)
-
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """Pack the step. Block tables and the token slot mapping come from ONE staged upload and ONE device
-        op for the whole batch (DeviceBlockTables.prepare); only changed block-table rows are re-staged."""
-        page = self.kv.page_size
-        dev = self.model.device
-        reqs = [c.request for c in chunks]
-        n = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-        done = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=len(chunks))
-        starts = np.concatenate(([0], np.cumsum(n)[:-1]))
-        seq_of_token = np.repeat(np.arange(len(chunks)), n)
-        positions = np.repeat(done - starts, n) + np.arange(int(n.sum()))
-        lengths = done + n
-        extra = None
-        if self.target_attention:  # the kernels' metadata rides in the same upload: [query_start | seq_lens]
-            extra = np.concatenate(([0], np.cumsum(n), lengths)).astype(np.int32)
-        slot_table, _, slot_mapping = self.tables.prepare([r.request_id for r in reqs], seq_of_token, positions,
-                                                          extra=extra)
-        step = None
-        if self.target_attention:
-            s = len(chunks)
-            meta = self.tables.last_extra
-            dense, sparse = split_plan(int(n.sum()), self.tables.max_blocks, self.kv.spec.num_kv_heads,
-                                       self.model.cfg.index_topk_blocks, self.sparse_tiles)
-            step = PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:], query_start=meta[:s + 1],
-                             max_query_len=int(n.max()), num_splits=dense, num_splits_sparse=sparse)
-        spans = [] if step is not None else [
-            SeqSpan(int(starts[i]), int(n[i]), int(lengths[i]), slot_table[i, :-(-int(lengths[i]) // page)].long())
-            for i in range(len(chunks))]
-        ids = [t for r, d, k in zip(reqs, done.tolist(), n.tolist()) for t in _token_slice(r, d, k)]
-        rows = [int(starts[i] + n[i] - 1) for i, c in enumerate(chunks) if c.reaches_end]
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            seqs=spans,
-            slot_mapping=slot_mapping,
-            kv=self.kv,
-            logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
-            step=step,
-        )
+        if rows is None:
+            return None
+        self.penalties.refresh()
+        masked = self.grammars is not None and self.grammars.fill(
+            [r.request_id for r in reqs], self.penalties.row_ids_for(reqs), in_graph=False)
+        return LogitsProcessing(self.penalties, rows, self.token_masks if masked else None)
 
     def _check_stop(self, req: Request, tok: int) -> None:
         """After each appended token (both engines): queue a group's other candidates once the leader's prompt
@@ -608,28 +494,23 @@ class LLMEngine:
     def release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
         self._release_grammar(req)
+        if self.speculation is not None:
+            self.speculation.forget(req.request_id)
 
     def stats(self) -> dict:
-        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.kv.num_slots,
+        out = {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.runner.kv.num_slots,
                 "preemptions": self.scheduler.num_preemptions,
                 "kernel_compiles_after_warmup": COMPILE_WATCH.count,
                 "structured_masked_steps": self.grammars.masked_steps if self.grammars is not None else 0,
                 "structured_graph_masked_steps": self.grammars.graph_masked_steps if self.grammars is not None else 0}
+        if self.speculation is not None:
+            out["spec_decode"] = self.speculation.stats()
+        return out
 
 
 def _last_token(req: Request) -> int:
     return req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
-
-
-def _token_slice(req: Request, start: int, count: int) -> list[int]:
-    """req.all_token_ids[start:start + count] without concatenating the whole context (O(count))."""
-    p = req.prompt_token_ids
-    if start + count <= len(p):
-        return p[start:start + count]
-    if start >= len(p):
-        return req.output_token_ids[start - len(p):start - len(p) + count]
-    return p[start:] + req.output_token_ids[:start + count - len(p)]
 
 
 __all__ = ["LLMEngine", "EngineConfig", "Status"]

@@ -8,7 +8,7 @@ the batch nor on which path computes them: the stock engine step and the decode 
 same E for the same request and token, and differ only where the logits themselves differ.
 Logprobs are those of the model's raw distribution (before temperature / top-k / top-p).
 Penalties, logit_bias and min_tokens change the logits these functions receive (m3serve.engine.penalties, applied
-by LLMEngine._sample_rows only for batches that hold such a request); an all-greedy batch is one argmax.
+by ModelRunner.sample only for batches that hold such a request); an all-greedy batch is one argmax.
 
 Two forms, one result: `sample` takes SamplingParams and skips the top-k / top-p passes when no row asks for
 them; `sample_rows` takes the parameters as device tensors and always runs every pass, with no branch on data

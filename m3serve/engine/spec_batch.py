@@ -7,7 +7,7 @@ pos0_i .. pos0_i + n_i - 1 and has L_i = pos0_i + n_i tokens afterwards. The hos
 the same upload ([token ids | tail]; the tail is what the caller needs on the device: logits rows, the rows
 of the hidden states to draft from, ...). The device op expands the batch's block-table rows and every
 token's flat slot (slot * page + offset); each sequence's span reads its slot ids as a view of that table.
-The positions tensor is still copied on its own, as LLMEngine._build_batch does (the stage holds them, but
+The positions tensor is still copied on its own, as ModelRunner.build_batch does (the stage holds them, but
 DeviceBlockTables does not expose that view yet).
 
 Shape legend: S sequences in the step, T packed tokens, R logits rows, B block-table width.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# Steps with more decoding requests than this run as plain decode steps (SpeculativeEngine.step). From the measured
+# Steps with more decoding requests than this run as plain decode steps (SpecDecoding.step). From the measured
 # sweep bench/results/serve/serve-pareto-h200.json (embedded model, Eagle3 K=3, H200): speculation wins per user at
 # concurrency 1 and loses from concurrency 4 on, so 2 is the largest batch assumed to still gain from it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2

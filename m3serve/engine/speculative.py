@@ -1,4 +1,11 @@
-"""One-model Eagle3 speculative decoding on the stock path: the engine step.
+"""One-model Eagle3 speculative decoding: `SpecDecoding`, the component an LLMEngine delegates its step to.
+
+The engine stays the one host-side engine (m3serve.engine.engine: requests, scheduler, block manager, stop checks,
+the overlap loop's flight) over its model runner (m3serve.runtime.model_runner: the cache, now with the shared
+draft layer, and block tables sized for verify steps). SpecDecoding holds what speculation adds: the drafter, the
+speculative passes (spec_runner.SpecRunner, or a tensor-parallel group's broadcasting one), the SpecSteps
+programs on the target, each request's drafts and acceptance counts; it runs the step and reads and writes the
+engine's host state through `self.engine`. `speculative_engine(...)` builds such an engine.
 
 The pieces live beside it, one concept each: spec_config.py (speculative_config), spec_state.py (per-request
 state, one request's share of a step), spec_verify.py (greedy / rejection-sampled acceptance with the proofs,
@@ -9,8 +16,8 @@ Batch-size policy (speculative_config.disable_by_batch_size, vLLM's name): a ste
 than the threshold runs as a plain step (LLMEngine._step_chunks: its decode graphs and overlap loop on the target);
 the others speculate as below. Only one kind of step is ever in flight: the other kind reads it back first.
 
-One `SpeculativeEngine.step()`:
-  1. schedule as usual; every decode request that holds K' <= K drafts from the previous step gets pages for
+One `SpecDecoding.step(chunks)` (LLMEngine.step schedules, then hands the chunks over):
+  1. every decode request that holds K' <= K drafts from the previous step gets pages for
      K' more tokens (blocks.append_slots; if that fails it verifies no drafts this step, which stays exact);
   2. target forward over [last token, d1..dK'] per decode request (plus any prefill chunks), packed by ONE
      DeviceBlockTables.prepare (spec_batch.pack_verify), capturing the drafter's layers (the residual stream
@@ -31,8 +38,8 @@ One `SpeculativeEngine.step()`:
   entry of a page's last position was computed from the token after the page, which a request reusing the
   page may not share (drafts only get worse there: outputs stay exact).
 
-Tensor parallelism (m3serve.distributed.spec_driver): rank 0 runs this engine and broadcasts each target or
-draft pass before running it; followers repeat the pass (spec_runner.py: the drafter is replicated).
+Tensor parallelism (m3serve.distributed.spec_driver): rank 0's component holds a TPSpecRunner, which broadcasts
+each target or draft pass before running it; followers repeat the pass (spec_runner.py: the drafter is replicated).
 
 Shape legend: R requests that sample this step, K' <= K drafts of a request, V target vocab, Vd draft vocab,
   H hidden, T packed tokens.
@@ -55,13 +62,12 @@ from m3serve.engine.spec_rng import DeviceRNG, mix32, sample_categorical
 from m3serve.engine.spec_runner import ARGMAX, LOGITS, NONE, HeadOut, SpecRunner
 from m3serve.engine.spec_state import SpecState, StepItem
 from m3serve.engine.spec_verify import forced_accepts, verify_greedy, verify_sampled
-from m3serve.kv.block_table import DeviceBlockTables
-from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.eagle3 import Eagle3Drafter, load_drafter, random_drafter
-from m3serve.model.m3 import ForwardBatch, M3ForCausalLM
+from m3serve.model.m3 import M3ForCausalLM
 from m3serve.runtime.decode_graphs import sampling_row
+from m3serve.runtime.model_runner import ModelRunner, all_certified
 from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
-from m3serve.runtime.step_plan import buckets_up_to
+from m3serve.runtime.step_inputs import buckets_up_to
 from m3serve.targets.attention import PAGED_KERNELS
 from m3serve.targets.explain import spec_step_placements, uncertified_attention, uncertified_draft_attention
 from m3serve.targets.routing import install_drafter, mode_of
@@ -70,8 +76,8 @@ log = logging.getLogger("m3serve")
 
 
 class _SpecFlight(NamedTuple):
-    """A SpecSteps step not read back yet. The plain decode graphs' flight (LLMEngine's) may stand in
-    self._inflight instead, after a step the batch-size policy ran plainly: this type tells them apart."""
+    """A SpecSteps step not read back yet, in the engine's `_inflight`. The plain decode graphs' flight may stand
+    there instead, after a step the batch-size policy ran plainly: this type tells them apart."""
     launched: object
     reqs: list[Request]
     preemptions: dict[int, int]          # request id -> its preemption count at launch
@@ -90,16 +96,40 @@ def step_token_capacity(config: EngineConfig, k: int) -> int:
     return config.max_num_batched_tokens + k * config.max_num_seqs
 
 
-class SpeculativeEngine(LLMEngine):
-    def __init__(self, model: M3ForCausalLM, config: EngineConfig, tokenizer=None, *,
-                 speculative_config: dict | SpecConfig, drafter: Eagle3Drafter | None = None):
-        self.spec = SpecConfig.from_dict(speculative_config)
-        if drafter is None:
-            drafter = build_drafter(self.spec, model)
-        self.drafter = drafter.to(device=model.device, dtype=model.dtype).attach_target(model).eval()
-        super().__init__(model, config, tokenizer)
-        k = self.spec.num_speculative_tokens
-        self.runner = SpecRunner(model, self.drafter)
+def spec_runner_config(config: EngineConfig, spec: SpecConfig, drafter: Eagle3Drafter) -> dict:
+    """The ModelRunner arguments speculation needs: the shared Eagle3 draft layer in the cache (K/V sub-pages in
+    every slot, all the replicated drafter's heads on every rank) and block tables sized for verify steps (K more
+    tokens per sequence)."""
+    return {"draft_kv_heads": drafter.cfg.num_key_value_heads,
+            "max_step_tokens": step_token_capacity(config, spec.num_speculative_tokens)}
+
+
+def prepare_drafter(spec: SpecConfig, model: M3ForCausalLM, drafter: Eagle3Drafter | None = None) -> Eagle3Drafter:
+    """The drafter given (else the one `spec` names) on the target's device and dtype, attached to it, in eval mode."""
+    if drafter is None:
+        drafter = build_drafter(spec, model)
+    return drafter.to(device=model.device, dtype=model.dtype).attach_target(model).eval()
+
+
+def speculative_engine(model: M3ForCausalLM, config: EngineConfig, tokenizer=None, *,
+                       speculative_config: dict | SpecConfig, drafter: Eagle3Drafter | None = None) -> LLMEngine:
+    """An LLMEngine that decodes speculatively (vLLM's speculative_config: {"method": "eagle3", "model": dir | None,
+    "num_speculative_tokens": K, ...}): its runner's cache holds the shared draft layer, its tables hold verify
+    steps, and its step is SpecDecoding's. drafter: one already built (default: spec.model's, or random weights)."""
+    spec = SpecConfig.from_dict(speculative_config)
+    drafter = prepare_drafter(spec, model, drafter)
+    runner = ModelRunner(model, config, **spec_runner_config(config, spec, drafter))
+    return LLMEngine(model, config, tokenizer, runner=runner, speculation=SpecDecoding(spec, drafter))
+
+
+class SpecDecoding:
+    def __init__(self, spec: SpecConfig, drafter: Eagle3Drafter, spec_runner: SpecRunner | None = None):
+        """drafter: attached to its target (prepare_drafter). spec_runner: the speculative passes (default: a
+        SpecRunner; a tensor-parallel group plugs in its broadcasting one, m3serve.distributed.spec_driver)."""
+        self.spec, self.drafter = spec, drafter
+        self.spec_runner = spec_runner if spec_runner is not None else SpecRunner(drafter.target, drafter)
+        self.engine = None               # the LLMEngine this serves (attach)
+        self.rng = None                  # DeviceRNG keyed by the engine's seed (attach)
         self.spec_steps = None           # m3serve.runtime.spec_graphs.SpecSteps (enable_target)
         self._flight_sampled = False     # the SpecSteps step in flight ran the sampled variant
         self.graph_steps = 0             # steps that ran as SpecSteps
@@ -108,22 +138,18 @@ class SpeculativeEngine(LLMEngine):
         # steps with decoding requests that speculative_config.disable_by_batch_size ran plainly / speculatively
         self.policy_plain_steps = 0
         self.policy_spec_steps = 0
-        self.rng = DeviceRNG(config.seed, model.device)
-        self.capture = self.runner.capture
         self._state: dict[int, SpecState] = {}
-        self._totals = SpecState.empty(k)
+        self._totals = SpecState.empty(spec.num_speculative_tokens)
         self._forced_step: dict[int, int] = {}
 
-    def _make_tables(self, width: int) -> None:
-        """The base allocator and scheduler, with device tables sized for verify steps (K more tokens per
-        sequence) and the draft view over the same allocator (its own device tables: sub-page geometry)."""
-        super()._make_tables(width)
-        cap = step_token_capacity(self.config, self.spec.num_speculative_tokens)
-        dev = self.model.device
-        self.tables = DeviceBlockTables(self.blocks, dev, index_scale=1, kv_offset=1, max_tokens=cap)
-        self.view = self.kv.draft_view(self.blocks)
-        self.view.tables = DeviceBlockTables(self.blocks, dev, self.view.index_scale, self.view.kv_offset,
-                                             max_tokens=cap)
+    def attach(self, engine: LLMEngine) -> SpecDecoding:
+        """Serve `engine` (LLMEngine.__init__ calls it); its runner's cache must hold the draft layer."""
+        if engine.runner.view is None:
+            raise ValueError("speculative decoding: the engine's runner has no draft layer (build it with "
+                             "spec_runner_config)")
+        self.engine = engine
+        self.rng = DeviceRNG(engine.config.seed, engine.model.device)
+        return self
 
     def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto",
                       sampling: bool = True) -> bool:
@@ -135,26 +161,26 @@ class SpeculativeEngine(LLMEngine):
         graph per bucket and the drafts' distributions kept on the device, max_num_seqs x K x V fp32). Every
         other step (prefill, logprobs, penalties, the last tokens before max_model_len) takes the eager path
         below, which is exact too. With speculative_config.disable_by_batch_size set, the plain decode target is
-        enabled too (LLMEngine.enable_target: its decode graphs for the buckets above the threshold), for the
+        enabled too (ModelRunner.enable_target: its decode graphs for the buckets above the threshold), for the
         steps the policy runs plainly.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
-        m = self.model
+        eng = self.engine
+        runner, m = eng.runner, eng.model
         if m.device.type != "cuda" and graphs:
             raise ValueError(f"decode target: CUDA graphs need a CUDA model, found {m.device}")
         if m.dtype != torch.bfloat16 or m.tp.size != 1:
             raise ValueError(f"speculative decode target: needs a bf16 model at TP 1, found {m.dtype} at TP "
                              f"{m.tp.size}")
-        if self.requests:
+        if eng.requests:
             raise RuntimeError("enable_target: call it before the first request (it may re-size the block tables)")
         k = self.spec.num_speculative_tokens
-        buckets = buckets or buckets_up_to(self.config.max_num_seqs)
+        buckets = buckets or buckets_up_to(eng.config.max_num_seqs)
         plain_buckets = self._policy_buckets(buckets)
         # bucket 1 always stays: K <= 16 and the tables hold max_num_batched_tokens + K per sequence
-        buckets = tuple(b for b in buckets if b * (k + 1) <= min(self.tables.max_tokens, MAX_ROWS))
-        width = self._certified_table_width()
-        if width != self.tables.max_blocks:
-            self._make_tables(width)
+        buckets = tuple(b for b in buckets if b * (k + 1) <= min(runner.tables.max_tokens, MAX_ROWS))
+        eng._fit_certified_width()
+        width = runner.tables.max_blocks
         # buckets past the bookkeeping launches' certified sequences are dropped (their batches take the eager
         # speculative step); require raises for them below
         certified = tuple(b for b in buckets if all(p.entry is not None for p in spec_step_placements((b,), k)))
@@ -162,33 +188,27 @@ class SpeculativeEngine(LLMEngine):
             log.warning("speculative graphs: buckets %s dropped (spec.* launches certified up to %d sequences)",
                         [b for b in buckets if b not in certified], certified[-1])
             buckets = certified
-        missing = (uncertified_attention(m, self.kv, width, buckets, query_len=k + 1)
-                   + uncertified_draft_attention(self.drafter, self.kv, buckets, k)
+        missing = (uncertified_attention(m, runner.kv, width, buckets, query_len=k + 1)
+                   + uncertified_draft_attention(self.drafter, runner.kv, buckets, k)
                    + [p for p in spec_step_placements(buckets, k) if p.entry is None])
-        if not self._all_certified(missing, "speculative attention", "speculative decode target", mode):
+        if not all_certified(missing, "speculative attention", "speculative decode target", mode):
             return False
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
         m.use_attention(PAGED_KERNELS)   # the drafter runs its target's backend
-        self.spec_steps = SpecSteps(m, self.drafter, self.view, self.tables, k, buckets, graphs=graphs,
+        self.spec_steps = SpecSteps(m, self.drafter, runner.view, runner.tables, k, buckets, graphs=graphs,
                                     sampling=sampling)
         self.spec_steps.capture(mode)
         if plain_buckets and m.device.type == "cuda":
             # the steps the policy runs plainly take the plain engine's target: its decode graphs (overlap loop)
             # for the batches above the threshold, the paged-cache kernels in its eager steps. The tables were
             # sized above, so this keeps them (SpecSteps captured their buffers).
-            LLMEngine.enable_target(self, graphs=graphs, buckets=plain_buckets, mode=mode)
+            runner.enable_target(graphs, plain_buckets, mode)
         return True
 
     def _policy_buckets(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
         """The graph buckets a plain step of the batch-size policy can land in (none when it is off)."""
         limit = self.spec.disable_by_batch_size
         return () if limit is None else tuple(b for b in buckets if b > limit)
-
-    def _kv_spec(self, model: M3ForCausalLM, config: EngineConfig, **extra) -> KVCacheSpec:
-        """The base cache plus the shared Eagle3 draft layer (K/V sub-pages in every slot). The drafter is
-        replicated under tensor parallelism, so every rank holds all its KV heads."""
-        return super()._kv_spec(model, config, num_draft_layers=1,
-                                draft_num_kv_heads=self.drafter.cfg.num_key_value_heads * model.tp.size, **extra)
 
     # ------------------------------------------------------------------ bookkeeping
     def _st(self, req: Request) -> SpecState:
@@ -201,23 +221,18 @@ class SpeculativeEngine(LLMEngine):
 
     def _key(self, req: Request) -> int:
         s = req.params.seed
-        return s if s is not None else (self.config.seed * 1_000_003 + req.request_id) % (2 ** 63)
+        return s if s is not None else (self.engine.config.seed * 1_000_003 + req.request_id) % (2 ** 63)
 
     def _keys(self, reqs: list[Request]) -> torch.Tensor:
-        return torch.tensor([self._key(r) for r in reqs], dtype=torch.int64, device=self.model.device)
+        return torch.tensor([self._key(r) for r in reqs], dtype=torch.int64, device=self.engine.model.device)
 
-    def abort(self, request_id: int) -> None:
+    def forget(self, request_id: int) -> None:
+        """The request was aborted or released: drop its drafts and counters."""
         self._state.pop(request_id, None)
         self._forced_step.pop(request_id, None)
-        super().abort(request_id)
-
-    def release(self, req: Request) -> None:
-        self._state.pop(req.request_id, None)
-        self._forced_step.pop(req.request_id, None)
-        super().release(req)
 
     def stats(self) -> dict:
-        out = super().stats()
+        """The engine's stats()["spec_decode"]: acceptance totals, the configuration, the policy's step counts."""
         t = self._totals
         m = t.metrics()
         m["num_speculative_tokens"] = self.spec.num_speculative_tokens
@@ -227,24 +242,14 @@ class SpeculativeEngine(LLMEngine):
         m["policy_spec_steps"] = self.policy_spec_steps
         m["acceptance_rate_per_position"] = [a / p if p else None
                                              for a, p in zip(t.accepted_per_pos, t.proposed_per_pos)]
-        out["spec_decode"] = m
-        return out
+        return m
 
-    def reset_spec_stats(self) -> None:
+    def reset_stats(self) -> None:
         self._totals = SpecState.empty(self.spec.num_speculative_tokens)
 
-    # ------------------------------------------------------------------ device passes (TP: broadcast first)
-    def _run_target(self, batch: ForwardBatch, mode: int) -> HeadOut:
-        return self.runner.target(batch, mode)
-
-    def _run_draft(self, batch: ForwardBatch, src: torch.Tensor, gather: torch.Tensor | None, mode: int) -> HeadOut:
-        return self.runner.draft(batch, src, gather, mode)
-
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[Request]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return self._resolve_inflight() + self._unschedulable()
+    def step(self, chunks) -> list[Request]:
+        """The step of the scheduled `chunks` (LLMEngine.step calls it with a non-empty schedule)."""
         limit = self.spec.disable_by_batch_size
         if limit is not None:
             decoding = sum(c.num_tokens == 1 and c.reaches_end for c in chunks)
@@ -253,11 +258,11 @@ class SpeculativeEngine(LLMEngine):
                 return self._plain_step(chunks)
             self.policy_spec_steps += int(decoding > 0)
         done: list[Request] = []
-        if self._inflight is not None and not isinstance(self._inflight, _SpecFlight):
+        if self.engine._inflight is not None and not isinstance(self.engine._inflight, _SpecFlight):
             # a plain decode graph step in flight: its rows' last tokens are still on the device, where the
             # speculative step does not look for them. Plain steps move num_computed at launch, so the chunks
             # stay as scheduled once it is read back.
-            done = self._resolve_inflight()
+            done = self.engine._resolve_inflight()
             chunks = [c for c in chunks if not c.request.is_finished]
             if not chunks:
                 return done
@@ -285,12 +290,12 @@ class SpeculativeEngine(LLMEngine):
         tokens and positions from the host. Its requests keep no drafts: the state they were made for is gone, so
         the next speculative step of each is the eager one (verify its last token, draft anew)."""
         done = []
-        if isinstance(self._inflight, _SpecFlight):
-            done = self._resolve_inflight()
+        if isinstance(self.engine._inflight, _SpecFlight):
+            done = self.engine._resolve_inflight()
             chunks = [c for c in chunks if not c.request.is_finished]
             # that flight moved its rows on by up to K + 1 tokens after they were scheduled; the pages it took
             # (below n + 2K) hold the new decode position unless K = 1
-            if not all(self.blocks.append_slots(c.request.request_id, c.request.num_computed + c.num_tokens)
+            if not all(self.engine.blocks.append_slots(c.request.request_id, c.request.num_computed + c.num_tokens)
                        for c in chunks):
                 return done          # no room: the next schedule() preempts
             if not chunks:
@@ -299,11 +304,11 @@ class SpeculativeEngine(LLMEngine):
             st = self._state.get(c.request.request_id)
             if st is not None:
                 st.drop_drafts()
-        return done + self._step_chunks(chunks)
+        return done + self.engine._step_chunks(chunks)
 
     def _eager_step(self, chunks) -> list[Request]:
         """Verify + draft passes of `chunks` on the host-driven path (prefill chunks, logprobs, penalties, ...)."""
-        done = self._resolve_inflight()       # the eager step needs every token on the host
+        done = self.engine._resolve_inflight()       # the eager step needs every token on the host
         if done:
             chunks = [c for c in chunks if not c.request.is_finished]
         if not chunks:
@@ -311,8 +316,8 @@ class SpeculativeEngine(LLMEngine):
         with torch.inference_mode():
             items = self._plan(chunks)
             sampled = [it for it in items if it.sample]
-            batch = pack_verify(items, self.tables, self.kv)
-            head = self._run_target(batch, self._target_mode(sampled))
+            batch = pack_verify(items, self.engine.runner.tables, self.engine.runner.kv)
+            head = self.spec_runner.target(batch, self._target_mode(sampled))
             emitted = self._verify(sampled, head) if sampled else []
             out = self._commit(items, sampled, emitted, head)
             self._draft(items)
@@ -321,7 +326,7 @@ class SpeculativeEngine(LLMEngine):
     # ------------------------------------------------------------------ the decode target's step
     def _in_flight(self) -> dict[int, int]:
         """request id -> its preemption count at launch, for the requests of the SpecSteps step in flight."""
-        return self._inflight.preemptions if isinstance(self._inflight, _SpecFlight) else {}
+        return self.engine._inflight.preemptions if isinstance(self.engine._inflight, _SpecFlight) else {}
 
     def _target_step_requests(self, chunks) -> list[Request] | None:
         """The requests of `chunks` when the step can run as SpecSteps: every chunk a decode (greedy, or sampled
@@ -333,9 +338,11 @@ class SpeculativeEngine(LLMEngine):
         if ss is None or ss.bucket_for(len(chunks)) is None:
             return None
         sampled = any(not c.request.params.greedy for c in chunks)
-        if sampled and (not ss.sampling or (self._inflight is not None and not self._flight_sampled)):
+        if sampled and (not ss.sampling or (self.engine._inflight is not None and not self._flight_sampled)):
             return None          # no sampled variant; or the flight's rows kept no draft distributions
         k = self.spec.num_speculative_tokens
+        eng = self.engine
+        max_len = eng.max_model_len
         flight = self._in_flight()
         reqs, reach = [], []
         for c in chunks:
@@ -347,13 +354,13 @@ class SpeculativeEngine(LLMEngine):
             # writes stay below n + 2K, n = num_computed after the step in flight (at most K + 1 more)
             end = r.num_computed + (k + 1 if moving else 0) + 2 * k
             if (c.num_tokens != 1 or not c.reaches_end or not ready
-                    or r.params.logprobs is not None or r.logits_processing or end > self.max_model_len):
+                    or r.params.logprobs is not None or r.logits_processing or end > max_len):
                 return None
             reqs.append(r)
             reach.append(end)
-        if self.overlap and any(r.request_id not in flight for r in reqs) and flight:
+        if eng.overlap and any(r.request_id not in flight for r in reqs) and flight:
             return None          # a new row's staged state and the flight's device state: read the flight first
-        if not all(self.blocks.append_slots(r.request_id, e) for r, e in zip(reqs, reach)):
+        if not all(eng.blocks.append_slots(r.request_id, e) for r, e in zip(reqs, reach)):
             return None
         return reqs
 
@@ -383,21 +390,26 @@ class SpeculativeEngine(LLMEngine):
         self._flight_sampled = sampling is not None
         self.graph_steps += 1
         self.overlapped_steps += any(moving)
-        prev, self._inflight = self._inflight, _SpecFlight(launched, reqs,
-                                                           {r.request_id: r.num_preemptions for r in reqs})
-        if not self.overlap:
-            return self._resolve(prev) + self._resolve_inflight()
-        return self._resolve(prev)
+        eng = self.engine
+        flight_now = _SpecFlight(launched, reqs, {r.request_id: r.num_preemptions for r in reqs})
+        prev, eng._inflight = eng._inflight, flight_now
+        if not eng.overlap:
+            return eng._resolve(prev) + eng._resolve_inflight()
+        return eng._resolve(prev)
 
-    def _resolve(self, inflight) -> list[Request]:
-        """Read back a SpecSteps step: each request that is still running as it was launched (not finished,
-        aborted or preempted since) appends what it emitted; the others' results are dropped. A plain decode
-        graph step (the batch-size policy's) is read back as LLMEngine does."""
-        if not isinstance(inflight, _SpecFlight):
-            return super()._resolve(inflight)
+    @staticmethod
+    def owns(inflight) -> bool:
+        """The engine's flight is a SpecSteps step (else a plain decode graph step, which the engine reads)."""
+        return isinstance(inflight, _SpecFlight)
+
+    def resolve(self, inflight: _SpecFlight) -> list[Request]:
+        """Read back a SpecSteps step (LLMEngine._resolve hands it over): each request that is still running as
+        it was launched (not finished, aborted or preempted since) appends what it emitted; the others' results
+        are dropped."""
         launched, reqs, preemptions = inflight
         res = self.spec_steps.fetch(launched)
         k = self.spec.num_speculative_tokens
+        eng, blocks = self.engine, self.engine.blocks
         out = []
         for r, toks, drafts in zip(reqs, res.emitted, res.drafts):
             if r.is_finished or not r.allocated or r.num_preemptions != preemptions[r.request_id]:
@@ -408,14 +420,14 @@ class SpeculativeEngine(LLMEngine):
             self._record(st, k, a)
             for tok in toks:
                 r.output_token_ids.append(tok)
-                self._check_stop(r, tok)
+                eng._check_stop(r, tok)
                 if r.is_finished:
                     break
             if r.is_finished:
                 st.drop_drafts()
             else:
-                if self.blocks.has_uncommitted_full_pages(r.request_id, r.num_computed):
-                    self.blocks.commit_full_pages(r.request_id, r.all_token_ids[:r.num_computed])
+                if blocks.has_uncommitted_full_pages(r.request_id, r.num_computed):
+                    blocks.commit_full_pages(r.request_id, r.all_token_ids[:r.num_computed])
                 # a sampled request's draft distributions stay on the device (a view of its table row: the eager
                 # path reads it only after resolving every step in flight, so it is this step's)
                 st.drafts, st.anchor = drafts, r.num_tokens
@@ -445,8 +457,8 @@ class SpeculativeEngine(LLMEngine):
             drafts: list[int] = []
             if c.reaches_end and c.num_tokens == 1 and st.drafts and st.anchor == r.num_tokens:
                 n = r.num_computed
-                k = min(len(st.drafts), self.max_model_len - 1 - n)   # verify writes positions n..n+k
-                if k > 0 and not self.blocks.append_slots(r.request_id, n + 1 + k):
+                k = min(len(st.drafts), self.engine.max_model_len - 1 - n)   # verify writes positions n..n+k
+                if k > 0 and not self.engine.blocks.append_slots(r.request_id, n + 1 + k):
                     k = 0
                 drafts = st.drafts[:k]
             elif st.drafts:                                    # not a decode of the state they were made for
@@ -459,7 +471,7 @@ class SpeculativeEngine(LLMEngine):
     # ------------------------------------------------------------------ verification
     def _verify(self, sampled: list[StepItem], head: HeadOut) -> list[list[int]]:
         """Tokens each sampling request emits this step (before stop checks)."""
-        dev = self.model.device
+        dev = self.engine.model.device
         r = len(sampled)
         nd = np.fromiter((len(it.drafts) for it in sampled), dtype=np.int64, count=r)
         k = int(nd.max())
@@ -561,11 +573,11 @@ class SpeculativeEngine(LLMEngine):
                     top = {tid: lv for tid, lv in zip(ids[:req.params.logprobs], vals[:req.params.logprobs])}
                     top[tok] = chosen
                     req.output_logprobs.append(top)
-                self._check_stop(req, tok)
+                self.engine._check_stop(req, tok)
                 if req.is_finished:
                     break
             if not req.is_finished:
-                self.blocks.commit_full_pages(req.request_id, req.all_token_ids[:req.num_computed])
+                self.engine.blocks.commit_full_pages(req.request_id, req.all_token_ids[:req.num_computed])
             else:
                 self._st(req).drop_drafts()
             req.spec_metrics = self._st(req).metrics()
@@ -597,8 +609,8 @@ class SpeculativeEngine(LLMEngine):
             if not it.sample:
                 continue
             req = it.req
-            k = min(kmax, self.max_model_len - 1 - req.num_computed)   # next verify: positions c..c+k
-            if k > 0 and self.blocks.append_slots(req.request_id, req.num_computed + 1 + k):
+            k = min(kmax, self.engine.max_model_len - 1 - req.num_computed)   # next verify: positions c..c+k
+            if k > 0 and self.engine.blocks.append_slots(req.request_id, req.num_computed + 1 + k):
                 proposers.append(i)
                 ks.append(k)
             else:
@@ -609,9 +621,10 @@ class SpeculativeEngine(LLMEngine):
         greedy = all(r.params.greedy for r in reqs)
         mode = NONE if not reqs else (ARGMAX if greedy else LOGITS)
         t = len(src)
-        batch, tail = pack_spans(self.view.tables, self.view, [r.request_id for r in reqs_live], pos0, counts, ids,
+        view = self.engine.runner.view
+        batch, tail = pack_spans(view.tables, view, [r.request_id for r in reqs_live], pos0, counts, ids,
                                  np.concatenate((src, gather)))
-        head = self._run_draft(batch, tail[:t], tail[t:], mode)
+        head = self.spec_runner.draft(batch, tail[:t], tail[t:], mode)
         if not reqs:
             return
         keys = None if greedy else self._keys(reqs)
@@ -623,10 +636,10 @@ class SpeculativeEngine(LLMEngine):
             act = np.nonzero(ks_np >= j)[0]
             if not len(act):
                 break
-            batch, sel = pack_spans(self.view.tables, self.view, [reqs[i].request_id for i in act.tolist()],
+            batch, sel = pack_spans(view.tables, view, [reqs[i].request_id for i in act.tolist()],
                                     c_prop[act] + j - 2, np.ones(len(act), dtype=np.int64), None, act)
             batch.input_ids = props[-1][sel]
-            head_j = self._run_draft(batch, sel, None, mode)
+            head_j = self.spec_runner.draft(batch, sel, None, mode)
             tok_j, q_j = self._propose(head_j, [reqs[i] for i in act.tolist()], greedy,
                                        None if keys is None else keys[sel])
             # scatter back into full-width tensors so later passes index by request
@@ -657,5 +670,6 @@ class SpeculativeEngine(LLMEngine):
         return self.drafter.to_target_ids(d), self.drafter.to_target_probs(q)
 
 
-__all__ = ["SpeculativeEngine", "SpecConfig", "DeviceRNG", "mix32", "sample_categorical", "verify_greedy",
-           "verify_sampled", "forced_accepts", "build_drafter", "step_token_capacity"]
+__all__ = ["SpecDecoding", "speculative_engine", "prepare_drafter", "SpecConfig", "DeviceRNG", "mix32",
+           "sample_categorical", "verify_greedy", "verify_sampled", "forced_accepts", "build_drafter",
+           "step_token_capacity", "spec_runner_config"]

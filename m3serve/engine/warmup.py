@@ -20,7 +20,7 @@ from m3serve.engine.sampling_params import SamplingParams
 from m3serve.kernels._jit import COMPILE_WATCH
 from m3serve.kernels.attention._paged_call import tile_config
 from m3serve.kernels.attention.msa_index import scores_tile
-from m3serve.runtime.step_plan import split_plan
+from m3serve.runtime.step_inputs import split_plan
 
 log = logging.getLogger("m3serve")
 
@@ -41,8 +41,8 @@ def variant_lengths(engine, limit: int) -> list[int]:
     seen, out = set(), []
     for n in range(1, limit + 1):
         key = (scores_tile(n, cfg.index_n_heads),
-               tuple(splits > 1 for splits in split_plan(n, engine.tables.max_blocks, hk, cfg.index_topk_blocks,
-                                                         engine.sparse_tiles)),
+               tuple(splits > 1 for splits in split_plan(n, engine.runner.tables.max_blocks, hk, cfg.index_topk_blocks,
+                                                         engine.runner.sparse_tiles)),
                tile_config(g, engine.kv.page_size, n, False).QB)
         if key not in seen:
             seen.add(key)

@@ -37,8 +37,7 @@ import torch
 from m3serve.engine.sampler import sample_rows
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
-from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
-from m3serve.targets.attention import PagedStep
+from m3serve.runtime.step_inputs import PagedStep, bucket_for, sparse_tiles_per_block, split_plan
 
 log = logging.getLogger("m3serve")
 

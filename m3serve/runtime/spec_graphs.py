@@ -54,8 +54,7 @@ from m3serve.kernels.spec.step import spec_accept, spec_commit, spec_inputs
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
 from m3serve.runtime.decode_graphs import _ONE_BITS, sampling_tensors
-from m3serve.runtime.step_plan import bucket_for, sparse_tiles_per_block, split_plan
-from m3serve.targets.attention import PagedStep
+from m3serve.runtime.step_inputs import PagedStep, bucket_for, sparse_tiles_per_block, split_plan
 from m3serve.targets.explain import spec_step_placements
 
 log = logging.getLogger("m3serve")

@@ -41,7 +41,7 @@ disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "m3serve_"
-# the speculative batch-size policy's step counts (SpeculativeEngine.stats): counters, not spec_* gauges
+# the speculative batch-size policy's step counts (SpecDecoding.stats): counters, not spec_* gauges
 SPEC_POLICY_COUNTERS = {
     "spec_policy_plain_steps": "Steps with decoding requests run without speculation (more decoding requests "
                                "than speculative_config.disable_by_batch_size).",

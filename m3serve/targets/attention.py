@@ -1,10 +1,10 @@
 """Attention on the decode target: the paged-cache kernels, all sequences of a step per launch. `PAGED_KERNELS` is
-the model's attention backend on the target (m3serve.model.attention_backend; `LLMEngine.enable_target` binds it).
+the model's attention backend on the target (m3serve.model.attention_backend; `ModelRunner.enable_target` binds it).
 
 The stock `Attention.forward` loops over sequences and reads each one's context back out of the cache. On the
-target a step carries a `PagedStep` (device metadata built by the engine in its one staged upload), and every
-attention layer is four launches at most, none of which syncs the host (so the step can be captured in a CUDA
-graph):
+target a step carries a `PagedStep` (m3serve.runtime.step_inputs: device metadata built by the model runner in its
+one staged upload), and every attention layer is four launches at most, none of which syncs the host (so the step
+can be captured in a CUDA graph):
 
     kv.write             K, V (+ index-K) of every token of the step, quantized on write (rotated NVFP4 layers:
                          rotated first, m3serve.kv.rotation)
@@ -21,8 +21,6 @@ Shape legend
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
@@ -31,29 +29,11 @@ from m3serve.kernels.attention.msa_index import msa_block_scores, msa_select
 from m3serve.kernels.attention.paged import make_workspace, paged_attention
 from m3serve.kernels.attention.prefill import prefill_attention
 from m3serve.model.attention_backend import StockAttention
+from m3serve.runtime.step_inputs import PagedStep
 
 # attn.paged reads each query row's pages itself: right for decode / verify (1-48 rows per sequence), wasteful
 # for long prompts, which the tiled attn.prefill handles on dense layers.
 DECODE_MAX_QUERY = 48
-
-
-@dataclass
-class PagedStep:
-    """Device metadata of one step (views of the engine's staged upload; stable addresses inside a graph)."""
-    slot_table: Tensor      # [S, B] int32 slot ids (unallocated -> 0)
-    seq_lens: Tensor        # [S] int32 keys after this step; 0 = padding sequence
-    query_start: Tensor     # [S + 1] int32 cumulative query tokens
-    max_query_len: int      # host int fixed per call site (grid sizes only)
-    num_splits: int         # split-KV factor of attn.paged on dense layers (host int fixed per call site)
-    num_splits_sparse: int  # ... on MSA layers (each query visits at most top-k blocks)
-    workspaces: dict = field(default_factory=dict)  # per (kind, shape): preallocated kernel scratch
-
-    def scratch(self, key, make):
-        """A buffer made once per step object (and so once per captured graph), reused by every layer."""
-        buf = self.workspaces.get(key)
-        if buf is None:
-            buf = self.workspaces[key] = make()
-        return buf
 
 
 def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,

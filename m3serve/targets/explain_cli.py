@@ -25,7 +25,7 @@ def cmd_explain(args) -> int:
     args.route = "off"                       # placements are computed, nothing is compiled or captured
     llm = build_llm(args, max_num_seqs=max(buckets))
     eng = llm.engine
-    width = eng._certified_table_width()
+    width = eng.runner.certified_table_width()
     rows = explain(llm.model, eng.kv, width, buckets)
     print(f"model {args.model or 'm3-tiny-verse'}: KV {eng.kv.spec.split_summary()}; block tables {width} pages wide")
     note = routing_note(llm.device.type)

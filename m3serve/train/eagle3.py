@@ -36,7 +36,7 @@ import torch
 
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.llm import parse_dtype
 from m3serve.model.eagle3 import Eagle3Config, Eagle3Drafter, LlamaRMSNorm, default_capture_layers, save_drafter
 from m3serve.model.loader import load_model
@@ -391,7 +391,7 @@ def measure_acceptance(target_dir: str | Path, drafter_dir: str | Path, data_dir
                        prompt_len: int = 64, max_tokens: int = 64, temperatures: tuple[float, ...] = (0.0, 0.8),
                        sources: tuple[str, ...] = ("text",), seed: int = 0, log: Callable[[str], None] = print,
                        target=None) -> dict:
-    """AL (mean tokens per verify step) of the real SpeculativeEngine at K = k, greedy and sampled, plus
+    """AL (mean tokens per verify step) of the real speculative engine at K = k, greedy and sampled, plus
     end-to-end tokens/s of plain vs speculative decoding on the same prompts. Sources: "text" = windows of
     prompt_len tokens of the held-out plays, continued for max_tokens; "chat" = held-out synthetic questions as
     chat prompts, answered until <|eos|> or max_tokens."""
@@ -413,9 +413,9 @@ def measure_acceptance(target_dir: str | Path, drafter_dir: str | Path, data_dir
                         seed=seed, kv_cache_bytes=(1 << 30) if dev.type == "cuda" else 64 << 20)  # 2 engines, 1 GPU
     plain = LLMEngine(target, ecfg)
     # acceptance is measured at every batch size: the batch-size policy would decode large batches plainly
-    spec = SpeculativeEngine(target, ecfg, speculative_config={"method": "eagle3", "model": str(drafter_dir),
-                                                               "num_speculative_tokens": k,
-                                                               "disable_by_batch_size": None})
+    spec = speculative_engine(target, ecfg, speculative_config={"method": "eagle3", "model": str(drafter_dir),
+                                                                 "num_speculative_tokens": k,
+                                                                 "disable_by_batch_size": None})
     out: dict = {"k": k, "num_prompts": num_prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
                  "device": str(dev), "dtype": str(dt), "runs": {}}
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -427,7 +427,7 @@ def measure_acceptance(target_dir: str | Path, drafter_dir: str | Path, data_dir
         for temp in temperatures:
             params = SamplingParams(max_tokens=max_tokens, temperature=temp, ignore_eos=source == "text", seed=seed)
             ref, t_plain, n_plain = _run(plain, prompts, params)
-            spec.reset_spec_stats()
+            spec.speculation.reset_stats()
             got, t_spec, n_spec = _run(spec, prompts, params)
             st = spec.stats()["spec_decode"]
             run = {"acceptance_length": st["acceptance_length"],

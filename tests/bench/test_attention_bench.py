@@ -62,8 +62,9 @@ def test_decode_step_builds_the_decode_benchs_llm_and_fits_128k(bench, monkeypat
     class FakeLLM:
         def __init__(self, model, **kw):
             built.append((model, kw))
-            self.engine = types.SimpleNamespace(graphs=object(), target_attention=True,
-                                                max_model_len=kw["max_model_len"], capacity_tokens=1 << 22)
+            runner = types.SimpleNamespace(graphs=object(), target_attention=True)
+            self.engine = types.SimpleNamespace(runner=runner, max_model_len=kw["max_model_len"],
+                                                capacity_tokens=1 << 22)
 
     def time_decode(llm, batch, context, steps, seed, window):
         timed.append((batch, context, steps, seed, window))
@@ -92,7 +93,8 @@ def test_decode_step_stops_when_the_target_is_off(bench, monkeypatch) -> None:
 
     class FakeLLM:
         def __init__(self, model, **kw):
-            self.engine = types.SimpleNamespace(graphs=None, target_attention=False, max_model_len=kw["max_model_len"])
+            runner = types.SimpleNamespace(graphs=None, target_attention=False)
+            self.engine = types.SimpleNamespace(runner=runner, max_model_len=kw["max_model_len"])
 
     monkeypatch.setattr(m3serve, "LLM", FakeLLM)
     monkeypatch.setattr(bench, "_load_decode_bench", lambda: types.SimpleNamespace(WINDOW=8, time_decode=None))

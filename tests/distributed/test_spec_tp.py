@@ -70,7 +70,7 @@ def test_shared_head_drafter_tp2_equals_tp1_greedy_and_sampled(monkeypatch):
     all_gather_last = TPGroup.all_gather_last
     monkeypatch.setattr(TPGroup, "all_gather_last", lambda self, x: gathers.append(x.shape) or all_gather_last(self, x))
     with LLM("tiny", speculative_config=spec, tensor_parallel_size=2, **KW) as two:
-        assert two.engine.drafter.lm_head is None and two.model.tp.size == 2
+        assert two.engine.speculation.drafter.lm_head is None and two.model.tp.size == 2
         got_greedy, st = _run(two, prompts, GREEDY)
         assert gathers == [] and st["verify_steps"] > 0      # greedy: no full logits rows on rank 0
         got_mixed = two.generate(prompts, mixed, use_tqdm=False)

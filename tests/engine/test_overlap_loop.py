@@ -45,7 +45,7 @@ class FakeGraphs:
         eng = self.engine
         ids = [t if t >= 0 else self.device_tokens[s] for s, t in zip(seq_ids, token_ids)]
         pos = np.asarray(positions, dtype=np.int64)
-        slot_table, _, slot_mapping = eng.tables.prepare(seq_ids, np.arange(len(seq_ids)), pos)
+        slot_table, _, slot_mapping = eng.runner.tables.prepare(seq_ids, np.arange(len(seq_ids)), pos)
         page = eng.kv.page_size
         spans = [SeqSpan(i, 1, int(p) + 1, slot_table[i, :-(-(int(p) + 1) // page)].long())
                  for i, p in enumerate(positions)]
@@ -94,7 +94,7 @@ def _engine(model, graphs: bool, **kw):
     cfg.update(kw)
     eng = LLMEngine(model, EngineConfig(**cfg))
     if graphs:
-        eng.graphs = FakeGraphs(eng)
+        eng.runner.graphs = FakeGraphs(eng)
     return eng
 
 
@@ -132,7 +132,7 @@ def test_overlapped_equals_synchronous(model):
     eng = _engine(model, True)
     got = _drive(eng, prompts, params)
     assert got == ref
-    assert eng.graphs.runs > 10 and eng.graphs.pending_reads == 0 and eng._inflight is None
+    assert eng.runner.graphs.runs > 10 and eng.runner.graphs.pending_reads == 0 and eng._inflight is None
     assert all(r.pending == 0 for r in eng.requests.values())
     _assert_no_leak(eng)
 
@@ -189,11 +189,11 @@ def test_stopping_with_a_step_in_flight_then_drain_leaves_nothing_launched(model
         eng.step()
     assert eng._inflight is not None, "the test needs a step in flight after the last request finished"
     eng.drain()
-    assert eng._inflight is None and eng.graphs.pending_reads == 0
+    assert eng._inflight is None and eng.runner.graphs.pending_reads == 0
     assert [(list(r.output_token_ids), r.finish_reason) for r in reqs] == [ref[i] for i in range(3)]
     _assert_no_leak(eng)
     eng.disable_graphs()
-    assert eng.graphs is None
+    assert eng.runner.graphs is None
     again = _drive(eng, prompts, params)
     assert again == ref
 
@@ -213,7 +213,7 @@ def test_sampled_requests_overlap_and_draw_what_the_synchronous_engine_draws(mod
     eng = _engine(model, True)
     got = _drive(eng, prompts, params)
     assert got == ref
-    assert eng.graphs.sampled_runs > 5 and eng._inflight is None
+    assert eng.runner.graphs.sampled_runs > 5 and eng._inflight is None
     _assert_no_leak(eng)
 
 
@@ -233,5 +233,5 @@ def test_penalised_requests_overlap_with_device_state_and_match_the_synchronous_
     eng = _engine(model, True)
     got = _drive(eng, prompts, params)
     assert got == ref
-    assert eng.graphs.processed_runs > 5
+    assert eng.runner.graphs.processed_runs > 5
     _assert_no_leak(eng)

@@ -118,7 +118,7 @@ def test_speculative_engine_refuses_what_it_cannot_apply():
     for kw in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"logit_bias": {3: 1.0}},
                {"min_tokens": 2}, {"prompt_logprobs": 1}):
         name = next(iter(kw))
-        with pytest.raises(ValueError, match=f"SamplingParams.{name} .*SpeculativeEngine"):
+        with pytest.raises(ValueError, match=f"SamplingParams.{name} .*speculative decoding"):
             spec.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, **kw), use_tqdm=False)
     # n runs on it too (candidates are ordinary requests)
     out = spec.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, max_tokens=4, temperature=0.0,

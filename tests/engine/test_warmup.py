@@ -11,7 +11,7 @@ from m3serve import LLM, SamplingParams
 from m3serve.engine.warmup import shape_class, warm_up, warmup_prompt_lengths
 from m3serve.kernels._jit import CompileWatch
 from m3serve.kernels.attention.msa_index import scores_tile
-from m3serve.runtime.step_plan import split_plan
+from m3serve.runtime.step_inputs import split_plan
 
 
 def test_prompt_lengths_cover_the_specializations_and_fit():
@@ -51,7 +51,7 @@ def test_warm_up_reaches_every_sequence_and_token_count_class(limits):
     llm = LLM("tiny", random_weights=True, max_num_seqs=32, **limits)
     eng = llm.engine
     seen = set()
-    build = eng._build_batch
+    build = eng.runner.build_batch
 
     longest, scored = set(), set()
     cfg = eng.model.cfg
@@ -65,7 +65,7 @@ def test_warm_up_reaches_every_sequence_and_token_count_class(limits):
             scored.add(scores_tile(max(c.num_tokens for c in chunks), cfg.index_n_heads))
         return build(chunks)
 
-    eng._build_batch = recording
+    eng.runner.build_batch = recording
     warm_up(eng)
     want = {("1", "1"), ("1", "x16"), ("1", "other"), ("x16", "x16"), ("x16", "other"), ("other", "x16"),
             ("other", "other")}
@@ -76,8 +76,8 @@ def test_warm_up_reaches_every_sequence_and_token_count_class(limits):
 
     def variant(n):
         return (scores_tile(n, cfg.index_n_heads),
-                tuple(splits > 1 for splits in split_plan(n, eng.tables.max_blocks, hk, cfg.index_topk_blocks,
-                                                          eng.sparse_tiles)))
+                tuple(splits > 1 for splits in split_plan(n, eng.runner.tables.max_blocks, hk, cfg.index_topk_blocks,
+                                                          eng.runner.sparse_tiles)))
 
     if limits["max_num_batched_tokens"] == 64:       # prompts alone up to the budget (the context bounds larger ones)
         missing = {variant(n) for n in range(1, 65)} - {variant(n) for n in longest}

@@ -46,11 +46,11 @@ def test_embedded_model_graphs_eager_and_stock():
     from m3serve import LLM, SamplingParams
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 7 * i))} for i in range(6)]
     target = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", kv_cache_bytes=TINY_KV)
-    assert target.engine.graphs is not None
+    assert target.engine.runner.graphs is not None
     got = _greedy(target, prompts, 48)
-    assert target.engine.graphs.replays > 0
+    assert target.engine.runner.graphs.replays > 0
     eager = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", enforce_eager=True, kv_cache_bytes=TINY_KV)
-    assert eager.engine.graphs is None and eager.engine.target_attention
+    assert eager.engine.runner.graphs is None and eager.engine.runner.target_attention
     assert _greedy(eager, prompts, 48) == got
     stock = LLM(dtype="bfloat16", max_num_seqs=8, route="off", kv_cache_bytes=TINY_KV)
     ref = _greedy(stock, prompts, 48)
@@ -84,10 +84,10 @@ def test_real_dims_forward_captures_in_a_graph(kv):
     llm = LLM("minimax-m3:4", device="cuda", dtype="bfloat16", random_weights=True, quantization="nvfp4",
               kv_cache_dtype=kv, max_num_seqs=2, max_model_len=4096, gpu_memory_utilization=0.5, route="auto")
     try:
-        assert llm.engine.graphs is not None and set(llm.engine.graphs.graphs) == {1, 2}
+        assert llm.engine.runner.graphs is not None and set(llm.engine.runner.graphs.graphs) == {1, 2}
         prompts = [{"prompt_token_ids": list(range(100, 100 + 2200))}, {"prompt_token_ids": list(range(7, 300))}]
         got = _greedy(llm, prompts, 8)
-        assert llm.engine.graphs.replays > 0
+        assert llm.engine.runner.graphs.replays > 0
         llm.engine.disable_graphs()
         # the same prefill as the first run: with the prompts' pages cached it would compute only their tails,
         # in other chunks (other summation orders), and random weights leave many near-ties to flip
@@ -120,7 +120,7 @@ def test_embedded_model_samples_inside_the_graph_as_the_eager_target_does():
     eager = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", enforce_eager=True, kv_cache_bytes=TINY_KV, seed=5)
     try:
         got = [o.outputs[0].token_ids for o in target.generate(prompts, params, use_tqdm=False)]
-        assert target.engine.graphs.sampled_replays > 20 and target.engine.graphs.processed_graphs
+        assert target.engine.runner.graphs.sampled_replays > 20 and target.engine.runner.graphs.processed_graphs
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
         assert got == want
     finally:

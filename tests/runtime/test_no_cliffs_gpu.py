@@ -23,7 +23,7 @@ def test_every_format_builds_and_decodes_at_real_dims(quant, caplog):
     with caplog.at_level(logging.WARNING, logger="m3serve"):
         llm = LLM("minimax-m3:4", random_weights=True, quantization=quant, kv_cache_bytes=2 << 30,
                   max_model_len=4096)
-    g = llm.engine.graphs
+    g = llm.engine.runner.graphs
     assert g is not None
     assert set(g.captured) | set(g.blocked) == set(g.buckets) and not set(g.captured) & set(g.blocked)
     for b, blocker in g.blocked.items():          # every eager bucket is named with its module and the reason
@@ -53,7 +53,7 @@ def test_require_names_an_uncapturable_module():
     except ValueError as e:          # a module outside every certified cell, named by the dispatch table
         assert "outside" in str(e) and "rows" in str(e) and "shape" in str(e)
         return
-    assert not llm.engine.graphs.blocked
+    assert not llm.engine.runner.graphs.blocked
     _release(llm)
 
 
@@ -65,7 +65,7 @@ def test_embedded_model_graphs_up_to_max_num_seqs_plain_and_spec():
     from m3serve.llm import default_model
     kv = 512 << 20
     plain = LLM(dtype="bfloat16", max_num_seqs=128, kv_cache_bytes=kv)
-    g = plain.engine.graphs
+    g = plain.engine.runner.graphs
     assert g.captured == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) and not g.blocked
     prompts = [{"prompt_token_ids": list(range(5 + i % 50, 30 + i % 50))} for i in range(100)]
     before = g.replays
@@ -78,7 +78,7 @@ def test_embedded_model_graphs_up_to_max_num_seqs_plain_and_spec():
     spec = LLM(dtype="bfloat16", max_num_seqs=128, kv_cache_bytes=kv,
                speculative_config={"method": "eagle3", "model": os.path.join(default_model(), "eagle3"),
                                    "num_speculative_tokens": 3, "disable_by_batch_size": None})
-    steps = spec.engine.spec_steps
+    steps = spec.engine.speculation.spec_steps
     assert steps.buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
     assert {b for b, _ in steps._graph} == set(steps.buckets) and not steps.blocked
     before = steps.replays

@@ -10,7 +10,7 @@ import torch
 from m3serve.kv.block_manager import BlockManager
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.runtime.decode_graphs import pack_decode, stage_offsets
-from m3serve.runtime.step_plan import bucket_for, buckets_up_to
+from m3serve.runtime.step_inputs import bucket_for, buckets_up_to
 
 
 def test_buckets():

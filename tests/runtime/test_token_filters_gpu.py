@@ -30,7 +30,7 @@ def test_token_filters_inside_the_graph_as_the_eager_target():
     try:
         outs = target.generate(prompts, params, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
-        assert target.engine.graphs.processed_graphs and target.engine.graphs.sampled_replays > 20
+        assert target.engine.runner.graphs.processed_graphs and target.engine.runner.graphs.sampled_replays > 20
         want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
         assert got == want
         assert all(t in allowed for t in got[1])

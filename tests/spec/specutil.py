@@ -6,7 +6,9 @@ import torch
 
 from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.spec_config import SpecConfig
+from m3serve.engine.speculative import SpecDecoding, prepare_drafter, spec_runner_config
+from m3serve.runtime.model_runner import ModelRunner
 
 VOCAB = 512   # the tiny preset
 
@@ -52,7 +54,7 @@ def run_staggered(engine, ps: list[list[int]], params: list[SamplingParams], arr
     return [reqs[i] for i in range(len(ps))]
 
 
-class CheatEngine(SpeculativeEngine):
+class CheatDecoding(SpecDecoding):
     """Proposes the target's own greedy continuation (known from a reference run), corrupted at a deterministic
     pattern so that every acceptance length occurs. The real draft layer still runs (its KV is written and
     read through the draft view); only the proposed tokens are replaced."""
@@ -89,10 +91,18 @@ class CheatEngine(SpeculativeEngine):
         super()._record(st, k, a)
 
 
+def engine_with(model, config: EngineConfig, speculative_config: dict, decoding) -> LLMEngine:
+    """An LLMEngine whose speculation is decoding(spec, drafter), a SpecDecoding subclass: the parts
+    speculative_engine puts together."""
+    spec = SpecConfig.from_dict(speculative_config)
+    drafter = prepare_drafter(spec, model)
+    runner = ModelRunner(model, config, **spec_runner_config(config, spec, drafter))
+    return LLMEngine(model, config, runner=runner, speculation=decoding(spec, drafter))
+
+
 def cheat_engine(model, ps, params, ref_outputs, k: int = 3, corrupt_every: int = 5, spec: dict | None = None,
-                 **cfg) -> CheatEngine:
-    """spec: more speculative_config keys (e.g. disable_by_batch_size)."""
+                 **cfg) -> LLMEngine:
+    """spec: more speculative_config keys (e.g. disable_by_batch_size); cfg: EngineConfig fields."""
     reference = {tuple(p): out for p, out in zip(ps, ref_outputs)}
-    return CheatEngine(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}),
-                       speculative_config=spec_cfg(k, **(spec or {})), reference=reference,
-                       corrupt_every=corrupt_every)
+    return engine_with(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}), spec_cfg(k, **(spec or {})),
+                       lambda s, d: CheatDecoding(s, d, reference=reference, corrupt_every=corrupt_every))

@@ -8,7 +8,7 @@ import torch
 
 from m3serve.engine.engine import EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.model.loader import load_model
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from tests.spec.specutil import cheat_engine, plain_outputs, prompts, spec_cfg
@@ -21,7 +21,7 @@ def model():
 
 def _token_kv(eng, req, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [n, Hk, D] of `positions` read straight from the view's flat pool through its expanded table."""
-    view = eng.view
+    view = eng.runner.view
     _, sub = view.build([req.request_id])
     p = view.page_size
     ks = [view.pool[int(sub[0, 0, t // p]), :, t % p] for t in positions]
@@ -30,8 +30,8 @@ def _token_kv(eng, req, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_draft_layer_reads_and_writes_only_through_the_view(model):
-    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(3))
-    kv, view = eng.kv, eng.view
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(3))
+    kv, view = eng.kv, eng.runner.view
     assert view.layer == kv.draft_layer == kv.spec.num_layers == model.cfg.num_hidden_layers
     assert view.cache is kv and view.manager is eng.blocks
     log = {"view_write": 0, "view_read": 0, "draft_write_outside": 0, "draft_read_outside": 0, "target_write": 0}
@@ -87,8 +87,8 @@ def test_draft_kv_equals_recomputation_from_scratch(model):
     reqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
     for _ in range(6):
         eng.step()
-    assert any(a > 0 for a in eng.accept_hist) and any(a < 3 for a in eng.accept_hist)
-    d = eng.drafter
+    assert any(a > 0 for a in eng.speculation.accept_hist) and any(a < 3 for a in eng.speculation.accept_hist)
+    d = eng.speculation.drafter
     with torch.no_grad():
         for r in reqs:
             assert not r.is_finished
@@ -107,20 +107,20 @@ def test_draft_kv_equals_recomputation_from_scratch(model):
 
 
 def test_view_pool_is_what_the_drafter_reads(model):
-    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(3))
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(3))
     seen = []
-    logits = eng.drafter.logits
-    eng.drafter.logits = lambda h: seen.append(bool(torch.isfinite(out := logits(h)).all())) or out
+    logits = eng.speculation.drafter.logits
+    eng.speculation.drafter.logits = lambda h: seen.append(bool(torch.isfinite(out := logits(h)).all())) or out
     ps = prompts(2, 20, 30, seed=22)
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 2
     reqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
     for _ in range(3):
         eng.step()
-    pool = eng.view.pool
-    p = eng.view.page_size
+    pool = eng.runner.view.pool
+    p = eng.runner.view.page_size
 
     def poison(req, positions):
-        _, sub = eng.view.build([req.request_id])
+        _, sub = eng.runner.view.build([req.request_id])
         for t in positions:
             pool[int(sub[0, 0, t // p]), :, t % p] = float("nan")
             pool[int(sub[0, 1, t // p]), :, t % p] = float("nan")

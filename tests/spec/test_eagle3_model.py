@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from m3serve.config import preset
 from m3serve.engine.engine import EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.model.eagle3 import (Eagle3Config, canonical_name, default_capture_layers,
                                   drafter_from_tensors, load_drafter, random_drafter, save_drafter)
 from m3serve.model.loader import load_model
@@ -171,7 +171,7 @@ def test_d2t_maps_a_reduced_draft_vocabulary(model):
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, seed=1),
               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
-    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(3), drafter=d)
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(3), drafter=d)
     reqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
     while eng.has_work():
         eng.step()
@@ -183,7 +183,7 @@ def test_d2t_maps_a_reduced_draft_vocabulary(model):
 def test_mha_drafter_exact_in_engine(model):
     # The MHA head (num_key_value_heads = num_attention_heads) has its own draft KV width in the shared cache.
     d = random_drafter(TINY, seed=10, num_key_value_heads=TINY.num_attention_heads)
-    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(2), drafter=d)
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(2), drafter=d)
     assert eng.kv.spec.kv_heads(eng.kv.draft_layer) == TINY.num_attention_heads
     ps = prompts(3, seed=11)
     params = [SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)] * 3

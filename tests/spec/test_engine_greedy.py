@@ -10,7 +10,7 @@ import torch
 from m3serve import LLM
 from m3serve.engine.engine import EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.kv.layout import SlotLayout
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.loader import load_model
@@ -40,8 +40,8 @@ def _mix(n: int, seed: int = 0):
 def test_random_drafter_equals_plain_greedy(model, k):
     ps, params, arrivals = _mix(14)
     ref = plain_outputs(model, ps, params)
-    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20, max_num_batched_tokens=48),
-                            speculative_config=spec_cfg(k))
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20, max_num_batched_tokens=48),
+                              speculative_config=spec_cfg(k))
     reqs = run_staggered(eng, ps, params, arrivals)
     assert [list(r.output_token_ids) for r in reqs] == ref
     st = eng.stats()["spec_decode"]
@@ -59,7 +59,7 @@ def test_cheating_drafter_long_accepts_equal_plain_greedy(model):
     reqs = run_staggered(eng, ps, params, arrivals)
     assert [list(r.output_token_ids) for r in reqs] == ref
     # Every acceptance length 0..K occurred, and acceptance is high: the verifier took long draft prefixes.
-    assert set(eng.accept_hist) == {0, 1, 2, 3, 4}
+    assert set(eng.speculation.accept_hist) == {0, 1, 2, 3, 4}
     assert eng.stats()["spec_decode"]["acceptance_length"] > 2.5
     assert max(cached) >= 32          # the repeated prompt reused cached pages (target and draft KV)
 
@@ -72,7 +72,7 @@ def test_cheating_drafter_all_correct_accepts_everything(model):
     reqs = run_staggered(eng, ps, params, [0, 0, 2, 5])
     assert [list(r.output_token_ids) for r in reqs] == [x[:30] for x in longer]
     # All drafts correct (the reference runs past max_tokens): every verify step accepts all K.
-    assert set(eng.accept_hist) == {3}
+    assert set(eng.speculation.accept_hist) == {3}
     assert eng.stats()["spec_decode"]["acceptance_length"] == 4.0
     assert all(r.spec_metrics["acceptance_length"] == 4.0 for r in reqs)
 
@@ -181,4 +181,4 @@ def test_quantized_caches_exact(model, kv_dtype):
     eng = cheat_engine(model, ps, params, ref, k=3, kv_cache_dtype=kv_dtype)
     assert eng.kv.spec.kv_format(eng.kv.draft_layer) == "fp8"
     assert [list(r.output_token_ids) for r in run_staggered(eng, ps, params, [0, 0, 1, 2, 3, 4])] == ref
-    assert 0 in eng.accept_hist and 3 in eng.accept_hist
+    assert 0 in eng.speculation.accept_hist and 3 in eng.speculation.accept_hist

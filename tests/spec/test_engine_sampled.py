@@ -12,7 +12,7 @@ import torch
 from m3serve.engine.engine import EngineConfig
 from m3serve.engine.sampler import processed_probs
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.model.loader import load_model
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from tests.spec.specutil import cheat_engine, plain_outputs, prompts, spec_cfg
@@ -78,7 +78,7 @@ def test_sampled_engine_preserves_joint_distribution(model, drafter, n):
         ref = plain_outputs(model, [prompt], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
         eng = cheat_engine(model, [prompt], [PARAMS], ref, k=3, corrupt_every=0, **cfg)
     else:
-        eng = SpeculativeEngine(model, EngineConfig(**cfg), speculative_config=spec_cfg(3))
+        eng = speculative_engine(model, EngineConfig(**cfg), speculative_config=spec_cfg(3))
     got = _sample(eng, prompt, n)
     st = eng.stats()["spec_decode"]
     assert n <= st["verify_steps"] <= 2 * n                  # tokens 2 and 3 come from one or two verify steps

@@ -8,7 +8,7 @@ import torch
 
 from m3serve.engine.engine import EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import DeviceRNG, SpeculativeEngine, verify_sampled
+from m3serve.engine.speculative import DeviceRNG, speculative_engine, verify_sampled
 from m3serve.model.loader import load_model
 from tests.spec.specutil import cheat_engine, plain_outputs, prompts, run_staggered, spec_cfg
 from tests.spec.test_verify import chi2_pvalue
@@ -38,7 +38,7 @@ def test_greedy_exact_on_cuda_fp32():
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 8
     cfg = dict(kv_cache_bytes=8 << 20)
     ref = plain_outputs(model, ps, params, **cfg)
-    eng = SpeculativeEngine(model, EngineConfig(**cfg), speculative_config=spec_cfg(3))
+    eng = speculative_engine(model, EngineConfig(**cfg), speculative_config=spec_cfg(3))
     assert [list(r.output_token_ids) for r in run_staggered(eng, ps, params, [0, 0, 1, 2, 3, 5, 8, 9])] == ref
     eng = cheat_engine(model, ps, params, ref, k=3, **cfg)
     assert [list(r.output_token_ids) for r in run_staggered(eng, ps, params, [0, 0, 1, 2, 3, 5, 8, 9])] == ref
@@ -62,8 +62,8 @@ def test_sampled_verify_on_cuda_preserves_distribution():
 
 def test_bf16_forced_acceptance_smoke():
     model = load_model("tiny", device="cuda", random_weights=True, dtype=torch.bfloat16)
-    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=32 << 20, kv_cache_dtype="fp8"),
-                            speculative_config=spec_cfg(3, forced_acceptance=2.78))
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=32 << 20, kv_cache_dtype="fp8"),
+                              speculative_config=spec_cfg(3, forced_acceptance=2.78))
     assert eng.kv.spec.kv_format(eng.kv.draft_layer) == "fp8"
     ps = prompts(4, seed=43)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=64, temperature=0.8, ignore_eos=True, seed=i))
@@ -84,7 +84,7 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
     from m3serve.tokenizer import chat_token_ids
     import json
     llm = LLM(DEFAULT_MODEL_DIR, dtype="bfloat16", kv_cache_bytes=256 << 20, max_num_seqs=4)
-    assert llm.engine.graphs is not None
+    assert llm.engine.runner.graphs is not None
     items = [json.loads(line) for line in open(os.path.join(DEFAULT_MODEL_DIR, "synthetic_heldout.jsonl"))][:6]
     ps = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -101,17 +101,17 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
     ref = run(llm.engine)
     outs = {}
     for graphs in (True, False):
-        eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
+        eng = speculative_engine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
         assert eng.enable_target(graphs=graphs, mode="require")
         outs[graphs] = run(eng)
         st = eng.stats()["spec_decode"]
-        assert eng.graph_steps >= 10 and st["acceptance_length"] > 2.0   # verify_steps counts requests
+        assert eng.speculation.graph_steps >= 10 and st["acceptance_length"] > 2.0   # verify_steps counts requests
     assert outs[True] == outs[False] == ref
 
 
 def test_batch_size_policy_on_the_decode_target_equals_plain_greedy():
     """The default policy (disable_by_batch_size 2) on the embedded model: batches of 3-4 decode through the plain
-    decode graphs (captured by SpeculativeEngine.enable_target for the buckets above 2) and the overlap loop,
+    decode graphs (captured by SpecDecoding.enable_target for the buckets above 2) and the overlap loop,
     batches of 1-2 through SpecSteps, switching as requests arrive and finish; greedy tokens equal the plain
     target's, with graphs and with enforce_eager; no page leaks."""
     import json
@@ -128,18 +128,18 @@ def test_batch_size_policy_on_the_decode_target_equals_plain_greedy():
 
     ref = [list(r.output_token_ids) for r in run_staggered(llm.engine, ps, params, arrivals)]
     for graphs in (True, False):
-        eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
+        eng = speculative_engine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
         assert eng.enable_target(graphs=graphs, mode="require")
-        assert (eng.graphs is not None) == graphs and eng.target_attention
+        assert (eng.runner.graphs is not None) == graphs and eng.runner.target_attention
         if graphs:
-            assert eng.graphs.captured == (4,) and not eng.graphs.processed_graphs
+            assert eng.runner.graphs.captured == (4,) and not eng.runner.graphs.processed_graphs
         got = [list(r.output_token_ids) for r in run_staggered(eng, ps, params, arrivals)]
         assert got == ref, graphs
         st = eng.stats()["spec_decode"]
         assert st["disable_by_batch_size"] == 2 and st["policy_plain_steps"] >= 10 and st["policy_spec_steps"] >= 10
-        assert eng.graph_steps >= 5 and st["verify_steps"] > 0
+        assert eng.speculation.graph_steps >= 5 and st["verify_steps"] > 0
         if graphs:
-            assert eng.graphs.replays >= 10
+            assert eng.runner.graphs.replays >= 10
         assert eng.blocks.num_free_slots() == eng.kv.num_slots and eng._inflight is None
 
 
@@ -258,10 +258,10 @@ def test_sampled_spec_graphs_match_the_plain_target_distribution():
     plain = run(llm.engine)
     spec = {"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"), "num_speculative_tokens": 3,
             "disable_by_batch_size": None}
-    eng = SpeculativeEngine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
+    eng = speculative_engine(llm.model, llm.engine.config, llm.tokenizer, speculative_config=spec)
     assert eng.enable_target(graphs=True, mode="require")
     got = run(eng)
-    assert eng.spec_steps.sampled_replays >= n // 8
+    assert eng.speculation.spec_steps.sampled_replays >= n // 8
     spread = 0
     for j in range(1, 5):
         assert _two_sample_pvalue(plain[:, j], got[:, j]) > 1e-3, f"output token {j}"

@@ -22,7 +22,7 @@ from m3serve.kv.block_table import build_block_tables_reference
 from m3serve.kv.layout import SlotLayout
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.loader import load_model
-from tests.spec.specutil import CheatEngine, plain_outputs, prompts, run_staggered, spec_cfg
+from tests.spec.specutil import CheatDecoding, engine_with, plain_outputs, prompts, run_staggered, spec_cfg
 
 POISON = -777
 
@@ -55,28 +55,44 @@ def _assert_spans(batch, expect: list[tuple[int, int, int, list[int]]], page: in
         assert sp.slots.tolist() == slots[:-(-length // page)]
 
 
-class CheckedEngine(CheatEngine):
+class CheckedDecoding(CheatDecoding):
     """Checks every packed pass against the per-request reference, then runs it."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.tables.prepare = _poisoned(self.tables)
-        self.view.tables.prepare = _poisoned(self.view.tables)
         self.checked = {"target": 0, "draft_first": 0, "draft_next": 0}
         self._items = []
+        passes = self.spec_runner
+        run_target, run_draft = passes.target, passes.draft
+
+        def target(batch, mode):
+            self._check_target(batch)
+            return run_target(batch, mode)
+
+        def draft(batch, src, gather, mode):
+            self._check_draft(batch, src, gather)
+            return run_draft(batch, src, gather, mode)
+
+        passes.target, passes.draft = target, draft
+
+    def attach(self, engine):
+        super().attach(engine)
+        engine.runner.tables.prepare = _poisoned(engine.runner.tables)
+        engine.runner.view.tables.prepare = _poisoned(engine.runner.view.tables)
+        return self
 
     def _plan(self, chunks):
         self._items = super()._plan(chunks)
         return self._items
 
     # ---------------------------------------------------------------- the verify pass
-    def _run_target(self, batch, mode):
-        page = self.kv.page_size
+    def _check_target(self, batch):
+        page = self.engine.kv.page_size
         ids, pos, smap, spans, rows = [], [], [], [], []
         for it in self._items:                       # the old per-request packing
             n = len(it.tokens)
             p = list(range(it.pos0, it.pos0 + n))
-            slots = self.blocks.slot_ids(it.req.request_id)
+            slots = self.engine.blocks.slot_ids(it.req.request_id)
             ids += it.tokens
             pos += p
             smap += _flat_slots(slots, p, page)
@@ -91,11 +107,10 @@ class CheckedEngine(CheatEngine):
         assert batch.logits_rows.tolist() == rows
         _assert_spans(batch, spans, page)
         self.checked["target"] += 1
-        return super()._run_target(batch, mode)
 
     # ---------------------------------------------------------------- the draft passes
-    def _run_draft(self, batch, src, gather, mode):
-        page = self.kv.page_size
+    def _check_draft(self, batch, src, gather):
+        page = self.engine.kv.page_size
         if gather is not None:
             live = [it for it in self._items if not it.req.is_finished and it.req.allocated]
             ids, pos, smap, spans, src_ref, start = [], [], [], [], [], 0
@@ -104,7 +119,7 @@ class CheckedEngine(CheatEngine):
                 r, c = it.req, it.req.num_computed
                 n = c - it.pos0
                 p = list(range(it.pos0, c))
-                slots = self.blocks.slot_ids(r.request_id)
+                slots = self.engine.blocks.slot_ids(r.request_id)
                 ids += r.all_token_ids[it.pos0 + 1:c + 1]
                 pos += p
                 smap += _flat_slots(slots, p, page)
@@ -117,27 +132,27 @@ class CheckedEngine(CheatEngine):
             self._gather = gather.tolist()
             key = "draft_first"
         else:
-            reqs = [self.requests[sid] for sid in self._next_ids(batch)]
+            reqs = [self.engine.requests[sid] for sid in self._next_ids(batch)]
             j = self._pass
             pos = [r.num_computed + j - 2 for r in reqs]
-            smap = [_flat_slots(self.blocks.slot_ids(r.request_id), [p], page)[0] for r, p in zip(reqs, pos)]
-            spans = [(i, 1, p + 1, self.blocks.slot_ids(r.request_id)) for i, (r, p) in enumerate(zip(reqs, pos))]
+            blocks = self.engine.blocks
+            smap = [_flat_slots(blocks.slot_ids(r.request_id), [p], page)[0] for r, p in zip(reqs, pos)]
+            spans = [(i, 1, p + 1, blocks.slot_ids(r.request_id)) for i, (r, p) in enumerate(zip(reqs, pos))]
             assert src.tolist() == [self._proposers.index(r.request_id) for r in reqs]
             key = "draft_next"
         assert batch.positions.tolist() == pos
         assert batch.slot_mapping.tolist() == smap
         _assert_spans(batch, spans, page)
-        view = self.view
-        rows = self.blocks.rows_of([r.request_id for r in self._span_reqs(batch, gather)])
-        _, sub_ref = build_block_tables_reference(self.blocks.host_table, rows, view.index_scale, view.kv_offset)
+        view, blocks = self.engine.runner.view, self.engine.blocks
+        rows = blocks.rows_of([r.request_id for r in self._span_reqs(batch, gather)])
+        _, sub_ref = build_block_tables_reference(blocks.host_table, rows, view.index_scale, view.kv_offset)
         assert torch.equal(view.tables.subpage_table[:len(rows)].cpu(), sub_ref)
         self.checked[key] += 1
-        return super()._run_draft(batch, src, gather, mode)
 
     def _span_reqs(self, batch, gather):
         if gather is not None:
             return [it.req for it in self._items if not it.req.is_finished and it.req.allocated]
-        return [self.requests[sid] for sid in self._next_ids(batch)]
+        return [self.engine.requests[sid] for sid in self._next_ids(batch)]
 
     def _next_ids(self, batch):
         """Later passes hold the proposers drafting at least `_pass` tokens, in proposer order."""
@@ -146,7 +161,7 @@ class CheckedEngine(CheatEngine):
     def _propose(self, head, reqs, greedy, keys):
         if self._j == 0:                                  # after the first pass: who proposes, how many
             self._proposers = [r.request_id for r in reqs]
-            self._ks = [min(self.spec.num_speculative_tokens, self.max_model_len - 1 - r.num_computed)
+            self._ks = [min(self.spec.num_speculative_tokens, self.engine.max_model_len - 1 - r.num_computed)
                         for r in reqs]
             assert self._gather == [self._last_rows[sid] for sid in self._proposers]
         self._pass = self._j + 2
@@ -155,8 +170,8 @@ class CheckedEngine(CheatEngine):
 
 def _engine(model, ps, params, ref, **cfg):
     reference = {tuple(p): out for p, out in zip(ps, ref)}
-    return CheckedEngine(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}), speculative_config=spec_cfg(3),
-                         reference=reference, corrupt_every=4)
+    return engine_with(model, EngineConfig(**{"kv_cache_bytes": 8 << 20, **cfg}), spec_cfg(3),
+                       lambda s, d: CheckedDecoding(s, d, reference=reference, corrupt_every=4))
 
 
 def test_packing_equals_per_request_reference(model):
@@ -172,8 +187,8 @@ def test_packing_equals_per_request_reference(model):
     for i, r in enumerate(reqs):
         if params[i].greedy:
             assert list(r.output_token_ids) == ref[i]
-    assert min(eng.checked.values()) > 10, eng.checked
-    hist = set(eng.accept_hist)                                  # short and full accepted runs were packed
+    assert min(eng.speculation.checked.values()) > 10, eng.speculation.checked
+    hist = set(eng.speculation.accept_hist)                      # short and full accepted runs were packed
     assert {0, 3} <= hist and len(hist) >= 3, hist
 
 
@@ -189,7 +204,7 @@ def test_packing_under_page_pressure(model):
     reqs = run_staggered(eng, ps, params, [0, 0, 0, 0])
     assert eng.scheduler.num_preemptions > 0
     assert [list(r.output_token_ids) for r in reqs] == ref
-    assert min(eng.checked.values()) > 5, eng.checked
+    assert min(eng.speculation.checked.values()) > 5, eng.speculation.checked
 
 
 def test_verify_step_may_exceed_the_scheduler_budget(model):
@@ -198,6 +213,6 @@ def test_verify_step_may_exceed_the_scheduler_budget(model):
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 6
     ref = plain_outputs(model, ps, params)
     eng = _engine(model, ps, params, ref, max_num_batched_tokens=16)
-    assert eng.tables.max_tokens == 16 + 3 * eng.config.max_num_seqs
+    assert eng.runner.tables.max_tokens == 16 + 3 * eng.config.max_num_seqs
     reqs = run_staggered(eng, ps, params, [0] * 6)
     assert [list(r.output_token_ids) for r in reqs] == ref

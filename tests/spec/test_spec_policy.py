@@ -13,7 +13,7 @@ from m3serve.distributed.spec_driver import tp_spec_config
 from m3serve.engine.engine import EngineConfig
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecConfig
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.model.loader import load_model
 from tests.engine.test_overlap_loop import FakeGraphs
 from tests.spec.specutil import cheat_engine, plain_outputs, prompts, run_staggered, spec_cfg
@@ -56,7 +56,7 @@ def test_two_decoding_requests_run_plainly_then_one_speculates_again(model, over
     ref = plain_outputs(model, ps, params)
     eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=4, spec={"disable_by_batch_size": 1})
     if overlap:
-        eng.graphs = FakeGraphs(eng)
+        eng.runner.graphs = FakeGraphs(eng)
     reqs, log = _drive_two(eng, ps, params)
     assert [list(r.output_token_ids) for r in reqs] == ref
     both = [i for i, row in enumerate(log) if row[0] == 2]
@@ -67,10 +67,10 @@ def test_two_decoding_requests_run_plainly_then_one_speculates_again(model, over
     after = log[both[-1]]
     last = log[-1]
     assert last[2] > after[2] and last[3] > after[3]        # the survivor speculated again
-    assert max(eng.accept_hist[-3:]) > 0                    # ... and its drafts were accepted
+    assert max(eng.speculation.accept_hist[-3:]) > 0                    # ... and its drafts were accepted
     assert reqs[1].spec_metrics["verify_steps"] > 0
     if overlap:
-        assert eng.graphs.runs >= 5 and eng.graphs.pending_reads == 0
+        assert eng.runner.graphs.runs >= 5 and eng.runner.graphs.pending_reads == 0
     assert eng._inflight is None
     assert eng.blocks.num_free_slots() == eng.kv.num_slots  # every page came back
 
@@ -88,7 +88,7 @@ def test_staggered_arrivals_switch_often_and_stay_exact(model, overlap):
     eng = cheat_engine(model, ps, params, ref, k=3, corrupt_every=3, spec={"disable_by_batch_size": 2},
                        max_num_batched_tokens=48)
     if overlap:
-        eng.graphs = FakeGraphs(eng)
+        eng.runner.graphs = FakeGraphs(eng)
     reqs = run_staggered(eng, ps, params, arrivals)
     assert [list(r.output_token_ids) for r in reqs] == ref
     plain, spec, verify = _counts(eng)
@@ -119,8 +119,8 @@ def test_sampled_requests_are_reproducible_per_seed(model):
     ref = plain_outputs(model, ps[2:], params[2:])[0]
     outs = []
     for _ in range(2):
-        eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20),
-                                speculative_config=spec_cfg(3, disable_by_batch_size=1))
+        eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20),
+                                  speculative_config=spec_cfg(3, disable_by_batch_size=1))
         reqs = run_staggered(eng, ps, params, [0, 0, 0])
         outs.append([list(r.output_token_ids) for r in reqs])
         plain, spec, _ = _counts(eng)
@@ -153,12 +153,12 @@ def test_policy_off_and_default(model):
     constant and shows in stats()."""
     ps = prompts(3, seed=15)
     params = [_greedy(6)] * 3
-    eng = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(2))
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20), speculative_config=spec_cfg(2))
     run_staggered(eng, ps, params, [0, 0, 0])
     assert _counts(eng)[:2] == (0, 0) and eng.stats()["spec_decode"]["verify_steps"] > 0
-    dflt = SpeculativeEngine(model, EngineConfig(kv_cache_bytes=8 << 20),
-                             speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
-    assert dflt.spec.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE == 2
+    dflt = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20),
+                               speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    assert dflt.speculation.spec.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE == 2
     assert dflt.stats()["spec_decode"]["disable_by_batch_size"] == 2
 
 

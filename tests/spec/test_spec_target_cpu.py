@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3serve.engine.engine import EngineConfig
+from m3serve.engine.engine import EngineConfig, LLMEngine
 from m3serve.engine.sampling_params import SamplingParams
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.model.loader import load_model
 from m3serve.runtime.spec_graphs import SpecSteps
 from m3serve.targets.attention import PAGED_KERNELS
@@ -45,13 +45,14 @@ def _run(eng) -> tuple[list[list[int]], list]:
     return [list(r.output_token_ids) for r in reqs], reqs
 
 
-def _spec(model, target: bool, **kw) -> SpeculativeEngine:
+def _spec(model, target: bool, **kw) -> LLMEngine:
     """The tiny preset's shapes lie outside the GPU-certified cells (enable_target would refuse them: see the last
     test), so the step program is attached directly; the interpreter runs the same kernels either way."""
-    eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3, **kw))
+    eng = speculative_engine(model, _config(), speculative_config=spec_cfg(3, **kw))
     if target:
         model.use_attention(PAGED_KERNELS)
-        eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False)
+        spec = eng.speculation
+        spec.spec_steps = SpecSteps(model, spec.drafter, eng.runner.view, eng.runner.tables, 3, (1, 2), graphs=False)
     return eng
 
 
@@ -69,7 +70,7 @@ def test_greedy_equals_the_eager_engine(model, greedy_reference):
     eng = _spec(model, True)
     got, _ = _run(eng)
     assert got == ref
-    assert eng.graph_steps >= 3 and eng.spec_steps.replays == eng.graph_steps
+    assert eng.speculation.graph_steps >= 3 and eng.speculation.spec_steps.replays == eng.speculation.graph_steps
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +89,11 @@ def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, fo
     eng.overlap = overlap
     got, reqs = _run(eng)
     assert got == ref
-    assert eng.graph_steps >= 3 and (eng.overlapped_steps >= 2 if overlap else eng.overlapped_steps == 0)
+    spec = eng.speculation
+    assert spec.graph_steps >= 3 and (spec.overlapped_steps >= 2 if overlap else spec.overlapped_steps == 0)
     # the second prompt is prefilled in two chunks: its second chunk runs eagerly beside the first request's
     # decode, which keeps the step program
-    assert eng.split_steps >= 1
+    assert eng.speculation.split_steps >= 1
     per_pos = eng.stats()["spec_decode"]["accepted_per_position"]
     assert per_pos == ref_per_pos
     assert 0 < per_pos[-1] < per_pos[0]          # 2 and 3 = K drafts accepted both occurred
@@ -113,7 +115,7 @@ def test_arrival_while_a_step_is_in_flight(model, forced_reference):
     while eng.has_work():
         eng.step()
     assert [list(first.output_token_ids), list(late.output_token_ids)] == [ref[0][:2], ref[1]]
-    assert eng.split_steps >= 1
+    assert eng.speculation.split_steps >= 1
     assert eng.blocks.num_free_slots() == eng.kv.num_slots
 
 
@@ -138,13 +140,15 @@ def test_sampled_requests_take_the_eager_path_without_the_sampled_variant(model)
     r = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.8, seed=3))
     while eng.has_work():
         eng.step()
-    assert len(r.output_token_ids) == 5 and eng.graph_steps == 0
+    assert len(r.output_token_ids) == 5 and eng.speculation.graph_steps == 0
 
 
-def _mixed(model, overlap: bool) -> tuple[list[list[int]], SpeculativeEngine]:
-    eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3))
+def _mixed(model, overlap: bool) -> tuple[list[list[int]], LLMEngine]:
+    eng = speculative_engine(model, _config(), speculative_config=spec_cfg(3))
     model.use_attention(PAGED_KERNELS)
-    eng.spec_steps = SpecSteps(model, eng.drafter, eng.view, eng.tables, 3, (1, 2), graphs=False, sampling=True)
+    spec = eng.speculation
+    spec.spec_steps = SpecSteps(model, spec.drafter, eng.runner.view, eng.runner.tables, 3, (1, 2), graphs=False,
+                                sampling=True)
     eng.overlap = overlap
     params = [SamplingParams(max_tokens=MAX_TOKENS[0], temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=MAX_TOKENS[1] + 4, temperature=0.9, top_p=0.95, top_k=40, seed=5,
@@ -169,18 +173,19 @@ def test_sampled_variant_keeps_greedy_rows_exact_and_is_reproducible(model, gree
     assert len(sampled) == MAX_TOKENS[1] + 4
     # every step with both rows takes the sampled variant; a split step (the greedy row decoding beside the
     # sampled request's second prefill chunk) may hold greedy rows only
-    ss = eng.spec_steps
-    assert ss.sampled_replays >= 2 and eng.graph_steps - eng.split_steps <= ss.sampled_replays <= eng.graph_steps
-    assert ss.replays == eng.graph_steps
-    assert eng.overlapped_steps >= 1
+    spec = eng.speculation
+    ss = spec.spec_steps
+    assert ss.sampled_replays >= 2 and spec.graph_steps - spec.split_steps <= ss.sampled_replays <= spec.graph_steps
+    assert ss.replays == spec.graph_steps
+    assert spec.overlapped_steps >= 1
     assert _mixed(model, overlap=False)[0] == [greedy, sampled]
 
 
 def test_require_raises_outside_the_certified_cells(model):
-    eng = SpeculativeEngine(model, _config(), speculative_config=spec_cfg(3))
+    eng = speculative_engine(model, _config(), speculative_config=spec_cfg(3))
     with pytest.raises(ValueError, match=r"route='require': speculative attention outside the certified cells"):
         eng.enable_target(graphs=False, buckets=(1,), mode="require")
-    assert not eng.enable_target(graphs=False, buckets=(1,), mode="auto") and eng.spec_steps is None
+    assert not eng.enable_target(graphs=False, buckets=(1,), mode="auto") and eng.speculation.spec_steps is None
 
 
 def test_embedded_model_and_drafter_lie_in_certified_cells():
@@ -189,18 +194,18 @@ def test_embedded_model_and_drafter_lie_in_certified_cells():
     from m3serve.llm import DEFAULT_MODEL_DIR
     import os
     m = load_model(DEFAULT_MODEL_DIR, device="cpu", dtype=torch.bfloat16)
-    eng = SpeculativeEngine(m, EngineConfig(kv_cache_bytes=4 << 20, max_num_seqs=8, max_num_batched_tokens=64),
-                            speculative_config={"method": "eagle3", "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"),
-                                                "num_speculative_tokens": 3})
+    eng = speculative_engine(m, EngineConfig(kv_cache_bytes=4 << 20, max_num_seqs=8, max_num_batched_tokens=64),
+                             speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                                                 "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3")})
     assert eng.enable_target(graphs=False, mode="require")
-    assert eng.spec_steps.buckets == (1, 2, 4, 8) and eng.spec_steps.k == 3
+    assert eng.speculation.spec_steps.buckets == (1, 2, 4, 8) and eng.speculation.spec_steps.k == 3
     # max_num_seqs 64: speculative buckets reach it as the plain ones do (verify rows 64 x 4 = 256; modules past
     # their cells' rows run stock code inside the program)
-    big = SpeculativeEngine(m, EngineConfig(kv_cache_bytes=4 << 20, max_num_seqs=64),
-                            speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
-                                                "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3")})
+    big = speculative_engine(m, EngineConfig(kv_cache_bytes=4 << 20, max_num_seqs=64),
+                             speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                                                 "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3")})
     assert big.enable_target(graphs=False, mode="require")
-    assert big.spec_steps.buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert big.speculation.spec_steps.buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def test_install_drafter_routes_exact_norms_and_joins_projections():
@@ -244,7 +249,7 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
     from tests.engine.test_overlap_loop import FakeGraphs
 
     eng = _spec(model, True, disable_by_batch_size=1)
-    eng.graphs = FakeGraphs(eng, buckets=(2, 4))
+    eng.runner.graphs = FakeGraphs(eng, buckets=(2, 4))
     cached = PROMPTS[1][:eng.kv.page_size + 1]
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
@@ -254,8 +259,9 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
         ref_eng.step()
     ref = [list(r.output_token_ids) for r in ref]
     seen = []
-    plain_step = eng._plain_step
-    eng._plain_step = lambda chunks: seen.append(isinstance(eng._inflight, _SpecFlight)) or plain_step(chunks)
+    spec = eng.speculation
+    plain_step = spec._plain_step
+    spec._plain_step = lambda chunks: seen.append(isinstance(eng._inflight, _SpecFlight)) or plain_step(chunks)
     warm = eng.add_request(cached, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while eng.has_work():
         eng.step()
@@ -267,7 +273,7 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
     while eng.has_work():
         eng.step()
     assert [list(first.output_token_ids), list(late.output_token_ids)] == ref
-    assert seen[0] is True and eng.policy_plain_steps >= 3 and eng.graphs.runs >= 3
-    assert eng.stats()["spec_decode"]["policy_spec_steps"] >= 4 and eng.graph_steps >= 3
-    assert eng.graphs.pending_reads == 0 and eng._inflight is None
+    assert seen[0] is True and eng.speculation.policy_plain_steps >= 3 and eng.runner.graphs.runs >= 3
+    assert eng.stats()["spec_decode"]["policy_spec_steps"] >= 4 and eng.speculation.graph_steps >= 3
+    assert eng.runner.graphs.pending_reads == 0 and eng._inflight is None
     assert eng.blocks.num_free_slots() == eng.kv.num_slots

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from m3serve.engine.speculative import SpeculativeEngine
+from m3serve.engine.speculative import speculative_engine
 from m3serve.kv import BlockManager, KVCacheSpec, PagedKVCache
 from m3serve.model.eagle3 import load_drafter, random_drafter
 from m3serve.model.loader import load_model
@@ -152,9 +152,9 @@ def test_toy_training_run_and_acceptance_measurement(toy):
     tgt = load_model(str(target), dtype=torch.float32)
     d = load_drafter(str(out), tgt.cfg)
     assert d.lm_head is not None and d.embed_tokens is None
-    eng = SpeculativeEngine(tgt, tr_engine_config(), speculative_config={"method": "eagle3", "model": str(out),
-                                                                        "num_speculative_tokens": 3})
-    assert eng.drafter.cfg.capture_layers == (2, 1, 0)
+    eng = speculative_engine(tgt, tr_engine_config(), speculative_config={"method": "eagle3", "model": str(out),
+                                                                          "num_speculative_tokens": 3})
+    assert eng.speculation.drafter.cfg.capture_layers == (2, 1, 0)
     res = tr.measure_acceptance(target, out, data, device="cpu", num_prompts=2, prompt_len=16, max_tokens=8,
                                 sources=("text", "chat"), log=logs.append, target=tgt)
     for src in ("text", "chat"):

@@ -23,7 +23,7 @@ def model():
 def _run(model, target: bool, kv: str):
     eng = LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=2, max_num_batched_tokens=32,
                                         max_model_len=128, kv_cache_dtype=kv))
-    eng.target_attention = target
+    eng.runner.target_attention = target
     if target:
         model.use_attention(PAGED_KERNELS)   # as enable_target does (it refuses the tiny preset's cells on CPU)
     reqs = [eng.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -48,7 +48,7 @@ def test_split_plan_counts_key_tiles_on_msa_layers():
     from m3serve.config import preset
     from m3serve.kernels.attention.paged import choose_num_splits
     from m3serve.kv.spec import KVCacheSpec
-    from m3serve.runtime.step_plan import sparse_tiles_per_block, split_plan
+    from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan
     m3 = KVCacheSpec.from_model_config(preset("minimax-m3"), kv_cache_dtype="nvfp4")
     assert sparse_tiles_per_block(m3) == 2
     dense, sparse = split_plan(1, 1025, 4, 16, sparse_tiles_per_block(m3))

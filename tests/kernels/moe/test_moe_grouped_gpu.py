@@ -155,7 +155,7 @@ def test_llm_builds_and_captures_every_expert_format(quant):
     try:
         moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
         assert moe.w13.fmt == {None: "dense"}.get(quant, quant)
-        graphs = llm.engine.graphs
+        graphs = llm.engine.runner.graphs
         assert graphs is not None, "decode target off under the defaults"
         assert not graphs.blocked, f"buckets left eager: {graphs.blocked}"
         assert set(graphs.captured) == set(graphs.buckets)
