@@ -2,7 +2,7 @@
 of one long prompt and the inter-token latency of the streams that keep decoding while it prefills.
 
     python bench/prefill_interference.py --model minimax-m3:5 --quant nvfp4 --prompt 32768 \
-        --chunks 2048,4096,8192,16384 --streams 4 --out bench/results/prefill/prefill-interference-h200.json
+        --chunks 2048,4096,8192,16384 --streams 4 --out bench/results/prefill_interference/prefill-interference-h200.json
 
 Per chunk size: `LLM(model, random_weights=True, quantization=q, max_num_batched_tokens=chunk)` (its start-up
 warm-up compiles every variant first); `--streams` requests of 128 prompt tokens decode until each has 16 tokens,

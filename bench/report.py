@@ -628,6 +628,21 @@ def render_prefill_interference(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_spec_plain_step_cost(files: list[ResultFile]) -> str:
+    """bench/spec_plain_step_cost.py: the plain engine's and the speculative engine's (policy: plain) decode steps."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            table.append([need(r, "engine", w, "str"), count(need(r, "batch", w, "int")),
+                          sig(need(r, "median_ms", w)), sig(need(r, "p90_ms", w)), count(need(r, "steps", w, "int"))])
+        blocks.append(file_block("Decode steps at a large batch, no server: the plain engine vs the speculative "
+                                 "engine under its batch-size policy", md_table(["engine", "batch", "step median (ms)",
+                                                                                "step p90 (ms)", "steps"], table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_moe_decode_once(files: list[ResultFile]) -> str:
     """bench/moe_grouped.py --decode-once: one MoE layer at M3 dims, the in-register path vs the decode-once band."""
     blocks = []
@@ -1013,6 +1028,9 @@ KINDS = (
          lambda d: _row_keys(d, "plain_tok_s", "spec_tok_s"), render_spec_decode),
     Kind("spec_target", "Speculative decoding on the decode target", ("spec_target",), ("spec-target-*.json",),
          lambda d: _row_keys(d, "mode", "tokens_per_s_per_user", "k"), render_spec_target),
+    Kind("spec_plain_step_cost", "Speculative engine's plain steps", ("spec_plain_step_cost",),
+         ("spec-plain-step-cost-*.json",), lambda d: _row_keys(d, "engine", "median_ms", "p90_ms"),
+         render_spec_plain_step_cost),
     Kind("spec_divergence", "Speculative vs plain greedy", ("spec_divergence",), ("spec-divergence-*.json",),
          lambda d: isinstance(d.get("runs"), list), render_spec_divergence),
     Kind("serve_pareto", "Serving sweeps", ("serve_pareto",), ("serve-pareto-*.json",),

@@ -7,7 +7,7 @@ steady decode steps of: the plain engine, and the speculative engine under its p
 times put the gap in the server; a slower speculative engine puts it in the engine (the per-step split of host
 and device time is printed to say where).
 
-    python bench/spec_plain_step_cost.py --batch 128 --out bench/results/spec_policy/spec-plain-step-cost-h200.json
+    python bench/spec_plain_step_cost.py --batch 128 --out bench/results/spec_plain_step_cost/spec-plain-step-cost-h200.json
 
 Per engine: `batch` requests of --prompt tokens decode --tokens tokens each (greedy, ignore_eos); after every request
 has its first token, the next --steps engine steps are timed one by one (wall, no sync: the overlap loop's own

@@ -365,7 +365,7 @@ def _default_target_context(cfg, route: str, engine_kwargs: dict) -> None:
 
 
 # Chosen on the H200 (bench/prefill_interference.py, minimax-m3:5 NVFP4, a 32k prompt beside 4 decoding streams;
-# bench/results/prefill/prefill-interference-h200.json): 2048 / 4096 / 8192-token steps gave the prompt a TTFT of
+# bench/results/prefill_interference/prefill-interference-h200.json): 2048 / 4096 / 8192-token steps gave the prompt a TTFT of
 # 0.78 / 0.65 / 0.54 s and the streams an ITL p50 of 46 / 71 / 110 ms while it prefilled (2 ms before). 8192 is
 # vLLM's serving default and where the quantized MoE's decode-once band pays (from 4096 tokens); a deployment
 # that values the running streams' ITL over long prompts' TTFT passes a smaller max_num_batched_tokens.
