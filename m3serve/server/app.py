@@ -25,6 +25,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -247,7 +248,6 @@ def build_app(llm, *, served_model_name: str | None = None, api_key: str | None 
     for name, v in (("timeout_keep_alive", timeout_keep_alive), ("header_timeout", header_timeout)):
         if not (isinstance(v, (int, float)) and v > 0):
             raise ValueError(f"{name}: expected seconds > 0, found {v!r}")
-    import time
     metrics = ServerMetrics(served_model_name or "m3serve")
     engine = llm.engine
     info = ModelInfo(name=served_model_name or "m3serve",
