@@ -49,8 +49,11 @@ def time_steps(llm: LLM, batch: int, prompt: int, tokens: int, steps: int) -> di
     for r in reqs:
         eng.release(r)
     times.sort()
+    stats = eng.stats()
+    policy = {k: v for k, v in stats.get("spec_decode", {}).items() if k.startswith("policy_")}
     return {"median_ms": statistics.median(times) * 1e3, "p90_ms": times[int(0.9 * (len(times) - 1))] * 1e3,
-            "steps": len(times), "stats": {k: v for k, v in eng.stats().items() if not isinstance(v, dict)}}
+            "steps": len(times), "policy": policy,
+            "stats": {k: v for k, v in stats.items() if not isinstance(v, dict)}}
 
 
 def main() -> int:
