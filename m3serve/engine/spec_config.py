@@ -1,5 +1,5 @@
 """`speculative_config` (vLLM's shape): {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K,
-"forced_acceptance": AL | None, "draft_seed": int, "disable_by_batch_size": N | None}, parsed and validated once."""
+"forced_acceptance": AL | None, "draft_seed": int, "disable_by_batch_size": N | None | "auto"}, parsed and validated once."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ class SpecConfig:
     num_speculative_tokens: int = 3
     forced_acceptance: float | None = None  # mean acceptance length (tokens per verify step) to force
     draft_seed: int = 0                   # random drafter weights
-    # vLLM's name: above this many decoding requests a step runs without speculation; None: always speculate
-    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # vLLM's name: above this many decoding requests a step runs without speculation; None: always speculate;
+    # "auto": per batch bucket, whichever kind of step measured faster per sequence (engine/spec_policy.py)
+    disable_by_batch_size: int | str | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def from_dict(cls, d: dict | SpecConfig) -> SpecConfig:
@@ -44,9 +45,9 @@ class SpecConfig:
             raise ValueError(f"speculative_config.forced_acceptance: expected a mean acceptance length in "
                              f"[1, {k + 1}] (num_speculative_tokens + 1), found {fa!r}")
         n = cfg.disable_by_batch_size
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ValueError(f"speculative_config.disable_by_batch_size: expected an int >= 1 or None (never "
-                             f"disable), found {n!r}")
+        if n is not None and n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size: expected an int >= 1, None (never "
+                             f"disable) or 'auto' (measured per batch bucket: engine/spec_policy.py), found {n!r}")
         if cfg.model is not None and not isinstance(cfg.model, str):
             raise TypeError(f"speculative_config.model: expected a directory path or None, found "
                             f"{type(cfg.model).__name__}")

@@ -12,9 +12,10 @@ state, one request's share of a step), spec_verify.py (greedy / rejection-sample
 forced acceptance), spec_rng.py (the device RNG), spec_batch.py (step preparation through
 DeviceBlockTables.prepare), spec_runner.py (the device work every tensor-parallel rank repeats).
 
-Batch-size policy (speculative_config.disable_by_batch_size, vLLM's name): a step with more decoding requests
-than the threshold runs as a plain step (LLMEngine._step_chunks: its decode graphs and overlap loop on the target);
-the others speculate as below. Only one kind of step is ever in flight: the other kind reads it back first.
+Batch-size policy (speculative_config.disable_by_batch_size, vLLM's name; engine/spec_policy.py): a step with more
+decoding requests than the threshold runs as a plain step (LLMEngine._step_chunks: its decode graphs and overlap
+loop on the target); the others speculate as below. "auto" chooses per batch bucket the kind of step that measured
+more tokens per second per sequence so far. Only one kind of step is ever in flight: the other kind reads it back first.
 
 One `SpecDecoding.step(chunks)` (LLMEngine.step schedules, then hands the chunks over):
   1. every decode request that holds K' <= K drafts from the previous step gets pages for
@@ -58,6 +59,7 @@ from m3serve.engine.request import Request
 from m3serve.engine.sampler import processed_probs, top_logprobs
 from m3serve.engine.spec_batch import pack_spans, pack_verify
 from m3serve.engine.spec_config import SpecConfig
+from m3serve.engine.spec_policy import PLAIN, SPEC, make_policy
 from m3serve.engine.spec_rng import DeviceRNG, mix32, sample_categorical
 from m3serve.engine.spec_runner import ARGMAX, LOGITS, NONE, HeadOut, SpecRunner
 from m3serve.engine.spec_state import SpecState, StepItem
@@ -136,6 +138,7 @@ class SpecDecoding:
         self.overlapped_steps = 0        # of them, launched before the previous one was read back
         self.split_steps = 0             # of them, beside prefill chunks that ran eagerly in the same step
         # steps with decoding requests that speculative_config.disable_by_batch_size ran plainly / speculatively
+        self.policy = make_policy(spec.disable_by_batch_size)
         self.policy_plain_steps = 0
         self.policy_spec_steps = 0
         self._state: dict[int, SpecState] = {}
@@ -206,8 +209,12 @@ class SpecDecoding:
         return True
 
     def _policy_buckets(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
-        """The graph buckets a plain step of the batch-size policy can land in (none when it is off)."""
+        """The graph buckets a plain step of the batch-size policy can land in (none when it is off, all of them
+        when it is measured)."""
         limit = self.spec.disable_by_batch_size
+        if limit == "auto":
+            self.policy = make_policy(limit, buckets)
+            return buckets
         return () if limit is None else tuple(b for b in buckets if b > limit)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -240,6 +247,7 @@ class SpecDecoding:
         m["disable_by_batch_size"] = self.spec.disable_by_batch_size
         m["policy_plain_steps"] = self.policy_plain_steps
         m["policy_spec_steps"] = self.policy_spec_steps
+        m.update(self.policy.describe())
         m["acceptance_rate_per_position"] = [a / p if p else None
                                              for a, p in zip(t.accepted_per_pos, t.proposed_per_pos)]
         return m
@@ -250,12 +258,14 @@ class SpecDecoding:
     # ------------------------------------------------------------------ the step
     def step(self, chunks) -> list[Request]:
         """The step of the scheduled `chunks` (LLMEngine.step calls it with a non-empty schedule)."""
-        limit = self.spec.disable_by_batch_size
-        if limit is not None:
+        if self.spec.disable_by_batch_size is not None:
             decoding = sum(c.num_tokens == 1 and c.reaches_end for c in chunks)
-            if decoding > limit:
+            pure = decoding == len(chunks)
+            if decoding and not self.policy.speculate(decoding):
+                self.policy.observe_step(PLAIN, decoding, pure)
                 self.policy_plain_steps += 1
                 return self._plain_step(chunks)
+            self.policy.observe_step(SPEC, decoding, pure)
             self.policy_spec_steps += int(decoding > 0)
         done: list[Request] = []
         if self.engine._inflight is not None and not isinstance(self.engine._inflight, _SpecFlight):
@@ -587,6 +597,7 @@ class SpecDecoding:
     def _record(self, st: SpecState, k: int, a: int) -> None:
         st.record(k, a)
         self._totals.record(k, a)
+        self.policy.observe_acceptance(a + 1)
 
     # ------------------------------------------------------------------ the draft loop
     def _draft(self, items: list[StepItem]) -> None:

@@ -72,9 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s flag: e.g. \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\' '
                         '("model": null = a random drafter, with "forced_acceptance" for benchmarks)')
-    p.add_argument("--speculative-disable-by-batch-size", default=None, metavar="N|none",
+    p.add_argument("--speculative-disable-by-batch-size", default=None, metavar="N|none|auto",
                    help="vLLM's flag: steps with more than N decoding requests run without speculation; 'none' "
-                        "speculates at every batch size (default: speculative_config's, 2 at TP 1, none under "
+                        "speculates at every batch size; 'auto' runs, per batch bucket, the kind of step measured "
+                        "faster per sequence while serving (default: speculative_config's, 2 at TP 1, none under "
                         "--tp)")
     p.add_argument("--route", choices=["off", "auto", "require"], default=None,
                    help="kernel routing: off = stock PyTorch, auto = certified Triton entries where they serve "
@@ -133,10 +134,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         raw = args.speculative_disable_by_batch_size
         try:
-            limit = None if raw.lower() == "none" else int(raw)
+            limit = None if raw.lower() == "none" else "auto" if raw.lower() == "auto" else int(raw)
         except ValueError:
-            print(f"m3serve serve: --speculative-disable-by-batch-size: expected an int >= 1 or 'none', found {raw!r}",
-                  file=sys.stderr)
+            print(f"m3serve serve: --speculative-disable-by-batch-size: expected an int >= 1, 'none' or 'auto', "
+                  f"found {raw!r}", file=sys.stderr)
             return 2
         if spec.get("disable_by_batch_size", limit) != limit:
             print(f"m3serve serve: --speculative-disable-by-batch-size {raw} and --speculative-config's "
