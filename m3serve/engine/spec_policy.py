@@ -38,7 +38,7 @@ class FixedThreshold:
     def observe_step(self, kind: str, decoding: int, pure_decode: bool) -> None:
         """Fixed: nothing to learn."""
 
-    def observe_acceptance(self, emitted: int) -> None:
+    def observe_acceptance(self, emitted: int, sequences: int) -> None:
         """Fixed: nothing to learn."""
 
     def describe(self) -> dict:
@@ -102,10 +102,13 @@ class MeasuredPolicy:
             self.period[key] = sample if old is None else old + self.weight * (sample - old)
         self._last = (key, now, last[2] + 1 if same else 0) if key is not None else None
 
-    def observe_acceptance(self, emitted: int) -> None:
-        """One sequence's speculative step read back: `emitted` tokens (accepted drafts + 1)."""
-        a = self.acceptance
-        self.acceptance = float(emitted) if a is None else a + self.weight * (emitted - a)
+    def observe_acceptance(self, emitted: int, sequences: int) -> None:
+        """A speculative step read back: `sequences` that verified drafts emitted `emitted` tokens in all (accepted
+        drafts + 1 each). A step without such sequences tells nothing."""
+        if sequences == 0:
+            return
+        sample, a = emitted / sequences, self.acceptance
+        self.acceptance = sample if a is None else a + self.weight * (sample - a)
 
     def describe(self) -> dict:
         """For stats(): the estimates behind the choices."""

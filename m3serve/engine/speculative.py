@@ -180,6 +180,7 @@ class SpecDecoding:
         k = self.spec.num_speculative_tokens
         buckets = buckets or buckets_up_to(eng.config.max_num_seqs)
         plain_buckets = self._policy_buckets(buckets)
+        self.policy = make_policy(self.spec.disable_by_batch_size, buckets)   # its buckets: the graphs'
         # bucket 1 always stays: K <= 16 and the tables hold max_num_batched_tokens + K per sequence
         buckets = tuple(b for b in buckets if b * (k + 1) <= min(runner.tables.max_tokens, MAX_ROWS))
         eng._fit_certified_width()
@@ -213,7 +214,6 @@ class SpecDecoding:
         when it is measured)."""
         limit = self.spec.disable_by_batch_size
         if limit == "auto":
-            self.policy = make_policy(limit, buckets)
             return buckets
         return () if limit is None else tuple(b for b in buckets if b > limit)
 
@@ -420,7 +420,7 @@ class SpecDecoding:
         res = self.spec_steps.fetch(launched)
         k = self.spec.num_speculative_tokens
         eng, blocks = self.engine, self.engine.blocks
-        out = []
+        out, emitted = [], 0
         for r, toks, drafts in zip(reqs, res.emitted, res.drafts):
             if r.is_finished or not r.allocated or r.num_preemptions != preemptions[r.request_id]:
                 continue
@@ -428,6 +428,8 @@ class SpecDecoding:
             a = len(toks) - 1
             r.num_computed += 1 + a
             self._record(st, k, a)
+            out.append(r)
+            emitted += 1 + a
             for tok in toks:
                 r.output_token_ids.append(tok)
                 eng._check_stop(r, tok)
@@ -443,7 +445,7 @@ class SpecDecoding:
                 st.drafts, st.anchor = drafts, r.num_tokens
                 st.q = None if r.params.greedy else self.spec_steps.q_of(r.request_id)
             r.spec_metrics = st.metrics()
-            out.append(r)
+        self.policy.observe_acceptance(emitted, len(out))
         return out
 
     @staticmethod
@@ -565,7 +567,7 @@ class SpecDecoding:
             for n, (i, j) in enumerate(sel):
                 lp_by_item[(i, j)] = (lp[0][n], lp[1][n], lp[2][n])
         em = {id(it): (i, e) for i, (it, e) in enumerate(zip(sampled, emitted))}
-        out = []
+        out, verified, emitted_by_drafted = [], 0, 0
         for it in items:
             req = it.req
             if not it.sample:
@@ -576,6 +578,8 @@ class SpecDecoding:
             req.num_computed += len(it.tokens) - len(it.drafts) + a
             if it.drafts:
                 self._record(self._st(req), len(it.drafts), a)
+                verified += 1
+                emitted_by_drafted += 1 + a
             for j, tok in enumerate(toks):
                 req.output_token_ids.append(tok)
                 if req.params.logprobs is not None:
@@ -592,12 +596,12 @@ class SpecDecoding:
                 self._st(req).drop_drafts()
             req.spec_metrics = self._st(req).metrics()
             out.append(req)
+        self.policy.observe_acceptance(emitted_by_drafted, verified)   # requests without drafts verify nothing
         return out
 
     def _record(self, st: SpecState, k: int, a: int) -> None:
         st.record(k, a)
         self._totals.record(k, a)
-        self.policy.observe_acceptance(a + 1)
 
     # ------------------------------------------------------------------ the draft loop
     def _draft(self, items: list[StepItem]) -> None:

@@ -40,7 +40,7 @@ def test_speculates_first_then_measures_plain_then_picks_the_faster():
     p, clock = measured()
     assert p.speculate(1)                                  # nothing known: speculation first
     run_steps(p, clock, SPEC, 2.0, 3)
-    p.observe_acceptance(3)
+    p.observe_acceptance(6, 2)                             # 2 sequences, 3 tokens each
     assert p.period[(SPEC, 1)] == 2.0 and not p.speculate(1)   # plain not yet measured: plain next
     run_steps(p, clock, PLAIN, 1.0, 3)
     p.observe_step(SPEC, 1, True)                          # closes the last plain step's period
@@ -83,10 +83,14 @@ def test_buckets_group_batches_and_explorations_refresh_the_other_kind():
     assert p.describe()["policy_choice"] == {4: SPEC}
 
 
-def test_acceptance_is_a_moving_average():
+def test_acceptance_is_a_moving_average_over_steps():
+    """Per step: the tokens per sequence that verified drafts; a step where none did (every request without
+    drafts, after a plain phase) tells nothing."""
     p, _ = measured(weight=0.5)
-    p.observe_acceptance(4)
-    p.observe_acceptance(2)
+    p.observe_acceptance(0, 0)
+    assert p.acceptance is None
+    p.observe_acceptance(16, 4)
+    p.observe_acceptance(2, 1)
     assert p.acceptance == 3.0
 
 
@@ -132,4 +136,5 @@ def test_engine_switches_by_measurement_and_stays_exact(model, overlap):
     st = eng.stats()["spec_decode"]
     assert st["policy_plain_steps"] > st["policy_spec_steps"] > 0
     assert st["policy_choice"] and set(st["policy_choice"].values()) == {PLAIN}
+    assert 1.0 < st["policy_acceptance"] <= 4.0            # the cheating drafter's drafts are mostly accepted
     assert eng.blocks.num_free_slots() == eng.kv.num_slots

@@ -32,8 +32,6 @@ cores), so decode reads each index-K byte once; keys no row of the tile can see 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl

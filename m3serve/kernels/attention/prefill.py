@@ -365,7 +365,7 @@ def prefill_attention_reference(q, k_pages, v_pages, slot_table, seq_lens, query
 def prefill_attention_stock(q, k_pages, v_pages, slot_table, seq_lens, query_start, out, *, sm_scale,
                             max_query_len, tiles=None) -> torch.Tensor:
     """The model's stock path: per sequence, gather K/V and run m3serve.model.msa.attend (fp32)."""
-    hk, p = k_pages.shape[1], k_pages.shape[2]
+    p = k_pages.shape[2]
     for s, (q0, n, L) in enumerate(_spans(seq_lens, query_start)):
         if n == 0:
             continue
