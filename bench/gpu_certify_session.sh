@@ -4,6 +4,7 @@
 #   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
 #   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
 #   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
+#   bash bench/gpu_certify_session.sh suite     the whole `pytest -m gpu`, sharded over parallel processes
 #   ... final-round | serve-round | prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
@@ -28,6 +29,25 @@ phase() {  # name, seconds, command...
   tail -5 "$OUT/$name.log"
 }
 case "${1:-tests}" in
+suite)   # the whole `pytest -m gpu`, in parallel: the 700 kernel cells of tests/kernels/test_gpu.py in $SHARDS shards,
+         # the other kernel / cache files in one process, the model-building paths (runtime, spec, model, train, TP)
+         # in one process (they hold real-dims weights), each process under the same time limit
+  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout ${T_TEST:-300}"
+  python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider tests/kernels/test_gpu.py 2>/dev/null | grep '::' > "$OUT/cells.txt"
+  split -n r/${SHARDS:-6} -d "$OUT/cells.txt" "$OUT/cells-shard-"
+  s=$(date +%s)
+  for f in "$OUT"/cells-shard-*; do
+    timeout ${T_SUITE:-540} $k $(cat "$f") > "$OUT/pytest-$(basename "$f").log" 2>&1 &
+  done
+  timeout ${T_SUITE:-540} $k tests/kernels --ignore=tests/kernels/test_gpu.py tests/kv tests/quant tests/targets \
+    > "$OUT/pytest-kernel-files.log" 2>&1 &
+  timeout ${T_SUITE:-540} $k tests/runtime tests/spec tests/model tests/train tests/distributed \
+    > "$OUT/pytest-paths.log" 2>&1 &
+  wait
+  rm -f "$OUT"/cells-shard-*
+  echo "[gpu suite: $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
+  for l in "$OUT"/pytest-*.log; do echo "== $l"; grep -E "^(FAILED|ERROR)" "$l" | head -20; tail -1 "$l"; done | tee -a "$OUT/phases.txt"
+  ;;
 tests)   # certification + the decode-step side-by-side runs (one call)
   phase pytest-gpu-cells ${T_CELLS:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
     tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
