@@ -6,7 +6,8 @@ its own server), combined into one Pareto file and one chart (`m3serve bench par
 
 A run is MODEL:MODE[:QUANT]; MODEL "embedded" is the embedded model (its trained Eagle3 drafter for spec);
 a preset takes random weights and, for spec, a random drafter with forced acceptance (--forced-al) and
-token-id prompts. Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
+token-id prompts. MODE is plain, spec (the server's default batch-size policy) or spec-auto (the measured
+policy, `--speculative-disable-by-batch-size auto`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
 """
 
 from __future__ import annotations
@@ -29,19 +30,24 @@ def server_args(model: str, mode: str, quant: str | None, args) -> tuple[str, li
     extra = ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
     if args.max_model_len:
         extra += ["--max-model-len", str(args.max_model_len)]
+    if mode == "spec-auto":
+        extra += ["--speculative-disable-by-batch-size", "auto"]
     if model == "embedded":
         from m3serve.llm import default_model
         target = default_model()
-        if mode == "spec":
+        if mode != "plain":
             extra += ["--speculative-tokens", str(args.k)]
         return target, extra
     if quant:
         extra += ["--quantization", quant]
-    if mode == "spec":
+    if mode != "plain":
         cfg = {"method": "eagle3", "model": None, "num_speculative_tokens": args.k,
                "forced_acceptance": args.forced_al}
         extra += ["--speculative-config", json.dumps(cfg)]
     return model, extra
+
+
+MODES = ("plain", "spec", "spec-auto")
 
 
 def parse_run(text: str) -> tuple[str, str, str | None]:
@@ -49,8 +55,8 @@ def parse_run(text: str) -> tuple[str, str, str | None]:
     # presets contain a colon themselves (minimax-m3:5)
     if parts[0] == "minimax-m3" and len(parts) > 1 and parts[1].isdigit():
         parts = [parts[0] + ":" + parts[1]] + parts[2:]
-    if len(parts) not in (2, 3) or parts[1] not in ("plain", "spec"):
-        raise SystemExit(f"--runs {text!r}: expected MODEL:plain|spec[:QUANT]")
+    if len(parts) not in (2, 3) or parts[1] not in MODES:
+        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[:QUANT]")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
@@ -86,21 +92,23 @@ def main() -> int:
         rc = subprocess.call(cmd, cwd=ROOT)
         print(f"[{text}: rc {rc} in {time.perf_counter() - t0:.0f} s]", flush=True)
         if os.path.exists(out):
-            files.append((model, out, f"{out}:{mode}:{quant or 'none'}"))
+            files.append((model, mode, out, f"{out}:{mode.split('-')[0]}:{quant or 'none'}"))
     if not files:
         return 1
-    cmd = [sys.executable, "-m", "m3serve.bench", "pareto", *[f[2] for f in files], "--out", args.out, "--plot", base + ".png",
+    cmd = [sys.executable, "-m", "m3serve.bench", "pareto", *[f[3] for f in files], "--out", args.out, "--plot", base + ".png",
            "--commit", meta["commit"], "--gpu", str(meta["gpu"])]
     subprocess.check_call(cmd, cwd=ROOT)
     with open(args.out) as f:
         doc = json.load(f)
     doc.update({"command": meta["command"], "date": meta["date"], "host": meta["host"]})
-    for r, (model, _, _) in zip(doc["runs"], files):
+    for r, (model, mode, _, _) in zip(doc["runs"], files):
         r["model"] = model
+        if mode == "spec-auto":
+            r["policy"] = "auto"
         r.pop("meta", None)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
-    for _, path, _ in files:              # the per-run files are folded into the combined one
+    for _, _, path, _ in files:              # the per-run files are folded into the combined one
         os.remove(path)
     return 0
 

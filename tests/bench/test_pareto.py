@@ -37,3 +37,30 @@ def test_pareto_rejects_an_unknown_mode(tmp_path):
     _run(a, "x", 1.0)
     with pytest.raises(ValueError, match="mode"):
         pareto.describe_run(pareto.load(str(a)), "turbo")
+
+
+def _serve_pareto():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "serve_pareto.py")
+    spec = importlib.util.spec_from_file_location("serve_pareto", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_serve_pareto_spec_auto_asks_the_server_for_the_measured_policy():
+    sp = _serve_pareto()
+    args = type("A", (), {"max_num_seqs": 64, "max_model_len": None, "k": 3, "forced_al": 2.78})()
+    assert sp.parse_run("minimax-m3:5:spec-auto:nvfp4") == ("minimax-m3:5", "spec-auto", "nvfp4")
+    _, extra = sp.server_args("minimax-m3:5", "spec-auto", "nvfp4", args)
+    i = extra.index("--speculative-disable-by-batch-size")
+    assert extra[i + 1] == "auto" and json.loads(extra[extra.index("--speculative-config") + 1])["forced_acceptance"] == 2.78
+    _, extra = sp.server_args("embedded", "spec-auto", None, args)
+    assert "--speculative-tokens" in extra and "auto" in extra
+    _, plain = sp.server_args("embedded", "plain", None, args)
+    assert "--speculative-tokens" not in plain and "--speculative-disable-by-batch-size" not in plain
+    _, spec = sp.server_args("embedded", "spec", None, args)
+    assert "--speculative-disable-by-batch-size" not in spec
+    with pytest.raises(SystemExit, match="plain|spec|spec-auto"):
+        sp.parse_run("embedded:fast")

@@ -76,8 +76,11 @@ def test_bf16_forced_acceptance_smoke():
 
 
 def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
-    """The embedded model with its trained drafter: SpecSteps replayed as CUDA graphs, the same program run
-    eagerly, and the plain decode target (DecodeGraphs) give the same greedy tokens; most steps run as graphs."""
+    """The embedded model with its trained drafter: SpecSteps replayed as CUDA graphs and the same program (same
+    buckets, same kernels) run eagerly give the same greedy tokens; most steps run as graphs. Against the plain
+    decode target (DecodeGraphs) the verify rows are other row counts, so other cells and summation orders: where
+    a sequence first parts from plain greedy, plain must be near-indifferent between the two tokens there
+    (tests/greedy_ties.py)."""
     import os
     from m3serve import LLM
     from m3serve.llm import DEFAULT_MODEL_DIR
@@ -106,7 +109,8 @@ def test_spec_target_graphs_equal_eager_steps_and_plain_greedy():
         outs[graphs] = run(eng)
         st = eng.stats()["spec_decode"]
         assert eng.speculation.graph_steps >= 10 and st["acceptance_length"] > 2.0   # verify_steps counts requests
-    assert outs[True] == outs[False] == ref
+    assert outs[True] == outs[False]
+    assert_only_near_ties(llm, ps, ref, outs[True])
 
 
 def test_batch_size_policy_on_the_decode_target_equals_plain_greedy():
