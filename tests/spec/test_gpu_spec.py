@@ -11,6 +11,7 @@ from m3serve.engine.sampling_params import SamplingParams
 from m3serve.engine.speculative import DeviceRNG, speculative_engine, verify_sampled
 from m3serve.model.loader import load_model
 from tests.spec.specutil import cheat_engine, plain_outputs, prompts, run_staggered, spec_cfg
+from tests.greedy_ties import assert_only_near_ties
 from tests.spec.test_verify import chi2_pvalue
 
 pytestmark = [pytest.mark.gpu,
