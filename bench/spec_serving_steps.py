@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import statistics
@@ -140,7 +141,8 @@ def main() -> int:
     args = ap.parse_args()
     meta = run_metadata()
     levels = [int(c) for c in args.concurrency.split(",")]
-    kv = {} if args.device == "cuda" else {"kv_cache_bytes": 1 << 30}
+    # a fixed cache: each engine would otherwise size its cache from what the previous one left free
+    kv = {"kv_cache_bytes": (4 << 30) if args.device == "cuda" else (1 << 30)}
     rows = []
     for name in args.engines.split(","):
         if name not in ENGINES:
@@ -161,6 +163,7 @@ def main() -> int:
                               "policy": res["policy"]}), flush=True)
         llm.shutdown()
         del llm
+        gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
