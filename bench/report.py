@@ -643,6 +643,30 @@ def render_spec_plain_step_cost(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_spec_serving_steps(files: list[ResultFile]) -> str:
+    """bench/spec_serving_steps.py: the engine under a closed loop of C users, its steps by kind."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            kinds = need(r, "kinds", w, "dict")
+            parts = []
+            for name in sorted(kinds, key=lambda k: -need(kinds[k], "share", f"{w}.kinds.{k}")):
+                kw = f"{w}.kinds.{name}"
+                parts.append(f"{name} {need(kinds[name], 'share', kw) * 100:.0f} % "
+                             f"({count(need(kinds[name], 'steps', kw, 'int'))} x {sig(need(kinds[name], 'median_ms', kw))} ms)")
+            al = opt(r, "acceptance_length", w)
+            table.append([need(r, "engine", w, "str"), count(need(r, "users", w, "int")),
+                          sig(need(r, "tokens_per_s_per_user", w)), sig(al) if al is not None else DASH,
+                          "; ".join(parts)])
+        blocks.append(file_block("The engine under a closed loop of C users (no server): tokens per second per user "
+                                 "and where the loop's time goes, by kind of step (share of the time, steps x median)",
+                                 md_table(["engine", "users", "tok/s per user", "acceptance length",
+                                           "time by step kind"], table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_moe_decode_once(files: list[ResultFile]) -> str:
     """bench/moe_grouped.py --decode-once: one MoE layer at M3 dims, the in-register path vs the decode-once band."""
     blocks = []
@@ -1031,6 +1055,8 @@ KINDS = (
     Kind("spec_plain_step_cost", "Speculative engine's plain steps", ("spec_plain_step_cost",),
          ("spec-plain-step-cost-*.json",), lambda d: _row_keys(d, "engine", "median_ms", "p90_ms"),
          render_spec_plain_step_cost),
+    Kind("spec_serving_steps", "Speculative serving, step by step", ("spec_serving_steps",),
+         ("spec-serving-steps-*.json",), lambda d: _row_keys(d, "engine", "users", "kinds"), render_spec_serving_steps),
     Kind("spec_divergence", "Speculative vs plain greedy", ("spec_divergence",), ("spec-divergence-*.json",),
          lambda d: isinstance(d.get("runs"), list), render_spec_divergence),
     Kind("serve_pareto", "Serving sweeps", ("serve_pareto",), ("serve-pareto-*.json",),

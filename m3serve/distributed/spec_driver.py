@@ -30,6 +30,7 @@ def tp_spec_config(speculative_config: dict | SpecConfig) -> SpecConfig:
 
 class TPSpecRunner(SpecRunner):
     """SpecRunner whose every pass is broadcast first (the followers repeat it on their own SpecRunner)."""
+    paged_batches = False    # the wire form carries per-sequence spans: eager batches keep them (stock attention)
 
     def __init__(self, model, drafter, broadcast: StepBroadcast):
         super().__init__(model, drafter)

@@ -8,12 +8,17 @@ the same upload ([token ids | tail]; the tail is what the caller needs on the de
 of the hidden states to draft from, ...). The device op expands the batch's block-table rows and every
 token's flat slot (slot * page + offset); each sequence's span reads its slot ids as a view of that table.
 The positions tensor is still copied on its own, as ModelRunner.build_batch does (the stage holds them, but
-DeviceBlockTables does not expose that view yet).
+DeviceBlockTables does not expose that view yet). On the decode target (`PagedPlan` given) the batch carries the
+paged-cache kernels' metadata as ModelRunner.build_batch's does: [query starts | sequence lengths] ride in the same
+upload and the attention layers run as the kernels (attn.prefill for long spans on dense layers), not as the stock
+loop over sequences, which launches a dozen small ops per sequence and layer.
 
 Shape legend: S sequences in the step, T packed tokens, R logits rows, B block-table width.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,12 +26,22 @@ import torch
 from m3serve.engine.spec_state import StepItem
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.model.m3 import ForwardBatch, SeqSpan
+from m3serve.runtime.step_inputs import PagedStep, split_plan
+
+
+class PagedPlan(NamedTuple):
+    """split_plan's inputs for the layers a packed step runs through the paged-cache kernels."""
+    kv_heads: int
+    topk: int                # MSA top-k blocks (0: no MSA layer, e.g. the draft layer)
+    sparse_tiles: int = 1    # key tiles per MSA block (the cache's, ModelRunner.sparse_tiles)
 
 
 def pack_spans(tables: DeviceBlockTables, kv, seq_ids: list[int], pos0: np.ndarray, counts: np.ndarray,
-               ids: np.ndarray | None, tail: np.ndarray | None = None) -> tuple[ForwardBatch, torch.Tensor]:
+               ids: np.ndarray | None, tail: np.ndarray | None = None, paged: PagedPlan | None = None
+               ) -> tuple[ForwardBatch, torch.Tensor]:
     """ForwardBatch over `kv` (the cache or the draft view) for S sequences with counts[i] tokens from position
-    pos0[i]; ids int [T] (None: the caller sets batch.input_ids from the device). Returns (batch, the tail's
+    pos0[i]; ids int [T] (None: the caller sets batch.input_ids from the device). paged: the batch carries a
+    PagedStep for the paged-cache kernels (else per-sequence spans for the stock loop). Returns (batch, the tail's
     device copy as int64)."""
     pos0 = np.asarray(pos0, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
@@ -43,21 +58,31 @@ def pack_spans(tables: DeviceBlockTables, kv, seq_ids: list[int], pos0: np.ndarr
     lengths = pos0 + counts
     tail = np.zeros(0, dtype=np.int64) if tail is None else np.asarray(tail, dtype=np.int64)
     head_ids = np.zeros(0, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
-    extra = np.concatenate((head_ids, tail)).astype(np.int32)
+    meta = np.zeros(0, dtype=np.int64) if paged is None else np.concatenate(([0], np.cumsum(counts), lengths))
+    extra = np.concatenate((head_ids, tail, meta)).astype(np.int32)
     slot_table, _, slot_mapping = tables.prepare(seq_ids, seq_of_token, positions, extra=extra)
-    staged = tables.last_extra.long()
-    page = tables.manager.page_size
-    pages = -(-lengths // page)
-    spans = [SeqSpan(int(a), int(n), int(length), slot_table[i, :int(p)].long())
-             for i, (a, n, length, p) in enumerate(zip(starts, counts, lengths, pages))]
+    raw = tables.last_extra
+    off = len(head_ids) + len(tail)
+    staged = raw[:off].long()
+    step, spans = None, []
+    if paged is not None:
+        dense, sparse = split_plan(t, tables.max_blocks, paged.kv_heads, paged.topk, paged.sparse_tiles)
+        step = PagedStep(slot_table=slot_table, seq_lens=raw[off + s + 1:off + 2 * s + 1],
+                         query_start=raw[off:off + s + 1], max_query_len=int(counts.max()), num_splits=dense,
+                         num_splits_sparse=sparse)
+    else:
+        pages = -(-lengths // tables.manager.page_size)
+        spans = [SeqSpan(int(a), int(n), int(length), slot_table[i, :int(p)].long())
+                 for i, (a, n, length, p) in enumerate(zip(starts, counts, lengths, pages))]
     dev = slot_mapping.device
     batch = ForwardBatch(
         input_ids=staged[:len(head_ids)] if ids is not None else torch.empty(0, dtype=torch.int64, device=dev),
-        positions=torch.from_numpy(positions).to(dev), seqs=spans, slot_mapping=slot_mapping, kv=kv)
+        positions=torch.from_numpy(positions).to(dev), seqs=spans, slot_mapping=slot_mapping, kv=kv, step=step)
     return batch, staged[len(head_ids):]
 
 
-def pack_verify(items: list[StepItem], tables: DeviceBlockTables, kv) -> ForwardBatch:
+def pack_verify(items: list[StepItem], tables: DeviceBlockTables, kv, paged: PagedPlan | None = None
+                ) -> ForwardBatch:
     """The verify step: each request's known tokens then its drafts; logits rows for the rows that verify or
     sample (a sampling request's last known token and its drafts: K'+1 rows). Sets each sampling item's
     logit_row0 (its first row in the logits)."""
@@ -73,9 +98,9 @@ def pack_verify(items: list[StepItem], tables: DeviceBlockTables, kv) -> Forward
     for it, r0 in zip(items, row0.tolist()):
         it.logit_row0 = r0 if it.sample else -1
     ids = np.fromiter((t for it in items for t in it.tokens), dtype=np.int64, count=int(counts.sum()))
-    batch, logits_rows = pack_spans(tables, kv, [it.req.request_id for it in items], pos0, counts, ids, rows)
+    batch, logits_rows = pack_spans(tables, kv, [it.req.request_id for it in items], pos0, counts, ids, rows, paged)
     batch.logits_rows = logits_rows
     return batch
 
 
-__all__ = ["pack_spans", "pack_verify"]
+__all__ = ["PagedPlan", "pack_spans", "pack_verify"]

@@ -41,6 +41,8 @@ def _check_mode(mode: int) -> None:
 
 
 class SpecRunner:
+    paged_batches = True     # runs the batches it is given as they are (PagedStep metadata included)
+
     def __init__(self, model: M3ForCausalLM, drafter: Eagle3Drafter):
         self.model, self.drafter = model, drafter
         self.capture = tuple(sorted(set(drafter.cfg.capture_layers)))

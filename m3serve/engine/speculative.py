@@ -57,7 +57,7 @@ import torch
 from m3serve.engine.engine import EngineConfig, LLMEngine, _last_token
 from m3serve.engine.request import Request
 from m3serve.engine.sampler import processed_probs, top_logprobs
-from m3serve.engine.spec_batch import pack_spans, pack_verify
+from m3serve.engine.spec_batch import PagedPlan, pack_spans, pack_verify
 from m3serve.engine.spec_config import SpecConfig
 from m3serve.engine.spec_policy import PLAIN, SPEC, make_policy
 from m3serve.engine.spec_rng import DeviceRNG, mix32, sample_categorical
@@ -83,6 +83,7 @@ class _SpecFlight(NamedTuple):
     launched: object
     reqs: list[Request]
     preemptions: dict[int, int]          # request id -> its preemption count at launch
+    fresh: frozenset = frozenset()       # ids of the rows staged without drafts (see _target_step)
 
 
 def build_drafter(spec: SpecConfig, model: M3ForCausalLM) -> Eagle3Drafter:
@@ -137,6 +138,7 @@ class SpecDecoding:
         self.graph_steps = 0             # steps that ran as SpecSteps
         self.overlapped_steps = 0        # of them, launched before the previous one was read back
         self.split_steps = 0             # of them, beside prefill chunks that ran eagerly in the same step
+        self.fresh_rows = 0              # rows they took without drafts (forced to accept none: _target_step)
         # steps with decoding requests that speculative_config.disable_by_batch_size ran plainly / speculatively
         self.policy = make_policy(spec.disable_by_batch_size)
         self.policy_plain_steps = 0
@@ -316,6 +318,17 @@ class SpecDecoding:
                 st.drop_drafts()
         return done + self.engine._step_chunks(chunks)
 
+    def _paged(self, draft: bool) -> PagedPlan | None:
+        """The eager step's batches carry the paged-cache kernels' metadata when the runner's attention is the
+        kernels (the decode target) and the spec runner runs them locally (a tensor-parallel group's followers
+        rebuild each batch from its wire form's spans, which the stock loop reads)."""
+        runner = self.engine.runner
+        if not (runner.target_attention and self.spec_runner.paged_batches):
+            return None
+        if draft:
+            return PagedPlan(runner.kv.spec.kv_heads(runner.view.layer), 0)
+        return PagedPlan(runner.kv.spec.num_kv_heads, self.engine.model.cfg.index_topk_blocks, runner.sparse_tiles)
+
     def _eager_step(self, chunks) -> list[Request]:
         """Verify + draft passes of `chunks` on the host-driven path (prefill chunks, logprobs, penalties, ...)."""
         done = self.engine._resolve_inflight()       # the eager step needs every token on the host
@@ -326,7 +339,7 @@ class SpecDecoding:
         with torch.inference_mode():
             items = self._plan(chunks)
             sampled = [it for it in items if it.sample]
-            batch = pack_verify(items, self.engine.runner.tables, self.engine.runner.kv)
+            batch = pack_verify(items, self.engine.runner.tables, self.engine.runner.kv, self._paged(draft=False))
             head = self.spec_runner.target(batch, self._target_mode(sampled))
             emitted = self._verify(sampled, head) if sampled else []
             out = self._commit(items, sampled, emitted, head)
@@ -341,9 +354,10 @@ class SpecDecoding:
     def _target_step_requests(self, chunks) -> list[Request] | None:
         """The requests of `chunks` when the step can run as SpecSteps: every chunk a decode (greedy, or sampled
         when the graphs have the sampled variant; no logprobs, no logits processing) holding K drafts for its
-        current state, or in the step in flight (whose outputs the device keeps for this one), in a bucket, with
-        room for the step's writes (pages allocated here). None: take the eager path (which first reads back
-        the step in flight)."""
+        current state, or in the step in flight (whose outputs the device keeps for this one), or, in an all-greedy
+        step, holding no drafts (after plain steps of the batch-size policy: a fresh row, see _target_step), in a
+        bucket, with room for the step's writes (pages allocated here). None: take the eager path (which first
+        reads back the step in flight)."""
         ss = self.spec_steps
         if ss is None or ss.bucket_for(len(chunks)) is None:
             return None
@@ -357,10 +371,8 @@ class SpecDecoding:
         reqs, reach = [], []
         for c in chunks:
             r = c.request
-            st = self._state.get(r.request_id)
             moving = flight.get(r.request_id) == r.num_preemptions
-            ready = moving or (st is not None and len(st.drafts) == k and st.anchor == r.num_tokens
-                               and st.preemptions == r.num_preemptions)
+            ready = moving or self._holds_drafts(r) or not sampled
             # writes stay below n + 2K, n = num_computed after the step in flight (at most K + 1 more)
             end = r.num_computed + (k + 1 if moving else 0) + 2 * k
             if (c.num_tokens != 1 or not c.reaches_end or not ready
@@ -380,14 +392,26 @@ class SpecDecoding:
         returned now, while the GPU runs this one. Without overlap it is launched and read back at once."""
         k = self.spec.num_speculative_tokens
         flight = self._in_flight()
+        moving = [flight.get(r.request_id) == r.num_preemptions for r in reqs]
+        # A fresh row holds no drafts for its state (its last steps ran plainly, or its drafts were dropped): it is
+        # staged with K copies of its last token as drafts and accepts exactly 0 of them, so it emits the target's
+        # greedy token after its last one (what a plain step emits) and leaves with K fresh drafts from the same
+        # program's draft passes; _target_step_requests admits it in all-greedy steps only (a sampled row's
+        # forced count would draw from a residual of drafts it never proposed). Without it, such a row sent the
+        # whole batch down the eager path, dozens of times a step program's cost, on every switch of the policy.
+        fresh = frozenset(r.request_id for r, m in zip(reqs, moving) if not m and not self._holds_drafts(r))
         forced = None
-        if self.spec.forced_acceptance is not None:
+        if self.spec.forced_acceptance is not None or fresh:
             forced = []
             for r in reqs:
-                step = self._forced_step.get(r.request_id, 0)
-                self._forced_step[r.request_id] = step + 1
-                forced.append(min(forced_accepts(step, self.spec.forced_acceptance - 1.0), k))
-        moving = [flight.get(r.request_id) == r.num_preemptions for r in reqs]
+                if r.request_id in fresh:
+                    forced.append(0)
+                elif self.spec.forced_acceptance is None:
+                    forced.append(-1)
+                else:
+                    step = self._forced_step.get(r.request_id, 0)
+                    self._forced_step[r.request_id] = step + 1
+                    forced.append(min(forced_accepts(step, self.spec.forced_acceptance - 1.0), k))
         sampling = q = None
         if any(not r.params.greedy for r in reqs):
             p = [r.params for r in reqs]
@@ -395,13 +419,15 @@ class SpecDecoding:
             q = [None if m else self._state[r.request_id].q for r, m in zip(reqs, moving)]
         launched = self.spec_steps.run(
             [r.request_id for r in reqs], [0 if m else _last_token(r) for r, m in zip(reqs, moving)],
-            [[] if m else self._state[r.request_id].drafts for r, m in zip(reqs, moving)],
+            [[] if m else [_last_token(r)] * k if r.request_id in fresh else self._state[r.request_id].drafts
+             for r, m in zip(reqs, moving)],
             [-1 if m else r.num_computed for r, m in zip(reqs, moving)], forced, sampling, q)
         self._flight_sampled = sampling is not None
         self.graph_steps += 1
         self.overlapped_steps += any(moving)
         eng = self.engine
-        flight_now = _SpecFlight(launched, reqs, {r.request_id: r.num_preemptions for r in reqs})
+        self.fresh_rows += len(fresh)
+        flight_now = _SpecFlight(launched, reqs, {r.request_id: r.num_preemptions for r in reqs}, fresh)
         prev, eng._inflight = eng._inflight, flight_now
         if not eng.overlap:
             return eng._resolve(prev) + eng._resolve_inflight()
@@ -416,7 +442,7 @@ class SpecDecoding:
         """Read back a SpecSteps step (LLMEngine._resolve hands it over): each request that is still running as
         it was launched (not finished, aborted or preempted since) appends what it emitted; the others' results
         are dropped."""
-        launched, reqs, preemptions = inflight
+        launched, reqs, preemptions, fresh = inflight
         res = self.spec_steps.fetch(launched)
         k = self.spec.num_speculative_tokens
         eng, blocks = self.engine, self.engine.blocks
@@ -425,11 +451,13 @@ class SpecDecoding:
             if r.is_finished or not r.allocated or r.num_preemptions != preemptions[r.request_id]:
                 continue
             st = self._st(r)
+            st.preemptions = r.num_preemptions      # as launched (checked above): a fresh row's state starts here
             a = len(toks) - 1
             r.num_computed += 1 + a
-            self._record(st, k, a)
+            if r.request_id not in fresh:       # a fresh row verified no drafts: nothing to count
+                self._record(st, k, a)
+                emitted += 1 + a
             out.append(r)
-            emitted += 1 + a
             for tok in toks:
                 r.output_token_ids.append(tok)
                 eng._check_stop(r, tok)
@@ -445,8 +473,13 @@ class SpecDecoding:
                 st.drafts, st.anchor = drafts, r.num_tokens
                 st.q = None if r.params.greedy else self.spec_steps.q_of(r.request_id)
             r.spec_metrics = st.metrics()
-        self.policy.observe_acceptance(emitted, len(out))
+        self.policy.observe_acceptance(emitted, sum(r.request_id not in fresh for r in out))
         return out
+
+    def _holds_drafts(self, r: Request) -> bool:
+        st = self._state.get(r.request_id)
+        return (st is not None and len(st.drafts) == self.spec.num_speculative_tokens and st.anchor == r.num_tokens
+                and st.preemptions == r.num_preemptions)
 
     @staticmethod
     def _target_mode(sampled: list[StepItem]) -> int:
@@ -637,8 +670,9 @@ class SpecDecoding:
         mode = NONE if not reqs else (ARGMAX if greedy else LOGITS)
         t = len(src)
         view = self.engine.runner.view
+        paged = self._paged(draft=True)
         batch, tail = pack_spans(view.tables, view, [r.request_id for r in reqs_live], pos0, counts, ids,
-                                 np.concatenate((src, gather)))
+                                 np.concatenate((src, gather)), paged)
         head = self.spec_runner.draft(batch, tail[:t], tail[t:], mode)
         if not reqs:
             return
@@ -652,7 +686,7 @@ class SpecDecoding:
             if not len(act):
                 break
             batch, sel = pack_spans(view.tables, view, [reqs[i].request_id for i in act.tolist()],
-                                    c_prop[act] + j - 2, np.ones(len(act), dtype=np.int64), None, act)
+                                    c_prop[act] + j - 2, np.ones(len(act), dtype=np.int64), None, act, paged)
             batch.input_ids = props[-1][sel]
             head_j = self.spec_runner.draft(batch, sel, None, mode)
             tok_j, q_j = self._propose(head_j, [reqs[i] for i in act.tolist()], greedy,

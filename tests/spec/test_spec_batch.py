@@ -216,3 +216,37 @@ def test_verify_step_may_exceed_the_scheduler_budget(model):
     assert eng.runner.tables.max_tokens == 16 + 3 * eng.config.max_num_seqs
     reqs = run_staggered(eng, ps, params, [0] * 6)
     assert [list(r.output_token_ids) for r in reqs] == ref
+
+
+def test_paged_plan_packs_the_kernels_metadata_beside_the_same_slots():
+    """spec_batch.pack_spans with a PagedPlan (the decode target's eager step): the batch carries a PagedStep whose
+    query starts, sequence lengths and slot-table rows are those of the spans the stock loop would read, with
+    split_plan's factors for the step's rows; token ids, positions, flat slots and the tail are unchanged."""
+    from m3serve.engine.spec_batch import PagedPlan, pack_spans
+    from m3serve.kv import BlockManager, DeviceBlockTables
+    from m3serve.runtime.step_inputs import split_plan
+    page = 16
+    m = BlockManager(64, page, 8, 9, enable_prefix_caching=False)
+    lens = {3: 40, 5: 7, 8: 70}
+    for sid, n in lens.items():
+        m.allocate(sid, list(range(n)))
+    seq_ids = [8, 3, 5]
+    counts = np.array([30, 1, 4])                               # a prefill chunk, a decode, a verify
+    pos0 = np.array([lens[s] for s in seq_ids]) - counts
+    ids = np.arange(int(counts.sum())) + 100
+    tail = np.array([4, 29, 30, 31])
+    stock, stock_tail = pack_spans(DeviceBlockTables(m, "cpu", 2), "kv", seq_ids, pos0, counts, ids, tail)
+    plan = PagedPlan(kv_heads=2, topk=4, sparse_tiles=2)
+    tables = DeviceBlockTables(m, "cpu", 2)
+    tables.slot_table.fill_(POISON)
+    paged, paged_tail = pack_spans(tables, "kv", seq_ids, pos0, counts, ids, tail, plan)
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert torch.equal(getattr(paged, name), getattr(stock, name)), name
+    assert torch.equal(paged_tail, stock_tail) and paged_tail.tolist() == tail.tolist()
+    st = paged.step
+    assert stock.step is None and paged.seqs == []
+    assert st.query_start.tolist() == [0, 30, 31, 35]
+    assert st.seq_lens.tolist() == [70, 40, 7] and st.max_query_len == 30
+    for i, sp in enumerate(stock.seqs):
+        assert st.slot_table[i, :sp.slots.numel()].tolist() == sp.slots.tolist()
+    assert (st.num_splits, st.num_splits_sparse) == split_plan(35, tables.max_blocks, 2, 4, 2)

@@ -277,3 +277,53 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
     assert eng.stats()["spec_decode"]["policy_spec_steps"] >= 4 and eng.speculation.graph_steps >= 3
     assert eng.runner.graphs.pending_reads == 0 and eng._inflight is None
     assert eng.blocks.num_free_slots() == eng.kv.num_slots
+
+
+def test_rows_without_drafts_join_the_step_program_after_plain_steps(model, greedy_reference):
+    """disable_by_batch_size = 1: while both requests decode, the policy runs plain steps (no drafts); when the
+    second finishes, the first speculates again. It holds no drafts, so it joins the step program as a fresh row
+    (K copies of its last token staged as drafts, forced to accept none: it emits the target's greedy token and
+    leaves with K real drafts) instead of sending the step down the eager path. Greedy tokens equal the stock
+    eager engine's; the fresh row's step counts no acceptance; later steps verify real drafts."""
+    eng = _spec(model, True, disable_by_batch_size=1)
+    got, _ = _run(eng)
+    assert got == greedy_reference
+    spec = eng.speculation
+    assert spec.policy_plain_steps >= 3 and spec.fresh_rows >= 1
+    assert spec.graph_steps > spec.fresh_rows            # the fresh row's next steps verified its new drafts
+    st = eng.stats()["spec_decode"]
+    assert st["verify_steps"] > 0 and st["acceptance_length"] >= 1.0
+
+
+# Slow tier: ~45 s of interpreter; the fast tier checks the packed metadata itself (test_spec_batch.py, paged_plan).
+@pytest.mark.slow
+def test_eager_steps_on_the_target_run_the_kernels_and_equal_the_stock_loop(model, monkeypatch):
+    """On the decode target the eager speculative step (prefill chunks, a request's first step after plain steps)
+    packs its verify and draft batches with the paged-cache kernels' metadata (spec_batch.PagedPlan), so every
+    attention layer and the draft layer run as the kernels instead of the stock loop over sequences (a dozen
+    small launches per sequence and layer: 0.7 s for 64 prompts on the H200). No step program here, so every
+    step is eager; the stock loop is made to fail, and the greedy tokens equal the stock eager engine's (two
+    prompts prefilled together, then verify steps of K + 1 rows: the interpreter keeps this short)."""
+    from m3serve.model.attention_backend import StockAttention
+
+    def run(eng):
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+                for p in (PROMPTS[0], PROMPTS[1][:21])]
+        while eng.has_work():
+            eng.step()
+        assert eng.blocks.num_free_slots() == eng.kv.num_slots
+        return [list(r.output_token_ids) for r in reqs]
+
+    ref = run(_spec(model, False))
+
+    def stock(*a, **kw):
+        raise AssertionError("the stock attention loop ran on the target's eager step")
+    eng = speculative_engine(model, _config(), speculative_config=spec_cfg(3))
+    model.use_attention(PAGED_KERNELS)
+    eng.runner.target_attention = True      # what ModelRunner.enable_target sets (the tiny shapes are uncertified)
+    monkeypatch.setattr(StockAttention, "layer", stock)
+    monkeypatch.setattr(StockAttention, "draft_layer", stock)
+    got = run(eng)
+    monkeypatch.undo()
+    assert got == ref and all(len(g) == 5 for g in got)
+    assert eng.speculation.graph_steps == 0 and eng.stats()["spec_decode"]["verify_steps"] > 0
