@@ -758,6 +758,12 @@ def render_serve(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def _run_mode(run: dict, where: str) -> str:
+    """A serving run's mode, with the speculation policy when the run named one (bench/serve_pareto.py spec-auto)."""
+    mode, policy = need(run, "mode", where, "str"), opt(run, "policy", where, "str")
+    return f"{mode} (policy {policy})" if policy else mode
+
+
 def render_serve_pareto(files: list[ResultFile]) -> str:
     """`m3serve bench pareto` files: several serving runs (model, plain / spec, weights) side by side."""
     blocks = []
@@ -768,7 +774,7 @@ def render_serve_pareto(files: list[ResultFile]) -> str:
             for j, r in enumerate(need(run, "results", w, "list")):
                 wr = f"{w}.results[{j}]"
                 ttft, itl = need(r, "ttft_ms", wr, "dict"), need(r, "itl_ms", wr, "dict")
-                table.append([need(run, "model", w, "str"), need(run, "mode", w, "str"),
+                table.append([need(run, "model", w, "str"), _run_mode(run, w),
                               str(run.get("quantization") or "none"), need(r, "concurrency", wr, "int"),
                               need(r, "failed", wr, "int"), sig(need(r, "total_tokens_per_s_per_gpu", wr)),
                               f"{sig(need(ttft, 'p50', wr + '.ttft_ms'))} / {sig(need(ttft, 'p90', wr + '.ttft_ms'))}",
@@ -1171,7 +1177,7 @@ def _serve_summary(rf: ResultFile, concurrency: int = 64) -> list[list[str]]:
             if need(r, "concurrency", wr, "int") != concurrency:
                 continue
             per_user = opt(r, "interactivity_tpot_p90", wr)
-            rows.append([f"served, {need(run, 'mode', w, 'str')}, {concurrency} users",
+            rows.append([f"served, {_run_mode(run, w)}, {concurrency} users",
                          f"{need(run, 'model', w, 'str')} ({(run.get('quantization') or 'bf16').upper()} weights)",
                          f"ITL p50 {sig(need(need(r, 'itl_ms', wr, 'dict'), 'p50', wr + '.itl_ms'))} ms, "
                          + (f"{sig(per_user)} tok/s per user, " if per_user is not None else "")
