@@ -14,6 +14,11 @@ switch are all in it) and AL, each an exponential moving average. A bucket with 
 kind first (speculation first); once both are known it runs the faster kind, and every `explore_every` steps at a
 bucket it runs `explore_steps` of the other kind, so both estimates follow the workload (acceptance moves with the
 prompts, the step periods with the contexts).
+
+Measured (H200, embedded model, `bench/serve_pareto.py ... embedded:spec-auto`): opt-in, experimental. It beats the
+fixed threshold at one user (1.33x plain per user) and loses to it from 4 users up, because it times steady decode
+steps only: the prefill steps that arrivals add (an eager step per arrival, dearer when it speculates) are outside
+both estimates.
 """
 
 from __future__ import annotations

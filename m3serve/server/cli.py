@@ -74,9 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         '("model": null = a random drafter, with "forced_acceptance" for benchmarks)')
     p.add_argument("--speculative-disable-by-batch-size", default=None, metavar="N|none|auto",
                    help="vLLM's flag: steps with more than N decoding requests run without speculation; 'none' "
-                        "speculates at every batch size; 'auto' runs, per batch bucket, the kind of step measured "
-                        "faster per sequence while serving (default: speculative_config's, 2 at TP 1, none under "
-                        "--tp)")
+                        "speculates at every batch size; 'auto' (experimental: served, it measured slower than the "
+                        "default from 4 users up) runs, per batch bucket, the kind of step measured faster per "
+                        "sequence while serving (default: speculative_config's, 2 at TP 1, none under --tp)")
     p.add_argument("--route", choices=["off", "auto", "require"], default=None,
                    help="kernel routing: off = stock PyTorch, auto = certified Triton entries where they serve "
                         "(stock elsewhere), require = raise outside them (default: auto on CUDA, off on CPU)")
