@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
 #   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
 #   bash bench/gpu_certify_session.sh suite     the whole `pytest -m gpu`, sharded over parallel processes
-#   ... final-round | serve-round | prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
+#   ... spec-round | final-round | serve-round | prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
 # Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -177,6 +177,15 @@ closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no com
     --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
   phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
+  ;;
+spec-round)  # issue 28's Eagle3 loss under load: where the eager speculative step's time goes now that it runs the
+             # paged kernels (cProfile at 1 and 16 prompts), the closed-loop breakdown, then the served sweep
+  phase spec-eager-profile ${T_A:-60} python3 bench/debug/spec_eager_profile.py --n 1,16 --out-dir "$OUT"
+  phase spec-serving-steps ${T_B:-90} python3 bench/spec_serving_steps.py --engines plain,spec-2 \
+    --concurrency 1,4,16,64 --out "$OUT/spec-serving-steps-h200.json"
+  phase serve-pareto ${T_SERVE:-300} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    minimax-m3:5:plain:nvfp4 minimax-m3:5:spec:nvfp4 --requests-per-user 4 --timeout 120 \
+    --out "$OUT/serve-pareto-h200.json"
   ;;
 final-round)  # no regression from the model runner, side by side: baseline/ holds the tree before it (m3serve/ and
               # bench/ of BASE_COMMIT, from `git archive`), each side runs its own benches; then issue 28's sweeps
