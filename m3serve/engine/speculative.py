@@ -249,6 +249,9 @@ class SpecDecoding:
         m["disable_by_batch_size"] = self.spec.disable_by_batch_size
         m["policy_plain_steps"] = self.policy_plain_steps
         m["policy_spec_steps"] = self.policy_spec_steps
+        # how the speculative steps ran: as the step program (of them, beside eager prefill chunks), and the rows
+        # the program took without drafts
+        m["program_steps"], m["split_steps"], m["fresh_rows"] = self.graph_steps, self.split_steps, self.fresh_rows
         m.update(self.policy.describe())
         m["acceptance_rate_per_position"] = [a / p if p else None
                                              for a, p in zip(t.accepted_per_pos, t.proposed_per_pos)]

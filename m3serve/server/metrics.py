@@ -20,6 +20,7 @@ clean), the same series as `vllm:<name>` on request (`/metrics?names=vllm`, for 
                                                                 policy's threshold; absent when the policy is off)
     m3serve_spec_policy_plain_steps_total / _spec_steps_total   counter   steps with decoding requests that the
                                                                 batch-size policy ran plainly / speculatively
+    m3serve_spec_program_steps_total / _split_steps_total / _fresh_rows_total   counter   how speculative steps ran
 
 promtool's lint refuses ':' in names (it reserves them for recording rules; vLLM's own exposition fails it), so
 the `vllm:` form is the alias, not the default. Engine figures come from the engine loop's latest snapshot, read
@@ -47,6 +48,10 @@ SPEC_POLICY_COUNTERS = {
                                "than speculative_config.disable_by_batch_size).",
     "spec_policy_spec_steps": "Steps with decoding requests run speculatively under "
                               "speculative_config.disable_by_batch_size.",
+    "spec_program_steps": "Speculative steps run as the step program (verify + K draft passes in one launch "
+                          "sequence, a CUDA graph on the GPU).",
+    "spec_split_steps": "Of the step program's steps, those beside prefill chunks run eagerly in the same step.",
+    "spec_fresh_rows": "Rows the step program took without drafts (after plain steps), forced to accept none.",
 }
 # vLLM's metrics, by their names after the prefix (`vllm:` + name in vLLM's exposition)
 VLLM_METRICS = frozenset({

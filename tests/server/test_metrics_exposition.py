@@ -17,6 +17,7 @@ from tests.server.promtext import parse, value
 SNAP = {"alive": 1, "waiting": 3, "running": 2, "kv_pages_total": 10, "kv_pages_free": 6, "preemptions": 5,
         "steps": 9, "kv_pages_cached": 1, "acceptance_length": 2.5, "spec_draft_tokens": 30,
         "spec_disable_by_batch_size": 2, "spec_policy_plain_steps": 7, "spec_policy_spec_steps": 3,
+        "spec_program_steps": 11, "spec_split_steps": 4, "spec_fresh_rows": 6,
         "prefix_cache_queries": 400, "prefix_cache_hits": 288}
 
 
@@ -58,6 +59,9 @@ def test_vllm_names_with_the_model_label():
     assert value(s, "m3serve_spec_policy_plain_steps_total", **lab) == 7
     assert value(s, "m3serve_spec_policy_spec_steps_total", **lab) == 3
     assert types["m3serve_spec_policy_plain_steps"] == "counter"
+    # how the speculative steps ran: counters too
+    assert value(s, "m3serve_spec_program_steps_total", **lab) == 11 and value(s, "m3serve_spec_fresh_rows_total", **lab) == 6
+    assert types["m3serve_spec_split_steps"] == types["m3serve_spec_fresh_rows"] == "counter"
     assert types["m3serve_spec_disable_by_batch_size"] == "gauge"
     assert types["m3serve_request_success"] == "counter" and types["m3serve_kv_cache_usage_perc"] == "gauge"
     for (name, labels), _ in s.items():          # every series but the process collector's carries the model

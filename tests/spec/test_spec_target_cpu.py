@@ -293,6 +293,7 @@ def test_rows_without_drafts_join_the_step_program_after_plain_steps(model, gree
     assert spec.graph_steps > spec.fresh_rows            # the fresh row's next steps verified its new drafts
     st = eng.stats()["spec_decode"]
     assert st["verify_steps"] > 0 and st["acceptance_length"] >= 1.0
+    assert (st["program_steps"], st["fresh_rows"]) == (spec.graph_steps, spec.fresh_rows)
 
 
 # Slow tier: ~45 s of interpreter; the fast tier checks the packed metadata itself (test_spec_batch.py, paged_plan).
