@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call that certifies this round's kernels and paths on the H200 and measures them, phase by phase,
-# each under its own time limit so that partial logs always come back:
-#   bash bench/gpu_certify_session.sh tests     GPU tests of the new / changed cells and paths
-#   bash bench/gpu_certify_session.sh measure   decode target (BF16 / NVFP4, KV rotation on/off), bucket check
-#   bash bench/gpu_certify_session.sh serve     serving sweeps (Pareto), prefill TTFT vs transformers, KV rotation
-#   bash bench/gpu_certify_session.sh suite     the whole `pytest -m gpu`, sharded over parallel processes
-#   ... spec-round | final-round | serve-round | prefill-round2 | prefill-round | backlog | verify | followup | closing | kv | kv-cost | closing2 | final: the later rounds' calls (each mode's comment)
-# Wheels the image lacks (xgrammar and its needs) are installed from .whl/ when present. Output: $OUT.
+# One device call that certifies and measures on the H200, phase by phase, each under its own time limit so that
+# partial logs always come back:
+#   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
+#   bash bench/gpu_certify_session.sh spec-round     issue 28: the eager speculative step, closed loop, served sweep
+#   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
+#   ... serve-round | prefill-round2 | prefill-round | backlog: the open issues' measurement calls (each mode's comment)
+# Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
+# .whl/ when present. Output: $OUT.
 set -u
 export PYTHONUNBUFFERED=1
 # the device copy's .git may be stale: results record the commit the caller passes (M3SERVE_COMMIT=$(git rev-parse HEAD))
@@ -28,7 +28,7 @@ phase() {  # name, seconds, command...
   echo "[$name: rc $? in $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
   tail -5 "$OUT/$name.log"
 }
-case "${1:-tests}" in
+case "${1:-suite}" in
 suite)   # the whole `pytest -m gpu`, in parallel: the 700 kernel cells of tests/kernels/test_gpu.py in $SHARDS shards,
          # the other kernel / cache files in one process, the model-building paths (runtime, spec, model, train, TP)
          # in one process (they hold real-dims weights), each process under the same time limit
@@ -55,128 +55,6 @@ suite)   # the whole `pytest -m gpu`, in parallel: the 700 kernel cells of tests
   rm -f "$OUT"/cells-shard-*
   echo "[gpu suite: $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
   for l in "$OUT"/pytest-*.log; do echo "== $l"; grep -E "^(FAILED|ERROR)" "$l" | head -20; tail -1 "$l"; done | tee -a "$OUT/phases.txt"
-  ;;
-tests)   # certification + the decode-step side-by-side runs (one call)
-  phase pytest-gpu-cells ${T_CELLS:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
-    tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
-  phase pytest-gpu-paths ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
-    ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/attention/test_kv_write.py tests/kernels/attention/test_paged_attention_gpu.py}
-  phase graph-buckets 60 python3 bench/debug/graph_buckets.py
-  phase decode-m3_5-bf16 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
-    --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
-  ;;
-serve)   # serving sweeps, prefill TTFT beside transformers, KV rotation at real dims, rotation cost on the step
-  phase serve-pareto ${T_SERVE:-110} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    --out "$OUT/serve-pareto-h200.json"
-  phase prefill ${T_PREFILL:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,none \
-    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
-  phase decode-m3_5-nvfp4-rotated ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
-    --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation auto --out "$OUT/decode-target-h200.json"
-  ;;
-verify)  # GPU path tests, one pytest process per file in parallel (Triton compiles on all cores), then measurements
-  s=$(date +%s)
-  for f in ${GPU_TESTS:-tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py tests/runtime/test_token_filters_gpu.py tests/kernels/attention/test_kv_write.py tests/kernels/attention/test_paged_attention_gpu.py}; do
-    n=$(basename "$f" .py)
-    timeout ${T_PATHS:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 190 -rfE "$f" > "$OUT/pytest-$n.log" 2>&1 &
-  done
-  wait
-  echo "[parallel gpu tests: $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
-  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -3 "$l"; done | tee -a "$OUT/phases.txt"
-  phase decode-m3_5-bf16 ${T_DECODE:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
-    --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
-  phase generate-cold 60 bash -c 'time python3 -c "from m3serve.cli import main; main()" generate'
-  phase generate-warm 60 bash -c 'time python3 -c "from m3serve.cli import main; main()" generate'
-  phase prefill ${T_PREFILL:-120} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,mxfp8,none \
-    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
-  phase serve-spec ${T_SERVE:-120} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
-  ;;
-followup)  # failed GPU tests rerun with full logs (heavy one alone, light ones beside it), prefill profile, Eagle3 sweep
-  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE tests/kernels/moe/test_moe_grouped_gpu.py \
-    > "$OUT/pytest-moe-grouped.log" 2>&1 &
-  timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE tests/runtime/test_token_filters_gpu.py \
-    tests/kernels/test_fused_elementwise_gpu.py > "$OUT/pytest-light.log" 2>&1 &
-  wait
-  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
-  phase prefill-profile ${T_PREFILL:-110} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,none \
-    --chunk 8192 --repeat 1 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-profile-h200.json"
-  phase serve-spec ${T_SERVE:-130} python3 bench/serve_pareto.py --runs embedded:spec --out "$OUT/serve-pareto-spec-h200.json"
-  ;;
-closing)  # the round's new cells and fixed paths (kernel tests beside the model-building tests), then prefill,
-          # serving (plain + Eagle3) and the decode step for the no-regression check
-  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
-  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/test_gpu.py -k "msa.select or (tiled and r512)" > "$OUT/pytest-cells-gemm.log" 2>&1 &
-  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul" > "$OUT/pytest-cells-rows.log" 2>&1 &
-  timeout ${T_TESTS:-170} $k --timeout 160 tests/kernels/moe/test_moe_grouped_gpu.py -k every_expert_format tests/runtime/test_token_filters_gpu.py > "$OUT/pytest-paths.log" 2>&1 &
-  wait
-  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
-  phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant ${PREFILL_QUANT:-nvfp4,mxfp8,none} \
-    --chunk 8192 --repeat ${PREFILL_REPEAT:-2} --out "$OUT/prefill-h200.json"
-  phase serve ${T_SERVE:-230} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
-  [ "${T_DECODE:-70}" -gt 0 ] && phase decode-m3_5-nvfp4 ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
-    --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
-  # the same bench from an older tree in .baseline/ (git archive of $BASELINE_COMMIT: its package and bench/decode.py),
-  # right after, on the same GPU: the side-by-side no-regression check
-  if [ -d .baseline ] && [ "${T_DECODE:-70}" -gt 0 ]; then
-    (cd .baseline && M3SERVE_COMMIT=${BASELINE_COMMIT:-unknown} PYTHONPATH=$PWD:${PYTHONPATH#$OLDPWD} phase decode-m3_5-nvfp4-baseline \
-      ${T_DECODE:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 --routes target \
-      --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4-baseline.json")
-  fi
-  ;;
-kv)      # the main job cold / warm, and the hybrid KV cache on the H200 target: real-dims rotation error, held-out
-         # accuracy (BF16 KV vs the default hybrid and vs every sparse layer NVFP4), the rotation's cost on the step
-  phase generate ${T_GENERATE:-100} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
-  phase kv-rotation ${T_KVROT:-90} python3 bench/kv_rotation.py --preset minimax-m3:5 --device cuda --tokens 4096 \
-    --json "$OUT/kv-rotation-h200.json"
-  phase eval-kv-hybrid ${T_EVAL:-110} python3 -m m3serve.eval --config-a engine:kv=bf16,route=auto \
-    --config-b engine:kv=nvfp4,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-hybrid-target-h200.json"
-  phase eval-kv-all-nvfp4 ${T_EVAL:-110} python3 -m m3serve.eval \
-    --config-a "recorded:$OUT/eval-kv-bf16-vs-hybrid-target-h200.json#engine:kv=bf16,route=auto" \
-    --config-b engine:kv=nvfp4,fp8=none,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-nvfp4-target-h200.json"
-  for rot in off auto; do
-    phase decode-m3_5-nvfp4-rot-$rot ${T_DECODE:-50} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
-      --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation $rot \
-      --out "$OUT/decode-target-h200-kv-rotation-$rot.json"
-  done
-  ;;
-kv-cost)  # the H200 KV eval (every sparse layer NVFP4 vs BF16 KV) beside the GPU tests of the warm-up and of every
-          # expert format, then the rotation's cost on the minimax-m3:5 NVFP4 decode step, side by side
-  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
-  timeout ${T_EVAL:-200} python3 -m m3serve.eval --config-a engine:kv=bf16,route=auto \
-    --config-b engine:kv=nvfp4,fp8=none,route=auto --device cuda --json "$OUT/eval-kv-bf16-vs-nvfp4-target-h200.json" \
-    > "$OUT/eval-kv.log" 2>&1 &
-  timeout ${T_TESTS:-200} $k --timeout 190 tests/runtime/test_no_cliffs_gpu.py -k no_kernel_variant > "$OUT/pytest-warmup.log" 2>&1 &
-  timeout ${T_TESTS:-200} $k --timeout 190 tests/kernels/moe/test_moe_grouped_gpu.py -k every_expert_format \
-    tests/runtime/test_token_filters_gpu.py > "$OUT/pytest-formats.log" 2>&1 &
-  wait
-  for l in "$OUT"/pytest-*.log "$OUT"/eval-kv.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
-  for rot in off auto; do
-    phase decode-m3_5-nvfp4-rot-$rot ${T_DECODE:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 \
-      --context 512 --steps 20 --routes target --quantization nvfp4 --kv-rotation $rot \
-      --out "$OUT/decode-target-h200-kv-rotation-$rot.json"
-  done
-  ;;
-closing2)  # the round's GPU tests in parallel (the MoE decode-once band, no compile after the warm-up, the
-           # speculation batch-size policy), then: the decode-once band timed, prefill at 8k beside transformers,
-           # serving plain vs Eagle3 (policy on), the minimax-m3:5 NVFP4 decode step (no-regression)
-  k="python3 -m pytest -m gpu -q -p no:cacheprovider -rfE"
-  timeout ${T_TESTS:-120} $k --timeout 110 tests/kernels/moe/test_moe_grouped_gpu.py \
-    -k "decode_once or (4096 and not cell_matches)" > "$OUT/pytest-moe-band.log" 2>&1 &
-  timeout ${T_TESTS:-120} $k --timeout 110 tests/kernels/test_gpu.py -k "moe.grouped and 3072 and (r4096 or r2049)" \
-    > "$OUT/pytest-moe-cells.log" 2>&1 &
-  timeout ${T_TESTS:-120} $k --timeout 110 tests/runtime/test_no_cliffs_gpu.py -k no_kernel_variant \
-    > "$OUT/pytest-warmup.log" 2>&1 &
-  timeout ${T_TESTS:-120} $k --timeout 110 tests/spec/test_gpu_spec.py -k batch_size_policy > "$OUT/pytest-policy.log" 2>&1 &
-  wait
-  for l in "$OUT"/pytest-*.log; do echo "== $l"; tail -4 "$l"; done | tee -a "$OUT/phases.txt"
-  phase moe-decode-once ${T_MOE:-60} python3 bench/moe_grouped.py --decode-once --fmts nvfp4,mxfp8,bf16 \
-    --rows 2048,4096,8192 --iters 5 --out-dir "$OUT"
-  phase prefill ${T_PREFILL:-90} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4,mxfp8 \
-    --chunk 8192 --repeat 2 --out "$OUT/prefill-h200.json"
-  phase serve ${T_SERVE:-170} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    --requests-per-user ${SERVE_RPU:-4} --out "$OUT/serve-pareto-h200.json"
-  phase decode-m3_5-nvfp4 ${T_DECODE:-90} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
-    --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-nvfp4.json"
   ;;
 spec-round)  # issue 28's Eagle3 loss under load: where the eager speculative step's time goes now that it runs the
              # paged kernels (cProfile at 1 and 16 prompts), the closed-loop breakdown, then the served sweep
@@ -242,17 +120,5 @@ backlog)  # last round's unrun GPU checks, each test file alone (parallel runs s
     tests/runtime/test_no_cliffs_gpu.py tests/runtime/test_token_filters_gpu.py -k "every_format or token_filters"
   phase decode-m3_24 ${T_DECODE:-150} python3 bench/decode.py --models minimax-m3:24 --batch 1,8 --context 512 \
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-m3_24.json"
-  ;;
-final)   # the one-call version when device time is short: certification first, then the headline measurements
-  phase pytest-gpu-cells ${T_CELLS:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
-    tests/kernels/test_gpu.py -k "norm.rms or norm.add_rms or attn.qk_prep or mlp.swiglu_oai or moe.route_small or attn.rope or mlp.silu_mul or moe.grouped or tiled or spec."
-  phase pytest-gpu-paths ${T_PATHS:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/runtime/test_no_cliffs_gpu.py tests/kernels/moe/test_moe_grouped_gpu.py tests/runtime/test_structured_gpu.py \
-    tests/kernels/attention/test_kv_write.py
-  phase graph-buckets 50 python3 bench/debug/graph_buckets.py
-  phase decode-m3_5-bf16 ${T_DECODE:-80} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
-    --steps 20 --routes target --quantization none --out "$OUT/decode-target-h200-bf16.json"
-  phase serve-pareto ${T_SERVE:-100} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    --out "$OUT/serve-pareto-h200.json"
   ;;
 esac
