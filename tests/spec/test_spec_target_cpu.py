@@ -296,16 +296,20 @@ def test_rows_without_drafts_join_the_step_program_after_plain_steps(model, gree
     assert (st["program_steps"], st["fresh_rows"]) == (spec.graph_steps, spec.fresh_rows)
 
 
-# Slow tier: ~45 s of interpreter; the fast tier checks the packed metadata itself (test_spec_batch.py, paged_plan).
+# Slow tier: ~1 min of interpreter; the fast tier checks the packed metadata itself (test_spec_batch.py, paged_plan).
 @pytest.mark.slow
-def test_eager_steps_on_the_target_run_the_kernels_and_equal_the_stock_loop(model, monkeypatch):
+@pytest.mark.parametrize("forced", [None, 3.5])
+def test_eager_steps_on_the_target_run_the_kernels_and_equal_the_stock_loop(model, monkeypatch, forced):
     """On the decode target the eager speculative step (prefill chunks, a request's first step after plain steps)
     packs its verify and draft batches with the paged-cache kernels' metadata (spec_batch.PagedPlan), so every
     attention layer and the draft layer run as the kernels instead of the stock loop over sequences (a dozen
     small launches per sequence and layer: 0.7 s for 64 prompts on the H200). No step program here, so every
-    step is eager; the stock loop is made to fail, and the greedy tokens equal the stock eager engine's (two
-    prompts prefilled together, then verify steps of K + 1 rows: the interpreter keeps this short)."""
+    step is eager; the stock loop is made to fail, and the tokens equal the stock eager engine's: greedy (the
+    target's path), and under forced acceptance, whose outputs are the drafts themselves (the draft layer's path:
+    greedy outputs would stay exact even with wrong drafts). Two prompts prefilled together, then verify steps of
+    K + 1 rows (the interpreter keeps this short)."""
     from m3serve.model.attention_backend import StockAttention
+    kw = {} if forced is None else {"forced_acceptance": forced}
 
     def run(eng):
         reqs = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
@@ -313,18 +317,21 @@ def test_eager_steps_on_the_target_run_the_kernels_and_equal_the_stock_loop(mode
         while eng.has_work():
             eng.step()
         assert eng.blocks.num_free_slots() == eng.kv.num_slots
-        return [list(r.output_token_ids) for r in reqs]
+        return [list(r.output_token_ids) for r in reqs], eng.stats()["spec_decode"]["accepted_per_position"]
 
-    ref = run(_spec(model, False))
+    ref, ref_per_pos = run(_spec(model, False, **kw))
 
     def stock(*a, **kw):
         raise AssertionError("the stock attention loop ran on the target's eager step")
-    eng = speculative_engine(model, _config(), speculative_config=spec_cfg(3))
+    eng = speculative_engine(model, _config(), speculative_config=spec_cfg(3, **kw))
     model.use_attention(PAGED_KERNELS)
     eng.runner.target_attention = True      # what ModelRunner.enable_target sets (the tiny shapes are uncertified)
     monkeypatch.setattr(StockAttention, "layer", stock)
     monkeypatch.setattr(StockAttention, "draft_layer", stock)
-    got = run(eng)
+    got, per_pos = run(eng)
     monkeypatch.undo()
     assert got == ref and all(len(g) == 5 for g in got)
+    assert per_pos == ref_per_pos
     assert eng.speculation.graph_steps == 0 and eng.stats()["spec_decode"]["verify_steps"] > 0
+    if forced is not None:
+        assert sum(per_pos) > 0                  # drafts were accepted: the outputs hold drafted tokens
