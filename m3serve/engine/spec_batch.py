@@ -18,22 +18,13 @@ Shape legend: S sequences in the step, T packed tokens, R logits rows, B block-t
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
 from m3serve.engine.spec_state import StepItem
 from m3serve.kv.block_table import DeviceBlockTables
 from m3serve.model.m3 import ForwardBatch, SeqSpan
-from m3serve.runtime.step_inputs import PagedStep, split_plan
-
-
-class PagedPlan(NamedTuple):
-    """split_plan's inputs for the layers a packed step runs through the paged-cache kernels."""
-    kv_heads: int
-    topk: int                # MSA top-k blocks (0: no MSA layer, e.g. the draft layer)
-    sparse_tiles: int = 1    # key tiles per MSA block (the cache's, ModelRunner.sparse_tiles)
+from m3serve.runtime.step_inputs import PagedPlan, paged_meta, paged_step
 
 
 def pack_spans(tables: DeviceBlockTables, kv, seq_ids: list[int], pos0: np.ndarray, counts: np.ndarray,
@@ -58,7 +49,7 @@ def pack_spans(tables: DeviceBlockTables, kv, seq_ids: list[int], pos0: np.ndarr
     lengths = pos0 + counts
     tail = np.zeros(0, dtype=np.int64) if tail is None else np.asarray(tail, dtype=np.int64)
     head_ids = np.zeros(0, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
-    meta = np.zeros(0, dtype=np.int64) if paged is None else np.concatenate(([0], np.cumsum(counts), lengths))
+    meta = np.zeros(0, dtype=np.int64) if paged is None else paged_meta(counts, lengths)
     extra = np.concatenate((head_ids, tail, meta)).astype(np.int32)
     slot_table, _, slot_mapping = tables.prepare(seq_ids, seq_of_token, positions, extra=extra)
     raw = tables.last_extra
@@ -66,10 +57,7 @@ def pack_spans(tables: DeviceBlockTables, kv, seq_ids: list[int], pos0: np.ndarr
     staged = raw[:off].long()
     step, spans = None, []
     if paged is not None:
-        dense, sparse = split_plan(t, tables.max_blocks, paged.kv_heads, paged.topk, paged.sparse_tiles)
-        step = PagedStep(slot_table=slot_table, seq_lens=raw[off + s + 1:off + 2 * s + 1],
-                         query_start=raw[off:off + s + 1], max_query_len=int(counts.max()), num_splits=dense,
-                         num_splits_sparse=sparse)
+        step = paged_step(slot_table, raw[off:], counts, tables.max_blocks, paged)
     else:
         pages = -(-lengths // tables.manager.page_size)
         spans = [SeqSpan(int(a), int(n), int(length), slot_table[i, :int(p)].long())
@@ -103,4 +91,4 @@ def pack_verify(items: list[StepItem], tables: DeviceBlockTables, kv, paged: Pag
     return batch
 
 
-__all__ = ["PagedPlan", "pack_spans", "pack_verify"]
+__all__ = ["pack_spans", "pack_verify"]

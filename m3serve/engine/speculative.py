@@ -57,7 +57,7 @@ import torch
 from m3serve.engine.engine import EngineConfig, LLMEngine, _last_token
 from m3serve.engine.request import Request
 from m3serve.engine.sampler import processed_probs, top_logprobs
-from m3serve.engine.spec_batch import PagedPlan, pack_spans, pack_verify
+from m3serve.engine.spec_batch import pack_spans, pack_verify
 from m3serve.engine.spec_config import SpecConfig
 from m3serve.engine.spec_policy import PLAIN, SPEC, make_policy
 from m3serve.engine.spec_rng import DeviceRNG, mix32, sample_categorical
@@ -138,7 +138,7 @@ class SpecDecoding:
         self.graph_steps = 0             # steps that ran as SpecSteps
         self.overlapped_steps = 0        # of them, launched before the previous one was read back
         self.split_steps = 0             # of them, beside prefill chunks that ran eagerly in the same step
-        self.fresh_rows = 0              # rows they took without drafts (forced to accept none: _target_step)
+        self.fresh_rows = 0              # rows they took without drafts (stand-ins verified: _target_step)
         # steps with decoding requests that speculative_config.disable_by_batch_size ran plainly / speculatively
         self.policy = make_policy(spec.disable_by_batch_size)
         self.policy_plain_steps = 0
@@ -321,16 +321,11 @@ class SpecDecoding:
                 st.drop_drafts()
         return done + self.engine._step_chunks(chunks)
 
-    def _paged(self, draft: bool) -> PagedPlan | None:
-        """The eager step's batches carry the paged-cache kernels' metadata when the runner's attention is the
-        kernels (the decode target) and the spec runner runs them locally (a tensor-parallel group's followers
-        rebuild each batch from its wire form's spans, which the stock loop reads)."""
-        runner = self.engine.runner
-        if not (runner.target_attention and self.spec_runner.paged_batches):
-            return None
-        if draft:
-            return PagedPlan(runner.kv.spec.kv_heads(runner.view.layer), 0)
-        return PagedPlan(runner.kv.spec.num_kv_heads, self.engine.model.cfg.index_topk_blocks, runner.sparse_tiles)
+    def _paged(self, draft: bool):
+        """The eager step's batches carry the paged-cache kernels' metadata (the runner's PagedPlan) when the spec
+        runner runs them locally (a tensor-parallel group's followers rebuild each batch from its wire form's
+        spans, which the stock loop reads)."""
+        return self.engine.runner.paged_plan(draft) if self.spec_runner.paged_batches else None
 
     def _eager_step(self, chunks) -> list[Request]:
         """Verify + draft passes of `chunks` on the host-driven path (prefill chunks, logprobs, penalties, ...)."""
@@ -397,24 +392,23 @@ class SpecDecoding:
         flight = self._in_flight()
         moving = [flight.get(r.request_id) == r.num_preemptions for r in reqs]
         # A fresh row holds no drafts for its state (its last steps ran plainly, or its drafts were dropped): it is
-        # staged with K copies of its last token as drafts and accepts exactly 0 of them, so it emits the target's
-        # greedy token after its last one (what a plain step emits) and leaves with K fresh drafts from the same
-        # program's draft passes; _target_step_requests admits it in all-greedy steps only (a sampled row's
-        # forced count would draw from a residual of drafts it never proposed). Without it, such a row sent the
-        # whole batch down the eager path, dozens of times a step program's cost, on every switch of the policy.
+        # staged with K copies of its last token as stand-in drafts. Greedy verification keeps exactly the prefix
+        # that equals the target's own tokens, so it emits what plain greedy steps would, and it leaves with K
+        # drafts from the program's draft passes; its acceptance is not the drafter's, so resolve() counts none of
+        # it. _target_step_requests admits fresh rows in all-greedy steps only (sampled verification needs the
+        # drafts' distributions). Without them, such a row sent the whole batch down the eager path, dozens of
+        # times a step program's cost, on every switch of the batch-size policy.
         fresh = frozenset(r.request_id for r, m in zip(reqs, moving) if not m and not self._holds_drafts(r))
         forced = None
-        if self.spec.forced_acceptance is not None or fresh:
+        if self.spec.forced_acceptance is not None:   # benchmarks: a fresh row's stand-ins are never forced in
             forced = []
             for r in reqs:
                 if r.request_id in fresh:
                     forced.append(0)
-                elif self.spec.forced_acceptance is None:
-                    forced.append(-1)
-                else:
-                    step = self._forced_step.get(r.request_id, 0)
-                    self._forced_step[r.request_id] = step + 1
-                    forced.append(min(forced_accepts(step, self.spec.forced_acceptance - 1.0), k))
+                    continue
+                step = self._forced_step.get(r.request_id, 0)
+                self._forced_step[r.request_id] = step + 1
+                forced.append(min(forced_accepts(step, self.spec.forced_acceptance - 1.0), k))
         sampling = q = None
         if any(not r.params.greedy for r in reqs):
             p = [r.params for r in reqs]
@@ -457,7 +451,7 @@ class SpecDecoding:
             st.preemptions = r.num_preemptions      # as launched (checked above): a fresh row's state starts here
             a = len(toks) - 1
             r.num_computed += 1 + a
-            if r.request_id not in fresh:       # a fresh row verified no drafts: nothing to count
+            if r.request_id not in fresh:       # a fresh row verified stand-ins, not the drafter's drafts
                 self._record(st, k, a)
                 emitted += 1 + a
             out.append(r)

@@ -32,7 +32,8 @@ from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.runtime.decode_graphs import DecodeGraphs, Launched
-from m3serve.runtime.step_inputs import LogitsProcessing, PagedStep, sparse_tiles_per_block, split_plan
+from m3serve.runtime.step_inputs import (LogitsProcessing, PagedPlan, paged_meta, paged_step,
+                                         sparse_tiles_per_block)
 from m3serve.targets.attention import PAGED_KERNELS
 from m3serve.targets.explain import uncertified_attention
 
@@ -161,6 +162,15 @@ class ModelRunner:
         return True
 
     # ------------------------------------------------------------------ eager steps
+    def paged_plan(self, draft: bool = False) -> PagedPlan | None:
+        """What an eager step's PagedStep needs for the target's layers (draft: the Eagle3 draft layer's), or None
+        while attention runs the stock loop (before enable_target)."""
+        if not self.target_attention:
+            return None
+        if draft:
+            return PagedPlan(self.kv.spec.kv_heads(self.view.layer), 0)
+        return PagedPlan(self.kv.spec.num_kv_heads, self.model.cfg.index_topk_blocks, self.sparse_tiles)
+
     def build_batch(self, chunks) -> ForwardBatch:
         """Pack the step. Block tables and the token slot mapping come from ONE staged upload and ONE device
         op for the whole batch (DeviceBlockTables.prepare); only changed block-table rows are re-staged."""
@@ -173,19 +183,13 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(chunks)), n)
         positions = np.repeat(done - starts, n) + np.arange(int(n.sum()))
         lengths = done + n
-        extra = None
-        if self.target_attention:  # the kernels' metadata rides in the same upload: [query_start | seq_lens]
-            extra = np.concatenate(([0], np.cumsum(n), lengths)).astype(np.int32)
+        plan = self.paged_plan()
+        # the kernels' metadata rides in the same upload
+        extra = None if plan is None else paged_meta(n, lengths).astype(np.int32)
         slot_table, _, slot_mapping = self.tables.prepare([r.request_id for r in reqs], seq_of_token, positions,
                                                           extra=extra)
-        step = None
-        if self.target_attention:
-            s = len(chunks)
-            meta = self.tables.last_extra
-            dense, sparse = split_plan(int(n.sum()), self.tables.max_blocks, self.kv.spec.num_kv_heads,
-                                       self.model.cfg.index_topk_blocks, self.sparse_tiles)
-            step = PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:], query_start=meta[:s + 1],
-                             max_query_len=int(n.max()), num_splits=dense, num_splits_sparse=sparse)
+        step = None if plan is None else paged_step(slot_table, self.tables.last_extra, n, self.tables.max_blocks,
+                                                    plan)
         spans = [] if step is not None else [
             SeqSpan(int(starts[i]), int(n[i]), int(lengths[i]), slot_table[i, :-(-int(lengths[i]) // page)].long())
             for i in range(len(chunks))]

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -98,6 +99,28 @@ class PagedStep:
         if buf is None:
             buf = self.workspaces[key] = make()
         return buf
+
+
+class PagedPlan(NamedTuple):
+    """What an eager step's PagedStep needs besides the step itself: split_plan's inputs for the layers it runs
+    (ModelRunner.paged_plan derives them from the model and cache)."""
+    kv_heads: int
+    topk: int                # MSA top-k blocks (0: no MSA layer, e.g. the Eagle3 draft layer)
+    sparse_tiles: int = 1    # key tiles per MSA block (the cache's, sparse_tiles_per_block)
+
+
+def paged_meta(counts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[query starts (S+1) | sequence lengths (S)] of an eager step: the kernels' per-sequence metadata, staged in
+    the step's one upload (DeviceBlockTables.prepare's `extra`) and read back by `paged_step`."""
+    return np.concatenate(([0], np.cumsum(counts), lengths)).astype(np.int64)
+
+
+def paged_step(slot_table: Tensor, meta: Tensor, counts: np.ndarray, max_blocks: int, plan: PagedPlan) -> PagedStep:
+    """The PagedStep of an eager step of S = len(counts) sequences: `meta` is the device copy of paged_meta."""
+    s = len(counts)
+    dense, sparse = split_plan(int(counts.sum()), max_blocks, plan.kv_heads, plan.topk, plan.sparse_tiles)
+    return PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:2 * s + 1], query_start=meta[:s + 1],
+                     max_query_len=int(counts.max()), num_splits=dense, num_splits_sparse=sparse)
 
 
 class LogitsProcessing(NamedTuple):

@@ -113,6 +113,28 @@ def test_the_real_runner_packs_and_runs_a_step(model):
     assert [r.output_token_ids for r in got] == [[t] for t in tokens]
 
 
+def test_on_the_target_the_runner_packs_the_paged_kernels_metadata(model):
+    """With target attention on (what enable_target sets), build_batch stages [query starts | lengths] in the same
+    upload and hands the batch a PagedStep from the runner's PagedPlan (no per-sequence spans); before, none."""
+    from m3serve.runtime.step_inputs import PagedPlan, split_plan
+    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=64))
+    runner = eng.runner
+    assert runner.paged_plan() is None
+    runner.target_attention = True
+    cfg = model.cfg
+    assert runner.paged_plan() == PagedPlan(runner.kv.spec.num_kv_heads, cfg.index_topk_blocks, runner.sparse_tiles)
+    prompts = [[5, 17, 99, 230, 7], [44, 3, 8]]
+    for p in prompts:
+        eng.add_request(p, GREEDY)
+    batch = runner.build_batch(eng.scheduler.schedule())
+    st = batch.step
+    assert batch.seqs == [] and st.query_start.tolist() == [0, 5, 8] and st.seq_lens.tolist() == [5, 3]
+    assert st.max_query_len == 5 and st.slot_table.shape[0] == 2
+    plan = runner.paged_plan()
+    assert (st.num_splits, st.num_splits_sparse) == split_plan(8, runner.tables.max_blocks, plan.kv_heads, plan.topk,
+                                                               plan.sparse_tiles)
+
+
 def test_the_engine_hands_the_runner_its_logits_processing(model):
     """Penalty-state rows are assigned by the engine (per request) and applied by the runner: a biased request's
     step carries its row, a plain batch none; the bias decides the token."""

@@ -222,9 +222,9 @@ def test_paged_plan_packs_the_kernels_metadata_beside_the_same_slots():
     """spec_batch.pack_spans with a PagedPlan (the decode target's eager step): the batch carries a PagedStep whose
     query starts, sequence lengths and slot-table rows are those of the spans the stock loop would read, with
     split_plan's factors for the step's rows; token ids, positions, flat slots and the tail are unchanged."""
-    from m3serve.engine.spec_batch import PagedPlan, pack_spans
+    from m3serve.engine.spec_batch import pack_spans
     from m3serve.kv import BlockManager, DeviceBlockTables
-    from m3serve.runtime.step_inputs import split_plan
+    from m3serve.runtime.step_inputs import PagedPlan, split_plan
     page = 16
     m = BlockManager(64, page, 8, 9, enable_prefix_caching=False)
     lens = {3: 40, 5: 7, 8: 70}

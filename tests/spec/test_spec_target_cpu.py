@@ -282,9 +282,9 @@ def test_batch_size_policy_switches_between_the_step_program_and_plain_decode_gr
 def test_rows_without_drafts_join_the_step_program_after_plain_steps(model, greedy_reference):
     """disable_by_batch_size = 1: while both requests decode, the policy runs plain steps (no drafts); when the
     second finishes, the first speculates again. It holds no drafts, so it joins the step program as a fresh row
-    (K copies of its last token staged as drafts, forced to accept none: it emits the target's greedy token and
-    leaves with K real drafts) instead of sending the step down the eager path. Greedy tokens equal the stock
-    eager engine's; the fresh row's step counts no acceptance; later steps verify real drafts."""
+    (K copies of its last token staged as stand-in drafts, verified greedily like any: it emits what plain greedy
+    steps would and leaves with K drafts) instead of sending the step down the eager path. Greedy tokens equal
+    the stock eager engine's; later program steps verify the new drafts; stats() reports both counts."""
     eng = _spec(model, True, disable_by_batch_size=1)
     got, _ = _run(eng)
     assert got == greedy_reference
@@ -292,7 +292,7 @@ def test_rows_without_drafts_join_the_step_program_after_plain_steps(model, gree
     assert spec.policy_plain_steps >= 3 and spec.fresh_rows >= 1
     assert spec.graph_steps > spec.fresh_rows            # the fresh row's next steps verified its new drafts
     st = eng.stats()["spec_decode"]
-    assert st["verify_steps"] > 0 and st["acceptance_length"] >= 1.0
+    assert st["verify_steps"] > 0
     assert (st["program_steps"], st["fresh_rows"]) == (spec.graph_steps, spec.fresh_rows)
 
 
@@ -301,7 +301,7 @@ def test_rows_without_drafts_join_the_step_program_after_plain_steps(model, gree
 @pytest.mark.parametrize("forced", [None, 3.5])
 def test_eager_steps_on_the_target_run_the_kernels_and_equal_the_stock_loop(model, monkeypatch, forced):
     """On the decode target the eager speculative step (prefill chunks, a request's first step after plain steps)
-    packs its verify and draft batches with the paged-cache kernels' metadata (spec_batch.PagedPlan), so every
+    packs its verify and draft batches with the paged-cache kernels' metadata (the runner's PagedPlan), so every
     attention layer and the draft layer run as the kernels instead of the stock loop over sequences (a dozen
     small launches per sequence and layer: 0.7 s for 64 prompts on the H200). No step program here, so every
     step is eager; the stock loop is made to fail, and the tokens equal the stock eager engine's: greedy (the
