@@ -57,12 +57,14 @@ suite)   # the whole `pytest -m gpu`, in parallel: the 700 kernel cells of tests
   for l in "$OUT"/pytest-*.log; do echo "== $l"; grep -E "^(FAILED|ERROR)" "$l" | head -20; tail -1 "$l"; done | tee -a "$OUT/phases.txt"
   ;;
 spec-round)  # issue 28's Eagle3 loss under load: where the eager speculative step's time goes now that it runs the
-             # paged kernels (cProfile at 1 and 16 prompts), the closed-loop breakdown, then the served sweep
+             # paged kernels and a finished prompt drafts on the device one step later (cProfile at 1 and 16
+             # prompts), the closed-loop breakdown (spec: no policy, whose arrival steps were the loss), then the
+             # served sweep with the default policy and without one (spec-always)
   phase spec-eager-profile ${T_A:-60} python3 bench/debug/spec_eager_profile.py --n 1,16 --out-dir "$OUT"
-  phase spec-serving-steps ${T_B:-90} python3 bench/spec_serving_steps.py --engines plain,spec-2 \
+  phase spec-serving-steps ${T_B:-120} python3 bench/spec_serving_steps.py --engines plain,spec,spec-2 \
     --concurrency 1,4,16,64 --out "$OUT/spec-serving-steps-h200.json"
-  phase serve-pareto ${T_SERVE:-300} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    minimax-m3:5:plain:nvfp4 minimax-m3:5:spec:nvfp4 --requests-per-user 4 --timeout 120 \
+  phase serve-pareto ${T_SERVE:-380} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
+    embedded:spec-always minimax-m3:5:plain:nvfp4 minimax-m3:5:spec:nvfp4 --requests-per-user 4 --timeout 110 \
     --out "$OUT/serve-pareto-h200.json"
   ;;
 final-round)  # no regression from the model runner, side by side: baseline/ holds the tree before it (m3serve/ and

@@ -6,8 +6,9 @@ its own server), combined into one Pareto file and one chart (`m3serve bench par
 
 A run is MODEL:MODE[:QUANT]; MODEL "embedded" is the embedded model (its trained Eagle3 drafter for spec);
 a preset takes random weights and, for spec, a random drafter with forced acceptance (--forced-al) and
-token-id prompts. MODE is plain, spec (the server's default batch-size policy) or spec-auto (the measured
-policy, `--speculative-disable-by-batch-size auto`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
+token-id prompts. MODE is plain, spec (the server's default batch-size policy), spec-auto (the measured
+policy, `--speculative-disable-by-batch-size auto`) or spec-always (no policy: every step speculates,
+`--speculative-disable-by-batch-size none`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ sys.path.insert(0, ROOT)
 from m3serve.benchmeta import run_metadata  # noqa: E402
 
 
+MODES = ("plain", "spec", "spec-auto", "spec-always")
+POLICY = {"spec-auto": "auto", "spec-always": "none"}     # mode -> the server's --speculative-disable-by-batch-size
+
+
 def server_args(model: str, mode: str, quant: str | None, args) -> tuple[str, list[str]]:
     extra = ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
     if args.max_model_len:
         extra += ["--max-model-len", str(args.max_model_len)]
-    if mode == "spec-auto":
-        extra += ["--speculative-disable-by-batch-size", "auto"]
+    if mode in POLICY:
+        extra += ["--speculative-disable-by-batch-size", POLICY[mode]]
     if model == "embedded":
         from m3serve.llm import default_model
         target = default_model()
@@ -45,9 +50,6 @@ def server_args(model: str, mode: str, quant: str | None, args) -> tuple[str, li
                "forced_acceptance": args.forced_al}
         extra += ["--speculative-config", json.dumps(cfg)]
     return model, extra
-
-
-MODES = ("plain", "spec", "spec-auto")
 
 
 def parse_run(text: str) -> tuple[str, str, str | None]:
@@ -103,8 +105,8 @@ def main() -> int:
     doc.update({"command": meta["command"], "date": meta["date"], "host": meta["host"]})
     for r, (model, mode, _, _) in zip(doc["runs"], files):
         r["model"] = model
-        if mode == "spec-auto":
-            r["policy"] = "auto"
+        if mode in POLICY:
+            r["policy"] = POLICY[mode]
         r.pop("meta", None)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

@@ -32,7 +32,9 @@ One `SpecDecoding.step(chunks)` (LLMEngine.step schedules, then hands the chunks
      fused target states at p) at RoPE position p. This rewrites the draft KV of the accepted positions with
      target features (overwriting what the previous draft loop wrote there from draft features). Its last row
      (position c-1, c = num_computed) proposes d1; passes j = 2..K run one token per request at position
-     c+j-2 from (d_{j-1}, the previous pass's pre-norm output) and propose dj.
+     c+j-2 from (d_{j-1}, the previous pass's pre-norm output) and propose dj. A prompt finished here whose next
+     step runs as the step program proposes nothing (pass 1 still writes its draft K/V): it joins that program as a
+     fresh row (_target_step), whose draft passes propose on the device.
   Invariant between steps: target and draft KV are valid for positions < num_computed = num_tokens - 1.
   Notes: a decode request verifies 1 + K' tokens but the scheduler's token budget counts it as 1 (the block
   tables are sized for K more tokens per sequence). Prefix-cache pages carry the draft layer too; the draft
@@ -352,8 +354,8 @@ class SpecDecoding:
     def _target_step_requests(self, chunks) -> list[Request] | None:
         """The requests of `chunks` when the step can run as SpecSteps: every chunk a decode (greedy, or sampled
         when the graphs have the sampled variant; no logprobs, no logits processing) holding K drafts for its
-        current state, or in the step in flight (whose outputs the device keeps for this one), or, in an all-greedy
-        step, holding no drafts (after plain steps of the batch-size policy: a fresh row, see _target_step), in a
+        current state, or in the step in flight (whose outputs the device keeps for this one), or holding none (a
+        fresh row, see _target_step: after its prefill, or after plain steps of the batch-size policy), in a
         bucket, with room for the step's writes (pages allocated here). None: take the eager path (which first
         reads back the step in flight)."""
         ss = self.spec_steps
@@ -370,10 +372,9 @@ class SpecDecoding:
         for c in chunks:
             r = c.request
             moving = flight.get(r.request_id) == r.num_preemptions
-            ready = moving or self._holds_drafts(r) or not sampled
             # writes stay below n + 2K, n = num_computed after the step in flight (at most K + 1 more)
             end = r.num_computed + (k + 1 if moving else 0) + 2 * k
-            if (c.num_tokens != 1 or not c.reaches_end or not ready
+            if (c.num_tokens != 1 or not c.reaches_end
                     or r.params.logprobs is not None or r.logits_processing or end > max_len):
                 return None
             reqs.append(r)
@@ -391,13 +392,16 @@ class SpecDecoding:
         k = self.spec.num_speculative_tokens
         flight = self._in_flight()
         moving = [flight.get(r.request_id) == r.num_preemptions for r in reqs]
-        # A fresh row holds no drafts for its state (its last steps ran plainly, or its drafts were dropped): it is
-        # staged with K copies of its last token as stand-in drafts. Greedy verification keeps exactly the prefix
-        # that equals the target's own tokens, so it emits what plain greedy steps would, and it leaves with K
-        # drafts from the program's draft passes; its acceptance is not the drafter's, so resolve() counts none of
-        # it. _target_step_requests admits fresh rows in all-greedy steps only (sampled verification needs the
-        # drafts' distributions). Without them, such a row sent the whole batch down the eager path, dozens of
-        # times a step program's cost, on every switch of the batch-size policy.
+        # A fresh row holds no drafts for its state (it was just prefilled, its last steps ran plainly, or its
+        # drafts were dropped): it is staged with K copies of its last token s as stand-in drafts. Greedy
+        # verification keeps exactly the prefix that equals the target's own tokens, so it emits what plain greedy
+        # steps would. A sampled row's stand-ins come with q = one-hot(s) (q=None below): rejection sampling then
+        # accepts s with probability min(1, p(s)/1) = p(s) and otherwise draws from max(p - q, 0) normalised, which
+        # is p without s, renormalised; so s comes out with probability p(s) and any y != s with
+        # (1 - p(s)) * p(y) / (1 - p(s)) = p(y): the target's distribution, as for any proposal q whose draft was
+        # drawn from q. The row leaves with K drafts from the program's draft passes; its acceptance is not the
+        # drafter's, so resolve() counts none of it. Without fresh rows, such a row sent the whole batch down the
+        # eager path, dozens of times a step program's cost, on every arrival and every switch of the policy.
         fresh = frozenset(r.request_id for r, m in zip(reqs, moving) if not m and not self._holds_drafts(r))
         forced = None
         if self.spec.forced_acceptance is not None:   # benchmarks: a fresh row's stand-ins are never forced in
@@ -413,7 +417,7 @@ class SpecDecoding:
         if any(not r.params.greedy for r in reqs):
             p = [r.params for r in reqs]
             sampling = [sampling_row(x.temperature, x.top_k, x.top_p, self._key(r)) for x, r in zip(p, reqs)]
-            q = [None if m else self._state[r.request_id].q for r, m in zip(reqs, moving)]
+            q = [None if m or r.request_id in fresh else self._state[r.request_id].q for r, m in zip(reqs, moving)]
         launched = self.spec_steps.run(
             [r.request_id for r in reqs], [0 if m else _last_token(r) for r, m in zip(reqs, moving)],
             [[] if m else [_last_token(r)] * k if r.request_id in fresh else self._state[r.request_id].drafts
@@ -655,7 +659,12 @@ class SpecDecoding:
                 continue
             req = it.req
             k = min(kmax, self.engine.max_model_len - 1 - req.num_computed)   # next verify: positions c..c+k
-            if k > 0 and self.engine.blocks.append_slots(req.request_id, req.num_computed + 1 + k):
+            if self._prefill_joins_program(it):
+                # pass 1 below still writes its draft KV; its first decode step joins the step program as a fresh
+                # row, which drafts on the device: passes 2..K here would cost every running stream this eager
+                # step's K - 1 extra host-driven passes and a device->host read for drafts used once
+                self._st(req).drop_drafts()
+            elif k > 0 and self.engine.blocks.append_slots(req.request_id, req.num_computed + 1 + k):
                 proposers.append(i)
                 ks.append(k)
             else:
@@ -704,6 +713,16 @@ class SpecDecoding:
             st.drafts = drafts[i][:k]
             st.q = None if qs[0] is None else torch.stack([qq[i] for qq in qs[:k]])
             st.anchor = r.num_tokens
+
+    def _prefill_joins_program(self, it: StepItem) -> bool:
+        """A prompt this eager step finished whose next step can run as the step program (which takes it as a
+        fresh row): it proposes no drafts here. On the host-driven path (no step program: CPU, tensor parallel; or
+        logprobs / logits processing, which keep the eager path) its drafts are proposed as ever, so that its first
+        decode step verifies them."""
+        r, ss = it.req, self.spec_steps
+        prefill = len(it.tokens) > len(it.drafts) + 1
+        return (prefill and ss is not None and (r.params.greedy or ss.sampling) and r.params.logprobs is None
+                and not r.logits_processing)
 
     def _propose(self, head: HeadOut, reqs: list[Request], greedy: bool, keys: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

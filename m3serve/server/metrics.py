@@ -51,7 +51,7 @@ SPEC_POLICY_COUNTERS = {
     "spec_program_steps": "Speculative steps run as the step program (verify + K draft passes in one launch "
                           "sequence, a CUDA graph on the GPU).",
     "spec_split_steps": "Of the step program's steps, those beside prefill chunks run eagerly in the same step.",
-    "spec_fresh_rows": "Rows the step program took without drafts (after plain steps), stand-in drafts verified.",
+    "spec_fresh_rows": "Rows the step program took without drafts (just prefilled, or after plain steps), stand-in drafts verified.",
 }
 # vLLM's metrics, by their names after the prefix (`vllm:` + name in vLLM's exposition)
 VLLM_METRICS = frozenset({

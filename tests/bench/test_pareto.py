@@ -49,7 +49,7 @@ def _serve_pareto():
     return mod
 
 
-def test_serve_pareto_spec_auto_asks_the_server_for_the_measured_policy():
+def test_serve_pareto_modes_ask_the_server_for_their_policy():
     sp = _serve_pareto()
     args = type("A", (), {"max_num_seqs": 64, "max_model_len": None, "k": 3, "forced_al": 2.78})()
     assert sp.parse_run("minimax-m3:5:spec-auto:nvfp4") == ("minimax-m3:5", "spec-auto", "nvfp4")
@@ -62,5 +62,7 @@ def test_serve_pareto_spec_auto_asks_the_server_for_the_measured_policy():
     assert "--speculative-tokens" not in plain and "--speculative-disable-by-batch-size" not in plain
     _, spec = sp.server_args("embedded", "spec", None, args)
     assert "--speculative-disable-by-batch-size" not in spec
+    _, always = sp.server_args("embedded", "spec-always", None, args)
+    assert always[always.index("--speculative-disable-by-batch-size") + 1] == "none"
     with pytest.raises(SystemExit, match="plain|spec|spec-auto"):
         sp.parse_run("embedded:fast")

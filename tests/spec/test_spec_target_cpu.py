@@ -75,7 +75,10 @@ def test_greedy_equals_the_eager_engine(model, greedy_reference):
 
 @pytest.fixture(scope="module")
 def forced_reference(model):
+    """The eager engine, told (as the step program's engine decides) that a finished prompt proposes no drafts:
+    its first decode step then verifies none, as the program's fresh row verifies stand-ins never forced in."""
     eager = _spec(model, False, forced_acceptance=3.5)
+    eager.speculation._prefill_joins_program = lambda it: len(it.tokens) > len(it.drafts) + 1
     out, _ = _run(eager)
     return out, eager.stats()["spec_decode"]["accepted_per_position"]
 
@@ -94,6 +97,8 @@ def test_forced_acceptance_proposes_what_the_eager_draft_loop_proposes(model, fo
     # the second prompt is prefilled in two chunks: its second chunk runs eagerly beside the first request's
     # decode, which keeps the step program
     assert eng.speculation.split_steps >= 1
+    # each prompt's prefill proposed no drafts: its first decode step joined the program as a fresh row
+    assert spec.fresh_rows == len(PROMPTS)
     per_pos = eng.stats()["spec_decode"]["accepted_per_position"]
     assert per_pos == ref_per_pos
     assert 0 < per_pos[-1] < per_pos[0]          # 2 and 3 = K drafts accepted both occurred
@@ -141,6 +146,25 @@ def test_sampled_requests_take_the_eager_path_without_the_sampled_variant(model)
     while eng.has_work():
         eng.step()
     assert len(r.output_token_ids) == 5 and eng.speculation.graph_steps == 0
+
+
+def test_a_sampled_prompt_joins_the_sampled_variant_as_a_fresh_row(model):
+    """Its prefill proposes no drafts (the eager step runs draft pass 1 only); its first decode step verifies K
+    stand-ins with q one-hot (exact: tests/spec/test_verify.py) inside the sampled variant, not the eager path.
+    (That the same seed draws the same tokens is the slow mixed test's.)"""
+    eng = speculative_engine(model, _config(), speculative_config=spec_cfg(3))
+    model.use_attention(PAGED_KERNELS)
+    spec = eng.speculation
+    spec.spec_steps = SpecSteps(model, spec.drafter, eng.runner.view, eng.runner.tables, 3, (1,), graphs=False,
+                                sampling=True)
+    eager = []
+    spec._eager_step = lambda chunks, inner=spec._eager_step: eager.append(len(chunks)) or inner(chunks)
+    r = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.9, top_k=40, seed=7, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert len(r.output_token_ids) == 4 and eager == [1]          # the prefill only
+    assert spec.fresh_rows == 1 and spec.spec_steps.sampled_replays == spec.graph_steps >= 1
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots
 
 
 def _mixed(model, overlap: bool) -> tuple[list[list[int]], LLMEngine]:

@@ -172,6 +172,27 @@ def test_keyed_accept_preserves_target_distribution():
             assert abs(rate - alpha) < 5 * (alpha * (1 - alpha) / R) ** 0.5
 
 
+def test_keyed_accept_of_stand_in_drafts_keeps_the_target_distribution():
+    """A fresh row of the step program (no drafts of its own: just prefilled, or after plain steps) verifies K
+    copies of its last token s with q one-hot at s: every emitted position still follows p, including where s is
+    unlikely (position 1 here gives it 5 %) and where the target has no mass on it at all (position 2)."""
+    g = torch.Generator().manual_seed(15)
+    s = 3
+    p1 = torch.stack([_dist(g) for _ in range(K + 1)])
+    share = torch.tensor([0.6, 0.05, 0.0, 0.5])              # p(s) per position
+    p1 = p1 * (1 - share)[:, None] / (1 - p1[:, s])[:, None]
+    p1[:, s] = share
+    q = torch.zeros(K, V)
+    q[:, s] = 1.0
+    tokens, n = _keyed(p1, q, torch.full((R, K), s, dtype=torch.int64), seed=16)
+    for j in range(K):                                         # position j is emitted when j drafts were accepted
+        rows = n >= j + 1
+        assert int(rows.sum()) > 5_000                         # 200k, 0.6 * 200k, 0.6 * 0.05 * 200k rows
+        assert chi2_pvalue(tokens[rows, j], p1[j]) > P_MIN, f"position {j}"
+    assert not bool((n == K + 1).any())                        # p(s) = 0 at position 2: never accepted there
+    assert abs(float((n >= 2).double().mean()) - 0.6) < 5 * (0.24 / R) ** 0.5    # s accepted with p(s)
+
+
 def test_keyed_accept_forced_count_then_a_target_draw():
     g = torch.Generator().manual_seed(15)
     p1 = torch.stack([_dist(g) for _ in range(K + 1)])
