@@ -2,7 +2,7 @@
 # One device call that certifies and measures on the H200, phase by phase, each under its own time limit so that
 # partial logs always come back:
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
-#   bash bench/gpu_certify_session.sh spec-round     issue 28: the eager speculative step, closed loop, served sweep
+#   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   ... serve-round | prefill-round2 | prefill-round | backlog: the open issues' measurement calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
@@ -56,16 +56,15 @@ suite)   # the whole `pytest -m gpu`, in parallel: the 700 kernel cells of tests
   echo "[gpu suite: $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
   for l in "$OUT"/pytest-*.log; do echo "== $l"; grep -E "^(FAILED|ERROR)" "$l" | head -20; tail -1 "$l"; done | tee -a "$OUT/phases.txt"
   ;;
-spec-round)  # issue 28's Eagle3 loss under load: where the eager speculative step's time goes now that it runs the
-             # paged kernels and a finished prompt drafts on the device one step later (cProfile at 1 and 16
-             # prompts), the closed-loop breakdown (spec: no policy, whose arrival steps were the loss), then the
-             # served sweep with the default policy and without one (spec-always)
-  phase spec-eager-profile ${T_A:-60} python3 bench/debug/spec_eager_profile.py --n 1,16 --out-dir "$OUT"
-  phase spec-serving-steps ${T_B:-120} python3 bench/spec_serving_steps.py --engines plain,spec,spec-2 \
-    --concurrency 1,4,16,64 --out "$OUT/spec-serving-steps-h200.json"
-  phase serve-pareto ${T_SERVE:-380} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    embedded:spec-always minimax-m3:5:plain:nvfp4 minimax-m3:5:spec:nvfp4 --requests-per-user 4 --timeout 110 \
-    --out "$OUT/serve-pareto-h200.json"
+spec-round)  # issue 28's Eagle3 loss under load: the prefill graphs' GPU tests (capture == padded program == eager
+             # step); where the eager speculative step's time goes now that a finished prompt drafts on the device
+             # one step later (cProfile at 1 and 16 prompts); the closed-loop breakdown side by side with and
+             # without prefill graphs (-pg) and without a policy (spec, whose arrival steps were the loss)
+  phase pytest-prefill-graphs ${T_P:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+    tests/runtime/test_prefill_graphs_gpu.py
+  phase spec-eager-profile ${T_A:-50} python3 bench/debug/spec_eager_profile.py --n 1,16 --out-dir "$OUT"
+  phase spec-serving-steps ${T_B:-150} python3 bench/spec_serving_steps.py \
+    --engines plain,plain-pg,spec,spec-2,spec-2-pg --concurrency 1,4,16,64 --out "$OUT/spec-serving-steps-h200.json"
   ;;
 final-round)  # no regression from the model runner, side by side: baseline/ holds the tree before it (m3serve/ and
               # bench/ of BASE_COMMIT, from `git archive`), each side runs its own benches; then issue 28's sweeps
@@ -85,10 +84,11 @@ final-round)  # no regression from the model runner, side by side: baseline/ hol
   phase spec-plain-step-cost ${T_C:-60} python3 bench/spec_plain_step_cost.py --batch 128 \
     --out "$OUT/spec-plain-step-cost-h200.json"
   ;;
-serve-round)  # issue 28's sweeps on one machine: the embedded model plain / Eagle3 and minimax-m3:5 NVFP4 plain /
-              # Eagle3 (forced acceptance), 128/128 tokens at C = 1 .. 128; the server logs stay in the phase log
-  phase serve-pareto ${T_SERVE:-560} python3 bench/serve_pareto.py --runs embedded:plain embedded:spec \
-    minimax-m3:5:plain:nvfp4 minimax-m3:5:spec:nvfp4 --requests-per-user 4 --timeout 170 \
+serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1 .. 128: plain and Eagle3 (default
+              # policy; none: spec-always), each with and without prefill graphs (-pg); the server logs stay in
+              # the phase log
+  phase serve-pareto ${T_SERVE:-560} python3 bench/serve_pareto.py --runs embedded:plain embedded:plain-pg \
+    embedded:spec embedded:spec-always embedded:spec-always-pg --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
   ;;

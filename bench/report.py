@@ -759,9 +759,12 @@ def render_serve(files: list[ResultFile]) -> str:
 
 
 def _run_mode(run: dict, where: str) -> str:
-    """A serving run's mode, with the speculation policy when the run named one (bench/serve_pareto.py spec-auto)."""
+    """A serving run's mode, with the speculation policy and the prefill graphs when the run named them
+    (bench/serve_pareto.py spec-auto, spec-always, -pg)."""
     mode, policy = need(run, "mode", where, "str"), opt(run, "policy", where, "str")
-    return f"{mode} (policy {policy})" if policy else mode
+    graphs = opt(run, "prefill_graph_tokens", where, "int")
+    notes = ([f"policy {policy}"] if policy else []) + ([f"prefill graphs to {graphs} tokens"] if graphs else [])
+    return f"{mode} ({', '.join(notes)})" if notes else mode
 
 
 def render_serve_pareto(files: list[ResultFile]) -> str:

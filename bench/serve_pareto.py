@@ -8,7 +8,8 @@ A run is MODEL:MODE[:QUANT]; MODEL "embedded" is the embedded model (its trained
 a preset takes random weights and, for spec, a random drafter with forced acceptance (--forced-al) and
 token-id prompts. MODE is plain, spec (the server's default batch-size policy), spec-auto (the measured
 policy, `--speculative-disable-by-batch-size auto`) or spec-always (no policy: every step speculates,
-`--speculative-disable-by-batch-size none`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
+`--speculative-disable-by-batch-size none`); a "-pg" suffix (plain-pg, spec-always-pg, ...) also replays eager steps of
+up to 1024 tokens as prefill graphs (`--prefill-graph-tokens 1024`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
 """
 
 from __future__ import annotations
@@ -31,8 +32,14 @@ MODES = ("plain", "spec", "spec-auto", "spec-always")
 POLICY = {"spec-auto": "auto", "spec-always": "none"}     # mode -> the server's --speculative-disable-by-batch-size
 
 
+PG_SUFFIX, PG_TOKENS = "-pg", 1024
+
+
 def server_args(model: str, mode: str, quant: str | None, args) -> tuple[str, list[str]]:
     extra = ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+    if mode.endswith(PG_SUFFIX):
+        mode = mode[:-len(PG_SUFFIX)]
+        extra += ["--prefill-graph-tokens", str(PG_TOKENS)]
     if args.max_model_len:
         extra += ["--max-model-len", str(args.max_model_len)]
     if mode in POLICY:
@@ -57,8 +64,8 @@ def parse_run(text: str) -> tuple[str, str, str | None]:
     # presets contain a colon themselves (minimax-m3:5)
     if parts[0] == "minimax-m3" and len(parts) > 1 and parts[1].isdigit():
         parts = [parts[0] + ":" + parts[1]] + parts[2:]
-    if len(parts) not in (2, 3) or parts[1] not in MODES:
-        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[:QUANT]")
+    if len(parts) not in (2, 3) or parts[1].removesuffix(PG_SUFFIX) not in MODES:
+        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[{PG_SUFFIX}][:QUANT]")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
@@ -105,8 +112,11 @@ def main() -> int:
     doc.update({"command": meta["command"], "date": meta["date"], "host": meta["host"]})
     for r, (model, mode, _, _) in zip(doc["runs"], files):
         r["model"] = model
-        if mode in POLICY:
-            r["policy"] = POLICY[mode]
+        base = mode.removesuffix(PG_SUFFIX)
+        if base in POLICY:
+            r["policy"] = POLICY[base]
+        if mode != base:
+            r["prefill_graph_tokens"] = PG_TOKENS
         r.pop("meta", None)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

@@ -7,6 +7,7 @@ own pacing, as the server's loop runs it) and labelled by what ran in it:
 
     plain-graph     a plain decode graph step (the plain engine, or a plain step of the speculation policy)
     plain-eager     a plain eager step (prefill chunks, rows off the graphs)
+    plain-prefill-graph  a plain eager step whose forward replayed a prefill graph (runtime/prefill_graphs.py)
     spec-graph      the speculative step program (SpecSteps: verify + K draft passes, one launch)
     spec-split      the speculative program for the decoding rows, then prefill chunks eagerly in the same step
     spec-eager      the host-driven speculative step (verify + draft passes launched from Python): prefill chunks,
@@ -15,7 +16,8 @@ own pacing, as the server's loop runs it) and labelled by what ran in it:
 
 Per engine and concurrency: per-user tokens per second over the whole loop, and per kind the step count, the share
 of the loop's time and the median step. Engines: plain, spec (always speculate), spec-2 (the default threshold),
-spec-auto (the measured policy).
+spec-auto (the measured policy); a "-pg" suffix (plain-pg, spec-2-pg) also replays eager steps of up to 1024
+tokens as prefill graphs (EngineConfig.prefill_graph_tokens), side by side with the same engine without them.
 
     python bench/spec_serving_steps.py --concurrency 1,4,16,64 \
         --out bench/results/spec_serving_steps/spec-serving-steps-h200.json
@@ -40,7 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from m3serve import LLM, SamplingParams, embedded_drafter  # noqa: E402
 from m3serve.benchmeta import run_metadata  # noqa: E402
 
-ENGINES = {"plain": None, "spec": None, "spec-2": 2, "spec-auto": "auto"}   # name -> disable_by_batch_size
+# name -> (speculative_config.disable_by_batch_size, or PLAIN for no speculation; EngineConfig.prefill_graph_tokens)
+PLAIN = "plain"
+PREFILL_GRAPH_TOKENS = 1024
+ENGINES = {"plain": (PLAIN, 0), "spec": (None, 0), "spec-2": (2, 0), "spec-auto": ("auto", 0),
+           "plain-pg": (PLAIN, PREFILL_GRAPH_TOKENS), "spec-2-pg": (2, PREFILL_GRAPH_TOKENS)}
 
 
 class StepLabels:
@@ -52,6 +58,8 @@ class StepLabels:
         self._wrap(eng, "_launch_overlapped", "plain-graph")
         self._wrap(eng, "_graph_decode", "plain-graph")
         self._wrap(eng.runner, "run", "plain-eager")
+        self.prefill = eng.runner          # its prefill_graphs' replays tell a graphed eager step
+        self._replays = 0
         spec = eng.speculation
         if spec is not None:
             self._wrap(spec, "_target_step", "spec-graph")
@@ -65,8 +73,15 @@ class StepLabels:
             return inner(*a, **kw)
         setattr(obj, name, counted)
 
+    def _prefill_replays(self) -> int:
+        pg = self.prefill.prefill_graphs
+        return 0 if pg is None else pg.replays
+
     def label(self) -> str:
         c, self.calls = self.calls, collections.Counter()
+        replays, self._replays = self._replays, self._prefill_replays()
+        if c["plain-eager"] and self._replays > replays and not (c["spec-eager"] or c["spec-graph"]):
+            return "plain-prefill-graph"
         if c["spec-graph"] and c["spec-eager"]:
             return "spec-split"
         for kind in ("spec-eager", "spec-graph", "plain-graph"):
@@ -131,7 +146,7 @@ def closed_loop(llm: LLM, users: int, per_user: int, prompts: list[list[int]], t
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default="plain,spec,spec-2,spec-auto", help=f"some of {list(ENGINES)}")
     ap.add_argument("--requests-per-user", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3)
@@ -147,10 +162,11 @@ def main() -> int:
     for name in args.engines.split(","):
         if name not in ENGINES:
             raise SystemExit(f"--engines: expected names from {list(ENGINES)}, found {name!r}")
-        spec = None if name == "plain" else {"method": "eagle3", "model": embedded_drafter(),
-                                              "num_speculative_tokens": args.k,
-                                              "disable_by_batch_size": ENGINES[name]}
-        llm = LLM(device=args.device, max_num_seqs=args.max_num_seqs, speculative_config=spec, **kv)
+        policy, graph_tokens = ENGINES[name]
+        spec = None if policy == PLAIN else {"method": "eagle3", "model": embedded_drafter(),
+                                             "num_speculative_tokens": args.k, "disable_by_batch_size": policy}
+        llm = LLM(device=args.device, max_num_seqs=args.max_num_seqs, speculative_config=spec,
+                  prefill_graph_tokens=graph_tokens, **kv)
         prompts = heldout_prompts(llm)
         for users in levels:
             res = closed_loop(llm, users, args.requests_per_user, prompts, args.tokens)

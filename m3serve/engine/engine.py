@@ -55,6 +55,9 @@ class EngineConfig:
     # Admission batching (Scheduler.admission_wait_s): while requests decode, hold new ones back up to this many
     # seconds so that several share one prefill step. 0 = admit at once.
     admission_wait_s: float = 0.0
+    # Eager steps (prefill chunks, alone or beside decoding rows) of up to this many tokens replayed as CUDA graphs
+    # on the decode target (m3serve/runtime/prefill_graphs.py); 0 = off (the default until measured on the GPU).
+    prefill_graph_tokens: int = 0
     seed: int = 0
 
 
@@ -502,6 +505,7 @@ class LLMEngine:
                 "kv_pages_free": self.blocks.num_free_slots(), "kv_pages_total": self.runner.kv.num_slots,
                 "preemptions": self.scheduler.num_preemptions,
                 "kernel_compiles_after_warmup": COMPILE_WATCH.count,
+                "prefill_graph_replays": getattr(getattr(self.runner, "prefill_graphs", None), "replays", 0),
                 "structured_masked_steps": self.grammars.masked_steps if self.grammars is not None else 0,
                 "structured_graph_masked_steps": self.grammars.graph_masked_steps if self.grammars is not None else 0}
         if self.speculation is not None:

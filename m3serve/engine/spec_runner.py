@@ -47,6 +47,7 @@ class SpecRunner:
         self.model, self.drafter = model, drafter
         self.capture = tuple(sorted(set(drafter.cfg.capture_layers)))
         self.fused: torch.Tensor | None = None   # [T, H] of the last target step
+        self.prefill_graphs = None               # the runner's PrefillGraphs (SpecDecoding.enable_target)
         self.h: torch.Tensor | None = None       # [P, H] recurrent states of the proposing rows
 
     def target(self, batch: ForwardBatch, mode: int) -> HeadOut:
@@ -54,7 +55,10 @@ class SpecRunner:
         _check_mode(mode)
         m, d = self.model, self.drafter
         batch.capture_layers = self.capture
-        h = m.hidden(batch)
+        # an eager step the runner's prefill graphs hold replays its bucket's forward (None: no bucket holds it)
+        h = self.prefill_graphs.hidden(batch) if self.prefill_graphs is not None else None
+        if h is None:
+            h = m.hidden(batch)
         self.fused = d.fuse([batch.captured[i] for i in d.cfg.capture_layers])
         batch.captured.clear()
         if mode == NONE:

@@ -72,7 +72,6 @@ from m3serve.runtime.decode_graphs import sampling_row
 from m3serve.runtime.model_runner import ModelRunner, all_certified
 from m3serve.runtime.spec_graphs import MAX_ROWS, SpecSteps
 from m3serve.runtime.step_inputs import buckets_up_to
-from m3serve.targets.attention import PAGED_KERNELS
 from m3serve.targets.explain import spec_step_placements, uncertified_attention, uncertified_draft_attention
 from m3serve.targets.routing import install_drafter, mode_of
 
@@ -156,6 +155,8 @@ class SpecDecoding:
                              "spec_runner_config)")
         self.engine = engine
         self.rng = DeviceRNG(engine.config.seed, engine.model.device)
+        if self.spec_runner.paged_batches:    # its eager steps' target forward may replay the runner's prefill graphs
+            engine.runner.prefill_capture_layers = self.spec_runner.capture
         return self
 
     def enable_target(self, graphs: bool = True, buckets: tuple[int, ...] | None = None, mode: str = "auto",
@@ -202,7 +203,9 @@ class SpecDecoding:
         if not all_certified(missing, "speculative attention", "speculative decode target", mode):
             return False
         install_drafter(self.drafter, "auto" if mode_of(m) == "off" else mode_of(m))
-        m.use_attention(PAGED_KERNELS)   # the drafter runs its target's backend
+        # the drafter runs its target's backend; the eager steps' batches carry the kernels' metadata (paged_plan),
+        # with or without a batch-size policy (without this they ran the stock loop over sequences)
+        runner.use_paged_kernels()
         self.spec_steps = SpecSteps(m, self.drafter, runner.view, runner.tables, k, buckets, graphs=graphs,
                                     sampling=sampling)
         self.spec_steps.capture(mode)
@@ -211,6 +214,10 @@ class SpecDecoding:
             # for the batches above the threshold, the paged-cache kernels in its eager steps. The tables were
             # sized above, so this keeps them (SpecSteps captured their buffers).
             runner.enable_target(graphs, plain_buckets, mode)
+        if graphs:
+            # eager steps (arrivals' prefill chunks) replay prefill graphs that also keep the drafter's layers
+            runner.enable_prefill_graphs(mode)
+            self.spec_runner.prefill_graphs = runner.prefill_graphs
         return True
 
     def _policy_buckets(self, buckets: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,8 +1,8 @@
 """The model runner: the device side of an engine step (nano-vllm's ModelRunner, vLLM v1's GPUModelRunner).
 
 It owns the model, the paged KV cache, the device block tables (and, with a draft layer, the draft view's), the
-decode target switch (attention through the paged-cache kernels, the decode graphs) and the device side of
-sampling. The engine (m3serve.engine.engine) stays on the host: it schedules, asks the runner for the step
+decode target switch (attention through the paged-cache kernels, the decode graphs, and optionally eager steps as
+prefill graphs: runtime/prefill_graphs.py) and the device side of sampling. The engine (m3serve.engine.engine) stays on the host: it schedules, asks the runner for the step
 (`build_batch` + `run`, or `launch_graph` + `fetch_tokens` in the overlap loop) and post-processes (append,
 stop checks, page commits).
 
@@ -32,6 +32,7 @@ from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.runtime.decode_graphs import DecodeGraphs, Launched
+from m3serve.runtime.prefill_graphs import PrefillGraphs, seq_buckets, token_buckets
 from m3serve.runtime.step_inputs import (LogitsProcessing, PagedPlan, paged_meta, paged_step,
                                          sparse_tiles_per_block)
 from m3serve.targets.attention import PAGED_KERNELS
@@ -84,6 +85,9 @@ class ModelRunner:
         adds the shared Eagle3 draft layer to the cache. max_step_tokens: tokens one step may pack (a verify step
         holds K drafts per sequence more than the scheduler's budget)."""
         self.model, self.config = model, config
+        n = config.prefill_graph_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"prefill_graph_tokens: expected an int >= 0 (0: off), found {n!r}")
         dev = model.device
         spec = cache_spec(model, config, draft_kv_heads)
         if config.kv_cache_bytes is not None or dev.type != "cuda":
@@ -98,6 +102,8 @@ class ModelRunner:
         self.target_attention = False    # attention through the paged-cache kernels (enable_target)
         self.graphs_version = 0          # bumped whenever `graphs` is replaced (keys the engine's per-request caches)
         self.graphs = None               # DecodeGraphs (enable_target)
+        self.prefill_graphs = None       # PrefillGraphs (enable_target, config.prefill_graph_tokens > 0)
+        self.prefill_capture_layers = ()  # residual streams its programs keep (a speculative engine's drafter's)
         log.info("KV cache: %s", self.kv.describe())
 
     @property
@@ -153,13 +159,30 @@ class ModelRunner:
         missing = uncertified_attention(self.model, self.kv, self.tables.max_blocks, buckets)
         if not all_certified(missing, "attention", "decode target", mode):
             return False
-        self.target_attention = True
-        self.model.use_attention(PAGED_KERNELS)
+        self.use_paged_kernels()
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.kv, self.tables, buckets, penalties=penalties,
                                        token_masks=token_masks)
             self.graphs.capture(mode)
+            self.enable_prefill_graphs(mode)
         return True
+
+    def use_paged_kernels(self) -> None:
+        """Attention through the paged-cache kernels for every step: eager steps carry a PagedStep (paged_plan)."""
+        self.target_attention = True
+        self.model.use_attention(PAGED_KERNELS)
+
+    def enable_prefill_graphs(self, mode: str, graphs: bool = True) -> None:
+        """Eager steps of up to config.prefill_graph_tokens tokens as CUDA graphs (runtime/prefill_graphs.py);
+        graphs=False builds the same padded programs to run eagerly (CPU tests). Needs the target's attention."""
+        limit = min(self.config.prefill_graph_tokens, self.config.max_num_batched_tokens, self.tables.max_tokens)
+        tokens = token_buckets(limit)
+        if not self.target_attention or not tokens or self.prefill_graphs is not None:
+            return
+        self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.tables, self.paged_plan(), tokens,
+                                            seq_buckets(min(self.config.max_num_seqs, self.tables.manager.max_seqs)),
+                                            graphs=graphs, capture_layers=self.prefill_capture_layers)
+        self.prefill_graphs.capture(mode)
 
     # ------------------------------------------------------------------ eager steps
     def paged_plan(self, draft: bool = False) -> PagedPlan | None:
@@ -211,7 +234,11 @@ class ModelRunner:
         and, when asked, (chosen logprobs, top ids, top logprobs) as lists. prompt_plan: prompt-logprob rows that
         follow the sampled ones in batch.logits_rows (m3serve.engine.prompt_logprobs). processing: see `sample`."""
         with torch.inference_mode():
-            logits = self.model(batch)
+            logits = None
+            if self.prefill_graphs is not None and prompt_plan is None:
+                logits = self.prefill_graphs.run(batch)     # None: no bucket holds the step
+            if logits is None:
+                logits = self.model(batch)
             if prompt_plan is not None:
                 prompt_plan.record(logits[len(reqs):])
                 logits = logits[:len(reqs)]

@@ -15,6 +15,7 @@ clean), the same series as `vllm:<name>` on request (`/metrics?names=vllm`, for 
     m3serve_kv_pages_capacity / _free / _used / _cached   gauge   KV pages
     m3serve_engine_steps_total, m3serve_http_responses_total{status}   counter
     m3serve_kernel_compiles_after_warmup_total       counter    Triton kernel variants built after the warm-up
+    m3serve_prefill_graph_replays_total              counter    eager steps whose forward replayed a prefill graph
     m3serve_spec_*                                   gauge      speculative decoding statistics (engine.stats()),
                                                                 among them m3serve_spec_disable_by_batch_size (the
                                                                 policy's threshold; absent when the policy is off)
@@ -168,6 +169,9 @@ class _EngineCollector:
         yield self._counter("m3serve_kernel_compiles_after_warmup", "Triton kernel variants built after the start-up "
                             "warm-up (each a stall in front of a step; 0 when the warm-up reached every shape class).",
                             s.get("kernel_compiles_after_warmup", 0))
+        yield self._counter("m3serve_prefill_graph_replays", "Eager steps (prefill chunks, alone or beside decoding "
+                            "rows) whose forward replayed a CUDA graph (--prefill-graph-tokens).",
+                            s.get("prefill_graph_replays", 0))
         if "acceptance_length" in s:
             yield self._gauge("m3serve_spec_acceptance_length", "Mean tokens emitted per speculative verify step.",
                               s["acceptance_length"])

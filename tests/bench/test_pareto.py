@@ -64,5 +64,11 @@ def test_serve_pareto_modes_ask_the_server_for_their_policy():
     assert "--speculative-disable-by-batch-size" not in spec
     _, always = sp.server_args("embedded", "spec-always", None, args)
     assert always[always.index("--speculative-disable-by-batch-size") + 1] == "none"
+    assert "--prefill-graph-tokens" not in always
+    assert sp.parse_run("embedded:spec-always-pg") == ("embedded", "spec-always-pg", None)
+    _, pg = sp.server_args("embedded", "spec-always-pg", None, args)
+    assert pg[pg.index("--prefill-graph-tokens") + 1] == "1024" and "--speculative-tokens" in pg and "none" in pg
+    _, pg = sp.server_args("embedded", "plain-pg", None, args)
+    assert "--prefill-graph-tokens" in pg and "--speculative-tokens" not in pg
     with pytest.raises(SystemExit, match="plain|spec|spec-auto"):
         sp.parse_run("embedded:fast")

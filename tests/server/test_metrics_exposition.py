@@ -18,7 +18,7 @@ SNAP = {"alive": 1, "waiting": 3, "running": 2, "kv_pages_total": 10, "kv_pages_
         "steps": 9, "kv_pages_cached": 1, "acceptance_length": 2.5, "spec_draft_tokens": 30,
         "spec_disable_by_batch_size": 2, "spec_policy_plain_steps": 7, "spec_policy_spec_steps": 3,
         "spec_program_steps": 11, "spec_split_steps": 4, "spec_fresh_rows": 6,
-        "prefix_cache_queries": 400, "prefix_cache_hits": 288}
+        "prefix_cache_queries": 400, "prefix_cache_hits": 288, "prefill_graph_replays": 12}
 
 
 def _filled() -> ServerMetrics:
@@ -61,6 +61,7 @@ def test_vllm_names_with_the_model_label():
     assert types["m3serve_spec_policy_plain_steps"] == "counter"
     # how the speculative steps ran: counters too
     assert value(s, "m3serve_spec_program_steps_total", **lab) == 11 and value(s, "m3serve_spec_fresh_rows_total", **lab) == 6
+    assert value(s, "m3serve_prefill_graph_replays_total", **lab) == 12
     assert types["m3serve_spec_split_steps"] == types["m3serve_spec_fresh_rows"] == "counter"
     assert types["m3serve_spec_disable_by_batch_size"] == "gauge"
     assert types["m3serve_request_success"] == "counter" and types["m3serve_kv_cache_usage_perc"] == "gauge"

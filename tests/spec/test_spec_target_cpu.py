@@ -230,6 +230,15 @@ def test_embedded_model_and_drafter_lie_in_certified_cells():
                                                  "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3")})
     assert big.enable_target(graphs=False, mode="require")
     assert big.speculation.spec_steps.buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    # without a batch-size policy (no plain decode target) the eager speculative steps still carry the paged
+    # kernels' metadata: they ran the stock loop over sequences before
+    always = speculative_engine(m, EngineConfig(kv_cache_bytes=4 << 20, max_num_seqs=8, max_num_batched_tokens=64),
+                                speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                                                    "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3"),
+                                                    "disable_by_batch_size": None})
+    assert always.enable_target(graphs=False, mode="require")
+    assert always.runner.graphs is None and always.speculation._paged(draft=False) is not None
+    assert always.speculation._paged(draft=True) is not None
 
 
 def test_install_drafter_routes_exact_norms_and_joins_projections():
@@ -359,3 +368,22 @@ def test_eager_steps_on_the_target_run_the_kernels_and_equal_the_stock_loop(mode
     assert eng.speculation.graph_steps == 0 and eng.stats()["spec_decode"]["verify_steps"] > 0
     if forced is not None:
         assert sum(per_pos) > 0                  # drafts were accepted: the outputs hold drafted tokens
+
+
+@pytest.mark.slow   # ~1 min of interpreter end to end
+def test_eager_speculative_steps_replay_the_prefill_programs(model, greedy_reference):
+    """The eager speculative step's target forward (prefills, a prompt's second chunk beside a decoding row) runs
+    the runner's padded prefill programs, which also keep the drafter's layers: the same greedy tokens."""
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=48,
+                                                 max_model_len=128, prefill_graph_tokens=64),
+                             speculative_config=spec_cfg(3))
+    model.use_attention(PAGED_KERNELS)
+    spec = eng.speculation
+    spec.spec_steps = SpecSteps(model, spec.drafter, eng.runner.view, eng.runner.tables, 3, (1, 2), graphs=False)
+    eng.runner.target_attention = True
+    eng.runner.enable_prefill_graphs("auto", graphs=False)
+    pg = spec.spec_runner.prefill_graphs = eng.runner.prefill_graphs
+    assert pg.capture_layers == spec.spec_runner.capture and pg.capture_layers
+    got, _ = _run(eng)
+    assert got == greedy_reference
+    assert pg.replays >= 2

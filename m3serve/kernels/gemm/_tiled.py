@@ -116,6 +116,17 @@ def alpha_epilogue(y_ptr, alpha_ptr, out_ptr, M, N, stride_om, alpha_stride, ALP
 
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []   # outgrown scratch buffers a captured CUDA graph may still address
+_keep_outgrown = False
+
+
+def keep_outgrown_scratch() -> None:
+    """From now on an outgrown scratch buffer stays allocated: a CUDA graph captured on it (runtime/prefill_graphs.py,
+    whose steps from 512 rows take the DEQUANT_MM path) replays the addresses it recorded, while later eager calls
+    (a longer chunk, the MoE's decode-once band) grow the scratch into a new buffer. Freed, the old one would be
+    handed to other tensors and the graph would write into them."""
+    global _keep_outgrown
+    _keep_outgrown = True
 
 
 def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -124,6 +135,8 @@ def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tens
     call outside it (the next LLM's routing warm-up in the same process)."""
     buf = _SCRATCH.get((device, dtype))
     if buf is None or buf.numel() < numel:
+        if buf is not None and _keep_outgrown:
+            _RETIRED.append(buf)
         with torch.inference_mode(False):
             buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
