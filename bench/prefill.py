@@ -3,7 +3,8 @@
     python bench/prefill.py --model minimax-m3:5 --tokens 1024,8192,32768,131072 --quant nvfp4,mxfp8,none \
         --chunk 8192 --out bench/results/prefill/prefill-h200.json
 
-Each m3serve row builds `LLM(model, random_weights=True, quantization=q, max_num_batched_tokens=chunk)` (its
+Each m3serve row builds `LLM(model, random_weights=True, quantization=q, max_num_batched_tokens=chunk)` (with
+--prefill-graph-tokens 0,1024: once per value, short prompts' eager steps then replaying prefill graphs) (its
 start-up warm-up compiles every variant first), then times `generate(prompt, max_tokens=1)` (median of --repeat
 after one untimed run). The transformers row builds `MiniMaxM3VLForCausalLM` from the same config in BF16
 (random init on the GPU, sdpa attention: on Hopper transformers has only the dense-mask MSA path) and times
@@ -76,10 +77,10 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 
 
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
-                 profile_dir: str | None = None):
+                 profile_dir: str | None = None, graph_tokens: int = 0):
     from m3serve import LLM, SamplingParams
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
-              max_model_len=max(tokens) + 16, max_num_seqs=8)
+              max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in tokens:
@@ -94,7 +95,8 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                 times.append(time.perf_counter() - t0)
         ttft = statistics.median(times)
         rows.append({"engine": "m3serve", "model": model, "quantization": quant or "none", "tokens": n,
-                     "chunk": chunk, "ttft_s": ttft, "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK})
+                     "chunk": chunk, "ttft_s": ttft, "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
+                     "prefill_graph_tokens": graph_tokens})
         print(json.dumps(rows[-1]), flush=True)
         if profile_dir:
             profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}.txt"))
@@ -157,14 +159,17 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile-dir", default=None, help="also write a torch-profiler kernel table per row here")
+    ap.add_argument("--prefill-graph-tokens", default="0",
+                    help="comma list: m3serve rows per value of EngineConfig.prefill_graph_tokens (0: eager steps)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     meta = run_metadata()
     results, cfg = [], None
     for q in args.quant.split(","):
-        rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat, args.device,
-                                 args.profile_dir)
-        results += rows
+        for g in (int(v) for v in args.prefill_graph_tokens.split(",")):
+            rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
+                                     args.device, args.profile_dir, g)
+            results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -598,7 +598,9 @@ def render_prefill(files: list[ResultFile]) -> str:
         for i, r in enumerate(rows_of(rf)):
             w = f"{rf.name}.results[{i}]"
             ttft, frac = opt(r, "ttft_s", w), opt(r, "frac_bf16_peak", w)
-            table.append([need(r, "engine", w, "str"), need(r, "model", w, "str"), need(r, "quantization", w, "str"),
+            graphs = opt(r, "prefill_graph_tokens", w, "int")
+            engine = need(r, "engine", w, "str") + (f" (prefill graphs to {graphs} tokens)" if graphs else "")
+            table.append([engine, need(r, "model", w, "str"), need(r, "quantization", w, "str"),
                           count(need(r, "tokens", w, "int")), count(need(r, "chunk", w, "int")),
                           or_dash(ttft, ms) if ttft is not None else (opt(r, "skipped", w, "str") or DASH),
                           or_dash(frac, pct)])
