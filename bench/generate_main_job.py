@@ -1,6 +1,6 @@
 """The main job as a new user meets it: `m3serve generate` with no arguments, run as fresh processes.
 
-    python bench/generate_main_job.py --runs 2 --out bench/results/generate/generate-h200.json
+    python bench/generate_main_job.py --runs 2 --out bench/results/generate_main_job/generate-h200.json
 
 Run 1 starts with an empty Triton disk cache (a first install), every later run reuses it (the cache the
 first run left). Each run is a separate `python -m m3serve.cli generate` process, so the wall time includes

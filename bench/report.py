@@ -610,6 +610,22 @@ def render_prefill(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_generate_main_job(files: list[ResultFile]) -> str:
+    """bench/generate_main_job.py: `m3serve generate` as fresh processes, cold then warm Triton cache."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(need(rf.data, "runs", rf.name, "list")):
+            w = f"{rf.name}.runs[{i}]"
+            table.append([str(i + 1), need(r, "triton_cache", w, "str"), sig(need(r, "load_s", w)),
+                          count(need(r, "tokens", w, "int")), sig(need(r, "tok_s", w)),
+                          sig(need(r, "process_wall_s", w))])
+        blocks.append(file_block("The main job: `m3serve generate` with no arguments, each run a fresh process",
+                                 md_table(["run", "Triton cache", "load (s)", "tokens", "tok/s (decode)",
+                                           "process wall (s)"], table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_prefill_interference(files: list[ResultFile]) -> str:
     """bench/prefill_interference.py: per step budget, a long prompt's TTFT and the ITL of the streams beside it."""
     blocks = []
@@ -1057,6 +1073,8 @@ KINDS = (
     Kind("prefill_interference", "Prefill beside decoding streams", ("prefill_interference",),
          ("prefill-interference-*.json",), lambda d: _row_keys(d, "baseline_itl_ms", "chunk"),
          render_prefill_interference),
+    Kind("generate_main_job", "The main job", ("generate_main_job",), ("generate-*.json",),
+         lambda d: isinstance(d.get("runs"), list) and "generate_args" in d, render_generate_main_job),
     Kind("prefill", "Prefill", ("prefill",), ("prefill-*.json",),
          lambda d: _row_keys(d, "engine", "ttft_s", "tokens"), render_prefill),
     Kind("spec_decode", "Speculative decoding", ("spec_decode",), ("spec-decode-*.json",),
@@ -1167,9 +1185,24 @@ def _prefill_summary(rf: ResultFile) -> list[list[str]]:
         n = need(r, "tokens", w, "int")
         vs = f" ({sig(ttft / hf[n], 2)}x transformers' BF16 {ms(hf[n])} ms, same run)" if n in hf else ""
         q = need(r, "quantization", w, "str")
-        rows.append([f"prefill TTFT, {count(n)} tokens, {'BF16' if q == 'none' else q.upper()} weights",
+        graphs = opt(r, "prefill_graph_tokens", w, "int")
+        rows.append([f"prefill TTFT, {count(n)} tokens, {'BF16' if q == 'none' else q.upper()} weights"
+                     + (", prefill graphs" if graphs else ""),
                      need(r, "model", w, "str"), f"{ms(ttft)} ms{vs}", code(rf.name)])
     return rows
+
+
+def _generate_summary(rf: ResultFile) -> list[list[str]]:
+    """The main job's warm run (the Triton cache a first run left): load time and decode tok/s."""
+    rows = []
+    for i, r in enumerate(need(rf.data, "runs", rf.name, "list")):
+        w = f"{rf.name}.runs[{i}]"
+        if need(r, "triton_cache", w, "str") == "warm":
+            rows.append(["`m3serve generate` (no arguments), warm Triton cache", "embedded model",
+                         f"load {sig(need(r, 'load_s', w))} s, {sig(need(r, 'tok_s', w))} tok/s "
+                         f"({count(need(r, 'tokens', w, 'int'))} tokens)", code(rf.name)])
+    return rows[:1]
+
 
 
 def _serve_summary(rf: ResultFile, concurrency: int = 64) -> list[list[str]]:
@@ -1226,6 +1259,8 @@ def render_summary(results_dir: Path = RESULTS_DIR) -> str:
         kind = recognise(rf)
         if kind is not None and kind.name == "prefill":
             rows += _prefill_summary(rf)
+        elif kind is not None and kind.name == "generate_main_job":
+            rows += _generate_summary(rf)
         elif kind is not None and kind.name == "serve_pareto":
             rows += _serve_summary(rf)
     for rf in files:

@@ -546,3 +546,29 @@ def test_summary_prefill_and_serving_rows(report, tmp_path):
     assert ["served, plain, 64 users", "embedded (BF16 weights)", "ITL p50 1.87 ms, 418 tok/s per user, 45694 tok/s in all",
             "`serve/serve-pareto-h200.json`"] in rows
     assert sum(r[0].startswith("served") for r in rows) == 1
+
+
+def test_generate_main_job_and_prefill_graph_rows(report, tmp_path):
+    """The main job's runs (cold, then warm Triton cache) in their table, the warm one in the summary; a prefill row
+    with prefill graphs says so in both."""
+    runs = [{"tokens": 64, "decode_s": 1.24, "tok_s": 51.6, "load_s": 29.2, "finish": "length", "device": "cuda",
+             "process_wall_s": 41.03, "triton_cache": "cold"},
+            {"tokens": 64, "decode_s": 0.05, "tok_s": 1392.3, "load_s": 6.31, "finish": "length", "device": "cuda",
+             "process_wall_s": 11.5, "triton_cache": "warm"}]
+    write(tmp_path, "generate_main_job/generate-h200.json", {**PROVENANCE, "bench": "generate_main_job",
+          "command": "bench/generate_main_job.py --runs 2", "generate_args": [], "runs": runs})
+    write(tmp_path, "prefill/prefill-graphs-ttft-h200.json", {**PROVENANCE, "bench": "prefill", "command": "x",
+          "results": [{"engine": "m3serve", "model": "minimax-m3:5", "quantization": "nvfp4", "tokens": 128,
+                       "chunk": 8192, "ttft_s": 0.0123, "frac_bf16_peak": 0.01, "prefill_graph_tokens": 1024},
+                      {"engine": "m3serve", "model": "minimax-m3:5", "quantization": "nvfp4", "tokens": 128,
+                       "chunk": 8192, "ttft_s": 0.0311, "frac_bf16_peak": 0.004, "prefill_graph_tokens": 0}]})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "run") == [["1", "cold", "29.2", "64", "51.6", "41.0"],
+                                      ["2", "warm", "6.31", "64", "1392", "11.5"]]
+    assert [r[0] for r in table_rows(out, "engine")] == ["m3serve (prefill graphs to 1024 tokens)", "m3serve"]
+    assert "unrecognised" not in out
+    rows = table_rows(report.render_summary(tmp_path), "figure")
+    assert ["`m3serve generate` (no arguments), warm Triton cache", "embedded model", "load 6.31 s, 1392 tok/s "
+            "(64 tokens)", "`generate_main_job/generate-h200.json`"] in rows
+    assert ["prefill TTFT, 128 tokens, NVFP4 weights, prefill graphs", "minimax-m3:5", "12.3 ms",
+            "`prefill/prefill-graphs-ttft-h200.json`"] in rows
