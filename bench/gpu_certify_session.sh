@@ -4,7 +4,8 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... serve-round | prefill-round2 | prefill-round | backlog: the open issues' measurement calls (each mode's comment)
+#   ... serve-round | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement calls (each
+#   mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
 set -u
@@ -97,6 +98,15 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always embedded:spec-always-pg --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+prefill-f16)  # issue 29's 131k goal: attn.prefill on FP8 pages (the hybrid cache's dense layers) with fp16 MMA operands
+              # (tiles.f16, attn.paged's scheme) against the bf16-conversion default, checked and timed at an 8k
+              # first chunk and after 120k of context; a winner becomes default_tiles' FP8 choice, then the 131k
+              # prompt is rerun (prefill-round)
+  phase attn-prefill-fp8-8k ${T_A:-240} python3 bench/prefill_attention_variants.py --n 8192 --kv 8 --iters 10 \
+    --out-dir "$OUT/first-chunk"
+  phase attn-prefill-fp8-ctx120k ${T_B:-240} python3 bench/prefill_attention_variants.py --n 8192 --ctx 122880 \
+    --kv 8 --iters 3 --variants 11,0,17,18,19,20,21,22 --out-dir "$OUT/ctx120k"
   ;;
 prefill-round2)  # the fixes' GPU checks (no serving compile, token filters), the chunk size vs running streams
                  # at 2k / 4k / 8k, the 131k prompt at 16k chunks with its kernel profile

@@ -626,6 +626,32 @@ def render_generate_main_job(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_prefill_attention_variants(files: list[ResultFile]) -> str:
+    """bench/prefill_attention_variants.py: attn.prefill tile configs, each checked against the entry's band, then
+    timed on one chunk (and torch's SDPA on the same problem as a yardstick)."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            tiles = r.get("tiles")
+            if isinstance(tiles, dict):
+                t = tiles
+                name = (f"{t['block_m']} x {t['block_n']}, {t['num_warps']} warps, {t['num_stages']} stages"
+                        + (f", {t['heads']} heads" if t.get("heads", 1) > 1 else "")
+                        + ("" if t.get("pv_split", True) else ", one bf16 p.v MMA")
+                        + (", fp16 operands" if t.get("f16") else ""))
+            else:
+                name = need(r, "tiles", w, "str")
+            table.append(["FP8" if need(r, "kv_bits", w, "int") == 8 else "BF16", name, f"{need(r, 'ms', w):.3f}",
+                          sig(need(r, "tflops", w)), opt(r, "check", w, "str") or DASH])
+        n, ctx = need(rf.data, "n", rf.name, "int"), need(rf.data, "ctx", rf.name, "int")
+        blocks.append(file_block(f"attn.prefill tile configs: one {count(n)}-token chunk after {count(ctx)} keys of "
+                                 "context (M3 TP1 dense layer)",
+                                 md_table(["pages", "tiles", "ms", "TFLOP/s", "check"], table), rf))
+    return "\n\n".join(blocks)
+
+
 def render_prefill_interference(files: list[ResultFile]) -> str:
     """bench/prefill_interference.py: per step budget, a long prompt's TTFT and the ITL of the streams beside it."""
     blocks = []
@@ -1073,6 +1099,8 @@ KINDS = (
     Kind("prefill_interference", "Prefill beside decoding streams", ("prefill_interference",),
          ("prefill-interference-*.json",), lambda d: _row_keys(d, "baseline_itl_ms", "chunk"),
          render_prefill_interference),
+    Kind("prefill_attention_variants", "attn.prefill tile configs", ("prefill_attention_variants",), (),
+         lambda d: False, render_prefill_attention_variants),
     Kind("generate_main_job", "The main job", ("generate_main_job",), ("generate-*.json",),
          lambda d: isinstance(d.get("runs"), list) and "generate_args" in d, render_generate_main_job),
     Kind("prefill", "Prefill", ("prefill",), ("prefill-*.json",),

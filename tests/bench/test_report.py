@@ -572,3 +572,15 @@ def test_generate_main_job_and_prefill_graph_rows(report, tmp_path):
             "(64 tokens)", "`generate_main_job/generate-h200.json`"] in rows
     assert ["prefill TTFT, 128 tokens, NVFP4 weights, prefill graphs", "minimax-m3:5", "12.3 ms",
             "`prefill/prefill-graphs-ttft-h200.json`"] in rows
+
+
+def test_prefill_attention_variants(report, tmp_path):
+    tiles = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 1, "pv_split": True, "heads": 2, "f16": True}
+    write(tmp_path, "prefill_attention_variants/prefill-attention-variants-fp8-h200.json",
+          {**PROVENANCE, "bench": "prefill_attention_variants", "command": "x", "n": 8192, "ctx": 122880,
+           "flops": 1, "results": [{"kv_bits": 8, "tiles": tiles, "ms": 150.25, "tflops": 231.7, "check": "ok"},
+                                   {"kv_bits": 16, "tiles": "torch sdpa", "ms": 99.5, "tflops": 350.0}]})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "pages") == [["FP8", "128 x 64, 8 warps, 1 stages, 2 heads, fp16 operands", "150.250",
+                                         "232", "ok"], ["BF16", "torch sdpa", "99.500", "350", "—"]]
+    assert "8192-token chunk after 122880 keys" in out and "unrecognised" not in out

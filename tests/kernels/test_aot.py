@@ -68,3 +68,20 @@ def test_rotated_nvfp4_variants_compile_for_sm90_without_spills(name: str, i: in
     assert results, f"{name}: no kernel launch captured"
     for _, _, r in results:
         assert r.stack == 0 and r.local == 0, f"{name}/{r.name}: spills ({r.stack} B stack) at {e.cells[i].why}"
+
+
+def test_prefill_attention_f16_variant_compiles_for_sm90_without_spills(tmp_path) -> None:
+    """attn.prefill's fp16-operand variant for FP8 pages (tiles.f16, a candidate measured by
+    bench/prefill_attention_variants.py): it builds for sm_90, keeps its registers, and its K loop no longer
+    converts E4M3 to bf16 (no F2F instruction: the f16x2 conversion replaces them)."""
+    from m3serve.kernels.attention import prefill as pa
+    from m3serve.kernels.catalog import Cell
+    e = ENTRIES["attn.prefill"]
+    tiles = pa.PrefillTiles(128, 64, 8, 1, heads=2, f16=True)
+    cell = Cell(rows=(4096, 4096), shape=(64, 4, 128, 128, 8), why="fp16 operands", config={"tiles": tiles})
+    results = aot_check.run([type(e)(**{**e.__dict__, "cells": (cell,)})], arch=90, sass_dir=str(tmp_path))
+    assert results
+    for _, _, r in results:
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, r
+        loops = aot_check.innermost_loops(r.sass)
+        assert loops and all("F2F" not in loop.mix for loop in loops), [loop.mix for loop in loops]

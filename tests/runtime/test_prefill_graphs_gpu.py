@@ -36,10 +36,12 @@ def test_replay_equals_the_padded_program_and_the_eager_step():
         h, _ = pg._forward(tb, pg._step(tb, sb))               # the static inputs still hold this batch
         padded = llm.model.logits(h[:t][batch.logits_rows])
         eager = llm.model(batch)
-    assert torch.equal(replayed, padded)
-    # row counts differ (Tb vs T): the routed cells' summation order only
+    assert torch.equal(replayed, padded)          # the same kernels at the same shapes, in the same order
+    # the unpadded step runs the routed cells of T rows, the program those of Tb: summation order only, which
+    # moves bf16 activations by an ulp here and there (2**-8 relative) and the logits by a few of them; 2 % of the
+    # largest logit is far above that and far below what a wrong row (padding leaking in) would do
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
-    assert (replayed - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
+    assert (replayed - eager).abs().max().item() <= 0.02 * eager.abs().max().item()
     for c in chunks:
         eng.abort(c.request.request_id)
     _release(llm)

@@ -35,6 +35,11 @@ Numerics (per program, online softmax in fp32, scores in the exp2 domain):
                      the best single-MMA tiles (128 x 128) take 2.57 ms
                      (bench/prefill_attention_variants.py)
     out = acc / l    rounded once to bf16
+FP8 pages with tiles.f16 (compiled only): attn.paged's scheme. K and V tiles go to fp16 exactly through the
+hardware's E4M3 -> f16x2 conversion (two values per instruction, where E4M3 -> bf16 takes several), q is scaled
+per row by a power of two into fp16 (attn.paged's _q_to_f16: exact down to 2**-28 of the row's max, the factor
+folded back exactly into the scores), and p is carried as p * 2**14 in fp16 hi + lo (within 2**-22 p + 2**-39;
+l and acc carry the same 2**14, which out = acc / l cancels): inside the p.v band below.
 See `compare` for the tolerance this certifies.
 """
 
@@ -47,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.attention._paged import P_SHIFT, _q_to_f16
 from m3serve.kernels.formats._decode import e4m3_to, to_bf16
 from m3serve.kernels._jit import helper, is_compiled, kernel_unspecialized
 from m3serve.kernels.catalog import (
@@ -70,6 +76,7 @@ class PrefillTiles:
     num_stages: int  # software-pipelining depth of the page loop
     pv_split: bool = True  # p.v as bf16 hi + lo (two MMAs); False: one bf16 MMA (bench only)
     heads: int = 1  # query heads of one KV group per program: block_m rows = block_m/heads tokens x heads
+    f16: bool = False  # FP8 pages, compiled: fp16 MMA operands (module docstring); other pages ignore it
 
 
 def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
@@ -89,9 +96,10 @@ def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
 
 @helper
 def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr, PV_SPLIT: tl.constexpr,
-               CUDA: tl.constexpr):
+               CUDA: tl.constexpr, F16: tl.constexpr):
     """One key block of online softmax: acc [BM, D], m_i/l_i [BM] fp32; q [BM, D], k/v [BN, D] MMA
-    operands (bf16 compiled, fp32 interpreted); allowed [BM, BN] bool when MASKED."""
+    operands (bf16 compiled, fp16 with F16, fp32 interpreted); qk_scale a scalar, or [BM, 1] per row (F16);
+    allowed [BM, BN] bool when MASKED."""
     if CUDA:
         s = tl.dot(q, tl.trans(k))
     else:
@@ -101,15 +109,24 @@ def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr,
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if F16:
+        p = tl.exp2(s - (m_new[:, None] - P_SHIFT))  # p * 2**14: fp16 hi + lo keep 2**-22 of it
+    else:
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    p_hi = to_bf16(p, CUDA)
-    if CUDA:
+    if F16:
+        p_hi = p.to(tl.float16)
+        acc = tl.dot(p_hi, v, acc)
+        if PV_SPLIT:
+            acc = tl.dot((p - p_hi.to(tl.float32)).to(tl.float16), v, acc)
+    elif CUDA:
+        p_hi = to_bf16(p, CUDA)
         acc = tl.dot(p_hi, v, acc)
         if PV_SPLIT:
             acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA), v, acc)
     else:
+        p_hi = to_bf16(p, CUDA)
         acc = tl.dot(p_hi.to(tl.float32), v, acc, input_precision="ieee")
         if PV_SPLIT:
             acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA).to(tl.float32), v, acc, input_precision="ieee")
@@ -118,7 +135,7 @@ def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr,
 
 @helper
 def _load_keys(ptr, slot, head, stride_slot, stride_head, toks, d, key_ok, D: tl.constexpr, KV_FP8: tl.constexpr,
-               CUDA: tl.constexpr, MASKED: tl.constexpr):
+               CUDA: tl.constexpr, MASKED: tl.constexpr, F16: tl.constexpr):
     """[BN, D] tile (tokens `toks` of one page, one KV head) as an MMA operand; keys outside key_ok load as 0
     (masked steps only: past L a page holds stale or never-written bytes, possibly NaN codes)."""
     ptrs = ptr + slot * stride_slot + head * stride_head + toks[:, None] * D + d[None, :]
@@ -126,7 +143,9 @@ def _load_keys(ptr, slot, head, stride_slot, stride_head, toks, d, key_ok, D: tl
         x = tl.load(ptrs, mask=key_ok[:, None], other=0)
     else:
         x = tl.load(ptrs)
-    if KV_FP8:
+    if F16:
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # exact: E4M3 is a subset of fp16
+    elif KV_FP8:
         x = e4m3_to(x, CUDA, CUDA)  # bf16 compiled, fp32 interpreted; exact either way
     elif not CUDA:
         x = x.to(tl.float32)
@@ -139,7 +158,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                               stride_v_slot, stride_v_head, stride_table, qk_scale,
                               GROUP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, HEADS: tl.constexpr, KV_FP8: tl.constexpr,
-                              PV_SPLIT: tl.constexpr, CUDA: tl.constexpr):
+                              PV_SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr):
     head0 = tl.program_id(0) * HEADS
     m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2)
@@ -163,6 +182,10 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                         mask=row_ok[:, None], other=0.0)
             if not CUDA:
                 q = q.to(tl.float32)
+            scale = qk_scale
+            if F16:
+                q, row_scale = _q_to_f16(q, qk_scale)
+                scale = row_scale[:, None]
             kv_head = head0 // GROUP
             pos = L - n + rows  # absolute position of each query row
             first_pos = L - n + row0
@@ -179,21 +202,21 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                 slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
                 toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
                 k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, toks, D, KV_FP8, CUDA,
-                               False)
+                               False, F16)
                 v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, toks, D, KV_FP8, CUDA,
-                               False)
-                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, qk_scale, None, False, PV_SPLIT, CUDA)
+                               False, F16)
+                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, None, False, PV_SPLIT, CUDA, F16)
             for kb in range(full_blocks, end_blocks):
                 slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
                 toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
                 keys = kb * BLOCK_N + in_blk
                 key_ok = keys < L
                 k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8, CUDA,
-                               True)
+                               True, F16)
                 v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8, CUDA,
-                               True)
+                               True, F16)
                 allowed = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, True, PV_SPLIT, CUDA)
+                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16)
             # every row sees at least its own key, so l_i >= 1 on the rows that are stored
             o = acc / l_i[:, None]
             tl.store(o_ptrs, to_bf16(o, CUDA), mask=row_ok[:, None])
@@ -282,7 +305,7 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1),
         v_pages.stride(0), v_pages.stride(1), slot_table.stride(0), float(sm_scale) * LOG2E,
         GROUP=hq // hk, D=d, P=p, BLOCK_M=cfg.block_m, BLOCK_N=block_n, HEADS=cfg.heads, KV_FP8=fp8,
-        PV_SPLIT=cfg.pv_split, CUDA=is_compiled(q),
+        PV_SPLIT=cfg.pv_split, CUDA=is_compiled(q), F16=fp8 and cfg.f16 and is_compiled(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
