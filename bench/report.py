@@ -701,13 +701,17 @@ def render_spec_serving_steps(files: list[ResultFile]) -> str:
                 parts.append(f"{name} {need(kinds[name], 'share', kw) * 100:.0f} % "
                              f"({count(need(kinds[name], 'steps', kw, 'int'))} x {sig(need(kinds[name], 'median_ms', kw))} ms)")
             al = opt(r, "acceptance_length", w)
+            builds = opt(r, "kernel_builds", w, "int")
             table.append([need(r, "engine", w, "str"), count(need(r, "users", w, "int")),
                           sig(need(r, "tokens_per_s_per_user", w)), sig(al) if al is not None else DASH,
-                          "; ".join(parts)])
+                          "; ".join(parts), count(builds) if builds is not None else DASH])
+        headers = ["engine", "users", "tok/s per user", "acceptance length", "time by step kind",
+                   "kernel variants built in the loop"]
+        if all(row[-1] == DASH for row in table):      # files from before the bench counted them
+            headers, table = headers[:-1], [row[:-1] for row in table]
         blocks.append(file_block("The engine under a closed loop of C users (no server): tokens per second per user "
                                  "and where the loop's time goes, by kind of step (share of the time, steps x median)",
-                                 md_table(["engine", "users", "tok/s per user", "acceptance length",
-                                           "time by step kind"], table), rf))
+                                 md_table(headers, table), rf))
     return "\n\n".join(blocks)
 
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from m3serve import LLM, SamplingParams, embedded_drafter  # noqa: E402
 from m3serve.benchmeta import run_metadata  # noqa: E402
+from m3serve.kernels._jit import COMPILE_WATCH  # noqa: E402
 
 # name -> (speculative_config.disable_by_batch_size, or PLAIN for no speculation; EngineConfig.prefill_graph_tokens)
 PLAIN = "plain"
@@ -112,6 +113,7 @@ def closed_loop(llm: LLM, users: int, per_user: int, prompts: list[list[int]], t
         issued[u] += 1
         return eng.add_request(prompts[i % len(prompts)], params)
 
+    builds_before = COMPILE_WATCH.count
     live = {u: new(u) for u in range(users)}
     steps: list[tuple[str, float]] = []
     emitted = 0
@@ -138,6 +140,8 @@ def closed_loop(llm: LLM, users: int, per_user: int, prompts: list[list[int]], t
                        "p90_ms": sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3}
     stats = eng.stats().get("spec_decode", {})
     return {"users": users, "requests": users * per_user, "seconds": total, "steps": len(steps),
+            # Triton variants built inside the timed loop (each a stall of a step: the warm-up should reach them)
+            "kernel_builds": COMPILE_WATCH.count - builds_before,
             "tokens_per_s_per_user": emitted / total / users, "kinds": kinds,
             "acceptance_length": stats.get("acceptance_length"),
             "policy": {k: v for k, v in stats.items() if k.startswith("policy_")}}
@@ -175,7 +179,7 @@ def main() -> int:
             print(json.dumps({"engine": name, "users": users,
                               "tok_s_user": round(res["tokens_per_s_per_user"], 1),
                               "kinds": {k: [v["steps"], round(v["share"], 3), round(v["median_ms"], 3)]
-                                        for k, v in res["kinds"].items()},
+                                        for k, v in res["kinds"].items()}, "kernel_builds": res["kernel_builds"],
                               "policy": res["policy"]}), flush=True)
         llm.shutdown()
         del llm

@@ -31,8 +31,9 @@ def test_closed_loop_rows(tmp_path):
         assert x["requests"] == 2 * x["users"] and x["tokens_per_s_per_user"] > 0
         assert sum(k["steps"] for k in x["kinds"].values()) == x["steps"]
         assert 0.9 < sum(k["share"] for k in x["kinds"].values()) <= 1.0
+        assert x["kernel_builds"] == 0          # counted on CUDA only (the watch is armed by the GPU warm-up)
     # on CPU there are no graphs: the plain engine's steps are eager; the speculative engine drafts at one user
     assert set(rows[0]["kinds"]) == {"plain-eager"} and "spec-eager" in rows[2]["kinds"]
     assert rows[3]["policy"]["policy_plain_steps"] > 0       # 3 decoding requests > the default threshold 2
     text = render_spec_serving_steps([ResultFile("spec_serving_steps/x.json", doc)])
-    assert "| spec-2 | 3 |" in text
+    assert "| spec-2 | 3 |" in text and "kernel variants built in the loop" in text
