@@ -120,6 +120,7 @@ class PrefillGraphs:
         self.blocked: dict[tuple[int, int], capture_check.CaptureBlocker] = {}
         self._workspaces: dict[int, dict] = {}     # Tb -> kernel scratch shared by that token bucket's steps
         self.replays = 0
+        self.memory_bytes = 0                      # device memory the capture reserved (its pool, workspaces)
 
     # ------------------------------------------------------------------ the program
     def _step(self, tb: int, sb: int) -> PagedStep:
@@ -155,6 +156,7 @@ class PrefillGraphs:
                     self.programs[(tb, sb)] = _Eager(lambda tb=tb, step=step: self._forward(tb, step))
             return
         dev = self.model.device
+        reserved = torch.cuda.memory_reserved(dev)
         keep_outgrown_scratch()     # steps from 512 rows decode quantized weights into the process-wide scratch
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -180,9 +182,10 @@ class PrefillGraphs:
                         capture_check.handle(blocker, mode)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
-        log.info("prefill graphs captured: %d of %d buckets (tokens %s x sequences %s)%s", len(self.programs),
-                 len(self.tokens) * len(self.seqs), self.tokens, self.seqs,
-                 f"; eager: {sorted(self.blocked)}" if self.blocked else "")
+        self.memory_bytes = torch.cuda.memory_reserved(dev) - reserved
+        log.info("prefill graphs captured: %d of %d buckets (tokens %s x sequences %s), %.0f MiB more reserved%s",
+                 len(self.programs), len(self.tokens) * len(self.seqs), self.tokens, self.seqs,
+                 self.memory_bytes / 2**20, f"; eager: {sorted(self.blocked)}" if self.blocked else "")
 
     # ------------------------------------------------------------------ replay
     def bucket_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:

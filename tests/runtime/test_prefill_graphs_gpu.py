@@ -74,6 +74,7 @@ def test_real_dims_capture_every_bucket(quant):
               prefill_graph_tokens=256)
     pg = llm.engine.runner.prefill_graphs
     assert pg is not None and not pg.blocked, [b.line() for b in pg.blocked.values()]
+    assert pg.memory_bytes < 4 << 30              # what the capture reserved (logged at start-up)
     out = _greedy(llm, _prompts(3, llm.model.cfg.vocab_size), 4)
     assert all(len(o) == 4 for o in out) and pg.replays > 0
     _release(llm)
