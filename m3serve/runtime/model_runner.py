@@ -2,9 +2,9 @@
 
 It owns the model, the paged KV cache, the device block tables (and, with a draft layer, the draft view's), the
 decode target switch (attention through the paged-cache kernels, the decode graphs, and optionally eager steps as
-prefill graphs: runtime/prefill_graphs.py) and the device side of sampling. The engine (m3serve.engine.engine) stays on the host: it schedules, asks the runner for the step
-(`build_batch` + `run`, or `launch_graph` + `fetch_tokens` in the overlap loop) and post-processes (append,
-stop checks, page commits).
+prefill graphs: runtime/prefill_graphs.py) and the device side of sampling. The engine (m3serve.engine.engine)
+stays on the host: it schedules, asks the runner for the step (`build_batch` + `run`, or `launch_graph` +
+`fetch_tokens` in the overlap loop) and post-processes (append, stop checks, page commits).
 
 Requests and scheduled chunks reach the runner duck-typed, because the runtime layer sits below the engine's
 types: a request's `request_id`, `num_computed`, `params`, `sample_key`, `num_tokens`, `prompt_token_ids`,
