@@ -62,12 +62,12 @@ spec-round)  # issue 28: the prefill graphs' GPU tests (capture == padded progra
              # and without prefill graphs (-pg) and without a policy (spec, whose arrival steps were the loss; a
              # finished prompt now drafts on the device one step later); short prompts' TTFT of minimax-m3:5
              # NVFP4 with and without prefill graphs. (bench/debug/spec_eager_profile.py profiles the eager step.)
-  phase pytest-prefill-graphs ${T_P:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
+  phase pytest-prefill-graphs ${T_P:-190} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
     tests/runtime/test_prefill_graphs_gpu.py
-  phase generate ${T_GENERATE:-90} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
-  phase spec-serving-steps ${T_B:-150} python3 bench/spec_serving_steps.py \
+  phase generate ${T_GENERATE:-120} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
+  phase spec-serving-steps ${T_B:-140} python3 bench/spec_serving_steps.py \
     --engines plain,plain-pg,spec,spec-2,spec-2-pg --concurrency 1,4,16,64 --out "$OUT/spec-serving-steps-h200.json"
-  phase prefill-graphs-ttft ${T_C:-130} python3 bench/prefill.py --model minimax-m3:5 --tokens 128,1024 \
+  phase prefill-graphs-ttft ${T_C:-120} python3 bench/prefill.py --model minimax-m3:5 --tokens 128,1024 \
     --quant nvfp4 --chunk 8192 --prefill-graph-tokens 0,1024 --repeat 3 --no-transformers \
     --out "$OUT/prefill-graphs-ttft-h200.json"
   ;;
