@@ -4,8 +4,8 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... serve-round | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement calls (each
-#   mode's comment)
+#   ... serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
 set -u
@@ -96,6 +96,13 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always embedded:spec-always-pg --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+serve-m3)  # issue 28's minimax-m3:5 NVFP4 sweep (random weights, token-id prompts, Eagle3 with forced acceptance):
+           # no level slower per user than the next higher one; plain and Eagle3, each with and without prefill graphs
+  phase serve-pareto-m3 ${T_SERVE:-560} python3 bench/serve_pareto.py --runs minimax-m3:5:plain:nvfp4 \
+    minimax-m3:5:plain-pg:nvfp4 minimax-m3:5:spec:nvfp4 minimax-m3:5:spec-always-pg:nvfp4 --requests-per-user 4 \
+    --timeout 130 --out "$OUT/serve-pareto-m3_5-h200.json"
+  grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto-m3.log" | head -40
   ;;
 prefill-f16)  # issue 29's 131k goal: attn.prefill on FP8 pages (the hybrid cache's dense layers) with fp16 MMA operands
               # (tiles.f16, attn.paged's scheme) against the bf16-conversion default, checked and timed at an 8k
