@@ -11,7 +11,7 @@ Sb >= S) and runs as:
 
     host   the eager batch as ModelRunner.build_batch packs it (one staged upload, its PagedStep)
     device copies into the bucket's static views: token ids, positions, slot mapping, slot table rows, sequence
-           lengths, query starts, logits rows; the padding made inert (below)
+           lengths, query starts; the padding made inert (below)
            -> one graph replay: the model's layers at Tb rows -> hidden states [Tb, H] (and, for a speculative
            engine, the residual streams its drafter fuses, `capture_layers`)
     host   the head on the step's logits rows and the sampling, eagerly (a few launches), or the speculative eager
