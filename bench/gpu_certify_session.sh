@@ -59,14 +59,16 @@ suite)   # the whole `pytest -m gpu`, in parallel: the 700 kernel cells of tests
   ;;
 spec-round)  # issue 28: the prefill graphs' GPU tests (capture == padded program == eager step); the main job
              # (`m3serve generate`, cold and warm: load and tok/s); the closed-loop breakdown side by side with
-             # and without prefill graphs (-pg) and without a policy (spec, whose arrival steps were the loss; a
-             # finished prompt now drafts on the device one step later); short prompts' TTFT of minimax-m3:5
+             # and without prefill graphs (-pg), admission batching (-aw) and without a policy (spec, whose arrival
+             # steps were the loss; a finished prompt now drafts on the device one step later); short prompts' TTFT
+             # of minimax-m3:5
              # NVFP4 with and without prefill graphs. (bench/debug/spec_eager_profile.py profiles the eager step.)
   phase pytest-prefill-graphs ${T_P:-190} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
     tests/runtime/test_prefill_graphs_gpu.py
   phase generate ${T_GENERATE:-120} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
-  phase spec-serving-steps ${T_B:-140} python3 bench/spec_serving_steps.py \
-    --engines plain,plain-pg,spec,spec-2,spec-2-pg --concurrency 1,4,16,64 --out "$OUT/spec-serving-steps-h200.json"
+  phase spec-serving-steps ${T_B:-150} python3 bench/spec_serving_steps.py \
+    --engines plain,plain-pg,plain-pg-aw,spec,spec-pg,spec-pg-aw,spec-2 --concurrency 1,4,16,64 \
+    --out "$OUT/spec-serving-steps-h200.json"
   phase prefill-graphs-ttft ${T_C:-120} python3 bench/prefill.py --model minimax-m3:5 --tokens 128,1024 \
     --quant nvfp4 --chunk 8192 --prefill-graph-tokens 0,1024 --repeat 3 --no-transformers \
     --out "$OUT/prefill-graphs-ttft-h200.json"

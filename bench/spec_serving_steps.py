@@ -16,8 +16,10 @@ own pacing, as the server's loop runs it) and labelled by what ran in it:
 
 Per engine and concurrency: per-user tokens per second over the whole loop, and per kind the step count, the share
 of the loop's time and the median step. Engines: plain, spec (always speculate), spec-2 (the default threshold),
-spec-auto (the measured policy); a "-pg" suffix (plain-pg, spec-2-pg) also replays eager steps of up to 1024
-tokens as prefill graphs (EngineConfig.prefill_graph_tokens), side by side with the same engine without them.
+spec-auto (the measured policy); a "-pg" suffix (plain-pg, spec-pg, spec-2-pg) also replays eager steps of up to
+1024 tokens as prefill graphs (EngineConfig.prefill_graph_tokens), side by side with the same engine without them;
+"-aw" also holds arrivals back up to 4 ms while requests decode, so that several share one prefill step
+(EngineConfig.admission_wait_s: speculation desynchronises the users, whose requests then arrive one step apart).
 
     python bench/spec_serving_steps.py --concurrency 1,4,16,64 \
         --out bench/results/spec_serving_steps/spec-serving-steps-h200.json
@@ -43,11 +45,16 @@ from m3serve import LLM, SamplingParams, embedded_drafter  # noqa: E402
 from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.kernels._jit import COMPILE_WATCH  # noqa: E402
 
-# name -> (speculative_config.disable_by_batch_size, or PLAIN for no speculation; EngineConfig.prefill_graph_tokens)
+# name -> (speculative_config.disable_by_batch_size, or PLAIN for no speculation; EngineConfig.prefill_graph_tokens;
+# EngineConfig.admission_wait_s)
 PLAIN = "plain"
 PREFILL_GRAPH_TOKENS = 1024
-ENGINES = {"plain": (PLAIN, 0), "spec": (None, 0), "spec-2": (2, 0), "spec-auto": ("auto", 0),
-           "plain-pg": (PLAIN, PREFILL_GRAPH_TOKENS), "spec-2-pg": (2, PREFILL_GRAPH_TOKENS)}
+ADMISSION_WAIT_S = 0.004
+ENGINES = {"plain": (PLAIN, 0, 0.0), "spec": (None, 0, 0.0), "spec-2": (2, 0, 0.0), "spec-auto": ("auto", 0, 0.0),
+           "plain-pg": (PLAIN, PREFILL_GRAPH_TOKENS, 0.0), "spec-pg": (None, PREFILL_GRAPH_TOKENS, 0.0),
+           "spec-2-pg": (2, PREFILL_GRAPH_TOKENS, 0.0),
+           "plain-pg-aw": (PLAIN, PREFILL_GRAPH_TOKENS, ADMISSION_WAIT_S),
+           "spec-pg-aw": (None, PREFILL_GRAPH_TOKENS, ADMISSION_WAIT_S)}
 
 
 class StepLabels:
@@ -166,11 +173,11 @@ def main() -> int:
     for name in args.engines.split(","):
         if name not in ENGINES:
             raise SystemExit(f"--engines: expected names from {list(ENGINES)}, found {name!r}")
-        policy, graph_tokens = ENGINES[name]
+        policy, graph_tokens, wait_s = ENGINES[name]
         spec = None if policy == PLAIN else {"method": "eagle3", "model": embedded_drafter(),
                                              "num_speculative_tokens": args.k, "disable_by_batch_size": policy}
         llm = LLM(device=args.device, max_num_seqs=args.max_num_seqs, speculative_config=spec,
-                  prefill_graph_tokens=graph_tokens, **kv)
+                  prefill_graph_tokens=graph_tokens, admission_wait_s=wait_s, **kv)
         prompts = heldout_prompts(llm)
         for users in levels:
             res = closed_loop(llm, users, args.requests_per_user, prompts, args.tokens)
