@@ -92,10 +92,10 @@ final-round)  # no regression from the model runner, side by side: baseline/ hol
     --out "$OUT/spec-plain-step-cost-h200.json"
   ;;
 serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1 .. 128: plain and Eagle3 (default
-              # policy; none: spec-always), each with and without prefill graphs (-pg); the server logs stay in
-              # the phase log
+              # policy), then with prefill graphs (-pg) plain and Eagle3 without a policy (spec-always), the latter
+              # also with admission batching (-aw); the server logs stay in the phase log
   phase serve-pareto ${T_SERVE:-560} python3 bench/serve_pareto.py --runs embedded:plain embedded:plain-pg \
-    embedded:spec embedded:spec-always embedded:spec-always-pg --requests-per-user 4 --timeout 100 \
+    embedded:spec embedded:spec-always-pg embedded:spec-always-pg-aw --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
   ;;

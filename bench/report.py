@@ -808,10 +808,12 @@ def render_serve(files: list[ResultFile]) -> str:
 
 def _run_mode(run: dict, where: str) -> str:
     """A serving run's mode, with the speculation policy and the prefill graphs when the run named them
-    (bench/serve_pareto.py spec-auto, spec-always, -pg)."""
+    (bench/serve_pareto.py spec-auto, spec-always, -pg, -aw)."""
     mode, policy = need(run, "mode", where, "str"), opt(run, "policy", where, "str")
     graphs = opt(run, "prefill_graph_tokens", where, "int")
-    notes = ([f"policy {policy}"] if policy else []) + ([f"prefill graphs to {graphs} tokens"] if graphs else [])
+    wait = opt(run, "admission_wait_ms", where)
+    notes = ([f"policy {policy}"] if policy else []) + ([f"prefill graphs to {graphs} tokens"] if graphs else []) \
+        + ([f"admission wait {sig(wait)} ms"] if wait else [])
     return f"{mode} ({', '.join(notes)})" if notes else mode
 
 

@@ -9,7 +9,8 @@ a preset takes random weights and, for spec, a random drafter with forced accept
 token-id prompts. MODE is plain, spec (the server's default batch-size policy), spec-auto (the measured
 policy, `--speculative-disable-by-batch-size auto`) or spec-always (no policy: every step speculates,
 `--speculative-disable-by-batch-size none`); a "-pg" suffix (plain-pg, spec-always-pg, ...) also replays eager steps of
-up to 1024 tokens as prefill graphs (`--prefill-graph-tokens 1024`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
+up to 1024 tokens as prefill graphs (`--prefill-graph-tokens 1024`), and "-aw" (after it, if both) holds arrivals
+back up to 4 ms while requests decode so that several share a prefill step (`--admission-wait-ms 4`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
 """
 
 from __future__ import annotations
@@ -33,13 +34,26 @@ POLICY = {"spec-auto": "auto", "spec-always": "none"}     # mode -> the server's
 
 
 PG_SUFFIX, PG_TOKENS = "-pg", 1024
+AW_SUFFIX, AW_MS = "-aw", 4.0
+# mode suffix -> the server flags it adds (prefill graphs; admission batching)
+SUFFIXES = {PG_SUFFIX: ["--prefill-graph-tokens", str(PG_TOKENS)], AW_SUFFIX: ["--admission-wait-ms", str(AW_MS)]}
+
+
+def split_mode(mode: str) -> tuple[str, list[str]]:
+    """'spec-always-pg-aw' -> ('spec-always', ['-pg', '-aw'])."""
+    found = []
+    while any(mode.endswith(x) for x in SUFFIXES):
+        x = next(x for x in SUFFIXES if mode.endswith(x))
+        found.insert(0, x)
+        mode = mode[:-len(x)]
+    return mode, found
 
 
 def server_args(model: str, mode: str, quant: str | None, args) -> tuple[str, list[str]]:
     extra = ["--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
-    if mode.endswith(PG_SUFFIX):
-        mode = mode[:-len(PG_SUFFIX)]
-        extra += ["--prefill-graph-tokens", str(PG_TOKENS)]
+    mode, suffixes = split_mode(mode)
+    for x in suffixes:
+        extra += SUFFIXES[x]
     if args.max_model_len:
         extra += ["--max-model-len", str(args.max_model_len)]
     if mode in POLICY:
@@ -64,8 +78,8 @@ def parse_run(text: str) -> tuple[str, str, str | None]:
     # presets contain a colon themselves (minimax-m3:5)
     if parts[0] == "minimax-m3" and len(parts) > 1 and parts[1].isdigit():
         parts = [parts[0] + ":" + parts[1]] + parts[2:]
-    if len(parts) not in (2, 3) or parts[1].removesuffix(PG_SUFFIX) not in MODES:
-        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[{PG_SUFFIX}][:QUANT]")
+    if len(parts) not in (2, 3) or split_mode(parts[1])[0] not in MODES:
+        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[{PG_SUFFIX}][{AW_SUFFIX}][:QUANT]")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
@@ -112,11 +126,13 @@ def main() -> int:
     doc.update({"command": meta["command"], "date": meta["date"], "host": meta["host"]})
     for r, (model, mode, _, _) in zip(doc["runs"], files):
         r["model"] = model
-        base = mode.removesuffix(PG_SUFFIX)
+        base, suffixes = split_mode(mode)
         if base in POLICY:
             r["policy"] = POLICY[base]
-        if mode != base:
+        if PG_SUFFIX in suffixes:
             r["prefill_graph_tokens"] = PG_TOKENS
+        if AW_SUFFIX in suffixes:
+            r["admission_wait_ms"] = AW_MS
         r.pop("meta", None)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

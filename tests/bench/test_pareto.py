@@ -70,5 +70,10 @@ def test_serve_pareto_modes_ask_the_server_for_their_policy():
     assert pg[pg.index("--prefill-graph-tokens") + 1] == "1024" and "--speculative-tokens" in pg and "none" in pg
     _, pg = sp.server_args("embedded", "plain-pg", None, args)
     assert "--prefill-graph-tokens" in pg and "--speculative-tokens" not in pg
+    assert sp.split_mode("spec-always-pg-aw") == ("spec-always", ["-pg", "-aw"])
+    _, both = sp.server_args("embedded", "spec-always-pg-aw", None, args)
+    assert both[both.index("--admission-wait-ms") + 1] == "4.0" and "--prefill-graph-tokens" in both
+    with pytest.raises(SystemExit, match="spec-auto"):
+        sp.parse_run("embedded:spec-fast-pg")
     with pytest.raises(SystemExit, match="plain|spec|spec-auto"):
         sp.parse_run("embedded:fast")
