@@ -524,6 +524,10 @@ class SpecDecoding:
     # ------------------------------------------------------------------ verification
     def _verify(self, sampled: list[StepItem], head: HeadOut) -> list[list[int]]:
         """Tokens each sampling request emits this step (before stop checks)."""
+        if head.tokens is not None and not any(it.drafts for it in sampled):
+            # greedy rows without drafts (prompts the step finished): one logits row each, its argmax the token
+            # (forced acceptance accepts nothing without drafts either); no verify launches or uploads
+            return [[t] for t in head.tokens.tolist()]
         dev = self.engine.model.device
         r = len(sampled)
         nd = np.fromiter((len(it.drafts) for it in sampled), dtype=np.int64, count=r)
