@@ -381,8 +381,7 @@ class SpecDecoding:
             moving = flight.get(r.request_id) == r.num_preemptions
             # writes stay below n + 2K, n = num_computed after the step in flight (at most K + 1 more)
             end = r.num_computed + (k + 1 if moving else 0) + 2 * k
-            if (c.num_tokens != 1 or not c.reaches_end
-                    or r.params.logprobs is not None or r.logits_processing or end > max_len):
+            if c.num_tokens != 1 or not c.reaches_end or not self._program_takes(r) or end > max_len:
                 return None
             reqs.append(r)
             reach.append(end)
@@ -670,12 +669,13 @@ class SpecDecoding:
                 continue
             req = it.req
             k = min(kmax, self.engine.max_model_len - 1 - req.num_computed)   # next verify: positions c..c+k
-            if self._prefill_joins_program(it):
-                # pass 1 below still writes its draft KV; its first decode step joins the step program as a fresh
-                # row, which drafts on the device: passes 2..K here would cost every running stream this eager
-                # step's K - 1 extra host-driven passes and a device->host read for drafts used once
-                self._st(req).drop_drafts()
-            elif k > 0 and self.engine.blocks.append_slots(req.request_id, req.num_computed + 1 + k):
+            # A prompt finished here whose next step the program takes proposes nothing: pass 1 below still writes
+            # its draft KV and its first decode step joins the program as a fresh row, which drafts on the device.
+            # Passes 2..K here would cost every running stream K - 1 host-driven passes and a device->host read.
+            # Elsewhere (no program: CPU, tensor parallel; logprobs or logits processing) it drafts as ever.
+            prefill = len(it.tokens) > len(it.drafts) + 1
+            if (not (prefill and self._program_takes(req)) and k > 0
+                    and self.engine.blocks.append_slots(req.request_id, req.num_computed + 1 + k)):
                 proposers.append(i)
                 ks.append(k)
             else:
@@ -725,15 +725,12 @@ class SpecDecoding:
             st.q = None if qs[0] is None else torch.stack([qq[i] for qq in qs[:k]])
             st.anchor = r.num_tokens
 
-    def _prefill_joins_program(self, it: StepItem) -> bool:
-        """A prompt this eager step finished whose next step can run as the step program (which takes it as a
-        fresh row): it proposes no drafts here. On the host-driven path (no step program: CPU, tensor parallel; or
-        logprobs / logits processing, which keep the eager path) its drafts are proposed as ever, so that its first
-        decode step verifies them."""
-        r, ss = it.req, self.spec_steps
-        prefill = len(it.tokens) > len(it.drafts) + 1
-        return (prefill and ss is not None and (r.params.greedy or ss.sampling) and r.params.logprobs is None
-                and not r.logits_processing)
+    def _program_takes(self, r: Request) -> bool:
+        """The step program can run this request's decode steps: there is one, the request asks for no logprobs or
+        logits processing (those need the host between steps), and a sampled one has the sampled variant."""
+        ss = self.spec_steps
+        return (ss is not None and r.params.logprobs is None and not r.logits_processing
+                and (r.params.greedy or ss.sampling))
 
     def _propose(self, head: HeadOut, reqs: list[Request], greedy: bool, keys: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

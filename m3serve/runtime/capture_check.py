@@ -11,6 +11,7 @@ and the op, not just a CUDA error.
 
     probe(fn, model) -> None             fn ran without a host sync
                      -> CaptureBlocker   where and why it synced
+    capture(fn, ...) -> the probe, then fn captured into a graph (or the blocker of either)
 
 Policy (the caller's, per routing mode): "auto" logs the blocker and runs that bucket eagerly; "require" raises
 `GraphCaptureError` naming it. A failure of the capture itself (anything the probe cannot see) is handled the
@@ -99,6 +100,24 @@ def probe(fn, model, what: str, bucket: int, sync_mode: bool = True) -> CaptureB
     return None
 
 
+def capture(fn, model, what: str, bucket: int, pool, stream) -> tuple[object | None, object, CaptureBlocker | None]:
+    """One bucket's CUDA graph: fn's eager warm-up under the probe (it compiles the Triton variants and allocates
+    scratch outside the graph), then fn captured into `pool` on `stream`. Returns (graph, what fn returned inside
+    the capture, None), or (None, None, the blocker) when the warm-up synced the host or the capture failed."""
+    blocker = probe(fn, model, what, bucket)
+    torch.cuda.synchronize(stream.device)
+    if blocker is not None:
+        return None, None, blocker
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+    except RuntimeError as exc:
+        torch.cuda.synchronize(stream.device)
+        return None, None, blocker_from(exc, what, bucket, "-")
+    return graph, out, None
+
+
 def handle(blocker: CaptureBlocker, mode: str) -> None:
     """require: raise naming it; auto (or off): log it — the caller runs that bucket eagerly."""
     if mode == "require":
@@ -106,4 +125,4 @@ def handle(blocker: CaptureBlocker, mode: str) -> None:
     log.warning("%s; that bucket runs eagerly", blocker.line())
 
 
-__all__ = ["CaptureBlocker", "GraphCaptureError", "probe", "handle", "blocker_from"]
+__all__ = ["CaptureBlocker", "GraphCaptureError", "probe", "capture", "handle", "blocker_from"]

@@ -237,20 +237,12 @@ class DecodeGraphs:
                 blocker = None
                 for variant, store in self._variants():
                     self._safe_inputs(bucket)
-                    blocker = capture_check.probe(lambda: self._forward(bucket, step, variant), self.model,
-                                                  f"decode ({variant})", bucket)   # compiles + allocates scratch
-                    torch.cuda.synchronize(dev)
+                    graph, out, blocker = capture_check.capture(lambda: self._forward(bucket, step, variant),
+                                                                self.model, f"decode ({variant})", bucket, self.pool,
+                                                                stream)
                     if blocker is not None:
                         break
-                    graph = torch.cuda.CUDAGraph()
-                    try:
-                        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                            tokens, logits = self._forward(bucket, step, variant)
-                    except RuntimeError as exc:
-                        blocker = capture_check.blocker_from(exc, f"decode ({variant})", bucket, "-")
-                        torch.cuda.synchronize(dev)
-                        break
-                    store[bucket] = _Bucket(graph, step, tokens, logits)
+                    store[bucket] = _Bucket(graph, step, *out)
                 if blocker is not None:
                     for _, store in self._variants():
                         store.pop(bucket, None)

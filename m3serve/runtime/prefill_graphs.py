@@ -163,21 +163,13 @@ class PrefillGraphs:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for tb in sorted(self.tokens, reverse=True):
                 for sb in sorted(self.seqs, reverse=True):
-                    what = f"prefill ({sb} sequences)"
                     step = self._step(tb, sb)
                     self._inert(tb)
-                    blocker = capture_check.probe(lambda: self._forward(tb, step), self.model, what, tb)
-                    torch.cuda.synchronize(dev)
+                    graph, out, blocker = capture_check.capture(lambda: self._forward(tb, step), self.model,
+                                                                f"prefill ({sb} sequences)", tb, self.pool, stream)
                     if blocker is None:
-                        graph = torch.cuda.CUDAGraph()
-                        try:
-                            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                                out = self._forward(tb, step)
-                            self.programs[(tb, sb)] = _Graph(graph, out)
-                        except RuntimeError as exc:
-                            blocker = capture_check.blocker_from(exc, what, tb, "-")
-                            torch.cuda.synchronize(dev)
-                    if blocker is not None:
+                        self.programs[(tb, sb)] = _Graph(graph, out)
+                    else:
                         self.blocked[(tb, sb)] = blocker
                         capture_check.handle(blocker, mode)
         torch.cuda.current_stream(dev).wait_stream(stream)

@@ -340,19 +340,11 @@ class SpecSteps:
                 for sampled in self._variants():
                     what = f"speculative ({'sampled' if sampled else 'greedy'}, K = {self.k})"
                     self.stage(bucket, [], [], [], [])
-                    blocker = capture_check.probe(lambda: self._program(bucket, sampled), self.model, what, bucket)
-                    torch.cuda.synchronize(dev)
+                    graph, out, blocker = capture_check.capture(lambda: self._program(bucket, sampled), self.model,
+                                                                what, bucket, pool, stream)
                     if blocker is None:
-                        graph = torch.cuda.CUDAGraph()
-                        try:
-                            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                                self._result[bucket, sampled] = self._program(bucket, sampled)
-                            self._graph[bucket, sampled] = graph
-                        except RuntimeError as exc:
-                            blocker = capture_check.blocker_from(exc, what, bucket, "-")
-                            self._result.pop((bucket, sampled), None)
-                            torch.cuda.synchronize(dev)
-                    if blocker is not None:
+                        self._result[bucket, sampled], self._graph[bucket, sampled] = out, graph
+                    else:
                         self.blocked[bucket, sampled] = blocker
                         capture_check.handle(blocker, mode)
         torch.cuda.current_stream(dev).wait_stream(stream)

@@ -4,7 +4,9 @@ not armed, so the tests make the blocking op raise the way it does under torch.c
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import types
 
 import pytest
 import torch
@@ -63,3 +65,44 @@ def test_a_blocked_bucket_is_served_by_the_next_captured_one_or_eagerly():
     assert g.bucket_for(1) == 1 and g.bucket_for(3) == 4
     assert g.bucket_for(5) == 16                            # padded into the next captured bucket
     assert g.bucket_for(17) is None                         # past every graph: an eager step
+
+
+class _FakeCuda:
+    """torch.cuda's graph capture as capture_check.capture uses it, on CPU: records what was captured; a capture
+    raises when `fail` is set (as a sync inside real capture would)."""
+
+    def __init__(self, monkeypatch, fail: bool = False):
+        self.captured, self.fail = [], fail
+        fake = self
+
+        class Graph:
+            pass
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None):
+            fake.captured.append(g)
+            if fake.fail:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            yield
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_capture_returns_the_graph_and_what_the_captured_call_returned(monkeypatch):
+    """capture: the probe first (a blocked warm-up is never captured), then the capture; a failed capture becomes
+    a blocker naming the bucket, like a blocked probe."""
+    model = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True)
+    stream = types.SimpleNamespace(device=torch.device("cpu"))
+    x = torch.randn(2, model.cfg.hidden_size)
+    cuda = _FakeCuda(monkeypatch)
+    graph, out, blocker = capture_check.capture(lambda: model.layers[0].mlp(x), model, "prefill", 16, None, stream)
+    assert blocker is None and cuda.captured == [graph] and out.shape == x.shape
+    cuda.fail = True
+    graph, out, blocker = capture_check.capture(lambda: model.layers[0].mlp(x), model, "prefill", 16, None, stream)
+    assert graph is None and out is None and blocker.bucket == 16 and "capturing" in blocker.reason
+    cuda.captured.clear()
+    moe = model.layers[1].mlp
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (_ for _ in ()).throw(RuntimeError(SYNC_ERROR)))
+    graph, out, blocker = capture_check.capture(lambda: moe(x), model, "prefill", 32, None, stream)
+    assert graph is None and blocker.module == "layers.1.mlp (MoE)" and cuda.captured == []

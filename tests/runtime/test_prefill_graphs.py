@@ -114,3 +114,48 @@ def test_an_outgrown_scratch_stays_allocated_once_graphs_may_address_it(monkeypa
     grown = _tiled._scratch(dev, torch.float32, 32)
     assert len(_tiled._RETIRED) == 1 and _tiled._RETIRED[0].data_ptr() == held.data_ptr() != grown.data_ptr()
     assert first.data_ptr() != held.data_ptr()
+
+
+class _Stub:
+    """A bucket's program that records nothing but returns its static hidden states (no forward)."""
+
+    def __init__(self, tb: int, h: int):
+        self.out = (torch.zeros(tb, h), {})
+
+    def replay(self) -> None:
+        pass
+
+
+def test_each_step_restages_its_padding(model):
+    """A step staged after a larger one leaves none of the larger one's inputs in its padding: the padded tokens
+    write nowhere (slot -1) and belong to one length-0 sequence, the other padded sequences own no rows."""
+    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=32,
+                                        max_model_len=128, prefill_graph_tokens=16))
+    eng.runner.target_attention = True
+    eng.runner.enable_prefill_graphs("auto", graphs=False)
+    pg = eng.runner.prefill_graphs
+    pg.programs = {k: _Stub(k[0], model.cfg.hidden_size) for k in pg.programs}
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for prompt in ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [21, 22], [31, 32, 33]):
+        eng.add_request(prompt, params)
+    big = eng.runner.build_batch(eng.scheduler.schedule())       # 19 tokens: past the 16-token bucket
+    assert pg.hidden(big) is None
+    for r in list(eng.requests.values()):
+        eng.abort(r.request_id)
+    eng.add_request(list(range(40, 54)), params)                   # 14 tokens in the 16-token bucket
+    eng.add_request([70, 71], params)
+    assert pg.hidden(eng.runner.build_batch(eng.scheduler.schedule())).shape == (16, model.cfg.hidden_size)
+    for r in list(eng.requests.values()):
+        eng.abort(r.request_id)
+    eng.add_request([61, 62, 63], params)
+    chunks = eng.scheduler.schedule()
+    batch = eng.runner.build_batch(chunks)                          # then 3 tokens of one prompt
+    t, s = batch.input_ids.numel(), len(chunks)
+    assert (t, s) == (3, 1) and pg.hidden(batch).shape[0] == t and pg.replays == 2
+    tb, sb = 16, 4
+    assert torch.equal(pg.slot_mapping[:t], batch.slot_mapping) and bool((pg.slot_mapping[t:tb] == -1).all())
+    assert torch.equal(pg.input_ids[:t], batch.input_ids) and torch.equal(pg.positions[:t], batch.positions)
+    assert torch.equal(pg.seq_lens[:s], batch.step.seq_lens) and bool((pg.seq_lens[s:sb] == 0).all())
+    assert torch.equal(pg.query_start[:s + 1], batch.step.query_start)
+    assert pg.query_start[s + 1:sb + 1].tolist() == [tb] * (sb - s)  # sequence s owns rows t..tb-1, others none
+    assert torch.equal(pg.slot_table[:s], batch.step.slot_table)
