@@ -10,7 +10,9 @@ token-id prompts. MODE is plain, spec (the server's default batch-size policy), 
 policy, `--speculative-disable-by-batch-size auto`) or spec-always (no policy: every step speculates,
 `--speculative-disable-by-batch-size none`); a "-pg" suffix (plain-pg, spec-always-pg, ...) also replays eager steps of
 up to 1024 tokens as prefill graphs (`--prefill-graph-tokens 1024`), and "-aw" (after it, if both) holds arrivals
-back up to 4 ms while requests decode so that several share a prefill step (`--admission-wait-ms 4`). Every run: --input-len / --output-len tokens, concurrency levels --concurrency.
+back up to 4 ms while requests decode so that several share a prefill step (`--admission-wait-ms 4`). A mode without
+"-pg" passes `--prefill-graph-tokens 0`, so that a mode means the same server whatever the default. Every run:
+--input-len / --output-len tokens, concurrency levels --concurrency.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ PG_SUFFIX, PG_TOKENS = "-pg", 1024
 AW_SUFFIX, AW_MS = "-aw", 4.0
 # mode suffix -> the server flags it adds (prefill graphs; admission batching)
 SUFFIXES = {PG_SUFFIX: ["--prefill-graph-tokens", str(PG_TOKENS)], AW_SUFFIX: ["--admission-wait-ms", str(AW_MS)]}
+NO_PG = ["--prefill-graph-tokens", "0"]
 
 
 def split_mode(mode: str) -> tuple[str, list[str]]:
@@ -54,6 +57,8 @@ def server_args(model: str, mode: str, quant: str | None, args) -> tuple[str, li
     mode, suffixes = split_mode(mode)
     for x in suffixes:
         extra += SUFFIXES[x]
+    if PG_SUFFIX not in suffixes:
+        extra += NO_PG
     if args.max_model_len:
         extra += ["--max-model-len", str(args.max_model_len)]
     if mode in POLICY:
@@ -129,8 +134,7 @@ def main() -> int:
         base, suffixes = split_mode(mode)
         if base in POLICY:
             r["policy"] = POLICY[base]
-        if PG_SUFFIX in suffixes:
-            r["prefill_graph_tokens"] = PG_TOKENS
+        r["prefill_graph_tokens"] = PG_TOKENS if PG_SUFFIX in suffixes else 0
         if AW_SUFFIX in suffixes:
             r["admission_wait_ms"] = AW_MS
         r.pop("meta", None)

@@ -64,7 +64,8 @@ def test_serve_pareto_modes_ask_the_server_for_their_policy():
     assert "--speculative-disable-by-batch-size" not in spec
     _, always = sp.server_args("embedded", "spec-always", None, args)
     assert always[always.index("--speculative-disable-by-batch-size") + 1] == "none"
-    assert "--prefill-graph-tokens" not in always
+    # a mode without -pg says 0, so that it means the same server whatever EngineConfig's default
+    assert always[always.index("--prefill-graph-tokens") + 1] == "0"
     assert sp.parse_run("embedded:spec-always-pg") == ("embedded", "spec-always-pg", None)
     _, pg = sp.server_args("embedded", "spec-always-pg", None, args)
     assert pg[pg.index("--prefill-graph-tokens") + 1] == "1024" and "--speculative-tokens" in pg and "none" in pg
