@@ -11,10 +11,6 @@ after one untimed run). The transformers row builds `MiniMaxM3VLForCausalLM` fro
 one full-prompt forward; lengths whose dense mask does not fit are recorded as skipped. frac_bf16_peak is the
 prefill's model FLOPs (GEMMs over the active parameters + causal attention, dense on full layers and over the
 selected blocks on MSA layers) over TTFT x the H200's dense BF16 rate.
-
---fp8-attn-tiles default,f16 times each m3serve row once per attn.prefill tile choice for FP8 pages (the hybrid
-cache's dense layers): "default" is the kernel's default_tiles, "f16" the same tiles with fp16 MMA operands
-(PrefillTiles.f16), a candidate default measured side by side before it is adopted; rows record the choice.
 """
 
 from __future__ import annotations
@@ -29,9 +25,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -67,27 +60,6 @@ def prompt(vocab: int, n: int, salt: int) -> list[int]:
     return [100 + (salt * 7919 + i * 104729) % (vocab - 200) for i in range(n)]
 
 
-FP8_ATTN_TILES = ("default", "f16")
-
-
-@contextlib.contextmanager
-def fp8_attn_tiles(choice: str):
-    """attn.prefill's tiles for FP8 pages while the block runs: the default, or the default with fp16 operands."""
-    if choice not in FP8_ATTN_TILES:
-        raise SystemExit(f"--fp8-attn-tiles: expected a comma list of {'|'.join(FP8_ATTN_TILES)}, found {choice!r}")
-    from m3serve.kernels.attention import prefill as pa
-    default = pa.default_tiles
-    if choice == "f16":
-        def with_f16(d, p, kv_dtype):
-            t = default(d, p, kv_dtype)
-            return dataclasses.replace(t, f16=True) if kv_dtype == torch.float8_e4m3fn else t
-        pa.default_tiles = with_f16
-    try:
-        yield
-    finally:
-        pa.default_tiles = default
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -105,7 +77,7 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 
 
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
-                 profile_dir: str | None = None, graph_tokens: int = 0, tag: str = ""):
+                 profile_dir: str | None = None, graph_tokens: int = 0):
     from m3serve import LLM, SamplingParams
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens)
@@ -127,7 +99,7 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                      "prefill_graph_tokens": graph_tokens})
         print(json.dumps(rows[-1]), flush=True)
         if profile_dir:
-            profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}{tag}.txt"))
+            profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}.txt"))
     cfg = llm.model.cfg
     llm.shutdown()
     del llm
@@ -187,8 +159,6 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile-dir", default=None, help="also write a torch-profiler kernel table per row here")
-    ap.add_argument("--fp8-attn-tiles", default="default",
-                    help=f"comma list of {'|'.join(FP8_ATTN_TILES)}: m3serve rows per attn.prefill tile choice for FP8 pages")
     ap.add_argument("--prefill-graph-tokens", default="0",
                     help="comma list: m3serve rows per value of EngineConfig.prefill_graph_tokens (0: eager steps)")
     args = ap.parse_args()
@@ -197,14 +167,9 @@ def main() -> int:
     results, cfg = [], None
     for q in args.quant.split(","):
         for g in (int(v) for v in args.prefill_graph_tokens.split(",")):
-            for tiles in args.fp8_attn_tiles.split(","):
-                with fp8_attn_tiles(tiles):
-                    rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk,
-                                             args.repeat, args.device, args.profile_dir, g,
-                                             "" if tiles == "default" else f"-{tiles}")
-                for r in rows:
-                    r["fp8_attn_tiles"] = tiles
-                results += rows
+            rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
+                                     args.device, args.profile_dir, g)
+            results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -82,9 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(stock elsewhere), require = raise outside them (default: auto on CUDA, off on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="keep the kernels but run every step eagerly (no CUDA graphs), as vLLM's flag")
-    p.add_argument("--prefill-graph-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--prefill-graph-tokens", type=int, default=None, metavar="N",
                    help="replay eager steps (prefill chunks, alone or beside decoding rows) of up to N tokens as CUDA "
-                        "graphs on the decode target (0: off, the default until measured; ignored with "
+                        "graphs on the decode target (0: off; default: EngineConfig's, 1024; ignored with "
                         "--enforce-eager)")
     p.add_argument("--log-level", default="info")
 
@@ -148,13 +148,14 @@ def run(args: argparse.Namespace) -> int:
                   f"disable_by_batch_size {spec['disable_by_batch_size']!r} disagree", file=sys.stderr)
             return 2
         spec["disable_by_batch_size"] = limit     # SpecConfig validates it (an int < 1 is a ValueError there)
+    if args.prefill_graph_tokens is not None:
+        extra["prefill_graph_tokens"] = args.prefill_graph_tokens
     llm = LLM(model, **extra, device=args.device, dtype=args.dtype, seed=args.seed, quantization=args.quantization,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
               kv_cache_bytes=args.kv_cache_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_prefix_caching, max_queue=args.max_queue,
-              admission_wait_s=args.admission_wait_ms / 1000, prefill_graph_tokens=args.prefill_graph_tokens,
-              route=args.route, enforce_eager=args.enforce_eager)
+              admission_wait_s=args.admission_wait_ms / 1000, route=args.route, enforce_eager=args.enforce_eager)
     name = args.served_model_name or model_name(model)
     try:
         app = build_app(llm, served_model_name=name, api_key=args.api_key, max_choices=args.max_choices,

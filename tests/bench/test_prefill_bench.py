@@ -11,9 +11,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from prefill import fp8_attn_tiles, prefill_flops  # noqa: E402
+from prefill import prefill_flops  # noqa: E402
 
 from m3serve.config import preset  # noqa: E402
 
@@ -24,20 +22,6 @@ def test_flops_grow_quadratically_on_dense_layers_only():
     assert 2.0 < b / a < 4.0                       # linear GEMM part plus quadratic dense attention
     # the estimate: ~31 TFLOP of GEMMs at 8k tokens for minimax-m3:5 (within the attention term)
     assert 25e12 < a < 60e12, a
-
-
-def test_fp8_attn_tiles_candidate_is_scoped_to_fp8_pages_and_restored():
-    from m3serve.kernels.attention import prefill as pa
-    fp8, bf16 = pa.default_tiles(128, 128, torch.float8_e4m3fn), pa.default_tiles(128, 128, torch.bfloat16)
-    assert not fp8.f16
-    with fp8_attn_tiles("f16"):
-        cand = pa.default_tiles(128, 128, torch.float8_e4m3fn)
-        assert cand.f16 and (cand.block_m, cand.block_n, cand.heads) == (fp8.block_m, fp8.block_n, fp8.heads)
-        assert pa.default_tiles(128, 128, torch.bfloat16) == bf16
-    assert pa.default_tiles(128, 128, torch.float8_e4m3fn) == fp8
-    with pytest.raises(SystemExit, match="fp8-attn-tiles"):
-        with fp8_attn_tiles("f32"):
-            pass
 
 
 def test_bench_writes_both_engines(tmp_path):

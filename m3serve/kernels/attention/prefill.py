@@ -84,14 +84,17 @@ def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
     p.v split; runs of 2026-11-30, median of 20):
     * bf16 pages: 64 query rows x 64 keys, one warpgroup, 3 stages: 298 TFLOP/s (128 x 64 with two
       warpgroups 257; 128 x 128 spills registers under the hi/lo split, 278).
-    * fp8 pages: the E4M3 -> bf16 conversion of every K/V tile is the extra cost, so two heads of a group
-      share each converted tile (128 rows = 64 tokens x 2 heads, 8 warps, no pipelining: the converted
-      tile goes through registers anyway): 203 TFLOP/s (2 stages 194, 8 heads 195, 64 x 64 one head 178).
+    * fp8 pages: the E4M3 conversion of every K/V tile is the extra cost, so two heads of a group share
+      each converted tile (128 rows = 64 tokens x 2 heads, 8 warps, no pipelining: the converted tile goes
+      through registers anyway), as fp16 MMA operands (f16: the hardware's E4M3 -> f16x2 conversion) over
+      128 keys a step. After 120k of context (bench/results/prefill_attention_variants/
+      prefill-attention-variants-fp8-ctx120k-h200.json, 8k-token chunk, median of 3): 261 TFLOP/s, against
+      191 for the same tiles over 64 keys with the bf16 conversion (the default before) and 227 for any of
+      the 64-key f16 tiles.
     Keys per step never exceed a page; 16 <= BLOCK_N keeps the MMA's N side legal."""
-    bn = min(64, p)
     if d >= 128 and kv_dtype == torch.float8_e4m3fn:
-        return PrefillTiles(block_m=128, block_n=bn, num_warps=8, num_stages=1, heads=2)
-    return PrefillTiles(block_m=64, block_n=bn, num_warps=4, num_stages=3)
+        return PrefillTiles(block_m=128, block_n=min(128, p), num_warps=8, num_stages=1, heads=2, f16=True)
+    return PrefillTiles(block_m=64, block_n=min(64, p), num_warps=4, num_stages=3)
 
 
 @helper
