@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -98,6 +98,18 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always-pg embedded:spec-always-pg-aw --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+defaults-round)  # the defaults this round adopted, checked and measured: attn.prefill's FP8-page cells (fp16 operands,
+                 # 128 keys a step) on the GPU; the main job with prefill graphs on by default (load <= 10 s?);
+                 # the embedded model served plain and Eagle3 with prefill graphs, Eagle3 also with the plain
+                 # target's 8192-token step budget (-t8k) with and without its batch-size policy
+  phase gpu-attn-prefill ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+    tests/kernels/test_gpu.py -k "attn.prefill" tests/kernels/attention/test_prefill_attention.py
+  phase generate ${T_GENERATE:-90} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
+  phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
+    embedded:spec-pg-t8k embedded:spec-always-pg-t8k --requests-per-user 4 --timeout 60 \
+    --out "$OUT/serve-pareto-h200.json"
+  grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -20
   ;;
 serve-m3)  # issue 28's minimax-m3:5 NVFP4 sweep (random weights, token-id prompts, Eagle3 with forced acceptance):
            # no level slower per user than the next higher one; plain and Eagle3, each with and without prefill graphs

@@ -812,8 +812,9 @@ def _run_mode(run: dict, where: str) -> str:
     mode, policy = need(run, "mode", where, "str"), opt(run, "policy", where, "str")
     graphs = opt(run, "prefill_graph_tokens", where, "int")
     wait = opt(run, "admission_wait_ms", where)
+    budget = opt(run, "max_num_batched_tokens", where, "int")
     notes = ([f"policy {policy}"] if policy else []) + ([f"prefill graphs to {graphs} tokens"] if graphs else []) \
-        + ([f"admission wait {sig(wait)} ms"] if wait else [])
+        + ([f"admission wait {sig(wait)} ms"] if wait else []) + ([f"{budget}-token steps"] if budget else [])
     return f"{mode} ({', '.join(notes)})" if notes else mode
 
 

@@ -10,7 +10,8 @@ token-id prompts. MODE is plain, spec (the server's default batch-size policy), 
 policy, `--speculative-disable-by-batch-size auto`) or spec-always (no policy: every step speculates,
 `--speculative-disable-by-batch-size none`); a "-pg" suffix (plain-pg, spec-always-pg, ...) also replays eager steps of
 up to 1024 tokens as prefill graphs (`--prefill-graph-tokens 1024`), and "-aw" (after it, if both) holds arrivals
-back up to 4 ms while requests decode so that several share a prefill step (`--admission-wait-ms 4`). A mode without
+back up to 4 ms while requests decode so that several share a prefill step (`--admission-wait-ms 4`), and "-t8k" sets
+an 8192-token step budget (`--max-num-batched-tokens 8192`, the plain target's default; speculation's is 2048). A mode without
 "-pg" passes `--prefill-graph-tokens 0`, so that a mode means the same server whatever the default. Every run:
 --input-len / --output-len tokens, concurrency levels --concurrency.
 """
@@ -37,8 +38,10 @@ POLICY = {"spec-auto": "auto", "spec-always": "none"}     # mode -> the server's
 
 PG_SUFFIX, PG_TOKENS = "-pg", 1024
 AW_SUFFIX, AW_MS = "-aw", 4.0
-# mode suffix -> the server flags it adds (prefill graphs; admission batching)
-SUFFIXES = {PG_SUFFIX: ["--prefill-graph-tokens", str(PG_TOKENS)], AW_SUFFIX: ["--admission-wait-ms", str(AW_MS)]}
+STEP_SUFFIX, STEP_TOKENS = "-t8k", 8192
+# mode suffix -> the server flags it adds (prefill graphs; admission batching; an 8192-token step budget)
+SUFFIXES = {PG_SUFFIX: ["--prefill-graph-tokens", str(PG_TOKENS)], AW_SUFFIX: ["--admission-wait-ms", str(AW_MS)],
+            STEP_SUFFIX: ["--max-num-batched-tokens", str(STEP_TOKENS)]}
 NO_PG = ["--prefill-graph-tokens", "0"]
 
 
@@ -84,7 +87,8 @@ def parse_run(text: str) -> tuple[str, str, str | None]:
     if parts[0] == "minimax-m3" and len(parts) > 1 and parts[1].isdigit():
         parts = [parts[0] + ":" + parts[1]] + parts[2:]
     if len(parts) not in (2, 3) or split_mode(parts[1])[0] not in MODES:
-        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[{PG_SUFFIX}][{AW_SUFFIX}][:QUANT]")
+        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[{PG_SUFFIX}][{AW_SUFFIX}][{STEP_SUFFIX}]"
+                         "[:QUANT]")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
@@ -137,6 +141,8 @@ def main() -> int:
         r["prefill_graph_tokens"] = PG_TOKENS if PG_SUFFIX in suffixes else 0
         if AW_SUFFIX in suffixes:
             r["admission_wait_ms"] = AW_MS
+        if STEP_SUFFIX in suffixes:
+            r["max_num_batched_tokens"] = STEP_TOKENS
         r.pop("meta", None)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

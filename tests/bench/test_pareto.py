@@ -74,6 +74,9 @@ def test_serve_pareto_modes_ask_the_server_for_their_policy():
     assert sp.split_mode("spec-always-pg-aw") == ("spec-always", ["-pg", "-aw"])
     _, both = sp.server_args("embedded", "spec-always-pg-aw", None, args)
     assert both[both.index("--admission-wait-ms") + 1] == "4.0" and "--prefill-graph-tokens" in both
+    _, big = sp.server_args("embedded", "spec-pg-t8k", None, args)
+    assert big[big.index("--max-num-batched-tokens") + 1] == "8192" and "--speculative-tokens" in big
+    assert "--max-num-batched-tokens" not in pg
     with pytest.raises(SystemExit, match="spec-auto"):
         sp.parse_run("embedded:spec-fast-pg")
     with pytest.raises(SystemExit, match="plain|spec|spec-auto"):
