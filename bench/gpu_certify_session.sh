@@ -102,7 +102,8 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
 defaults-round)  # the defaults this round adopted, checked and measured: attn.prefill's FP8-page cells (fp16 operands,
                  # 128 keys a step) on the GPU; the main job with prefill graphs on by default (load <= 10 s?);
                  # the embedded model served plain and Eagle3 with prefill graphs, Eagle3 also with the plain
-                 # target's 8192-token step budget (-t8k) with and without its batch-size policy
+                 # target's 8192-token step budget (-t8k) with and without its batch-size policy; a host profile of
+                 # serving's split step (16 streams decoding while 1 or 8 prompts arrive)
   phase gpu-attn-prefill ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
     tests/kernels/test_gpu.py -k "attn.prefill" tests/kernels/attention/test_prefill_attention.py
   phase generate ${T_GENERATE:-90} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
@@ -110,6 +111,8 @@ defaults-round)  # the defaults this round adopted, checked and measured: attn.p
     embedded:spec-pg-t8k embedded:spec-always-pg-t8k --requests-per-user 4 --timeout 60 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -20
+  phase spec-split-profile ${T_PROFILE:-60} python3 bench/debug/spec_eager_profile.py --n 1,8 --running 16 \
+    --out-dir "$OUT"
   ;;
 serve-m3)  # issue 28's minimax-m3:5 NVFP4 sweep (random weights, token-id prompts, Eagle3 with forced acceptance):
            # no level slower per user than the next higher one; plain and Eagle3, each with and without prefill graphs
