@@ -108,7 +108,7 @@ defaults-round)  # the defaults this round adopted, checked and measured: attn.p
     tests/kernels/test_gpu.py -k "attn.prefill" tests/kernels/attention/test_prefill_attention.py
   phase generate ${T_GENERATE:-90} python3 bench/generate_main_job.py --runs 2 --out "$OUT/generate-h200.json"
   phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
-    embedded:spec-pg-t8k embedded:spec-always-pg-t8k --requests-per-user 4 --timeout 60 \
+    embedded:spec-pg-t8k ${MORE_RUNS:-embedded:spec-always-pg-t8k} --requests-per-user 4 --timeout 60 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -20
   phase spec-split-profile ${T_PROFILE:-60} python3 bench/debug/spec_eager_profile.py --n 1,8 --running 16 \
