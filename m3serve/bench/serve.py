@@ -7,6 +7,12 @@ At concurrency c, c workers each keep exactly one request in flight (closed loop
            reply + `input_len` new tokens), so prefixes shared with earlier turns (and with other users) grow.
 Prompts are token ids (/v1/completions accepts them), so lengths are exact whatever the tokenizer.
 
+The client must not be the bottleneck: one Python process parses ~40-50k SSE events a second (seen on the H200 at
+64 users: a plain server's tokens reached the client in bursts 16 us apart, its ITL p50). At concurrency c the users
+are spread over `client_procs` processes ("auto": one per 16 users, up to a quarter of the CPUs and 8), each with its
+own event loop and connection pool; the level's records are merged (time.perf_counter is the system's monotonic
+clock, the same in every process) and its duration runs from the first start to the last finish.
+
 Per level: TTFT, ITL and per-request TPOT (mean, P50/P90/P99, ms); interactivity x90 = 1/P90(ITL) tokens/s
 per user (the axis of the Pareto chart) and, for comparison, 1/P90(TPOT); output and total (input + output,
 cached input included) tokens/s, and both per GPU.
@@ -16,9 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -47,12 +56,16 @@ class BenchConfig:
     timeout_s: float = 3600.0
     label: str | None = None
     progress: bool = True
+    client_procs: int | str = "auto"             # processes the users are spread over ("auto": client_procs_for)
 
     def validate(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload: expected one of {WORKLOADS}, found {self.workload!r}")
         if not self.concurrency or any(not isinstance(c, int) or c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency: expected positive integers, found {self.concurrency}")
+        if self.client_procs != "auto" and (isinstance(self.client_procs, bool) or not isinstance(self.client_procs, int)
+                                            or self.client_procs < 1):
+            raise ValueError(f"client_procs: expected a positive int or 'auto', found {self.client_procs!r}")
         for name in ("input_len", "output_len", "requests_per_user", "turns", "num_gpus"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, found {getattr(self, name)}")
@@ -204,12 +217,16 @@ async def _fixed(session, cfg: BenchConfig, c: int, rng: random.Random, lo: int,
     return records
 
 
-async def _agentic(session, cfg: BenchConfig, c: int, rng: random.Random, lo: int, hi: int, prog) -> list[Record]:
+async def _agentic(session, cfg: BenchConfig, c: int, rng: random.Random, lo: int, hi: int, prog,
+                   users: range | None = None) -> list[Record]:
+    """Users `users` (default all c) of a level: every process of a spread client draws the same shared prefix
+    and each user's own stream from (the level's rng, its index)."""
     shared = [rng.randrange(lo, hi) for _ in range(cfg.shared_prefix_len)]
+    base = rng.random()
     records: list[Record] = []
 
     async def user(u: int):
-        urng = random.Random(rng.random() + u)
+        urng = random.Random(f"{base}-{u}")
         context = shared + [urng.randrange(lo, hi) for _ in range(cfg.input_len)]
         for _ in range(cfg.turns):
             rec = await stream_completion(session, cfg, context)
@@ -219,8 +236,46 @@ async def _agentic(session, cfg: BenchConfig, c: int, rng: random.Random, lo: in
                 return
             reply = rec.output_ids or [urng.randrange(lo, hi) for _ in range(rec.output_tokens)]
             context = context + reply + [urng.randrange(lo, hi) for _ in range(cfg.input_len)]
-    await asyncio.gather(*(user(u) for u in range(c)))
+    await asyncio.gather(*(user(u) for u in (users if users is not None else range(c))))
     return records
+
+
+def client_procs_for(cfg: BenchConfig, c: int) -> int:
+    """Client processes for concurrency c: cfg.client_procs (at most c), or "auto": one per 16 users, at most a
+    quarter of the CPUs (the server shares the machine) and 8."""
+    if cfg.client_procs != "auto":
+        return min(int(cfg.client_procs), c)
+    return max(1, min(c // 16, (os.cpu_count() or 1) // 4, 8))
+
+
+def _session(cfg: BenchConfig):
+    import aiohttp
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s))
+
+
+def _worker_ready(hold_s: float) -> int:
+    time.sleep(hold_s)          # held, so that each of the warm-up's tasks starts a process of its own
+    return os.getpid()
+
+
+def _share_of_level(cfg: BenchConfig, c: int, k: int, proc: int, procs: int, lo: int, hi: int
+                    ) -> tuple[list[Record], float, float]:
+    """One client process's users of level k (run in a worker process): (records, start, finish)."""
+    async def main():
+        async with _session(cfg) as session:
+            t0 = time.perf_counter()
+            if cfg.workload == "fixed":
+                share = c // procs + (proc < c % procs)
+                rng = random.Random(f"{cfg.seed}-{k}-{proc}")
+                records = await _fixed(session, cfg, share, rng, lo, hi, _Progress(0, False))
+            else:
+                users = range(proc, c, procs)
+                records = await _agentic(session, cfg, c, random.Random(cfg.seed * 1_000_003 + k), lo, hi,
+                                         _Progress(0, False), users)
+            return records, t0, time.perf_counter()
+    return asyncio.run(main())
 
 
 async def _server_info(session, cfg: BenchConfig) -> dict:
@@ -236,14 +291,34 @@ async def _server_info(session, cfg: BenchConfig) -> dict:
     return card
 
 
-async def run_bench(cfg: BenchConfig) -> dict:
-    import aiohttp
+async def _spread_level(pool, cfg: BenchConfig, c: int, k: int, procs: int, lo: int, hi: int, prog
+                        ) -> tuple[list[Record], float]:
+    """Level k over `procs` client processes: the merged records and the level's duration."""
+    loop = asyncio.get_running_loop()
+    parts = await asyncio.gather(*(loop.run_in_executor(pool, _share_of_level, cfg, c, k, i, procs, lo, hi)
+                                   for i in range(procs)))
+    records = [r for recs, _, _ in parts for r in recs]
+    for _ in records:
+        prog.update(f"c={c}")
+    return records, max(t1 for _, _, t1 in parts) - min(t0 for _, t0, _ in parts)
 
+
+async def run_bench(cfg: BenchConfig) -> dict:
     cfg.validate()
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-    async with aiohttp.ClientSession(headers=headers, connector=conn, timeout=timeout) as session:
+    spread = max(client_procs_for(cfg, c) for c in cfg.concurrency)
+    # spawned once for the run (their start-up stays out of every level's time); spawn: no forked event loop
+    pool = ProcessPoolExecutor(spread, mp_context=multiprocessing.get_context("spawn")) if spread > 1 else None
+    if pool is not None:
+        list(pool.map(_worker_ready, [0.2] * spread))
+    try:
+        return await _run_levels(cfg, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+async def _run_levels(cfg: BenchConfig, pool) -> dict:
+    async with _session(cfg) as session:
         card = await _server_info(session, cfg)
         cfg.model = card["id"]
         vocab = card.get("vocab_size")
@@ -258,10 +333,15 @@ async def run_bench(cfg: BenchConfig) -> dict:
         levels = []
         try:
             for k, c in enumerate(cfg.concurrency):
-                rng = random.Random(cfg.seed * 1_000_003 + k)
-                t0 = time.perf_counter()
-                records = await run(session, cfg, c, rng, lo, hi, prog)
-                levels.append(summarize(records, time.perf_counter() - t0, c, cfg.num_gpus))
+                procs = client_procs_for(cfg, c)
+                if procs > 1:
+                    records, duration = await _spread_level(pool, cfg, c, k, procs, lo, hi, prog)
+                else:
+                    rng = random.Random(cfg.seed * 1_000_003 + k)
+                    t0 = time.perf_counter()
+                    records = await run(session, cfg, c, rng, lo, hi, prog)
+                    duration = time.perf_counter() - t0
+                levels.append({**summarize(records, duration, c, cfg.num_gpus), "client_procs": procs})
         finally:
             prog.close()
     meta = asdict(cfg)

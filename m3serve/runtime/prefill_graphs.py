@@ -120,6 +120,7 @@ class PrefillGraphs:
         self.blocked: dict[tuple[int, int], capture_check.CaptureBlocker] = {}
         self._workspaces: dict[int, dict] = {}     # Tb -> kernel scratch shared by that token bucket's steps
         self.replays = 0
+        self.enabled = True                        # False: every step runs eagerly (the warm-up's first pass)
         self.memory_bytes = 0                      # device memory the capture reserved (its pool, workspaces)
 
     # ------------------------------------------------------------------ the program
@@ -202,7 +203,7 @@ class PrefillGraphs:
         and in batch.captured the residual streams of batch.capture_layers (which must be this program's), as
         views valid until the next replay; None when no bucket holds the step."""
         st = batch.step
-        if st is None or tuple(batch.capture_layers) not in ((), self.capture_layers):
+        if not self.enabled or st is None or tuple(batch.capture_layers) not in ((), self.capture_layers):
             return None
         t, s = batch.input_ids.numel(), st.seq_lens.numel()
         key = self.bucket_for(t, s)

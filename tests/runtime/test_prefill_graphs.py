@@ -159,3 +159,59 @@ def test_each_step_restages_its_padding(model):
     assert torch.equal(pg.query_start[:s + 1], batch.step.query_start)
     assert pg.query_start[s + 1:sb + 1].tolist() == [tb] * (sb - s)  # sequence s owns rows t..tb-1, others none
     assert torch.equal(pg.slot_table[:s], batch.step.slot_table)
+
+
+
+def _engine_with_programs(model) -> LLMEngine:
+    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=32,
+                                        max_model_len=128, prefill_graph_tokens=16))
+    model.use_attention(PAGED_KERNELS)
+    eng.runner.target_attention = True
+    eng.runner.enable_prefill_graphs("auto", graphs=False)
+    return eng
+
+
+def test_warm_up_runs_every_wave_eagerly_then_the_first_two_through_the_graphs(model, monkeypatch):
+    """A graph pads every step to its bucket (a multiple of 16), so warm-up waves taken by the graphs never build
+    the eager steps' variants for other token counts, which serving still reaches past the buckets (seen on the
+    H200: a paged-attention variant built while serving). warm_up runs all its waves with the graphs off, then its
+    first two waves through them, each pass from an empty prefix cache, and leaves the graphs on (also when a wave
+    raises)."""
+    from m3serve.engine import warmup
+    eng = _engine_with_programs(model)
+    pg = eng.runner.prefill_graphs
+    passes = []
+
+    def fake_waves(engine, waves, prompt, lengths, t0, timeout_s, n_req, n_tok):
+        passes.append((pg.enabled, len(waves)))
+        return n_req + len(waves), n_tok
+
+    cleared = []
+    monkeypatch.setattr(warmup, "_run_waves", fake_waves)
+    monkeypatch.setattr(eng.blocks, "clear_prefix_cache", lambda: cleared.append(len(passes)))
+    warmup.warm_up(eng)
+    assert len(passes) == 2 and passes[1] == (True, 2) and not passes[0][0] and passes[0][1] > 2
+    assert cleared[:2] == [0, 1] and pg.enabled        # an empty prefix cache before each pass
+
+    def failing(*a):
+        assert not pg.enabled
+        raise RuntimeError("a wave failed")
+
+    monkeypatch.setattr(warmup, "_run_waves", failing)
+    with pytest.raises(RuntimeError, match="a wave failed"):
+        warmup.warm_up(eng)
+    assert pg.enabled
+
+
+def test_a_disabled_program_set_leaves_the_step_eager(model):
+    eng = _engine_with_programs(model)
+    pg = eng.runner.prefill_graphs
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    pg.enabled = False
+    eng.add_request(PROMPTS[0], params)
+    eng.step()
+    assert pg.replays == 0
+    pg.enabled = True
+    eng.add_request(PROMPTS[0][:9], params)
+    eng.step()
+    assert pg.replays == 1

@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 
@@ -92,6 +93,44 @@ def test_bench_fixed_and_agentic_end_to_end(server, tmp_path, capsys):
         assert "matplotlib" in out.err and not png.exists()
     after = engine_idle(server)
     assert after["kv_pages_free"] == after["kv_pages_total"] and after["live_seqs"] == 0
+
+
+def test_bench_spreads_its_users_over_client_processes(server, tmp_path):
+    """--client-procs 2: each level's users run in two spawned processes (at most one per user); the merged records
+    count every request once, the level says how many processes it used, and the agentic users still share one
+    system prefix (the same prompt lengths as a one-process client)."""
+    fixed, agentic = tmp_path / "fixed.json", tmp_path / "agentic.json"
+    assert bench_cli.main(["serve", "--base-url", server.url, "--concurrency", "1,3", "--input-len", "12",
+                           "--output-len", "6", "--requests-per-user", "2", "--client-procs", "2", "--no-progress",
+                           "--out", str(fixed)]) == 0
+    assert bench_cli.main(["serve", "--base-url", server.url, "--workload", "agentic", "--concurrency", "3",
+                           "--input-len", "8", "--output-len", "5", "--turns", "2", "--shared-prefix-len", "40",
+                           "--client-procs", "2", "--no-progress", "--out", str(agentic)]) == 0
+    f, a = json.loads(fixed.read_text())["results"], json.loads(agentic.read_text())["results"]
+    assert [(r["concurrency"], r["client_procs"]) for r in f] == [(1, 1), (3, 2)]
+    for r in f:
+        n = 2 * r["concurrency"]
+        assert (r["requests"], r["completed"], r["output_tokens"]) == (n, n, 6 * n)
+        assert r["duration_s"] > 0 and r["ttft_ms"]["p90"] >= r["ttft_ms"]["p50"] > 0
+    (r,) = a
+    assert (r["client_procs"], r["requests"], r["failed"]) == (2, 6, 0)
+    assert r["mean_input_len"] == pytest.approx(40 + 8 + 13 / 2)
+    after = engine_idle(server)
+    assert after["kv_pages_free"] == after["kv_pages_total"] and after["live_seqs"] == 0
+
+
+def test_client_procs_auto_and_refusals():
+    from m3serve.bench.serve import BenchConfig, client_procs_for
+    assert client_procs_for(BenchConfig(client_procs=4), 2) == 2
+    auto = BenchConfig()
+    cpus = os.cpu_count() or 1
+    assert client_procs_for(auto, 8) == 1
+    assert client_procs_for(auto, 128) == max(1, min(8, cpus // 4))
+    for bad in (0, True, "two"):
+        with pytest.raises(ValueError, match="client_procs"):
+            BenchConfig(client_procs=bad).validate()
+    with pytest.raises(SystemExit):
+        bench_cli.main(["serve", "--client-procs", "0", "--no-progress"])
 
 
 def test_bench_launches_its_own_server(model_dir, tmp_path):
