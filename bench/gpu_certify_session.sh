@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -98,6 +98,17 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always-pg embedded:spec-always-pg-aw --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+client-round)  # the next call: no kernel variant built after the warm-up with prefill graphs on (the warm-up's eager
+               # pass), then the served sweeps again with the client spread over processes (bench serve
+               # --client-procs auto: the figures from 16 users up were client-bound), embedded and minimax-m3:5 NVFP4
+  phase pytest-no-compiles ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+    tests/runtime/test_no_cliffs_gpu.py -k "after_the_warm_up"
+  phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain embedded:plain-pg \
+    embedded:spec-pg embedded:spec-always-pg --requests-per-user 4 --timeout 60 --out "$OUT/serve-pareto-h200.json"
+  phase serve-pareto-m3 ${T_SERVE_M3:-200} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
+    minimax-m3:5:spec-pg:nvfp4 minimax-m3:5:spec-always-pg:nvfp4 --requests-per-user 4 --timeout 60 \
+    --out "$OUT/serve-pareto-m3_5-h200.json"
   ;;
 defaults-round)  # the defaults this round adopted, checked and measured: attn.prefill's FP8-page cells (fp16 operands,
                  # 128 keys a step) on the GPU; the main job with prefill graphs on by default (load <= 10 s?);
