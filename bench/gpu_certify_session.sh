@@ -101,7 +101,8 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
   ;;
 client-round)  # the next call: no kernel variant built after the warm-up with prefill graphs on (the warm-up's eager
                # pass), then the served sweeps again with the client spread over processes (bench serve
-               # --client-procs auto: the figures from 16 users up were client-bound), embedded and minimax-m3:5 NVFP4
+               # --client-procs auto: the figures from 16 users up were client-bound), embedded and minimax-m3:5 NVFP4;
+               # the closed loop with staggered arrivals (the served pattern, without HTTP)
   phase pytest-no-compiles ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
     tests/runtime/test_no_cliffs_gpu.py -k "after_the_warm_up"
   phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain embedded:plain-pg \
@@ -109,6 +110,8 @@ client-round)  # the next call: no kernel variant built after the warm-up with p
   phase serve-pareto-m3 ${T_SERVE_M3:-200} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
     minimax-m3:5:spec-pg:nvfp4 minimax-m3:5:spec-always-pg:nvfp4 --requests-per-user 4 --timeout 60 \
     --out "$OUT/serve-pareto-m3_5-h200.json"
+  phase spec-serving-steps-staggered ${T_B:-120} python3 bench/spec_serving_steps.py --stagger \
+    --engines plain-pg,spec-pg,spec-2-pg --concurrency 1,4,16,64 --out "$OUT/spec-serving-steps-staggered-h200.json"
   ;;
 defaults-round)  # the defaults this round adopted, checked and measured: attn.prefill's FP8-page cells (fp16 operands,
                  # 128 keys a step) on the GPU; the main job with prefill graphs on by default (load <= 10 s?);

@@ -21,7 +21,11 @@ spec-auto (the measured policy); a "-pg" suffix (plain-pg, spec-pg, spec-2-pg) a
 "-aw" also holds arrivals back up to 4 ms while requests decode, so that several share one prefill step
 (EngineConfig.admission_wait_s: speculation desynchronises the users, whose requests then arrive one step apart).
 
-    python bench/spec_serving_steps.py --concurrency 1,4,16,64 \
+With --stagger the users' first requests arrive spread over one request's length (user u at step
+u * tokens // users), as served users drift apart, instead of all at the first step: every later step then sees an
+arrival or two beside the running streams (the served sweep's pattern), where the synchronised loop batches them.
+
+    python bench/spec_serving_steps.py --concurrency 1,4,16,64 [--stagger] \
         --out bench/results/spec_serving_steps/spec-serving-steps-h200.json
 """
 
@@ -109,7 +113,13 @@ def heldout_prompts(llm: LLM) -> list[list[int]]:
     return [chat_token_ids(llm.tokenizer, [{"role": "user", "content": it["question"]}]) for it in items]
 
 
-def closed_loop(llm: LLM, users: int, per_user: int, prompts: list[list[int]], tokens: int) -> dict:
+def first_arrivals(users: int, tokens: int, stagger: bool) -> list[int]:
+    """The step at which each user's first request arrives: all at step 0, or spread over one request's length."""
+    return [u * tokens // users if stagger else 0 for u in range(users)]
+
+
+def closed_loop(llm: LLM, users: int, per_user: int, prompts: list[list[int]], tokens: int,
+                stagger: bool = False) -> dict:
     eng = llm.engine
     labels = StepLabels(llm)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -121,11 +131,16 @@ def closed_loop(llm: LLM, users: int, per_user: int, prompts: list[list[int]], t
         return eng.add_request(prompts[i % len(prompts)], params)
 
     builds_before = COMPILE_WATCH.count
-    live = {u: new(u) for u in range(users)}
+    starts = first_arrivals(users, tokens, stagger)
+    waiting = {u: s for u, s in enumerate(starts) if s > 0}
+    live = {u: new(u) for u, s in enumerate(starts) if s == 0}
     steps: list[tuple[str, float]] = []
     emitted = 0
     t_start = time.perf_counter()
-    while live:
+    while live or waiting:
+        for u in [u for u, s in waiting.items() if s <= len(steps)]:
+            del waiting[u]
+            live[u] = new(u)
         t0 = time.perf_counter()
         eng.step()
         steps.append((labels.label(), time.perf_counter() - t0))
@@ -146,7 +161,7 @@ def closed_loop(llm: LLM, users: int, per_user: int, prompts: list[list[int]], t
         kinds[kind] = {"steps": len(ts), "share": sum(ts) / total, "median_ms": statistics.median(ts) * 1e3,
                        "p90_ms": sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3}
     stats = eng.stats().get("spec_decode", {})
-    return {"users": users, "requests": users * per_user, "seconds": total, "steps": len(steps),
+    return {"users": users, "requests": users * per_user, "seconds": total, "steps": len(steps), "stagger": stagger,
             # Triton variants built inside the timed loop (each a stall of a step: the warm-up should reach them)
             "kernel_builds": COMPILE_WATCH.count - builds_before,
             "tokens_per_s_per_user": emitted / total / users, "kinds": kinds,
@@ -160,6 +175,7 @@ def main() -> int:
     ap.add_argument("--engines", default="plain,spec,spec-2,spec-auto", help=f"some of {list(ENGINES)}")
     ap.add_argument("--requests-per-user", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--stagger", action="store_true", help="spread the users' first arrivals over one request")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -180,7 +196,7 @@ def main() -> int:
                   prefill_graph_tokens=graph_tokens, admission_wait_s=wait_s, **kv)
         prompts = heldout_prompts(llm)
         for users in levels:
-            res = closed_loop(llm, users, args.requests_per_user, prompts, args.tokens)
+            res = closed_loop(llm, users, args.requests_per_user, prompts, args.tokens, args.stagger)
             res["engine"] = name
             rows.append(res)
             print(json.dumps({"engine": name, "users": users,
