@@ -143,7 +143,8 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
             if graphs is not None:
                 graphs.enabled = through_graphs
             engine.blocks.clear_prefix_cache()     # the same prompts again: prefilled whole, not from the cache
-            n_req, n_tok = _run_waves(engine, wave_list, prompt, lengths, t0, timeout_s, n_req, n_tok)
+            reqs, toks = _run_waves(engine, wave_list, prompt, lengths[min(2, len(lengths) - 1)], t0, timeout_s)
+            n_req, n_tok = n_req + reqs, n_tok + toks
     finally:
         if graphs is not None:
             graphs.enabled = True
@@ -157,10 +158,10 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     return {"requests": n_req, "tokens": n_tok, "seconds": secs}
 
 
-def _run_waves(engine, waves, prompt, lengths, t0: float, timeout_s: float, n_req: int, n_tok: int
-               ) -> tuple[int, int]:
-    """Each wave's requests to completion, a late arrival joining while they decode; returns the running counts
-    of requests and generated tokens."""
+def _run_waves(engine, waves, prompt, late_len: int, t0: float, timeout_s: float) -> tuple[int, int]:
+    """Each wave's requests to completion, a late arrival of late_len tokens joining while they decode; returns
+    (requests, generated tokens)."""
+    n_req = n_tok = 0
     for w, wave in enumerate(waves):
         reqs = [engine.add_request(n if isinstance(n, list) else prompt(n, w * 100 + i), params)
                 for i, (n, params) in enumerate(wave)]
@@ -171,7 +172,7 @@ def _run_waves(engine, waves, prompt, lengths, t0: float, timeout_s: float, n_re
             engine.step()
             steps += 1
             if steps == 2 and late is None:
-                late = engine.add_request(prompt(lengths[min(2, len(lengths) - 1)], w * 100 + 99),
+                late = engine.add_request(prompt(late_len, w * 100 + 99),
                                           SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
                 reqs.append(late)
             if time.perf_counter() - t0 > timeout_s:
