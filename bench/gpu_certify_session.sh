@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -98,6 +98,16 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always-pg embedded:spec-always-pg-aw --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+policy-round)  # Eagle3's batch-size policy counting the requests in the engine: the embedded model served plain and
+               # Eagle3 (both with prefill graphs), interleaved twice, 8 requests per user, the client spread over
+               # processes (bench serve's default); attn.prefill's bf16-page tiles after 120k of context (the 131k
+               # prompt's dense layers spend 68 % of its time there)
+  phase serve-pareto ${T_SERVE:-360} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
+    --repeats 2 --requests-per-user 8 --timeout 90 --out "$OUT/serve-pareto-policy-h200.json"
+  grep -n "WARNING\|ERROR\|Traceback" "$OUT/serve-pareto.log" | head -20
+  phase attn-prefill-bf16-ctx120k ${T_B:-200} python3 bench/prefill_attention_variants.py --n 8192 --ctx 122880 \
+    --kv 16 --iters 3 --variants 0,1,3,4,5,7,8,11,12,16 --out-dir "$OUT/ctx120k"
   ;;
 client-round)  # the next call: no kernel variant built after the warm-up with prefill graphs on (the warm-up's eager
                # pass), then the served sweeps again with the client spread over processes (bench serve

@@ -165,6 +165,11 @@ def accuracy_pct(fraction: float) -> str:
     return f"{_round_half_up(fraction * 100.0, 1)} %"
 
 
+def ratio2(x: float) -> str:
+    """A ratio near 1 with two decimals (1.02×): where times' two significant digits would say 1.0×."""
+    return f"{x:.2f}×"
+
+
 def times(x: float) -> str:
     return f"{sig(x, 2)}×"
 
@@ -813,8 +818,10 @@ def _run_mode(run: dict, where: str) -> str:
     graphs = opt(run, "prefill_graph_tokens", where, "int")
     wait = opt(run, "admission_wait_ms", where)
     budget = opt(run, "max_num_batched_tokens", where, "int")
+    rep = opt(run, "repeat", where, "int")
     notes = ([f"policy {policy}"] if policy else []) + ([f"prefill graphs to {graphs} tokens"] if graphs else []) \
-        + ([f"admission wait {sig(wait)} ms"] if wait else []) + ([f"{budget}-token steps"] if budget else [])
+        + ([f"admission wait {sig(wait)} ms"] if wait else []) + ([f"{budget}-token steps"] if budget else []) \
+        + ([f"repeat {rep + 1}"] if rep else [])
     return f"{mode} ({', '.join(notes)})" if notes else mode
 
 
@@ -837,8 +844,32 @@ def render_serve_pareto(files: list[ResultFile]) -> str:
                               or_dash(opt(r, "interactivity_tpot_p90", wr), sig)])
         headers = ["model", "mode", "weights", "concurrency", "failed", "total tok/s per GPU", "TTFT p50 / p90 ms",
                    "ITL p50 / p90 ms", "tok/s per user (1000 / P90 ITL)", "tok/s per user (1000 / P90 TPOT)"]
-        blocks.append(file_block("Serving sweeps (Pareto front file)", md_table(headers, table), rf))
+        block = file_block("Serving sweeps (Pareto front file)", md_table(headers, table), rf)
+        versus = _spec_vs_plain_table(rf)
+        blocks.append(block + ("\n\n" + versus if versus else ""))
     return "\n\n".join(blocks)
+
+
+def _spec_vs_plain_table(rf: ResultFile) -> str:
+    """bench/serve_pareto.py --repeats: each speculative mode beside its plain counterpart, medians over repeats."""
+    cmp = opt(rf.data, "spec_vs_plain", rf.name, "list")
+    if not cmp:
+        return ""
+    table = []
+    for i, c in enumerate(cmp):
+        w = f"{rf.name}.spec_vs_plain[{i}]"
+        for j, r in enumerate(need(c, "levels", w, "list")):
+            wr = f"{w}.levels[{j}]"
+            reps = need(r, "repeats", wr, "list")
+            table.append([need(c, "model", w, "str"), f"{need(c, 'spec_mode', w, 'str')} vs {need(c, 'plain_mode', w, 'str')}",
+                          need(r, "concurrency", wr, "int"),
+                          f"{sig(need(r, 'spec_per_user', wr))} / {sig(need(r, 'plain_per_user', wr))}",
+                          ratio2(need(r, "per_user_ratio", wr)), ratio2(need(r, "tpot_p90_ratio", wr)),
+                          ratio2(need(r, "total_ratio", wr)), " / ".join(str(x) for x in reps)])
+    headers = ["model", "modes", "concurrency", "tok/s per user, spec / plain (output tok/s / users)", "ratio",
+               "ratio of 1000 / P90 TPOT", "ratio of total tok/s", "runs (spec / plain)"]
+    return (f"Speculation against plain serving in the same file (medians over "
+            f"{need(rf.data, 'repeats', rf.name, 'int')} interleaved repeats):\n\n" + md_table(headers, table))
 
 
 def render_eval_kv(files: list[ResultFile]) -> str:

@@ -14,6 +14,12 @@ back up to 4 ms while requests decode so that several share a prefill step (`--a
 an 8192-token step budget (`--max-num-batched-tokens 8192`, the plain target's default; speculation's is 2048). A mode without
 "-pg" passes `--prefill-graph-tokens 0`, so that a mode means the same server whatever the default. Every run:
 --input-len / --output-len tokens, concurrency levels --concurrency.
+
+--repeats N runs the list N times, interleaved (a b a b, so that a drift of the machine lands on both), each run
+marked with its "repeat". The file's "spec_vs_plain" then sets every speculative mode beside the plain mode of the
+same model, quantization and suffixes, per concurrency: the median over repeats of tokens/s per user
+(output tokens/s / concurrency) and of total output tokens/s, and their ratios (single runs moved by 20-40 % at 16
+users and more on the H200).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -92,6 +99,44 @@ def parse_run(text: str) -> tuple[str, str, str | None]:
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
+def spec_vs_plain(runs: list[dict]) -> list[dict]:
+    """Each speculative mode beside its plain counterpart (same model, quantization and suffixes), per concurrency:
+    median tokens/s per user (output tokens/s / concurrency; and 1000 / P90 TPOT, the chart's y) and total tokens/s
+    over the repeats of each, and spec / plain. `runs`: the combined
+    file's runs, each with "model", "quantization", "run_mode" and its "results" rows."""
+    groups: dict[tuple, list[list[dict]]] = {}
+    for r in runs:
+        groups.setdefault((r["model"], r.get("quantization"), r["run_mode"]), []).append(r["results"])
+
+    def medians(rows_of_runs: list[list[dict]]) -> dict[int, tuple[float, float, int]]:
+        by_c: dict[int, list[dict]] = {}
+        for rows in rows_of_runs:
+            for row in rows:
+                if row.get("completed"):
+                    by_c.setdefault(row["concurrency"], []).append(row)
+        return {c: (statistics.median(x["output_tokens_per_s"] / c for x in xs),
+                    statistics.median(x["output_tokens_per_s"] for x in xs),
+                    statistics.median(x["interactivity_tpot_p90"] for x in xs), len(xs)) for c, xs in by_c.items()}
+
+    out = []
+    for (model, quant, mode), spec_runs in groups.items():
+        base, suffixes = split_mode(mode)
+        plain_runs = groups.get((model, quant, "plain" + "".join(suffixes)))
+        if base == "plain" or plain_runs is None:
+            continue
+        sm, pm = medians(spec_runs), medians(plain_runs)
+        rows = []
+        for c in sorted(set(sm) & set(pm)):
+            (su, st, si, sn), (pu, pt, pi, pn) = sm[c], pm[c]
+            rows.append({"concurrency": c, "spec_per_user": su, "plain_per_user": pu, "per_user_ratio": su / pu,
+                         "spec_total": st, "plain_total": pt, "total_ratio": st / pt,
+                         "spec_tpot_p90_per_user": si, "plain_tpot_p90_per_user": pi, "tpot_p90_ratio": si / pi,
+                         "repeats": [sn, pn]})
+        out.append({"model": model, "quantization": quant, "spec_mode": mode,
+                    "plain_mode": "plain" + "".join(suffixes), "levels": rows})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="+", required=True)
@@ -104,37 +149,41 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--forced-al", type=float, default=2.78, help="forced acceptance length for random drafters")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    ap.add_argument("--repeats", type=int, default=1, help="run the list this many times, interleaved")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats: expected >= 1, found {args.repeats}")
     meta = run_metadata()
     base = os.path.splitext(args.out)[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     files = []
-    for text in args.runs:
+    plan = [(rep, text) for rep in range(args.repeats) for text in args.runs]
+    for rep, text in plan:
         model, mode, quant = parse_run(text)
         target, extra = server_args(model, mode, quant, args)
-        tag = f"{model}-{mode}-{quant or 'bf16'}".replace(":", "_")
+        tag = f"{model}-{mode}-{quant or 'bf16'}-r{rep}".replace(":", "_")
         out = f"{base}.{tag}.json"
         cmd = [sys.executable, "-m", "m3serve.bench", "serve", "--launch", target, "--server-args", shlex.join(extra),
                "--concurrency", args.concurrency, "--input-len", str(args.input_len), "--output-len",
                str(args.output_len), "--requests-per-user", str(args.requests_per_user), "--timeout",
-               str(args.timeout), "--label", f"{model} {mode} {quant or 'bf16'}", "--out", out, "--no-progress"]
+               str(args.timeout), "--label", f"{model} {mode} {quant or 'bf16'}" + (f" r{rep}" if args.repeats > 1 else ""), "--out", out, "--no-progress"]
         t0 = time.perf_counter()
         print("$", shlex.join(cmd), flush=True)
         rc = subprocess.call(cmd, cwd=ROOT)
         print(f"[{text}: rc {rc} in {time.perf_counter() - t0:.0f} s]", flush=True)
         if os.path.exists(out):
-            files.append((model, mode, out, f"{out}:{mode.split('-')[0]}:{quant or 'none'}"))
+            files.append((model, mode, rep, out, f"{out}:{mode.split('-')[0]}:{quant or 'none'}"))
     if not files:
         return 1
-    cmd = [sys.executable, "-m", "m3serve.bench", "pareto", *[f[3] for f in files], "--out", args.out, "--plot", base + ".png",
+    cmd = [sys.executable, "-m", "m3serve.bench", "pareto", *[f[4] for f in files], "--out", args.out, "--plot", base + ".png",
            "--commit", meta["commit"], "--gpu", str(meta["gpu"])]
     subprocess.check_call(cmd, cwd=ROOT)
     with open(args.out) as f:
         doc = json.load(f)
     doc.update({"command": meta["command"], "date": meta["date"], "host": meta["host"]})
-    for r, (model, mode, _, _) in zip(doc["runs"], files):
-        r["model"] = model
+    for r, (model, mode, rep, _, _) in zip(doc["runs"], files):
+        r["model"], r["run_mode"], r["repeat"] = model, mode, rep
         base, suffixes = split_mode(mode)
         if base in POLICY:
             r["policy"] = POLICY[base]
@@ -144,9 +193,11 @@ def main() -> int:
         if STEP_SUFFIX in suffixes:
             r["max_num_batched_tokens"] = STEP_TOKENS
         r.pop("meta", None)
+    doc["repeats"] = args.repeats
+    doc["spec_vs_plain"] = spec_vs_plain(doc["runs"])
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
-    for _, _, path, _ in files:              # the per-run files are folded into the combined one
+    for _, _, _, path, _ in files:              # the per-run files are folded into the combined one
         os.remove(path)
     return 0
 

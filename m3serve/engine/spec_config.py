@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# Steps with more decoding requests than this run as plain decode steps (SpecDecoding.step). From the measured
-# sweep bench/results/serve/serve-pareto-h200.json (embedded model, Eagle3 K=3, H200): speculation wins per user at
-# concurrency 1 and loses from concurrency 4 on, so 2 is the largest batch assumed to still gain from it.
+# With more requests than this in the engine (running + waiting) a step runs plainly (SpecDecoding.step). From the
+# measured sweeps in bench/results/serve/ (embedded model, Eagle3 K=3, H200): speculation wins per user at
+# concurrency 1 and loses served from concurrency 4 on, so 2 is the largest load assumed to still gain from it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
@@ -19,7 +19,8 @@ class SpecConfig:
     num_speculative_tokens: int = 3
     forced_acceptance: float | None = None  # mean acceptance length (tokens per verify step) to force
     draft_seed: int = 0                   # random drafter weights
-    # vLLM's name: above this many decoding requests a step runs without speculation; None: always speculate;
+    # vLLM's name and meaning: above this many requests in the engine (running + waiting) steps run without
+    # speculation; None: always speculate;
     # "auto": per batch bucket, whichever kind of step measured faster per sequence (engine/spec_policy.py)
     disable_by_batch_size: int | str | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 

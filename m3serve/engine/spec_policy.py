@@ -1,5 +1,14 @@
 """When a step speculates: speculative_config.disable_by_batch_size as a fixed threshold, or "auto", measured.
 
+The fixed threshold counts the requests in the engine (running + waiting: vLLM's "enqueued requests"), not the
+decoding rows of the step. Under a served load of C users that number stays at about C while each user's requests
+come and go, so the engine speculates at every step or at none; counted per step, every arrival made a step of
+fewer decoding rows that speculated (an eager split step with the drafter's pass over the prompt, ~6 ms beside 16
+streams on the H200 where the plain prefill graph takes ~1.5 ms) and switched the kinds back and forth
+(bench/results/serve/serve-pareto-defaults-h200.json: 0.62-0.98x plain per user from 4 users up). A prompt that
+a plain step prefills gets no draft-layer KV; if its request speculates later (the load fell), its drafts read
+stale draft KV for those positions, which only lowers acceptance: verification keeps outputs exact.
+
 Per user, a speculative step of batch b emits AL tokens per sequence (the acceptance length, 1 + accepted drafts)
 in its step period P_spec(b); a plain step emits 1 in P_plain(b). Speculation pays at b iff
 
@@ -34,11 +43,12 @@ SPEC, PLAIN = "spec", "plain"
 
 @dataclass
 class FixedThreshold:
-    """Speculate while at most `limit` requests decode (None: always)."""
+    """Speculate while at most `limit` requests are in the engine (None: always)."""
     limit: int | None
 
-    def speculate(self, decoding: int) -> bool:
-        return self.limit is None or decoding <= self.limit
+    def speculate(self, decoding: int, load: int) -> bool:
+        """decoding: the step's decoding rows (unused here); load: requests running or waiting."""
+        return self.limit is None or load <= self.limit
 
     def observe_step(self, kind: str, decoding: int, pure_decode: bool) -> None:
         """Fixed: nothing to learn."""
@@ -80,7 +90,11 @@ class MeasuredPolicy:
         al = self.acceptance if self.acceptance is not None else self.prior_acceptance
         return SPEC if al / spec > 1.0 / plain else PLAIN
 
-    def speculate(self, decoding: int) -> bool:
+    def speculate(self, decoding: int, load: int) -> bool:
+        """Per bucket of the step's decoding rows (load unused); a step of prefill chunks only speculates (its
+        drafter pass is what the next speculative step needs)."""
+        if decoding == 0:
+            return True
         b = self._bucket(decoding)
         best = self.choice(b)
         n = self._count[b] = self._count.get(b, 0) + 1

@@ -12,9 +12,10 @@ state, one request's share of a step), spec_verify.py (greedy / rejection-sample
 forced acceptance), spec_rng.py (the device RNG), spec_batch.py (step preparation through
 DeviceBlockTables.prepare), spec_runner.py (the device work every tensor-parallel rank repeats).
 
-Batch-size policy (speculative_config.disable_by_batch_size, vLLM's name; engine/spec_policy.py): a step with more
-decoding requests than the threshold runs as a plain step (LLMEngine._step_chunks: its decode graphs and overlap
-loop on the target); the others speculate as below. "auto" chooses per batch bucket the kind of step that measured
+Batch-size policy (speculative_config.disable_by_batch_size, vLLM's name and meaning; engine/spec_policy.py): with
+more requests in the engine (running + waiting) than the threshold a step runs as a plain step
+(LLMEngine._step_chunks: its decode graphs, prefill graphs and overlap loop on the target); the others speculate
+as below. "auto" chooses per batch bucket the kind of step that measured
 more tokens per second per sequence so far. Only one kind of step is ever in flight: the other kind reads it back first.
 
 One `SpecDecoding.step(chunks)` (LLMEngine.step schedules, then hands the chunks over):
@@ -275,9 +276,10 @@ class SpecDecoding:
         if self.spec.disable_by_batch_size is not None:
             decoding = sum(c.num_tokens == 1 and c.reaches_end for c in chunks)
             pure = decoding == len(chunks)
-            if decoding and not self.policy.speculate(decoding):
+            sched = self.engine.scheduler
+            if not self.policy.speculate(decoding, len(sched.running) + len(sched.waiting)):
                 self.policy.observe_step(PLAIN, decoding, pure)
-                self.policy_plain_steps += 1
+                self.policy_plain_steps += int(decoding > 0)
                 return self._plain_step(chunks)
             self.policy.observe_step(SPEC, decoding, pure)
             self.policy_spec_steps += int(decoding > 0)

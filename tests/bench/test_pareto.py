@@ -81,3 +81,31 @@ def test_serve_pareto_modes_ask_the_server_for_their_policy():
         sp.parse_run("embedded:spec-fast-pg")
     with pytest.raises(SystemExit, match="plain|spec|spec-auto"):
         sp.parse_run("embedded:fast")
+
+
+def _row(c: int, total: float, tpot_user: float) -> dict:
+    return {"concurrency": c, "completed": 4 * c, "output_tokens_per_s": total, "interactivity_tpot_p90": tpot_user}
+
+
+def test_spec_vs_plain_pairs_modes_and_takes_medians_over_repeats():
+    """Each spec mode beside the plain mode with the same suffixes, model and weights; medians over the repeats
+    (three of them: the middle value, not the mean); a spec mode without its plain counterpart is left out."""
+    sp = _serve_pareto()
+
+    def run(mode, model, totals, tpot, quant=None):
+        return {"model": model, "quantization": quant, "run_mode": mode,
+                "results": [_row(1, totals[0], tpot), _row(4, totals[1], tpot)]}
+    runs = [run("plain-pg", "embedded", (100, 400), 10), run("spec-pg", "embedded", (150, 300), 20),
+            run("plain-pg", "embedded", (110, 360), 12), run("spec-pg", "embedded", (130, 320), 30),
+            run("plain-pg", "embedded", (90, 1000), 14), run("spec-pg", "embedded", (900, 340), 25),
+            run("spec-always-pg", "embedded", (1, 1), 1),            # paired with plain-pg too
+            run("spec", "minimax-m3:5", (50, 50), 5, "nvfp4"),       # no plain of m3:5: left out
+            run("plain", "minimax-m3:5", (60, 60), 6, None)]         # other weights: not its counterpart
+    cmp = {(c["model"], c["spec_mode"]): c for c in sp.spec_vs_plain(runs)}
+    assert set(cmp) == {("embedded", "spec-pg"), ("embedded", "spec-always-pg")}
+    lv = {r["concurrency"]: r for r in cmp[("embedded", "spec-pg")]["levels"]}
+    assert cmp[("embedded", "spec-pg")]["plain_mode"] == "plain-pg"
+    assert lv[1]["spec_per_user"] == 150 and lv[1]["plain_per_user"] == 100 and lv[1]["per_user_ratio"] == 1.5
+    assert lv[4]["spec_total"] == 320 and lv[4]["plain_total"] == 400 and lv[4]["total_ratio"] == 0.8
+    assert lv[4]["spec_per_user"] == 80 and lv[4]["plain_per_user"] == 100
+    assert lv[1]["tpot_p90_ratio"] == 25 / 12 and lv[1]["repeats"] == [3, 3]

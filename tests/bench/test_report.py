@@ -584,3 +584,26 @@ def test_prefill_attention_variants(report, tmp_path):
     assert table_rows(out, "pages") == [["FP8", "128 x 64, 8 warps, 1 stages, 2 heads, fp16 operands", "150.250",
                                          "232", "ok"], ["BF16", "torch sdpa", "99.500", "350", "—"]]
     assert "8192-token chunk after 122880 keys" in out and "unrecognised" not in out
+
+
+def test_serve_pareto_repeats_and_spec_vs_plain(report, tmp_path):
+    """A file of interleaved repeats: each run's rows name their repeat, and the spec-vs-plain medians get a table."""
+    point = {"concurrency": 4, "failed": 0, "total_tokens_per_s_per_gpu": 20000.0, "ttft_ms": {"p50": 3.1, "p90": 4.2},
+             "itl_ms": {"p50": 0.31, "p90": 0.4}, "interactivity_x90": 2500.0, "interactivity_tpot_p90": 2600.0}
+    runs = [{"model": "embedded", "mode": m, "run_mode": m + "-pg", "repeat": rep, "prefill_graph_tokens": 1024,
+             "results": [point]} for rep in (0, 1) for m in ("plain", "spec")]
+    cmp = [{"model": "embedded", "quantization": None, "spec_mode": "spec-pg", "plain_mode": "plain-pg",
+            "levels": [{"concurrency": 4, "spec_per_user": 2710.0, "plain_per_user": 2650.0, "per_user_ratio": 1.0226,
+                        "spec_total": 10840.0, "plain_total": 10600.0, "total_ratio": 1.0226,
+                        "spec_tpot_p90_per_user": 2700.0, "plain_tpot_p90_per_user": 2600.0,
+                        "tpot_p90_ratio": 1.0385, "repeats": [2, 2]}]}]
+    write(tmp_path, "serve/serve-pareto-h200.json", {**PROVENANCE, "command": "bench/serve_pareto.py --repeats 2",
+          "repeats": 2, "runs": runs, "spec_vs_plain": cmp})
+    out = report.render_report(tmp_path)
+    modes = [r[1] for r in table_rows(out, "model") if len(r) == 10]
+    assert modes == ["plain (prefill graphs to 1024 tokens)", "spec (prefill graphs to 1024 tokens)",
+                     "plain (prefill graphs to 1024 tokens, repeat 2)", "spec (prefill graphs to 1024 tokens, repeat 2)"]
+    assert "medians over 2 interleaved repeats" in out
+    versus = out.split("Speculation against plain serving")[1]
+    assert table_rows(versus, "model") == [["embedded", "spec-pg vs plain-pg", "4", "2710 / 2650", "1.02×", "1.04×",
+                                           "1.02×", "2 / 2"]]

@@ -1,5 +1,5 @@
-"""speculative_config.disable_by_batch_size: a step with more decoding requests than the threshold runs as a plain
-decode step (no drafts, verify rows or draft passes), the others speculate. Whatever the switching pattern, greedy
+"""speculative_config.disable_by_batch_size: with more requests in the engine (running + waiting) than the threshold
+a step runs as a plain step (no drafts, verify rows or draft passes), the others speculate. Whatever the switching pattern, greedy
 outputs equal plain greedy decoding, seeded sampled outputs are reproducible, no page leaks, and the step counts
 show which steps ran which way (tiny preset, fp32, CPU; the eager speculative engine, and the plain overlap loop
 through the stand-in for the decode graphs of tests/engine/test_overlap_loop.py)."""
@@ -73,6 +73,34 @@ def test_two_decoding_requests_run_plainly_then_one_speculates_again(model, over
         assert eng.runner.graphs.runs >= 5 and eng.runner.graphs.pending_reads == 0
     assert eng._inflight is None
     assert eng.blocks.num_free_slots() == eng.kv.num_slots  # every page came back
+
+
+def test_the_threshold_counts_requests_in_the_engine_not_decoding_rows(model):
+    """disable_by_batch_size=2 with three requests: their prompts' step (no decoding row yet) runs plainly too, so no
+    draft pass runs over the prompts while the load is 3, and no verify step runs while three requests are in the
+    engine; once one finished (load 2) the others speculate. Outputs equal plain greedy decoding."""
+    ps = prompts(3, 12, 20, seed=21)
+    params = [_greedy(4), _greedy(20), _greedy(20)]
+    ref = plain_outputs(model, ps, params)
+    eng = cheat_engine(model, ps, params, ref, k=3, spec={"disable_by_batch_size": 2})
+    spec = eng.speculation
+    drafts = []
+    real_draft = spec.spec_runner.draft
+    spec.spec_runner.draft = lambda *a, **kw: drafts.append(len(eng.scheduler.running)) or real_draft(*a, **kw)
+    reqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
+    loads = []
+    while eng.has_work():
+        loads.append(len(eng.scheduler.running) + len(eng.scheduler.waiting))
+        before = _counts(eng)
+        eng.step()
+        if loads[-1] == 3:
+            assert _counts(eng)[1:] == before[1:], (loads, before, _counts(eng))   # no speculative step at load 3
+        assert len(loads) < 200
+    assert [list(r.output_token_ids) for r in reqs] == ref
+    assert loads[0] == 3 and drafts and min(drafts) <= 2 and max(drafts) <= 2   # no draft pass at load 3
+    plain, spec_steps, verify = _counts(eng)
+    assert plain >= 3 and spec_steps >= 3 and verify >= 3
+    assert eng.blocks.num_free_slots() == eng.kv.num_slots
 
 
 @pytest.mark.parametrize("overlap", [False, True])

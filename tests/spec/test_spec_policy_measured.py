@@ -38,10 +38,10 @@ def measured(**kw) -> tuple[MeasuredPolicy, Clock]:
 
 def test_speculates_first_then_measures_plain_then_picks_the_faster():
     p, clock = measured()
-    assert p.speculate(1)                                  # nothing known: speculation first
+    assert p.speculate(1, 1)                                  # nothing known: speculation first
     run_steps(p, clock, SPEC, 2.0, 3)
     p.observe_acceptance(6, 2)                             # 2 sequences, 3 tokens each
-    assert p.period[(SPEC, 1)] == 2.0 and not p.speculate(1)   # plain not yet measured: plain next
+    assert p.period[(SPEC, 1)] == 2.0 and not p.speculate(1, 1)   # plain not yet measured: plain next
     run_steps(p, clock, PLAIN, 1.0, 3)
     p.observe_step(SPEC, 1, True)                          # closes the last plain step's period
     assert p.period[(PLAIN, 1)] == 1.0
@@ -78,7 +78,7 @@ def test_buckets_group_batches_and_explorations_refresh_the_other_kind():
     run_steps(p, clock, PLAIN, 2.0, 3, decoding=4)
     p.observe_step(SPEC, 3, True)
     assert set(p.period) == {(SPEC, 4), (PLAIN, 4)} and p.choice(4) == SPEC   # AL prior 1: 1/1 > 1/2
-    kinds = [p.speculate(4) for _ in range(20)]
+    kinds = [p.speculate(4, 4) for _ in range(20)]
     assert kinds.count(False) == 4 and kinds[9:12] == [False] * 3 and kinds[19] is False
     assert p.describe()["policy_choice"] == {4: SPEC}
 
@@ -98,8 +98,8 @@ def test_config_and_factory():
     assert SpecConfig.from_dict({"disable_by_batch_size": "auto"}).disable_by_batch_size == "auto"
     assert isinstance(make_policy("auto"), MeasuredPolicy)
     fixed = make_policy(2)
-    assert isinstance(fixed, FixedThreshold) and fixed.speculate(2) and not fixed.speculate(3)
-    assert make_policy(None).speculate(10_000)
+    assert isinstance(fixed, FixedThreshold) and fixed.speculate(9, 2) and not fixed.speculate(1, 3)
+    assert make_policy(None).speculate(10_000, 10_000)
     with pytest.raises(ValueError, match="'auto'"):
         SpecConfig.from_dict({"disable_by_batch_size": "fast"})
 
