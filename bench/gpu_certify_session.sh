@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... moe-round | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -98,6 +98,20 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always-pg embedded:spec-always-pg-aw --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on a side stream while this group's
+            # GEMM runs): GPU tests (bit-equal to serial, capture, no host sync), the layer timed serial vs ahead,
+            # decode_experts' tiles, then the prefills it is for: minimax-m3:24 at 8k (with its kernel profile) and
+            # minimax-m3:5 at 131k
+  phase pytest-moe-ahead ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 180 -rfE \
+    tests/kernels/moe/test_moe_grouped_gpu.py -k "decode_ahead or (replay and 4096) or (no_host_sync and 4096)"
+  phase moe-decode-once ${T_B:-120} python3 bench/moe_grouped.py --decode-once --fmts nvfp4,mxfp8 \
+    --rows 4096,8192,16384 --out-dir "$OUT"
+  phase moe-decode-tiles ${T_C:-90} python3 bench/moe_grouped.py --decode-tiles --fmts nvfp4 --out-dir "$OUT"
+  phase prefill-m3_24-8k ${T_D:-180} python3 bench/prefill.py --model minimax-m3:24 --tokens 8192 --quant nvfp4 \
+    --chunk 8192 --repeat 2 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-m3_24-8k-ahead-h200.json"
+  phase prefill-131k-c16k ${T_E:-170} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
+    --chunk 16384 --repeat 1 --no-transformers --out "$OUT/prefill-nvfp4-128k-c16k-ahead-h200.json"
   ;;
 policy-round)  # Eagle3's batch-size policy counting the requests in the engine: the embedded model served plain and
                # Eagle3 (both with prefill graphs), interleaved twice, 8 requests per user, the client spread over

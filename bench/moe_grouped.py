@@ -13,11 +13,17 @@ tensor peak (~790 TFLOP/s, the roofline of prefill chunks). Every case first pas
 first) for choosing the cells' configs; under 10 minutes a call, split by --fmts / --rows.
 Writes bench/results/kernels-moe-grouped-h200.json (and a copy under --out-dir).
 
+    python3 bench/moe_grouped.py --decode-tiles [--fmts nvfp4,mxfp8] [--out-dir DIR]            (GPU, ~1 minute)
+decode_experts alone on one group of 16 experts' gate|up weight per (DEC_BN, DEC_BK) tile: exactness against the
+default tile, time, share of HBM rate. Writes kernels-moe-decode-tiles-h200.json.
+
     python3 bench/moe_grouped.py --decode-once [--out-dir DIR]                                (GPU, ~1 minute)
 The decode-once band (issue 29) against the in-register path, one layer at M3 dims: NVFP4 / MXFP8 / BF16 experts
 (--fmts) at 2048 / 4096 / 8192 / 16384 tokens (--rows; defaults differ in this mode). Per (format, T): the
 in-register path as the catalog had it before the band (the 513-2048 cell's tiles at <= 2048 tokens, the BM 128
-tiles above), and the decode-once path (the band's config, at every T so the threshold can be read off), each as
+tiles above), the decode-once path (the band serial, groups of 32, at every T so the threshold can be read off) and
+decoded ahead (DECODE_AHEAD: the next group's decode on a side stream while this group's GEMM runs; groups of 16
+and of 32), each as
 total (the raw call: routing, grouping, expert launches, combine), gemm (the gate|up + down launches alone; for the
 in-register path they include its decode) and, decode-once, decode (the decode_experts launches alone); CUDA graphs,
 median of --iters (default 5 here). The cases at <= --check-rows tokens (4096) first pass the entry's compare; the
@@ -109,9 +115,13 @@ def _paths(fmt: int, rows: int, shape: tuple, cells: tuple) -> dict[str, G.Group
     cells = [c for c in cells if c.shape == (fmt, *shape)]
     band = next(c for c in cells if c.config["moe"].DECODE_ONCE) if fmt != FMT_BF16 else None
     cur = next(c for c in cells if c.rows[0] <= rows <= c.rows[1]).config["moe"]
-    out = {"in_register": replace(cur, DECODE_ONCE=False)}
+    out = {"in_register": replace(cur, DECODE_ONCE=False, DECODE_AHEAD=False)}
     if band is not None:
-        out["decode_once"] = band.config["moe"]
+        cfg = band.config["moe"]
+        # the band serial (groups of 32, one scratch) and decoded ahead (two halves of 16 and of 32 experts)
+        out["decode_once"] = replace(cfg, DECODE_AHEAD=False, EXPERT_GROUP=32)
+        out["decode_ahead"] = replace(cfg, DECODE_AHEAD=True, EXPERT_GROUP=16)
+        out["decode_ahead_32"] = replace(cfg, DECODE_AHEAD=True, EXPERT_GROUP=32)
     return out
 
 
@@ -157,7 +167,7 @@ def decode_once_sweep(fmts: list[str], rows_list: list[int], iters: int, check_r
                     def gemm_only(x=x, ws=ws, cfg=cfg):
                         G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, decode=False)
                     rec[f"{path}_gemm_ms"] = timed(gemm_only, iters) * 1e3
-                    if cfg.DECODE_ONCE:
+                    if cfg.DECODE_ONCE and not cfg.DECODE_AHEAD:
                         def decode_only(x=x, ws=ws, cfg=cfg):
                             G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, gemm=False)
                         rec[f"{path}_decode_ms"] = timed(decode_only, iters) * 1e3
@@ -171,6 +181,8 @@ def decode_once_sweep(fmts: list[str], rows_list: list[int], iters: int, check_r
                     torch.cuda.empty_cache()
             if "decode_once_total_ms" in rec and "in_register_total_ms" in rec:
                 rec["speedup"] = rec["in_register_total_ms"] / rec["decode_once_total_ms"]
+            if "decode_once_total_ms" in rec and "decode_ahead_total_ms" in rec:
+                rec["ahead_speedup"] = rec["decode_once_total_ms"] / rec["decode_ahead_total_ms"]
             out.append(rec)
             print(_summary(rec), flush=True)
         del x_all, sh_all, w13, s13, f13, w2, s2, f2
@@ -187,11 +199,48 @@ def _summary(rec: dict) -> str:
             f"(gemm {ms('in_register_gemm_ms')})")
     if "decode_once_config" in rec or "decode_once_error" in rec:
         line += (f" | decode-once total {ms('decode_once_total_ms')} ms (decode {ms('decode_once_decode_ms')}, "
-                 f"gemm {ms('decode_once_gemm_ms')})")
+                 f"gemm {ms('decode_once_gemm_ms')}) | ahead {ms('decode_ahead_total_ms')}, ahead-32 "
+                 f"{ms('decode_ahead_32_total_ms')}")
         if "speedup" in rec:
             line += f" x{rec['speedup']:.2f}"
     errs = [k for k in rec if k.endswith("_error")]
     return line + (f"  FAILED: {', '.join(errs)}" if errs else "")
+
+
+DECODE_TILES = ((64, 128), (32, 128), (64, 256), (128, 128), (128, 64), (32, 256), (16, 512))
+
+
+def decode_tile_sweep(fmts: list[str], iters: int, group: int = 16, dev: torch.device | None = None,
+                      shape: tuple = SHAPE, tiles: tuple = DECODE_TILES, timed=None) -> list[dict]:
+    """--decode-tiles: decode_experts alone on one group of `group` experts' gate|up weight [G, 2I, H] for each
+    (DEC_BN, DEC_BK): each variant's scratch first equals the default tile's bit for bit, then the median time and
+    the bytes it moves (quantized weight and scales read, bf16 written) as a share of the H200's HBM rate."""
+    dev = dev or torch.device("cuda")
+    timed = timed or _timed
+    e, h, i, _ = shape
+    out = []
+    for f in fmts:
+        fmt = FMTS[f]
+        w, sc, _ = G.random_weight(fmt, group, 2 * i, h, 1, dev, torch.Generator(device=dev).manual_seed(5))
+        moved = group * 2 * i * h * (BYTES[fmt] + 2.0)
+        ref = None
+        for bn, bk in tiles:
+            cfg = G.GroupedConfig(BM=128, DECODE_ONCE=True, EXPERT_GROUP=group, DEC_BN=bn, DEC_BK=bk)
+            rec = {"fmt": f, "group": group, "dec_bn": bn, "dec_bk": bk}
+            try:
+                wdec = torch.full((group * 2 * i * h,), float("nan"), dtype=torch.bfloat16, device=dev)
+                got = G.decode_group(fmt, w, sc, 0, group, wdec, cfg)
+                if ref is None:
+                    ref = got.clone()
+                rec["exact"] = bool(torch.equal(got, ref))
+                sec = timed(lambda: G.decode_group(fmt, w, sc, 0, group, wdec, cfg), iters)
+                rec.update(ms=sec * 1e3, frac_hbm=moved / sec / HBM)
+            except Exception:  # noqa: BLE001 - recorded, the sweep goes on
+                rec["error"] = traceback.format_exc()[-400:]
+            out.append(rec)
+            print(json.dumps(rec), flush=True)
+        del w, sc, ref
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--decode-once", action="store_true", help="the decode-once band vs the in-register path")
     ap.add_argument("--check-rows", type=int, default=4096, help="--decode-once: compare the cases up to these rows")
+    ap.add_argument("--decode-tiles", action="store_true", help="decode_experts alone per (DEC_BN, DEC_BK)")
     args = ap.parse_args(argv)
+    if args.decode_tiles:
+        fmts = args.fmts if args.fmts != ap.get_default("fmts") else "nvfp4,mxfp8"
+        results = decode_tile_sweep(fmts.split(","), args.iters)
+        _write({**run_metadata(), "results": results}, args.name or "kernels-moe-decode-tiles-h200.json",
+               args.out_dir)
+        return 0 if all("error" not in r and r["exact"] for r in results) else 1
     if args.decode_once:
         t0 = time.time()
         rows = args.rows if args.rows != ap.get_default("rows") else "2048,4096,8192,16384"

@@ -56,6 +56,18 @@ def test_decode_once_sweep_runs_and_summarises():
             continue
         assert r["decode_once_ok"] and r["decode_once_checked"] and "DECODE_ONCE=True" in r["decode_once_config"]
         assert {"decode_once_total_ms", "decode_once_gemm_ms", "decode_once_decode_ms", "speedup"} <= set(r)
+        assert r["decode_ahead_ok"] and "DECODE_AHEAD=True" in r["decode_ahead_config"] and "ahead_speedup" in r
+        assert r.get("decode_ahead_checked") == (r["rows"] <= 48) and "decode_ahead_decode_ms" not in r
         line = B._summary(r)
         assert line.startswith(f"{r['fmt']:>5} T={r['rows']:>5}") and "decode-once total" in line
     assert set(calls) == {2}
+
+
+def test_decode_tile_sweep_checks_exactness_and_records_bandwidth():
+    """--decode-tiles at a small shape in the interpreter: every tile's scratch equals the first tile's, each row
+    carries its time and HBM share (stand-in timer)."""
+    recs = B.decode_tile_sweep(["nvfp4", "mxfp8"], 1, group=2, dev=torch.device("cpu"), shape=SHAPE,
+                               tiles=((32, 32), (16, 64), (32, 64)), timed=lambda fn, iters: (fn(), 1e-3)[1])
+    assert [(r["fmt"], r["dec_bn"], r["dec_bk"]) for r in recs] == [
+        (f, bn, bk) for f in ("nvfp4", "mxfp8") for bn, bk in ((32, 32), (16, 64), (32, 64))]
+    assert all(r["exact"] and r["ms"] == 1.0 and r["frac_hbm"] > 0 and "error" not in r for r in recs)

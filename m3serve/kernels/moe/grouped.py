@@ -14,7 +14,7 @@ Steps (all on the device, none syncs with the host):
 
 Row bands: steps 3-4 decode quantized experts in registers (every tile of every block), except in the decode-once
 band (quantized experts at the M3 TP1 shape from DECODE_ONCE_ROWS = 4096 tokens, GroupedConfig.DECODE_ONCE): there
-the experts are decoded in groups of EXPERT_GROUP (32: a 2.4 GB bf16 scratch at M3 dims) into one bf16 scratch
+the experts are decoded in groups of EXPERT_GROUP (16, two 1.2 GB bf16 halves at M3 dims) into one bf16 scratch
 (_grouped.decode_experts: the exact group-scaled values load_w_tile hands the MMA), and the same gate|up and down
 kernels run per group on the bf16 operand path, restricted to the group's experts, with the quantized format's
 per-row factor applied to the fp32 sums as before (_grouped.row_factor): the same operands, accumulation precision,
@@ -24,7 +24,9 @@ in-register decode keeps the MMA loop off tensor-core rate (NVFP4 8192-token pre
 ~38 ms in moe.grouped vs ~16 ms with BF16 experts, ~11 ms more per layer), while decoding a layer's 128 experts once
 writes ~14.5 GB of bf16 (~3-5 ms at HBM rate). At 4096 tokens the difference is half that, about the decode's
 cost: the band starts there. The groups bound the scratch; their loop is over host ints fixed by E, so the call
-stays graph-safe and free of host syncs.
+stays graph-safe and free of host syncs. DECODE_AHEAD (the band's config) double-buffers the scratch: the next
+group's decode (memory-bound) runs on a side stream while this group's GEMM (tensor-core-bound) runs, each GEMM still
+reading exactly what the serial band reads (_decode_ahead); bench/moe_grouped.py --decode-once times both.
 
 Semantics (the reference, fp32 with TF32 off):
     ids, w = route(x)                               (w renormalised, times routed_scaling in the combine)
@@ -93,6 +95,8 @@ class GroupedConfig:
     CBH: int = 512
     DECODE_ONCE: bool = False  # quantized experts decoded to a bf16 scratch per expert group (module docstring)
     EXPERT_GROUP: int = 32  # experts per decoded group: the scratch holds EXPERT_GROUP x 2I x H bf16
+    DECODE_AHEAD: bool = False  # decode-once band: the next group's decode on a side stream into a second scratch
+                                # while this group's GEMM runs (_decode_ahead)
     DEC_BN: int = 64  # decode_experts tile (rows x columns of one expert weight per program)
     DEC_BK: int = 128
 
@@ -129,8 +133,9 @@ class GroupedWorkspace:
 
 def decode_scratch_numel(cfg: GroupedConfig, e: int, h: int, i: int) -> int:
     """bf16 elements of the decode-once scratch: one group's gate|up [G, 2I, H] or down [G, H, I] weight at a time
-    (down is decoded after the group's gate|up launch has read gate|up: stream order)."""
-    return min(cfg.EXPERT_GROUP, e) * 2 * i * h
+    (down is decoded after the group's gate|up launch has read gate|up: stream order); two such buffers with
+    DECODE_AHEAD (one decoded while the GEMM reads the other)."""
+    return (2 if cfg.DECODE_AHEAD else 1) * min(cfg.EXPERT_GROUP, e) * 2 * i * h
 
 
 def make_workspace(cfg: GroupedConfig, t: int, e: int, h: int, i: int, a: int, device: torch.device
@@ -334,14 +339,74 @@ def expert_launches(x, fmt: int, w13, s13, f13, w2, s2, f2, ws: GroupedWorkspace
             down(a2, b2, 0, e, fmt)
         return
     g = min(cfg.EXPERT_GROUP, e)
-    for e0 in range(0, e, g):
-        eg = min(g, e - e0)
-        wb = decode_group(fmt, w13, s13, e0, eg, ws.wdec, cfg) if decode else ws.wdec
+    # the band's jobs in order: per group, gate|up then down, each a decode into the scratch and the GEMM reading it
+    jobs = [(w, sc, e0, min(g, e - e0), launch) for e0 in range(0, e, g)
+            for w, sc, launch in ((w13, s13, gate_up), (w2, s2, down))]
+    if cfg.DECODE_AHEAD:
+        _decode_ahead(fmt, jobs, ws.wdec, cfg, decode, gemm)
+        return
+    for w, sc, e0, eg, launch in jobs:
+        wb = decode_group(fmt, w, sc, e0, eg, ws.wdec, cfg) if decode else ws.wdec
         if gemm:
-            gate_up(wb, wb, e0, eg, FMT_BF16)
-        wb = decode_group(fmt, w2, s2, e0, eg, ws.wdec, cfg) if decode else ws.wdec
+            launch(wb, wb, e0, eg, FMT_BF16)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the band's decodes (created once: a capture must find the same stream)."""
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
+
+
+def _decode_ahead(fmt: int, jobs: list, wdec: torch.Tensor, cfg: GroupedConfig, decode: bool, gemm: bool) -> None:
+    """The band's jobs double-buffered: job j's decode goes to scratch half j % 2 on a side stream, so job j + 1's
+    decode (memory-bound) runs while job j's GEMM (tensor-core-bound) does. Job j + 2's decode waits for job j's
+    GEMM (it overwrites the half that GEMM reads); job j's GEMM waits for job j's decode. The side stream forks from
+    the current stream (it waits for what was queued there: the routing, x) and every piece of its work is joined
+    back through those waits (the last GEMM waits for the last decode), so the call stays stream-ordered for its
+    caller and capturable. Same launches, operands and order of sums per GEMM as the serial band: the same output
+    bit for bit. Off the GPU (interpreter) the same order runs on one stream."""
+    half = wdec.numel() // 2
+    bufs = (wdec[:half], wdec[half:2 * half])
+    cuda = wdec.device.type == "cuda"
+    main = torch.cuda.current_stream(wdec.device) if cuda else None
+    side = _side_stream(wdec.device) if cuda else None
+    ready: list = [None, None]     # decode into half b done (on side)
+    free: list = [None, None]      # GEMM reading half b done (on main)
+
+    def issue_decode(j: int) -> None:
+        w, sc, e0, eg, _ = jobs[j]
+        b = j % 2
+        if not decode:
+            return
+        if not cuda:
+            decode_group(fmt, w, sc, e0, eg, bufs[b], cfg)
+            return
+        with torch.cuda.stream(side):
+            side.wait_event(free[b] if free[b] is not None else fork)
+            decode_group(fmt, w, sc, e0, eg, bufs[b], cfg)
+            ready[b] = torch.cuda.Event()
+            ready[b].record(side)
+
+    if cuda:
+        fork = torch.cuda.Event()
+        fork.record(main)
+    issue_decode(0)
+    for j, (_, _, e0, eg, launch) in enumerate(jobs):
+        if j + 1 < len(jobs):
+            issue_decode(j + 1)
+        b = j % 2
+        if cuda and ready[b] is not None:
+            main.wait_event(ready[b])
         if gemm:
-            down(wb, wb, e0, eg, FMT_BF16)
+            launch(bufs[b], bufs[b], e0, eg, FMT_BF16)
+        if cuda:
+            free[b] = torch.cuda.Event()
+            free[b].record(main)
 
 
 def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, shared, routed_scaling: float,
@@ -632,7 +697,7 @@ M3_BANDS = (
 DECODE_ONCE_ROWS = 4096
 M3_DECODE_ONCE_BANDS = M3_BANDS[:3] + (
     ((2049, DECODE_ONCE_ROWS - 1), M3_BANDS[3][1]),
-    ((DECODE_ONCE_ROWS, 16384), replace(M3_BANDS[3][1], DECODE_ONCE=True, EXPERT_GROUP=32)),
+    ((DECODE_ONCE_ROWS, 16384), replace(M3_BANDS[3][1], DECODE_ONCE=True, EXPERT_GROUP=16, DECODE_AHEAD=True)),
 )
 SMALL_BANDS = (  # the tiny preset (H 128, I 64) and the embedded model (H 256, I 128): 8 experts, top-2
     ((1, 64), GroupedConfig(BM=16, BN=32, BK=32, CBH=128)),
@@ -652,7 +717,9 @@ def _bands(fmt: int, shape: tuple, bands: tuple) -> tuple:
 
 
 def _why(fmt: int, why: str, rows: tuple, cfg: GroupedConfig) -> str:
-    band = (f", experts decoded once per call to bf16 in groups of {cfg.EXPERT_GROUP}" if cfg.DECODE_ONCE else "")
+    band = (f", experts decoded once per call to bf16 in groups of {cfg.EXPERT_GROUP}"
+            + (", each decoded while the previous group's GEMM runs" if cfg.DECODE_AHEAD else "")
+            if cfg.DECODE_ONCE else "")
     return f"{why}, {FMT_NAMES[fmt]} experts, {rows[0]}-{rows[1]} tokens{band}"
 
 
@@ -682,6 +749,8 @@ INTERP_CELLS = tuple(
         ((70, 70), 2, GroupedConfig(BM=32, BN=32, BK=32, CBH=64, CBT=8, GM=4, EXPERT_GROUP=3),
          "70 tokens, groups of 3 of 8 experts (the last one partial)"),
         ((1, 2), 2, replace(_ICFG, EXPERT_GROUP=2), "1-2 tokens top-2, groups of 2 of 8 experts: some get no token"),
+        ((71, 71), 2, GroupedConfig(BM=32, BN=32, BK=32, CBH=64, CBT=8, GM=4, EXPERT_GROUP=3, DECODE_AHEAD=True),
+         "71 tokens, groups of 3 decoded ahead into two scratch halves"),
     )
 )
 

@@ -5,6 +5,8 @@ what no cell covers. (Every interpreter cell against the reference: tests/kernel
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -423,3 +425,38 @@ def test_hook_runs_the_decode_once_band(quant, monkeypatch):
     assert got is not None and got.shape == ref.shape and got.dtype == torch.bfloat16
     assert (got.float() - ref.float()).abs().max() <= 2.0 ** -5 * scale
     assert (got.float() - reg.float()).abs().max() <= 2.0 ** -5 * scale
+
+
+def test_decode_ahead_equals_the_serial_band_and_alternates_the_halves(monkeypatch):
+    """DECODE_AHEAD off the GPU runs the double-buffered order on one stream: job j + 1's decode before job j's
+    GEMM, into the other half of the scratch; the output equals the serial band's bit for bit (the same launches
+    and operands), and the scratch it asks for is twice the serial one."""
+    cell = next(c for c in DECODE_ONCE_CELLS if c.shape[0] == FMT_NVFP4 and c.config["moe"].DECODE_AHEAD)
+    ahead = cell.config["moe"]
+    serial = replace(ahead, DECODE_AHEAD=False)
+    e, h, i = cell.shape[1], cell.shape[2], cell.shape[3]
+    assert G.decode_scratch_numel(ahead, e, h, i) == 2 * G.decode_scratch_numel(serial, e, h, i)
+    case = G.make_case(cell, 71, CPU, torch.Generator().manual_seed(71))
+    args = list(case.args)
+    order, real_decode = [], G.decode_group
+    monkeypatch.setattr(G, "decode_group",
+                        lambda fmt, w, s, e0, eg, buf, cfg: order.append(("decode", e0, buf.data_ptr()))
+                        or real_decode(fmt, w, s, e0, eg, buf, cfg))
+    out_ahead = G.moe_grouped(*args, **case.kwargs).clone()
+    halves = sorted({p for _, _, p in order})
+    assert len(halves) == 2 and halves[0] == args[13].wdec.data_ptr()
+    # jobs: (group 0 gate|up, group 0 down, group 1 gate|up, ...): job j's decode goes to half j % 2
+    assert [p for _, _, p in order] == [halves[j % 2] for j in range(len(order))]
+    assert [e0 for _, e0, _ in order] == [e0 for e0 in range(0, e, ahead.EXPERT_GROUP) for _ in range(2)]
+    args[14] = serial
+    args[12] = torch.full_like(args[12], float("nan"))
+    out_serial = G.moe_grouped(*args, **case.kwargs)
+    assert torch.equal(out_ahead, out_serial)
+
+
+def test_m3_band_decodes_ahead_in_the_serial_scratch_size():
+    """The M3 band's decode-ahead config holds two groups of 16: the 2.4 GB the serial band's groups of 32 held."""
+    band = next(c for c in G.CELLS if c.shape == (FMT_NVFP4, 128, 6144, 3072, 4) and c.config["moe"].DECODE_ONCE)
+    cfg = band.config["moe"]
+    assert cfg.DECODE_AHEAD and cfg.EXPERT_GROUP == 16
+    assert G.decode_scratch_numel(cfg, 128, 6144, 3072) == 32 * 2 * 3072 * 6144

@@ -142,6 +142,26 @@ def test_decode_once_and_in_register_paths_agree(fmt):
     assert not bool(out_reg.isnan().any())
 
 
+@pytest.mark.parametrize("fmt", [FMT_MXFP8, FMT_NVFP4])
+def test_decode_ahead_equals_the_serial_band_bit_for_bit(fmt):
+    """The band's decode-ahead config (decodes on a side stream, two scratch halves) against the same config run
+    serially at 8192 tokens: the same launches and operands per GEMM, so the output is equal bit for bit; a scratch
+    half overwritten before its GEMM read it (a missing wait) would show here."""
+    dev = _dev()
+    rows = 8192
+    cell = _cell(fmt, M3, rows)
+    assert cell.config["moe"].DECODE_AHEAD
+    case = G.make_case(cell, rows, dev, torch.Generator().manual_seed(43))
+    ahead = G.moe_grouped(*case.args, **case.kwargs).clone()
+    args = list(case.args)
+    args[14] = replace(cell.config["moe"], DECODE_AHEAD=False)
+    args[12] = torch.full_like(args[12], float("nan"))
+    serial = G.moe_grouped(*args, **case.kwargs)
+    torch.cuda.synchronize()
+    assert not bool(ahead.isnan().any())
+    assert torch.equal(ahead, serial)
+
+
 @pytest.mark.parametrize("quant", [None, "fp8", "mxfp8", "nvfp4"])
 def test_llm_builds_and_captures_every_expert_format(quant):
     """LLM(...) with the defaults (route auto, CUDA graphs) at real dims: minimax-m3:4 (three dense layers and one
