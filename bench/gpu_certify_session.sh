@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... moe-round | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -112,6 +112,15 @@ moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on
     --chunk 8192 --repeat 2 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-m3_24-8k-ahead-h200.json"
   phase prefill-131k-c16k ${T_E:-170} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
     --chunk 16384 --repeat 1 --no-transformers --out "$OUT/prefill-nvfp4-128k-c16k-ahead-h200.json"
+  ;;
+policy-round2)  # the policy's served comparison with less noise: plain vs Eagle3 (default 2048-token steps, and
+                # 8192 like plain: under the load-counting policy its speculative steps hold at most 2 requests),
+                # interleaved twice, 16 requests per user; minimax-m3:5 NVFP4 plain vs Eagle3 once (monotone per user?)
+  phase serve-pareto ${T_SERVE:-330} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
+    embedded:spec-pg-t8k --repeats 2 --requests-per-user 16 --timeout 120 \
+    --out "$OUT/serve-pareto-policy-repeats-h200.json"
+  phase serve-pareto-m3 ${T_SERVE_M3:-200} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
+    minimax-m3:5:spec-pg:nvfp4 --requests-per-user 4 --timeout 80 --out "$OUT/serve-pareto-m3_5-policy-h200.json"
   ;;
 policy-round)  # Eagle3's batch-size policy counting the requests in the engine: the embedded model served plain and
                # Eagle3 (both with prefill graphs), interleaved twice, 8 requests per user, the client spread over
