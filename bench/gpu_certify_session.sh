@@ -104,7 +104,8 @@ moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on
             # decode_experts' tiles, then the prefills it is for: minimax-m3:24 at 8k (with its kernel profile) and
             # minimax-m3:5 at 131k
   phase pytest-moe-ahead ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 180 -rfE \
-    tests/kernels/moe/test_moe_grouped_gpu.py -k "decode_ahead or (replay and 4096) or (no_host_sync and 4096)"
+    tests/kernels/moe/test_moe_grouped_gpu.py -k "decode_ahead or (replay and 4096) or (no_host_sync and 4096)" \
+    tests/runtime/test_no_cliffs_gpu.py -k "up_to_max_num_seqs"
   phase moe-decode-once ${T_B:-120} python3 bench/moe_grouped.py --decode-once --fmts nvfp4,mxfp8 \
     --rows 4096,8192,16384 --out-dir "$OUT"
   phase moe-decode-tiles ${T_C:-90} python3 bench/moe_grouped.py --decode-tiles --fmts nvfp4 --out-dir "$OUT"

@@ -167,6 +167,7 @@ class DecodeGraphs:
         self._offsets: dict[int, tuple[int, ...]] = {}   # bucket -> staged layout its graph expands
         self.blocked: dict[int, capture_check.CaptureBlocker] = {}   # buckets left eager, and why
         self.captured: tuple[int, ...] = ()                          # buckets with graphs (after capture)
+        self.memory_bytes = 0       # device memory the capture reserved (its pool, static outputs), measured
 
     # ------------------------------------------------------------------ capture
     def _forward(self, bucket: int, step: PagedStep, variant: str = "greedy") -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,6 +223,7 @@ class DecodeGraphs:
         whose capture fails is left out: `auto` logs the module and reason and that bucket's batches run
         eagerly; `require` raises GraphCaptureError naming it."""
         dev = self.model.device
+        reserved = torch.cuda.memory_reserved(dev)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -251,8 +253,9 @@ class DecodeGraphs:
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         self.captured = tuple(b for b in self.buckets if b in self.graphs)
-        log.info("decode graphs captured for buckets %s%s", self.captured,
-                 f" (eager: {sorted(self.blocked)})" if self.blocked else "")
+        self.memory_bytes = torch.cuda.memory_reserved(dev) - reserved
+        log.info("decode graphs captured for buckets %s, %.0f MiB more reserved%s", self.captured,
+                 self.memory_bytes / 2**20, f" (eager: {sorted(self.blocked)})" if self.blocked else "")
 
     # ------------------------------------------------------------------ replay
     def bucket_for(self, batch: int) -> int | None:

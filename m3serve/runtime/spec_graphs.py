@@ -140,6 +140,7 @@ class SpecSteps:
         self._graph: dict[int, torch.cuda.CUDAGraph] = {}
         self._result: dict[int, torch.Tensor] = {}
         self.blocked: dict[tuple[int, bool], capture_check.CaptureBlocker] = {}   # (bucket, sampled) left eager
+        self.memory_bytes = 0       # device memory the capture reserved (its pool, static outputs), measured
         top = self.buckets[-1]
         pin = dev.type == "cuda"
         self._ring = [torch.empty(top, 2 * k + 2, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -332,6 +333,7 @@ class SpecSteps:
         if not self.graphs:
             return
         dev = self.model.device
+        reserved = torch.cuda.memory_reserved(dev)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -349,8 +351,10 @@ class SpecSteps:
                         capture_check.handle(blocker, mode)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
-        log.info("speculative graphs (K = %d) captured for buckets %s%s%s", self.k,
+        self.memory_bytes = torch.cuda.memory_reserved(dev) - reserved
+        log.info("speculative graphs (K = %d) captured for buckets %s%s, %.0f MiB more reserved%s", self.k,
                  sorted({b for b, _ in self._graph}), " (greedy and sampled)" if self.sampling else "",
+                 self.memory_bytes / 2**20,
                  f"; eager programs for {sorted(self.blocked)}" if self.blocked else "")
 
     def run(self, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]], positions: list[int],

@@ -4,9 +4,14 @@ decode target, or why the module runs stock.
     m3serve explain                                   # the embedded model, buckets 1 and 8
     m3serve explain --model minimax-m3:4 --random-weights --quantization nvfp4 --kv-cache-dtype nvfp4 \\
         --device cuda --batch 1,4,16
+    m3serve explain --device cuda --graph-memory     # the graphs' buckets and what their capture reserved
 """
 
 from __future__ import annotations
+
+import sys
+
+import torch
 
 from m3serve.cli import _add_model_args, build_llm
 from m3serve.targets.explain import explain
@@ -20,7 +25,40 @@ def routing_note(device_type: str) -> str | None:
             "below are what a CUDA run with route=auto would use")
 
 
+def graph_memory_lines(engine) -> list[str]:
+    """One line per captured set of CUDA graphs: its buckets and the device memory its capture reserved."""
+    sets = {"decode": getattr(engine.runner, "graphs", None), "prefill": getattr(engine.runner, "prefill_graphs", None),
+            "speculative": getattr(engine.speculation, "spec_steps", None)}
+    memory = engine.graph_memory()
+    lines = []
+    for name, g in sets.items():
+        if name not in memory:
+            continue
+        buckets = (getattr(g, "captured", None) or sorted(getattr(g, "programs", {}))
+                   or sorted({b for b, _ in getattr(g, "_graph", {})}))
+        lines.append(f"{name} graphs: {memory[name] / 2**20:.0f} MiB reserved at capture; buckets {list(buckets)}")
+    total = sum(memory.values())
+    lines.append(f"CUDA graphs in all: {total / 2**20:.0f} MiB" if memory else "no CUDA graphs captured")
+    return lines
+
+
+def cmd_graph_memory(args) -> int:
+    """--graph-memory: build the engine as `m3serve serve` would (route auto, graphs captured) and report what the
+    graphs cost; a CUDA run only (capture needs the device)."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cuda":
+        print(f"explain --graph-memory: the graphs are captured and measured on CUDA only (--device cuda), found "
+              f"device {device}", file=sys.stderr)
+        return 2
+    llm = build_llm(args)
+    for line in graph_memory_lines(llm.engine):
+        print(line)
+    return 0
+
+
 def cmd_explain(args) -> int:
+    if args.graph_memory:
+        return cmd_graph_memory(args)
     buckets = tuple(int(b) for b in args.batch.split(","))
     args.route = "off"                       # placements are computed, nothing is compiled or captured
     llm = build_llm(args, max_num_seqs=max(buckets))
@@ -42,4 +80,7 @@ def register(sub) -> None:
     p = sub.add_parser("explain", help="which catalog entry and cell each module runs on the decode target")
     _add_model_args(p)
     p.add_argument("--batch", default="1,8", help="decode batch buckets to explain (comma list)")
+    p.add_argument("--graph-memory", action="store_true",
+                   help="build the engine with its CUDA graphs (as serve does) and report each set's buckets and the "
+                        "device memory its capture reserved (--device cuda)")
     p.set_defaults(fn=cmd_explain)

@@ -67,6 +67,8 @@ def test_embedded_model_graphs_up_to_max_num_seqs_plain_and_spec():
     plain = LLM(dtype="bfloat16", max_num_seqs=128, kv_cache_bytes=kv)
     g = plain.engine.runner.graphs
     assert g.captured == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) and not g.blocked
+    memory = plain.engine.stats()["graph_memory_bytes"]     # what explain --graph-memory reports
+    assert set(memory) == {"decode", "prefill"} and memory["decode"] > 0 and memory["prefill"] > 0, memory
     prompts = [{"prompt_token_ids": list(range(5 + i % 50, 30 + i % 50))} for i in range(100)]
     before = g.replays
     got = _greedy(plain, prompts, 12)
@@ -81,6 +83,7 @@ def test_embedded_model_graphs_up_to_max_num_seqs_plain_and_spec():
     steps = spec.engine.speculation.spec_steps
     assert steps.buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
     assert {b for b, _ in steps._graph} == set(steps.buckets) and not steps.blocked
+    assert spec.engine.stats()["graph_memory_bytes"]["speculative"] > 0
     before = steps.replays
     out = _greedy(spec, prompts, 12)
     assert steps.replays > before and all(len(o) == 12 for o in out)

@@ -36,3 +36,41 @@ def test_quantized_parts_without_a_fused_cell_are_placed_one_by_one():
     assert "layers.0.attn.qkv" not in by_module
     q = by_module["layers.0.attn.q_proj"]
     assert q.entry is None and "linear.mxfp8" in q.detail and "no certified cell" in q.detail
+
+
+def test_graph_memory_report_lists_each_captured_set_and_the_total():
+    """explain --graph-memory's lines: each set of graphs the engine holds, with its buckets and the memory its
+    capture reserved (engine.graph_memory), then the total; sets without graphs are not listed."""
+    from types import SimpleNamespace
+
+    from m3serve.engine.engine import LLMEngine
+    from m3serve.targets.explain_cli import graph_memory_lines
+    decode = SimpleNamespace(memory_bytes=300 << 20, captured=(1, 2, 4))
+    prefill = SimpleNamespace(memory_bytes=1 << 30, programs={(16, 1): 0, (1024, 2): 0})
+    runner = SimpleNamespace(graphs=decode, prefill_graphs=prefill)
+    eng = SimpleNamespace(runner=runner, speculation=None)
+    eng.graph_memory = lambda: LLMEngine.graph_memory(eng)
+    assert eng.graph_memory() == {"decode": 300 << 20, "prefill": 1 << 30}
+    assert graph_memory_lines(eng) == ["decode graphs: 300 MiB reserved at capture; buckets [1, 2, 4]",
+                                       "prefill graphs: 1024 MiB reserved at capture; buckets [(16, 1), (1024, 2)]",
+                                       "CUDA graphs in all: 1324 MiB"]
+    runner.graphs = runner.prefill_graphs = None
+    assert graph_memory_lines(eng) == ["no CUDA graphs captured"]
+
+
+def test_graph_memory_needs_cuda(capsys):
+    import argparse
+
+    from m3serve.targets import explain_cli
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    explain_cli.register(sub)
+    args = p.parse_args(["explain", "--device", "cpu", "--graph-memory"])
+    assert explain_cli.cmd_explain(args) == 2
+    assert "captured and measured on CUDA only" in capsys.readouterr().err
+
+
+def test_engine_stats_report_graph_memory_without_graphs():
+    from m3serve import LLM
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
+    assert llm.engine.stats()["graph_memory_bytes"] == {}
