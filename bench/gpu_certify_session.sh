@@ -103,24 +103,26 @@ moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on
             # GEMM runs): GPU tests (bit-equal to serial, capture, no host sync), the layer timed serial vs ahead,
             # decode_experts' tiles, then the prefills it is for: minimax-m3:24 at 8k (with its kernel profile) and
             # minimax-m3:5 at 131k
-  phase pytest-moe-ahead ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 180 -rfE \
-    tests/kernels/moe/test_moe_grouped_gpu.py -k "decode_ahead or (replay and 4096) or (no_host_sync and 4096)" \
-    tests/runtime/test_no_cliffs_gpu.py -k "up_to_max_num_seqs"
-  phase moe-decode-once ${T_B:-120} python3 bench/moe_grouped.py --decode-once --fmts nvfp4,mxfp8 \
-    --rows 4096,8192,16384 --out-dir "$OUT"
-  phase moe-decode-tiles ${T_C:-90} python3 bench/moe_grouped.py --decode-tiles --fmts nvfp4 --out-dir "$OUT"
-  phase prefill-m3_24-8k ${T_D:-180} python3 bench/prefill.py --model minimax-m3:24 --tokens 8192 --quant nvfp4 \
+  phase pytest-moe-ahead ${T_A:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
+    "tests/kernels/moe/test_moe_grouped_gpu.py::test_graph_replay_is_bit_identical_to_eager[4096-0]" \
+    tests/kernels/moe/test_moe_grouped_gpu.py::test_decode_ahead_equals_the_serial_band_bit_for_bit
+  phase moe-decode-once ${T_B:-75} python3 bench/moe_grouped.py --decode-once --fmts nvfp4 --rows 8192,16384 \
+    --out-dir "$OUT"
+  phase moe-decode-tiles ${T_C:-45} python3 bench/moe_grouped.py --decode-tiles --fmts nvfp4 --out-dir "$OUT"
+  phase prefill-m3_24-8k ${T_D:-150} python3 bench/prefill.py --model minimax-m3:24 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-m3_24-8k-ahead-h200.json"
-  phase prefill-131k-c16k ${T_E:-170} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
+  phase prefill-131k-c16k ${T_E:-150} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
     --chunk 16384 --repeat 1 --no-transformers --out "$OUT/prefill-nvfp4-128k-c16k-ahead-h200.json"
   ;;
 policy-round2)  # the policy's served comparison with less noise: plain vs Eagle3 (default 2048-token steps, and
                 # 8192 like plain: under the load-counting policy its speculative steps hold at most 2 requests),
                 # interleaved twice, 16 requests per user; minimax-m3:5 NVFP4 plain vs Eagle3 once (monotone per user?)
-  phase serve-pareto ${T_SERVE:-330} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
-    embedded:spec-pg-t8k --repeats 2 --requests-per-user 16 --timeout 120 \
+  phase serve-pareto ${T_SERVE:-300} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
+    ${MORE_RUNS:-} --repeats 2 --requests-per-user 16 --timeout 120 \
     --out "$OUT/serve-pareto-policy-repeats-h200.json"
-  phase serve-pareto-m3 ${T_SERVE_M3:-200} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
+  phase pytest-graph-memory ${T_A:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 95 -rfE \
+    tests/runtime/test_no_cliffs_gpu.py -k "up_to_max_num_seqs"
+  phase serve-pareto-m3 ${T_SERVE_M3:-170} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
     minimax-m3:5:spec-pg:nvfp4 --requests-per-user 4 --timeout 80 --out "$OUT/serve-pareto-m3_5-policy-h200.json"
   ;;
 policy-round)  # Eagle3's batch-size policy counting the requests in the engine: the embedded model served plain and
