@@ -102,7 +102,8 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
 moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on a side stream while this group's
             # GEMM runs): GPU tests (bit-equal to serial, capture, no host sync), the layer timed serial vs ahead,
             # decode_experts' tiles, then the prefills it is for: minimax-m3:24 at 8k (with its kernel profile) and
-            # minimax-m3:5 at 131k
+            # minimax-m3:5 at 131k, as the cells stand (serial band: adopt DECODE_AHEAD in the M3 band if the layer
+            # bench says so, then rerun the two prefill phases)
   phase pytest-moe-ahead ${T_A:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
     "tests/kernels/moe/test_moe_grouped_gpu.py::test_graph_replay_is_bit_identical_to_eager[4096-0]" \
     tests/kernels/moe/test_moe_grouped_gpu.py::test_decode_ahead_equals_the_serial_band_bit_for_bit

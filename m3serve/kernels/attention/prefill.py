@@ -83,7 +83,9 @@ def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
     """Compiled tile config, from bench/prefill_attention_variants.py on the H200 (8k first chunk, M3 TP1,
     p.v split; runs of 2026-11-30, median of 20):
     * bf16 pages: 64 query rows x 64 keys, one warpgroup, 3 stages: 298 TFLOP/s (128 x 64 with two
-      warpgroups 257; 128 x 128 spills registers under the hi/lo split, 278).
+      warpgroups 257; 128 x 128 spills registers under the hi/lo split, 278). After 120k of context (8k chunk,
+      bench/results/prefill_attention_variants/prefill-attention-variants-bf16-ctx120k-h200.json) it stays the
+      best at 278, tied by two or four heads per program (279); 128-row tiles 203-267, 128 keys a step 184.
     * fp8 pages: the E4M3 conversion of every K/V tile is the extra cost, so two heads of a group share
       each converted tile (128 rows = 64 tokens x 2 heads, 8 warps, no pipelining: the converted tile goes
       through registers anyway), as fp16 MMA operands (f16: the hardware's E4M3 -> f16x2 conversion) over

@@ -14,7 +14,7 @@ Steps (all on the device, none syncs with the host):
 
 Row bands: steps 3-4 decode quantized experts in registers (every tile of every block), except in the decode-once
 band (quantized experts at the M3 TP1 shape from DECODE_ONCE_ROWS = 4096 tokens, GroupedConfig.DECODE_ONCE): there
-the experts are decoded in groups of EXPERT_GROUP (16, two 1.2 GB bf16 halves at M3 dims) into one bf16 scratch
+the experts are decoded in groups of EXPERT_GROUP (32: a 2.4 GB bf16 scratch at M3 dims) into one bf16 scratch
 (_grouped.decode_experts: the exact group-scaled values load_w_tile hands the MMA), and the same gate|up and down
 kernels run per group on the bf16 operand path, restricted to the group's experts, with the quantized format's
 per-row factor applied to the fp32 sums as before (_grouped.row_factor): the same operands, accumulation precision,
@@ -24,9 +24,10 @@ in-register decode keeps the MMA loop off tensor-core rate (NVFP4 8192-token pre
 ~38 ms in moe.grouped vs ~16 ms with BF16 experts, ~11 ms more per layer), while decoding a layer's 128 experts once
 writes ~14.5 GB of bf16 (~3-5 ms at HBM rate). At 4096 tokens the difference is half that, about the decode's
 cost: the band starts there. The groups bound the scratch; their loop is over host ints fixed by E, so the call
-stays graph-safe and free of host syncs. DECODE_AHEAD (the band's config) double-buffers the scratch: the next
-group's decode (memory-bound) runs on a side stream while this group's GEMM (tensor-core-bound) runs, each GEMM still
-reading exactly what the serial band reads (_decode_ahead); bench/moe_grouped.py --decode-once times both.
+stays graph-safe and free of host syncs. DECODE_AHEAD (opt-in, not yet timed on the GPU, so no cell uses it)
+double-buffers the scratch: the next group's decode (memory-bound) runs on a side stream while this group's GEMM
+(tensor-core-bound) runs, each GEMM still reading exactly what the serial band reads (_decode_ahead);
+bench/moe_grouped.py --decode-once times the serial band against it (groups of 16, the same 2.4 GB, and of 32).
 
 Semantics (the reference, fp32 with TF32 off):
     ids, w = route(x)                               (w renormalised, times routed_scaling in the combine)
@@ -697,7 +698,7 @@ M3_BANDS = (
 DECODE_ONCE_ROWS = 4096
 M3_DECODE_ONCE_BANDS = M3_BANDS[:3] + (
     ((2049, DECODE_ONCE_ROWS - 1), M3_BANDS[3][1]),
-    ((DECODE_ONCE_ROWS, 16384), replace(M3_BANDS[3][1], DECODE_ONCE=True, EXPERT_GROUP=16, DECODE_AHEAD=True)),
+    ((DECODE_ONCE_ROWS, 16384), replace(M3_BANDS[3][1], DECODE_ONCE=True, EXPERT_GROUP=32)),
 )
 SMALL_BANDS = (  # the tiny preset (H 128, I 64) and the embedded model (H 256, I 128): 8 experts, top-2
     ((1, 64), GroupedConfig(BM=16, BN=32, BK=32, CBH=128)),

@@ -144,17 +144,20 @@ def test_decode_once_and_in_register_paths_agree(fmt):
 
 @pytest.mark.parametrize("fmt", [FMT_MXFP8, FMT_NVFP4])
 def test_decode_ahead_equals_the_serial_band_bit_for_bit(fmt):
-    """The band's decode-ahead config (decodes on a side stream, two scratch halves) against the same config run
-    serially at 8192 tokens: the same launches and operands per GEMM, so the output is equal bit for bit; a scratch
-    half overwritten before its GEMM read it (a missing wait) would show here."""
+    """The band decoded ahead (decodes on a side stream, two scratch halves of 16 experts) against the band run
+    serially at 8192 tokens (groups of 32): per GEMM the same operands and order of sums, so the output is equal bit
+    for bit; a scratch half overwritten before its GEMM read it (a missing wait) would show here. Both configs
+    need the same scratch, so the case's workspace serves both."""
     dev = _dev()
     rows = 8192
     cell = _cell(fmt, M3, rows)
-    assert cell.config["moe"].DECODE_AHEAD
+    serial_cfg = cell.config["moe"]
+    assert serial_cfg.DECODE_ONCE
     case = G.make_case(cell, rows, dev, torch.Generator().manual_seed(43))
-    ahead = G.moe_grouped(*case.args, **case.kwargs).clone()
     args = list(case.args)
-    args[14] = replace(cell.config["moe"], DECODE_AHEAD=False)
+    args[14] = replace(serial_cfg, DECODE_AHEAD=True, EXPERT_GROUP=16)
+    ahead = G.moe_grouped(*args, **case.kwargs).clone()
+    args[14] = replace(serial_cfg, DECODE_AHEAD=False)
     args[12] = torch.full_like(args[12], float("nan"))
     serial = G.moe_grouped(*args, **case.kwargs)
     torch.cuda.synchronize()
