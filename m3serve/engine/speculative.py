@@ -170,8 +170,8 @@ class SpecDecoding:
         graph per bucket and the drafts' distributions kept on the device, max_num_seqs x K x V fp32). Every
         other step (prefill, logprobs, penalties, the last tokens before max_model_len) takes the eager path
         below, which is exact too. With speculative_config.disable_by_batch_size set, the plain decode target is
-        enabled too (ModelRunner.enable_target: its decode graphs for the buckets above the threshold), for the
-        steps the policy runs plainly.
+        enabled too (ModelRunner.enable_target: its decode graphs for every bucket), for the steps the policy runs
+        plainly.
         auto: returns False (and logs why) when an attention placement of the verify or draft passes lies
         outside the certified cells; require: raises naming them."""
         eng = self.engine
@@ -222,12 +222,10 @@ class SpecDecoding:
         return True
 
     def _policy_buckets(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
-        """The graph buckets a plain step of the batch-size policy can land in (none when it is off, all of them
-        when it is measured)."""
-        limit = self.spec.disable_by_batch_size
-        if limit == "auto":
-            return buckets
-        return () if limit is None else tuple(b for b in buckets if b > limit)
+        """The graph buckets a plain step of the batch-size policy can land in: none when it is off, else all of
+        them (the fixed threshold counts the requests in the engine, so a plain step may decode any number of rows:
+        three requests in the engine, one of them still prefilling, make a plain step of two decoding rows)."""
+        return () if self.spec.disable_by_batch_size is None else buckets
 
     # ------------------------------------------------------------------ bookkeeping
     def _st(self, req: Request) -> SpecState:

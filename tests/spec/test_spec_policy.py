@@ -223,3 +223,12 @@ def test_serve_flag_errors(argv, err, capsys):
     cli.add_arguments(p)
     assert cli.run(p.parse_args(["tiny", "--device", "cpu"] + argv)) == 2
     assert err in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit, want", [(2, (1, 2, 4, 8)), ("auto", (1, 2, 4, 8)), (None, ())])
+def test_plain_graphs_cover_every_bucket_under_a_policy(model, limit, want):
+    """Counting requests, not decoding rows, a plain step may decode one or two rows (three requests in the
+    engine, one still prefilling): the plain decode graphs cover every bucket, none without a policy."""
+    eng = speculative_engine(model, EngineConfig(kv_cache_bytes=8 << 20),
+                             speculative_config=spec_cfg(3, disable_by_batch_size=limit))
+    assert eng.speculation._policy_buckets((1, 2, 4, 8)) == want
