@@ -111,9 +111,9 @@ moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on
     --out-dir "$OUT"
   phase moe-decode-tiles ${T_C:-45} python3 bench/moe_grouped.py --decode-tiles --fmts nvfp4 --out-dir "$OUT"
   phase prefill-m3_24-8k ${T_D:-150} python3 bench/prefill.py --model minimax-m3:24 --tokens 8192 --quant nvfp4 \
-    --chunk 8192 --repeat 2 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-m3_24-8k-ahead-h200.json"
+    --chunk 8192 --repeat 2 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-m3_24-8k-profile-h200.json"
   phase prefill-131k-c16k ${T_E:-150} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
-    --chunk 16384 --repeat 1 --no-transformers --out "$OUT/prefill-nvfp4-128k-c16k-ahead-h200.json"
+    --chunk 16384 --repeat 1 --no-transformers --out "$OUT/prefill-nvfp4-128k-c16k-h200.json"
   ;;
 policy-round2)  # the policy's served comparison with less noise: plain vs Eagle3 (default 2048-token steps, and
                 # 8192 like plain: under the load-counting policy its speculative steps hold at most 2 requests),
