@@ -45,8 +45,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "m3serve_"
 # the speculative batch-size policy's step counts (SpecDecoding.stats): counters, not spec_* gauges
 SPEC_POLICY_COUNTERS = {
-    "spec_policy_plain_steps": "Steps with decoding requests run without speculation (more decoding requests "
-                               "than speculative_config.disable_by_batch_size).",
+    "spec_policy_plain_steps": "Steps with decoding requests run without speculation (more requests running or "
+                               "waiting than speculative_config.disable_by_batch_size).",
     "spec_policy_spec_steps": "Steps with decoding requests run speculatively under "
                               "speculative_config.disable_by_batch_size.",
     "spec_program_steps": "Speculative steps run as the step program (verify + K draft passes in one launch "
