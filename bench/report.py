@@ -1282,10 +1282,35 @@ def _serve_summary(rf: ResultFile, concurrency: int = 64) -> list[list[str]]:
                 continue
             per_user = opt(r, "interactivity_tpot_p90", wr)
             rows.append([f"served, {_run_mode(run, w)}, {concurrency} users",
-                         f"{need(run, 'model', w, 'str')} ({(run.get('quantization') or 'bf16').upper()} weights)",
+                         f"{need(run, 'model', w, 'str')} ({_weights(run.get('quantization'))} weights)",
                          f"ITL p50 {sig(need(need(r, 'itl_ms', wr, 'dict'), 'p50', wr + '.itl_ms'))} ms, "
                          + (f"{sig(per_user)} tok/s per user, " if per_user is not None else "")
                          + f"{sig(need(r, 'total_tokens_per_s_per_gpu', wr))} tok/s in all", code(rf.name)])
+    return rows
+
+
+def _weights(quantization: str | None) -> str:
+    """A serving run's weight format for a summary row: no quantization ("none" or absent) is BF16."""
+    return "BF16" if quantization in (None, "none") else quantization.upper()
+
+
+def _spec_vs_plain_summary(rf: ResultFile) -> list[list[str]]:
+    """A file of interleaved repeats: per speculative mode, its per-user ratio to plain at every level and the total
+    ratio at 64 users (else the highest level) (the medians bench/serve_pareto.py wrote)."""
+    rows = []
+    for i, c in enumerate(opt(rf.data, "spec_vs_plain", rf.name, "list") or []):
+        w = f"{rf.name}.spec_vs_plain[{i}]"
+        levels = need(c, "levels", w, "list")
+        if not levels:
+            continue
+        per_user = ", ".join(f"{ratio2(need(r, 'per_user_ratio', w))} at {need(r, 'concurrency', w, 'int')}"
+                             for r in levels)
+        top = next((r for r in levels if r.get("concurrency") == 64), levels[-1])    # 64: the serving goals' level
+        rows.append([f"served, {need(c, 'spec_mode', w, 'str')} vs {need(c, 'plain_mode', w, 'str')}, medians of "
+                     f"{need(rf.data, 'repeats', rf.name, 'int')} interleaved repeats",
+                     f"{need(c, 'model', w, 'str')} ({_weights(c.get('quantization'))} weights)",
+                     f"tok/s per user {per_user} users; total tok/s {ratio2(need(top, 'total_ratio', w))} at "
+                     f"{need(top, 'concurrency', w, 'int')}", code(rf.name)])
     return rows
 
 
@@ -1328,7 +1353,7 @@ def render_summary(results_dir: Path = RESULTS_DIR) -> str:
         elif kind is not None and kind.name == "generate_main_job":
             rows += _generate_summary(rf)
         elif kind is not None and kind.name == "serve_pareto":
-            rows += _serve_summary(rf)
+            rows += _serve_summary(rf) + _spec_vs_plain_summary(rf)
     for rf in files:
         kind = recognise(rf)
         if kind is not None and kind.name == "eval_kv":

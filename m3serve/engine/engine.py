@@ -510,17 +510,18 @@ class LLMEngine:
                 "prefill_graph_replays": getattr(getattr(self.runner, "prefill_graphs", None), "replays", 0),
                 "structured_masked_steps": self.grammars.masked_steps if self.grammars is not None else 0,
                 "structured_graph_masked_steps": self.grammars.graph_masked_steps if self.grammars is not None else 0}
-        out["graph_memory_bytes"] = self.graph_memory()
+        # device memory each set's capture reserved (its private pool and static outputs), measured around it
+        out["graph_memory_bytes"] = {name: g.memory_bytes for name, g in self.graph_sets().items()}
         if self.speculation is not None:
             out["spec_decode"] = self.speculation.stats()
         return out
 
-    def graph_memory(self) -> dict[str, int]:
-        """Device memory each captured set of CUDA graphs reserved when it was captured (measured around the
-        capture: the private pool and static outputs), by set; empty without graphs."""
+    def graph_sets(self) -> dict:
+        """The sets of CUDA graph programs this engine holds, by name (decode, prefill, speculative): each with its
+        `captured` buckets and the `memory_bytes` its capture reserved; empty without graphs."""
         sets = {"decode": getattr(self.runner, "graphs", None), "prefill": getattr(self.runner, "prefill_graphs", None),
                 "speculative": getattr(self.speculation, "spec_steps", None)}
-        return {name: g.memory_bytes for name, g in sets.items() if g is not None and hasattr(g, "memory_bytes")}
+        return {name: g for name, g in sets.items() if g is not None and hasattr(g, "memory_bytes")}
 
 
 def _last_token(req: Request) -> int:

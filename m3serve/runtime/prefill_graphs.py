@@ -180,6 +180,11 @@ class PrefillGraphs:
                  len(self.programs), len(self.tokens) * len(self.seqs), self.tokens, self.seqs,
                  self.memory_bytes / 2**20, f"; eager: {sorted(self.blocked)}" if self.blocked else "")
 
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """The (token bucket, sequence bucket) pairs replayed as CUDA graphs."""
+        return sorted(key for key, prog in self.programs.items() if isinstance(prog, _Graph))
+
     # ------------------------------------------------------------------ replay
     def bucket_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:
         """The smallest built (Tb, Sb) holding the step, with room for the padding sequence when Tb > tokens (None:

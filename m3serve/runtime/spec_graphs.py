@@ -353,9 +353,13 @@ class SpecSteps:
         torch.cuda.synchronize(dev)
         self.memory_bytes = torch.cuda.memory_reserved(dev) - reserved
         log.info("speculative graphs (K = %d) captured for buckets %s%s, %.0f MiB more reserved%s", self.k,
-                 sorted({b for b, _ in self._graph}), " (greedy and sampled)" if self.sampling else "",
-                 self.memory_bytes / 2**20,
+                 self.captured, " (greedy and sampled)" if self.sampling else "", self.memory_bytes / 2**20,
                  f"; eager programs for {sorted(self.blocked)}" if self.blocked else "")
+
+    @property
+    def captured(self) -> list[int]:
+        """The buckets with a CUDA graph (of either variant)."""
+        return sorted({b for b, _ in self._graph})
 
     def run(self, seq_ids: list[int], last_tokens: list[int], drafts: list[list[int]], positions: list[int],
             forced: list[int] | None = None, sampling: list | None = None,

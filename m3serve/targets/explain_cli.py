@@ -27,18 +27,11 @@ def routing_note(device_type: str) -> str | None:
 
 def graph_memory_lines(engine) -> list[str]:
     """One line per captured set of CUDA graphs: its buckets and the device memory its capture reserved."""
-    sets = {"decode": getattr(engine.runner, "graphs", None), "prefill": getattr(engine.runner, "prefill_graphs", None),
-            "speculative": getattr(engine.speculation, "spec_steps", None)}
-    memory = engine.graph_memory()
-    lines = []
-    for name, g in sets.items():
-        if name not in memory:
-            continue
-        buckets = (getattr(g, "captured", None) or sorted(getattr(g, "programs", {}))
-                   or sorted({b for b, _ in getattr(g, "_graph", {})}))
-        lines.append(f"{name} graphs: {memory[name] / 2**20:.0f} MiB reserved at capture; buckets {list(buckets)}")
-    total = sum(memory.values())
-    lines.append(f"CUDA graphs in all: {total / 2**20:.0f} MiB" if memory else "no CUDA graphs captured")
+    sets = engine.graph_sets()
+    lines = [f"{name} graphs: {g.memory_bytes / 2**20:.0f} MiB reserved at capture; buckets {list(g.captured)}"
+             for name, g in sets.items()]
+    total = sum(g.memory_bytes for g in sets.values())
+    lines.append(f"CUDA graphs in all: {total / 2**20:.0f} MiB" if sets else "no CUDA graphs captured")
     return lines
 
 

@@ -604,6 +604,9 @@ def test_serve_pareto_repeats_and_spec_vs_plain(report, tmp_path):
     assert modes == ["plain (prefill graphs to 1024 tokens)", "spec (prefill graphs to 1024 tokens)",
                      "plain (prefill graphs to 1024 tokens, repeat 2)", "spec (prefill graphs to 1024 tokens, repeat 2)"]
     assert "medians over 2 interleaved repeats" in out
+    assert ["served, spec-pg vs plain-pg, medians of 2 interleaved repeats", "embedded (BF16 weights)",
+            "tok/s per user 1.02× at 4 users; total tok/s 1.02× at 4", "`serve/serve-pareto-h200.json`"] in \
+        table_rows(report.render_summary(tmp_path), "figure")
     versus = out.split("Speculation against plain serving")[1]
     assert table_rows(versus, "model") == [["embedded", "spec-pg vs plain-pg", "4", "2710 / 2650", "1.02×", "1.04×",
                                            "1.02×", "2 / 2"]]

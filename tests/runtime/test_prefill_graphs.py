@@ -215,3 +215,19 @@ def test_a_disabled_program_set_leaves_the_step_eager(model):
     eng.add_request(PROMPTS[0][:9], params)
     eng.step()
     assert pg.replays == 1
+
+
+def test_captured_lists_graph_programs_only(model):
+    """`captured` (what explain --graph-memory prints) names the buckets replayed as CUDA graphs: none while every
+    program runs eagerly (graphs=False, zero bytes reserved), the graph ones once some are."""
+    from m3serve.runtime import prefill_graphs as PG
+    eng = LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=32,
+                                        max_model_len=128, prefill_graph_tokens=16))
+    eng.runner.target_attention = True
+    eng.runner.enable_prefill_graphs("auto", graphs=False)
+    pg = eng.runner.prefill_graphs
+    assert pg.programs and pg.captured == []
+    assert eng.stats()["graph_memory_bytes"] == {"prefill": 0}
+    key = sorted(pg.programs)[-1]
+    pg.programs[key] = PG._Graph.__new__(PG._Graph)
+    assert pg.captured == [key]

@@ -39,18 +39,19 @@ def test_quantized_parts_without_a_fused_cell_are_placed_one_by_one():
 
 
 def test_graph_memory_report_lists_each_captured_set_and_the_total():
-    """explain --graph-memory's lines: each set of graphs the engine holds, with its buckets and the memory its
-    capture reserved (engine.graph_memory), then the total; sets without graphs are not listed."""
+    """explain --graph-memory's lines: each set of graphs the engine holds (engine.graph_sets), with its buckets and
+    the memory its capture reserved, then the total; a set without graphs, or an object that is no graph set (a
+    test stand-in without memory_bytes), is not listed."""
     from types import SimpleNamespace
 
     from m3serve.engine.engine import LLMEngine
     from m3serve.targets.explain_cli import graph_memory_lines
     decode = SimpleNamespace(memory_bytes=300 << 20, captured=(1, 2, 4))
-    prefill = SimpleNamespace(memory_bytes=1 << 30, programs={(16, 1): 0, (1024, 2): 0})
+    prefill = SimpleNamespace(memory_bytes=1 << 30, captured=[(16, 1), (1024, 2)])
     runner = SimpleNamespace(graphs=decode, prefill_graphs=prefill)
-    eng = SimpleNamespace(runner=runner, speculation=None)
-    eng.graph_memory = lambda: LLMEngine.graph_memory(eng)
-    assert eng.graph_memory() == {"decode": 300 << 20, "prefill": 1 << 30}
+    eng = SimpleNamespace(runner=runner, speculation=SimpleNamespace(spec_steps=object()))
+    eng.graph_sets = lambda: LLMEngine.graph_sets(eng)
+    assert eng.graph_sets() == {"decode": decode, "prefill": prefill}
     assert graph_memory_lines(eng) == ["decode graphs: 300 MiB reserved at capture; buckets [1, 2, 4]",
                                        "prefill graphs: 1024 MiB reserved at capture; buckets [(16, 1), (1024, 2)]",
                                        "CUDA graphs in all: 1324 MiB"]

@@ -54,6 +54,7 @@ These are the in-memory QWeight layouts (m3serve/model/qweight.py): both publish
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -376,38 +377,37 @@ def _decode_ahead(fmt: int, jobs: list, wdec: torch.Tensor, cfg: GroupedConfig, 
     cuda = wdec.device.type == "cuda"
     main = torch.cuda.current_stream(wdec.device) if cuda else None
     side = _side_stream(wdec.device) if cuda else None
+
+    def mark(stream):
+        """An event recorded on `stream` now (None off the GPU, where one stream orders everything)."""
+        if not cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    fork = mark(main)
     ready: list = [None, None]     # decode into half b done (on side)
-    free: list = [None, None]      # GEMM reading half b done (on main)
+    free: list = [fork, fork]      # GEMM reading half b done (on main); at first, what main queued before the call
 
     def issue_decode(j: int) -> None:
         w, sc, e0, eg, _ = jobs[j]
-        b = j % 2
-        if not decode:
-            return
-        if not cuda:
-            decode_group(fmt, w, sc, e0, eg, bufs[b], cfg)
-            return
-        with torch.cuda.stream(side):
-            side.wait_event(free[b] if free[b] is not None else fork)
-            decode_group(fmt, w, sc, e0, eg, bufs[b], cfg)
-            ready[b] = torch.cuda.Event()
-            ready[b].record(side)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if cuda:
+                side.wait_event(free[j % 2])
+            decode_group(fmt, w, sc, e0, eg, bufs[j % 2], cfg)
+            ready[j % 2] = mark(side)
 
-    if cuda:
-        fork = torch.cuda.Event()
-        fork.record(main)
-    issue_decode(0)
+    if decode:
+        issue_decode(0)
     for j, (_, _, e0, eg, launch) in enumerate(jobs):
-        if j + 1 < len(jobs):
-            issue_decode(j + 1)
-        b = j % 2
-        if cuda and ready[b] is not None:
-            main.wait_event(ready[b])
+        if decode and j + 1 < len(jobs):
+            issue_decode(j + 1)           # into the other half, before this job's GEMM is queued
+        if ready[j % 2] is not None:
+            main.wait_event(ready[j % 2])
         if gemm:
-            launch(bufs[b], bufs[b], e0, eg, FMT_BF16)
-        if cuda:
-            free[b] = torch.cuda.Event()
-            free[b].record(main)
+            launch(bufs[j % 2], bufs[j % 2], e0, eg, FMT_BF16)
+        free[j % 2] = mark(main)
 
 
 def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, shared, routed_scaling: float,

@@ -442,7 +442,20 @@ def test_decode_ahead_equals_the_serial_band_and_alternates_the_halves(monkeypat
     monkeypatch.setattr(G, "decode_group",
                         lambda fmt, w, s, e0, eg, buf, cfg: order.append(("decode", e0, buf.data_ptr()))
                         or real_decode(fmt, w, s, e0, eg, buf, cfg))
+    launches = []
+
+    class Recorded:                     # a Triton kernel's launch syntax, logging the launch order
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append(len(order)) or self.kernel[grid](*a, **kw)
+    for name in ("grouped_gate_up", "grouped_down"):
+        monkeypatch.setattr(G, name, Recorded(getattr(G, name)))
     out_ahead = G.moe_grouped(*args, **case.kwargs).clone()
+    # job j's GEMM is queued after job j + 1's decode (the last one after the last decode)
+    jobs = len(order)
+    assert launches == [min(j + 2, jobs) for j in range(jobs)], (launches, jobs)
     halves = sorted({p for _, _, p in order})
     assert len(halves) == 2 and halves[0] == args[13].wdec.data_ptr()
     # jobs: (group 0 gate|up, group 0 down, group 1 gate|up, ...): job j's decode goes to half j % 2
