@@ -72,21 +72,28 @@ def step_bytes(llm, batch: int, context: int) -> int:
 
 
 def set_route(llm, route: str, graphs) -> None:
-    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl")."""
+    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl", "target-rows").
+    target-rows: the target with NVFP4 weights left row-major (the layout before the MMA tile layout), its graphs
+    captured on first use; every other target route runs the default (tile) layout. A graph replays the kernels it
+    captured, so the layout is set before the route's graphs run."""
     from m3serve.targets import routing
-    routing.install(llm.model, "off" if route == "off" else "auto")
+    routing.install(llm.model, "off" if route == "off" else "auto",
+                    weight_layout="rows" if route == "target-rows" else None)
     llm.engine.runner.target_attention = route != "off"
+    if route == "target-rows" and route not in graphs:
+        graphs[route] = recapture(llm, graphs["target"])
     llm.engine.runner.graphs = graphs.get(route)
 
 
-def graphs_with_pdl(llm, like, pdl: bool):
-    """The target's graphs captured again with programmatic dependent launch on or off (m3serve.kernels._jit's
-    switch), for a side-by-side run; the switch is restored afterwards (a graph keeps what it captured)."""
+def recapture(llm, like, pdl: bool | None = None):
+    """The target's graphs captured again (same buckets) for a side-by-side run: as the model is bound now (its
+    weight layout), with programmatic dependent launch on or off (m3serve.kernels._jit's switch; None: as it is);
+    the switch is restored afterwards (a graph keeps what it captured)."""
     from m3serve.kernels import _jit
     from m3serve.runtime.decode_graphs import DecodeGraphs
     eng = llm.engine
     before = _jit.PDL_ENABLED
-    _jit.PDL_ENABLED = pdl
+    _jit.PDL_ENABLED = before if pdl is None else pdl
     try:
         g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, like.buckets, penalties=eng.penalties)
         g.capture()
@@ -202,7 +209,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--routes", default="off,auto,target")
+    ap.add_argument("--routes", default="off,auto,target",
+                    help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 weights row-major)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -240,7 +248,7 @@ def main() -> None:
         graphs = {"target": llm.engine.runner.graphs}
         for route, pdl in (("target-pdl", True), ("target-nopdl", False)):
             if route in routes:
-                graphs[route] = graphs_with_pdl(llm, llm.engine.runner.graphs, pdl)
+                graphs[route] = recapture(llm, llm.engine.runner.graphs, pdl)
         base_tokens = {}
         for route in routes:
             set_route(llm, route, graphs)

@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... layout-round | layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -98,6 +98,21 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always-pg embedded:spec-always-pg-aw --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU tests: each NVFP4 cell family gives
+              # the same bits on tiles as on row-major weights, the NVFP4 cells certified on their (tiled) cases;
+              # then the MoE's MMA step per launch, tiles vs row-major (the "/rows" variants), with the router
+              # variants (fewer K splits: a shorter serial tail), 1 / 4 / 8 tokens
+  phase pytest-tiles ${T_A:-210} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+    tests/kernels/test_tile_layout_gpu.py tests/kernels/test_gpu.py -k "tiles or moe.nvfp4 or qkv.nvfp4 or 24576"
+  phase moe-tiles ${T_B:-240} python3 bench/kernel_variants.py --only moe --moe-tokens 1,4,8 --moe-mma-only \
+    --iters 20 --name kernel-variants-moe-tiles-h200.json --out-dir "$OUT"
+  ;;
+layout-decode)  # the decode step with the tile layout vs row-major side by side (route target vs target-rows, the
+               # per-kernel-class GPU time of each), minimax-m3:5 and minimax-m3:24, batch 1 and 8
+  phase decode-tile-layout ${T_B:-480} python3 bench/decode.py --models minimax-m3:5,minimax-m3:24 --batch 1,8 \
+    --context 512 --steps 20 --routes target,target-rows --quantization nvfp4 \
+    --out "$OUT/decode-target-h200-tile-layout.json"
   ;;
 moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on a side stream while this group's
             # GEMM runs): GPU tests (bit-equal to serial, capture, no host sync), the layer timed serial vs ahead,

@@ -43,6 +43,7 @@ from m3serve.kernels.moe._mma import MmaMoEConfig  # noqa: E402
 from m3serve.kernels.attention._paged_call import TileConfig, tile_config  # noqa: E402
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
 from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan  # noqa: E402
+from m3serve.quant.nvfp4 import untile_nvfp4  # noqa: E402
 
 GROUPS = ("attn", "select", "moe")
 
@@ -193,9 +194,15 @@ MMA_MOE = (("mma_w4s2_d4w4s2", 1, 4, 2, 4, 4, 2), ("mma_w4s3_d4w4s3", 1, 4, 3, 4
            ("mma_w4s2_d8w4s2", 1, 4, 2, 8, 4, 2), ("mma_w4s2_d2w4s2", 1, 4, 2, 2, 4, 2),
            ("mma_w4s2_d8w2s2", 1, 4, 2, 8, 2, 2), ("mma_w4s3_d8w4s3", 1, 4, 3, 8, 4, 3),
            ("mma_w8s2_d4w8s2", 1, 8, 2, 4, 8, 2), ("mma_r2w4s2_d4w4s2", 2, 4, 2, 4, 4, 2))
+# the router launch of the MMA step (name, RBE experts per program, RSPLIT, warps): its last program sums RSPLIT
+# partials in order before the top-k, so fewer splits shorten that serial tail and lengthen each program's K loop
+ROUTER = (("rt_e16k8w4", 16, 8, 4), ("rt_e16k4w4", 16, 4, 4), ("rt_e32k4w4", 32, 4, 4), ("rt_e16k2w4", 16, 2, 4),
+          ("rt_e32k8w8", 32, 8, 8), ("rt_e64k4w8", 64, 4, 8))
 
 
 def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> None:
+    """mma_only: the MMA-step variants beside the default and the cells they replace, each MMA variant also on the
+    row-major experts ("/rows": the layout before the MMA tile layout, same weights), and the router variants."""
     gen = torch.Generator().manual_seed(0)
     for shared_bf16 in ((0,) if mma_only else (0, 1)):
         for tokens in token_counts:
@@ -215,21 +222,29 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
                     configs.append((name, replace(base, DBN=dbn, DBK=dbk, DSPLIT=ds, down_stages=st, down_warps=w)))
             if not shared_bf16 and tokens <= 8:
                 for name, rp, w, st, ds, dw, dst in MMA_MOE:
-                    configs.append((name, MmaMoEConfig(RP=rp, num_warps=w, STAGES=st, DSPLIT=ds, down_warps=dw,
-                                                       down_stages=dst)))
+                    mma = MmaMoEConfig(RP=rp, num_warps=w, STAGES=st, DSPLIT=ds, down_warps=dw, down_stages=dst)
+                    configs.append((name, mma))
+                    if mma_only:
+                        configs.append((f"{name}/rows", mma))
+                if mma_only:
+                    for name, rbe, rsplit, rw in ROUTER:
+                        configs.append((name, replace(MmaMoEConfig(), RBE=rbe, RSPLIT=rsplit, router_warps=rw)))
+            rows_case = _row_major_moe(case)
             nbytes = None
             for name, cfg in configs:
-                x = case.args[0]
+                c = rows_case if name.endswith("/rows") else case
+                x = c.args[0]
                 ws = moe_nvfp4.make_moe_workspace(cfg, tokens, 128, 6144, 3072, r.dev)
                 ws.act.fill_(float("nan"))
                 out = poisoned(tuple(x.shape), torch.bfloat16, r.dev)
-                args = (*case.args[:-3], out, ws, cfg)
-                c2 = Case(args=args, kwargs={}, bytes_moved=case.bytes_moved)
-                fn = lambda args=args: moe_nvfp4.moe_nvfp4(*args)  # noqa: E731
+                args = (*c.args[:-3], out, ws, cfg)
+                c2 = Case(args=args, kwargs=c.kwargs, bytes_moved=c.bytes_moved)
+                kw = c.kwargs
+                fn = lambda args=args, kw=kw: moe_nvfp4.moe_nvfp4(*args, **kw)  # noqa: E731
 
                 def check(c2=c2, out=out) -> tuple[bool, str]:
                     try:
-                        ref = moe_nvfp4.moe_reference(*c2.args)
+                        ref = moe_nvfp4.moe_reference(*c2.args, **c2.kwargs)
                         moe_nvfp4.compare(out, ref, c2)
                         return True, ""
                     except AssertionError as exc:
@@ -240,9 +255,18 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
                     torch.cuda.synchronize()
                     nbytes = KB.moe_bytes(c2)
                 what = f"moe T{tokens} shared {'bf16' if shared_bf16 else 'nvfp4'}"
+                if name.startswith("rt_"):  # a router variant: checked on the whole call, timed alone
+                    fn()
+                    torch.cuda.synchronize()
+                    ok, why = check()
+                    r.add("moe", what, f"{name}/r", lambda args=args, kw=kw: moe_nvfp4.moe_nvfp4(
+                        *args, **kw, launches="r"), 128 * 6144 * 4, lambda ok=ok, why=why: (ok, why), tokens=tokens,
+                        shared_bf16=shared_bf16, launch="r", config=cfg.__dict__)
+                    continue
                 r.add("moe", what, name, fn, nbytes, check,
                       tokens=tokens, shared_bf16=shared_bf16, config=cfg.__dict__, default=(name == "base"))
-                if name in ("base", MMA_MOE[0][0]):  # each launch alone, on the routing and activations the call left
+                if name in ("base", MMA_MOE[0][0], f"{MMA_MOE[0][0]}/rows"):  # each launch alone, on the routing and
+                    # activations the call left
                     e_, h_, i_ = 128, 6144, 3072
                     touched = int((ws.slot_e >= 0).sum()) + 1
                     # a BF16 shared expert reads 32/9 the bytes of an NVFP4 one
@@ -250,11 +274,23 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
                              "g": (touched - 1 + (32 / 9 if shared_bf16 else 1)) * 2 * i_ * h_ * 9 // 16,
                              "d": (touched - 1 + (32 / 9 if shared_bf16 else 1)) * i_ * h_ * 9 // 16}
                     for launch, nb in parts.items():
-                        fn1 = lambda args=args, launch=launch: moe_nvfp4.moe_nvfp4(*args, launches=launch)  # noqa: E731
+                        fn1 = lambda args=args, kw=kw, launch=launch: moe_nvfp4.moe_nvfp4(  # noqa: E731
+                            *args, **kw, launches=launch)
                         r.add("moe", what, f"{name}/{launch}", fn1, int(nb), None, tokens=tokens,
                               shared_bf16=shared_bf16, launch=launch)
             del case
             torch.cuda.empty_cache()
+
+
+def _row_major_moe(case: Case) -> Case:
+    """The same MoE case with its NVFP4 experts (and NVFP4 shared expert) row-major, as checkpoints hold them."""
+    if not case.kwargs.get("tiled"):
+        return case
+    args = list(case.args)
+    for w, s in ((3, 4), (6, 7), (9, 10), (12, 13)):
+        if args[s] is not None:
+            args[w], args[s] = untile_nvfp4(args[w], args[s])
+    return Case(args=tuple(args), kwargs={**case.kwargs, "tiled": False}, bytes_moved=case.bytes_moved)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from m3serve.kernels.gemm import _linear as L  # noqa: E402
 from m3serve.kernels.gemm import _mma_gemv as G  # noqa: E402
 from m3serve.kernels.gemm import nvfp4 as LN  # noqa: E402
 from m3serve.kernels.catalog import Case, poisoned  # noqa: E402
+from m3serve.quant.nvfp4 import tile_nvfp4  # noqa: E402
 
 SHAPES = ((24576, 6144), (9856, 6144), (6144, 8192), (6144, 12288), (6144, 6144), (6144, 3072))
 ROWS = (1, 4, 8)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, k in SHAPES:
         gen = torch.Generator().manual_seed(n + k)
         packed, scale, gs = LN.random_nvfp4_weight(n, k, dev, gen)
-        tp, ts = G.tile_nvfp4(packed, scale)
+        tp, ts = tile_nvfp4(packed, scale)
         nbytes_w = packed.numel() + scale.numel()
         reps = max(2, min(16, -(-(512 << 20) // nbytes_w)))
         copies = {False: [(packed.clone(), scale.clone()) for _ in range(reps)],

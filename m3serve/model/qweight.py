@@ -8,6 +8,9 @@ A `QWeight` holds a [*, N, K] weight (y = x @ W^T) in one of four formats, in th
          global_scale fp32 [*, P]   (the encode scale: W = e2m1 * scale / global_scale of the row's part)
 `*` is an optional expert dim E. P "parts" exist because fused layers (gate|up, or q|k|v) are loaded from
 separate checkpoint tensors with their own per-tensor scales: part p owns rows [p*N/P, (p+1)*N/P).
+`layout` (NVFP4 only): "rows", as checkpoints store it, or "mma_tile", the permutation inside blocks of 16 rows x
+128 columns that the decode target's kernels read (m3serve.quant.nvfp4.tile_nvfp4; same shapes, one copy).
+Dequantizing reads either.
 
 Checkpoint naming per linear (suffixes after `<name>.`):
   dense:  weight (bf16/fp16/fp32)
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from m3serve.quant.mxfp8 import MX_BLOCK, dequantize_mxfp8
-from m3serve.quant.nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
+from m3serve.quant.nvfp4 import NVFP4_BLOCK, NVFP4_LAYOUTS, dequantize_nvfp4, to_layout
 
 FORMATS = ("dense", "fp8", "mxfp8", "nvfp4")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,6 +41,12 @@ class CheckpointError(ValueError):
 class QWeight:
     fmt: str
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    layout: str = "rows"
+
+    def __post_init__(self) -> None:
+        if self.layout not in NVFP4_LAYOUTS or (self.layout != "rows" and self.fmt != "nvfp4"):
+            raise ValueError(f"QWeight.layout: expected 'rows' (any format) or one of {NVFP4_LAYOUTS} (nvfp4), found "
+                             f"{self.layout!r} for {self.fmt}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,11 +59,19 @@ class QWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def to(self, device) -> "QWeight":
-        return QWeight(self.fmt, {k: v.to(device) for k, v in self.tensors.items()})
+        return QWeight(self.fmt, {k: v.to(device) for k, v in self.tensors.items()}, self.layout)
+
+    def _row_major(self, index: int | None) -> dict[str, torch.Tensor]:
+        """The tensors (of expert `index` when stacked) with NVFP4 bytes and scales in the row-major layout."""
+        t = self.tensors if index is None else {k: v[index] for k, v in self.tensors.items()}
+        if self.layout != "rows":
+            packed, scale = to_layout(t["packed"], t["scale"], self.layout, "rows")
+            t = {**t, "packed": packed, "scale": scale}
+        return t
 
     def dequantize(self, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
         """The dense weight (of expert `index` when stacked), in `dtype`."""
-        t = self.tensors if index is None else {k: v[index] for k, v in self.tensors.items()}
+        t = self._row_major(index)
         if self.fmt == "dense":
             return t["w"].to(dtype)
         if self.fmt == "mxfp8":
@@ -71,7 +88,7 @@ class QWeight:
         """(W', f) with W = W' * f per output row, where W' is exact in bf16 (E2M1 x E4M3 has at most 6
         significant bits, FP8 and MXFP8 values at most 4) and f [N] fp32 (None when W' is W). The stock
         GEMM then rounds only where a fused kernel does: at the fp32 output, not in the weights."""
-        t = self.tensors if index is None else {k: v[index] for k, v in self.tensors.items()}
+        t = self._row_major(index)
         if self.fmt == "nvfp4":
             w = dequantize_nvfp4(t["packed"], t["scale"], 1.0, dtype=torch.float32).to(dtype)
             return w, 1.0 / _per_row(t["global_scale"], w.shape[-2]).squeeze(-1)
@@ -159,8 +176,16 @@ def read_linear(name: str, t: dict[str, torch.Tensor], n: int, k: int) -> QWeigh
 
 
 # ----------------------------------------------------------------------------- slicing for tensor parallelism
+def _require_rows(name: str, *qs: QWeight) -> None:
+    """Loading-time cuts and joins work on the checkpoint (row-major) layout only."""
+    for q in qs:
+        if q.layout != "rows":
+            raise ValueError(f"{name}: expected weights in the row-major layout (as loaded), found {q.layout!r}")
+
+
 def slice_rows(q: QWeight, start: int, length: int) -> QWeight:
     """Rows [start, start+length) of a one-part QWeight (column parallelism)."""
+    _require_rows("slice_rows", q)
     out = {}
     for key, v in q.tensors.items():
         out[key] = v if key in ("global_scale",) or (q.fmt == "fp8" and key == "scale") else v[start:start + length]
@@ -169,6 +194,7 @@ def slice_rows(q: QWeight, start: int, length: int) -> QWeight:
 
 def slice_cols(q: QWeight, name: str, start: int, length: int) -> QWeight:
     """Input columns [start, start+length) (row parallelism), cut along the format's block structure."""
+    _require_rows(name, q)
     block = {"dense": 1, "fp8": 1, "mxfp8": MX_BLOCK, "nvfp4": NVFP4_BLOCK}[q.fmt]
     if start % block or length % block:
         raise CheckpointError(f"{name}: a tensor-parallel slice of the input dim [{start}, {start + length}) "
@@ -188,6 +214,7 @@ def slice_cols(q: QWeight, name: str, start: int, length: int) -> QWeight:
 
 def concat_parts(name: str, parts: list[QWeight]) -> QWeight:
     """Fuse parts along the output dim (gate|up, q|k|v): data concatenated, per-part scales kept per part."""
+    _require_rows(name, *parts)
     fmts = {p.fmt for p in parts}
     if len(fmts) != 1:
         raise CheckpointError(f"{name}: fused parts have different formats {sorted(fmts)}")
@@ -202,6 +229,7 @@ def concat_parts(name: str, parts: list[QWeight]) -> QWeight:
 
 
 def stack_experts(name: str, experts: list[QWeight]) -> QWeight:
+    _require_rows(name, *experts)
     fmts = {e.fmt for e in experts}
     if len(fmts) != 1:
         raise CheckpointError(f"{name}: experts are stored in different formats {sorted(fmts)}")

@@ -174,3 +174,82 @@ def v_scale_from_quad_order(page: Tensor, tokens: int) -> Tensor:
     g = n // tokens
     quads = page.reshape(*lead, tokens // 4, g, 4).transpose(-1, -2)
     return quads.reshape(*lead, tokens, g)
+
+
+# --- The MMA tile layout of NVFP4 weights ----------------------------------------------------------------
+# A weight [..., N, K] in NVFP4 is two tensors: packed bytes [..., N, K/2] and E4M3 group scales [..., N, K/16].
+# Checkpoints store both row-major. The decode kernels read them in the "MMA tile layout": the same bytes, the
+# same shapes, permuted inside each block of 16 rows x 128 columns so that the 32 lanes of a warp that feed one
+# mma.m16n8k16 read 512 contiguous bytes per load instead of 8 rows x 64 B:
+#     bytes   block (rb, ks) = 1 KB at rb * 16 * K/2 + ks * 1024, ordered [h, lane, 16 B]:
+#             lane = 4 g + c holds row 16 rb + 8 h + g, bytes 64 ks + 16 c .. + 15 of that row
+#     scales  block (rb, ks) = 128 B at rb * 16 * K/16 + ks * 128, ordered [g, c, h, 2 B]:
+#             the two scales of groups 8 ks + 2 c, + 1 of row 16 rb + 8 h + g
+# A block of 16 rows starts where its first row starts in the row-major layout, so a slice of whole blocks of
+# rows (a fused projection's part, one expert of a stack) is itself a tiled weight.
+NVFP4_LAYOUTS = ("rows", "mma_tile")
+TILE_ROWS, TILE_COLS = 16, 128
+
+
+def check_tileable(packed: Tensor, scale: Tensor) -> None:
+    """Raise unless (packed, scale) is an NVFP4 weight the MMA tile layout covers: N % 16 == 0, K % 128 == 0."""
+    if packed.dim() < 2 or scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 8 != packed.shape[-1]:
+        raise ValueError(f"packed/scale: expected [..., N, K/2] and [..., N, K/16], found {tuple(packed.shape)} "
+                         f"and {tuple(scale.shape)}")
+    n, kb = packed.shape[-2], packed.shape[-1]
+    if n % TILE_ROWS or (2 * kb) % TILE_COLS:
+        raise ValueError(f"packed: the MMA tile layout needs N % {TILE_ROWS} == 0 and K % {TILE_COLS} == 0, found "
+                         f"N={n}, K={2 * kb}")
+
+
+def tileable(packed: Tensor, scale: Tensor) -> bool:
+    try:
+        check_tileable(packed, scale)
+    except ValueError:
+        return False
+    return True
+
+
+def _tile_views(packed: Tensor, scale: Tensor):
+    lead = packed.shape[:-2]
+    n, kb = packed.shape[-2], packed.shape[-1]
+    d = len(lead)
+    w = packed.contiguous().view(torch.uint8).reshape(*lead, n // 16, 2, 8, kb // 64, 4, 16)
+    s = scale.contiguous().view(torch.uint8).reshape(*lead, n // 16, 2, 8, kb // 64, 4, 2)
+    return lead, d, w, s
+
+
+def tile_nvfp4(packed: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-major NVFP4 (packed [..., N, K/2], scale [..., N, K/16]) -> the MMA tile layout, same shapes and
+    dtypes, new tensors."""
+    check_tileable(packed, scale)
+    lead, d, w, s = _tile_views(packed, scale)
+    # bytes [rb, h, g, ks, c, j] -> [rb, ks, h, g, c, j]; scales [rb, h, g, ks, c, e] -> [rb, ks, g, c, h, e]
+    w = w.permute(*range(d), d, d + 3, d + 1, d + 2, d + 4, d + 5)
+    s = s.permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 5)
+    return (w.contiguous().reshape(packed.shape).view(packed.dtype),
+            s.contiguous().reshape(scale.shape).view(scale.dtype))
+
+
+def untile_nvfp4(packed: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of tile_nvfp4: MMA tile layout -> row-major, new tensors."""
+    check_tileable(packed, scale)
+    lead, d, _, _ = _tile_views(packed, scale)
+    n, kb = packed.shape[-2], packed.shape[-1]
+    w = packed.contiguous().view(torch.uint8).reshape(*lead, n // 16, kb // 64, 2, 8, 4, 16)
+    s = scale.contiguous().view(torch.uint8).reshape(*lead, n // 16, kb // 64, 8, 4, 2, 2)
+    # bytes [rb, ks, h, g, c, j] -> [rb, h, g, ks, c, j]; scales [rb, ks, g, c, h, e] -> [rb, h, g, ks, c, e]
+    w = w.permute(*range(d), d, d + 2, d + 3, d + 1, d + 4, d + 5)
+    s = s.permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 5)
+    return (w.contiguous().reshape(packed.shape).view(packed.dtype),
+            s.contiguous().reshape(scale.shape).view(scale.dtype))
+
+
+def to_layout(packed: Tensor, scale: Tensor, src: str, dst: str) -> tuple[Tensor, Tensor]:
+    """(packed, scale) from layout `src` to layout `dst` (one of NVFP4_LAYOUTS); the same tensors when equal."""
+    for name, lay in (("src", src), ("dst", dst)):
+        if lay not in NVFP4_LAYOUTS:
+            raise ValueError(f"{name}: expected an NVFP4 layout of {NVFP4_LAYOUTS}, found {lay!r}")
+    if src == dst:
+        return packed, scale
+    return tile_nvfp4(packed, scale) if dst == "mma_tile" else untile_nvfp4(packed, scale)

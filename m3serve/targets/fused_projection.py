@@ -70,6 +70,15 @@ def _still_views(attn, fp: FusedProjection) -> bool:
     return all(getattr(p, key, None) is v for p, v in zip(projection_parts(attn), fp.views))
 
 
+def _layout(attn, fp: FusedProjection) -> str | None:
+    """The NVFP4 layout all parts are in now (their bytes are the concatenation's rows, re-laid out in place by
+    Linear.set_layout), None when they differ (the parts then run one by one); "rows" for other formats."""
+    if fp.fmt != "nvfp4":
+        return "rows"
+    layouts = {p.q_layout for p in projection_parts(attn)}
+    return layouts.pop() if len(layouts) == 1 else None
+
+
 def project(attn, x: torch.Tensor, qkv=None) -> tuple[torch.Tensor, ...] | None:
     """x [T, H] bf16 -> the parts' outputs (views of one [T, N_total] buffer), or None when no fused
     projection serves this layer and row count (the caller then runs the parts one by one). qkv: the layer's
@@ -92,12 +101,16 @@ def project(attn, x: torch.Tensor, qkv=None) -> tuple[torch.Tensor, ...] | None:
         # without a certified fused cell take the per-part route rather than raising here (the plan's qkv route
         # is never strict).
         launch = qkv(t) if qkv is not None else None
-        if launch is None:
+        layout = _layout(attn, fp)
+        if launch is None or layout is None:
             return None
         cfg = launch.config
         ws = launch.workspace
         if ws is None:
             ws = launch.workspace = make_workspace(cfg, n, x.device)
         out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
-        launch.run(x.contiguous(), *fp.tensors, out, ws, cfg)
+        if fp.fmt == "nvfp4":
+            launch.run(x.contiguous(), *fp.tensors, out, ws, cfg, tiled=layout == "mma_tile")
+        else:
+            launch.run(x.contiguous(), *fp.tensors, out, ws, cfg)
     return tuple(torch.split(out, list(fp.splits), dim=-1))

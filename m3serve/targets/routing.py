@@ -159,7 +159,8 @@ class LinearKernel:
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
         x2 = x2.contiguous()
         if self.fmt == "nvfp4":
-            launch.run(x2, lin.q_packed, lin.q_scale, _per_row(lin, lin.q_global_scale, n), out, ws, cfg)
+            launch.run(x2, lin.q_packed, lin.q_scale, _per_row(lin, lin.q_global_scale, n), out, ws, cfg,
+                       tiled=lin.q_layout == "mma_tile")
         elif self.fmt == "mxfp8":
             launch.run(x2, lin.q_q, lin.q_scale, out, ws, cfg)
         else:
@@ -405,7 +406,8 @@ class MoEKernel:
         launch.run(x.contiguous(), m.router, m.e_score_correction_bias,
                    m.w13.q_packed, m.w13.q_scale, m.w13.q_global_scale.reshape(e, 2),
                    m.w2.q_packed, m.w2.q_scale, m.w2.q_global_scale.reshape(e),
-                   *sh_args, m.scaling, out, ws, cfg, swiglu_alpha=m.alpha, swiglu_limit=m.limit)
+                   *sh_args, m.scaling, out, ws, cfg, swiglu_alpha=m.alpha, swiglu_limit=m.limit,
+                   tiled=m.w13.q_layout == "mma_tile")
         return out
 
     def run_grouped(self, m, x: torch.Tensor):
@@ -428,7 +430,7 @@ class MoEKernel:
         out = torch.empty(rows, h, dtype=torch.bfloat16, device=x.device)
         return launch.run(x.contiguous(), m.router, m.e_score_correction_bias, fmt, *_expert_args(m.w13),
                           *_expert_args(m.w2), shared, m.scaling, out, ws, cfg, top_k=m.top_k,
-                          swiglu_alpha=m.alpha, swiglu_limit=m.limit)
+                          swiglu_alpha=m.alpha, swiglu_limit=m.limit, tiled=m.w13.q_layout == "mma_tile")
 
 
 class RopeKernel:
@@ -507,9 +509,50 @@ def _kernel_for(mod, mp, mode: str):
     return None     # planned stock / torch: nothing to bind
 
 
-def bind(model, plan: KernelPlan) -> None:
+def _layout_groups(model) -> list[list[Linear]]:
+    """The model's NVFP4 linears in groups that one kernel reads together, so they share one layout: an MoE
+    layer's experts with its NVFP4 shared expert (moe.nvfp4 takes one flag for both), every other linear alone
+    (a fused projection joins its parts' own layouts; fused_projection.fuse)."""
+    groups, grouped = [], set()
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            members = [mod.w13, mod.w2]
+            if mod.shared is not None:
+                members += [mod.shared.gate_up_proj, mod.shared.down_proj]
+            members = [m for m in members if m.fmt == "nvfp4"]
+            grouped.update(id(m) for m in members)
+            if members:
+                groups.append(members)
+    for mod in model.modules():
+        if isinstance(mod, Linear) and mod.fmt == "nvfp4" and id(mod) not in grouped:
+            groups.append([mod])
+    return groups
+
+
+def default_weight_layout(model, mode: str) -> str:
+    """NVFP4 weights in the MMA tile layout wherever the decode target runs them (CUDA, mode auto / require): every
+    NVFP4 cell reads it (docs/kernels.md); the stock path (mode off, CPU) keeps the checkpoint's row-major bytes."""
+    param = next(model.parameters(), None)
+    return "mma_tile" if mode != "off" and param is not None and param.device.type == "cuda" else "rows"
+
+
+def set_weight_layout(model, layout: str) -> int:
+    """Every NVFP4 weight group of `model` (_layout_groups) to `layout` where the whole group is tileable, the
+    others to row-major. Returns the number of linears in the tile layout."""
+    tiled = 0
+    for group in _layout_groups(model):
+        want = layout if all(lin.tileable() for lin in group) else "rows"
+        for lin in group:
+            lin.set_layout(want)
+            tiled += want == "mma_tile"
+    return tiled
+
+
+def bind(model, plan: KernelPlan, weight_layout: str | None = None) -> None:
     """Give every module of `model` its bound implementation from `plan` (modules the plan does not route, and
-    every module when its mode is off, get none: the stock path) and keep the plan on the model."""
+    every module when its mode is off, get none: the stock path) and keep the plan on the model. NVFP4 weights
+    are re-laid out in place to `weight_layout` (default: default_weight_layout)."""
+    set_weight_layout(model, weight_layout or default_weight_layout(model, plan.mode))
     modules = dict(model.named_modules())
     for mod in modules.values():
         if isinstance(mod, ROUTED_CLASSES):
@@ -523,11 +566,11 @@ def bind(model, plan: KernelPlan) -> None:
     model.kernel_plan = plan
 
 
-def install(model, mode: str, max_rows: int | None = None) -> KernelPlan:
+def install(model, mode: str, max_rows: int | None = None, weight_layout: str | None = None) -> KernelPlan:
     """Build `model`'s kernel plan in `mode` for forwards of up to max_rows tokens and bind it (replacing any
-    earlier plan). Returns the plan."""
+    earlier plan; weight_layout as bind). Returns the plan."""
     plan = build_plan(model, mode, max_rows)
-    bind(model, plan)
+    bind(model, plan, weight_layout)
     return plan
 
 

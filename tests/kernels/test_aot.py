@@ -32,6 +32,27 @@ def test_kernels_compile_for_sm90_without_spills(name: str) -> None:
         assert r.stack == 0 and r.local == 0, f"{name}/{r.name}: spills ({r.stack} B stack) at {cell.why}"
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiled"])
+def test_mma_moe_layouts_compile_for_sm90_without_spills(monkeypatch, tiled: bool) -> None:
+    """moe.nvfp4's MMA step (1-8 tokens) with its weights row-major and in the MMA tile layout (moe/_mma.py,
+    launch_mma_moe's tiled, forced here whatever layout make_case picks): both variants' load blocks assemble
+    for sm_90 and both kernels stay spill-free."""
+    from m3serve.kernels.moe import nvfp4 as moe_nvfp4
+    from m3serve.kernels.moe._mma import MmaMoEConfig
+
+    real = moe_nvfp4.launch_mma_moe
+    monkeypatch.setattr(moe_nvfp4, "launch_mma_moe", lambda *a, **kw: real(*a, **{**kw, "tiled": tiled}))
+    e = ENTRIES["moe.nvfp4"]
+    cell = e.cells[PICK["moe.nvfp4"]]
+    assert isinstance(cell.config["moe"], MmaMoEConfig), cell.why
+    one = type(e)(**{**e.__dict__, "cells": (cell,)})
+    mma = {kern.__name__: kwargs["TILED"] for _, _, kern, _, kwargs in aot_check.collect([one]).values()
+           if "TILED" in kwargs}
+    assert mma == {"mma_moe_gate_up": tiled, "mma_moe_down": tiled}
+    for _, _, r in aot_check.run([one], arch=90):
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.regs} regs, {r.stack} B stack"
+
+
 def test_an_interpreted_launch_leaves_triton_language_as_it_was(tmp_path, monkeypatch) -> None:
     """A CPU (interpreted) launch must not leave triton.language's builtins patched: a kernel compiled later in the
     same process (here norm.rms, with an empty Triton cache so it really is built) would otherwise be built with

@@ -22,7 +22,7 @@ def test_off_is_always_stock() -> None:
 def test_auto_inside_and_outside_cells() -> None:
     e = lookup("linear.nvfp4", 4, (6144, 8192), "auto")
     assert e is ENTRIES["linear.nvfp4"]
-    assert e.cell_for(4, (6144, 8192)).rows == (2, 8)  # row 1: the GEMV cell, rows 2-8: the MMA GEMV cell
+    assert e.cell_for(4, (6144, 8192)).rows == (1, 8)  # rows 1-8: the MMA GEMV cell (reading the tile layout)
     assert lookup("linear.nvfp4", 49, (6144, 8192), "auto") is ENTRIES["linear.nvfp4.tiled"]  # prefill rows
     assert lookup("linear.nvfp4", 16385, (6144, 8192), "auto") is None  # beyond the table
     assert lookup("linear.nvfp4", 4, (6144, 1000), "auto") is None  # uncertified shape

@@ -53,9 +53,13 @@ def _one_cell(name: str, pred) -> object:
 
 def _k_loop_counts(kind: str) -> dict:
     """Compile one NVFP4 cell both ways and count its inner loop (run in a fresh interpreter, see below)."""
-    want = "GemvConfig" if kind == "gemv" else "GemmConfig"
-    one = _one_cell("linear.nvfp4", lambda c: type(c.config["gemm"]).__name__ == want and c.rows[0] == 1
-                    if kind == "gemv" else type(c.config["gemm"]).__name__ == want and c.rows == (9, 16))
+    if kind == "gemv":  # no NVFP4 cell runs the CUDA-core GEMV any more (rows 1-8: the MMA GEMV on tiles); its
+        # family's row-1 cell, as the benches still launch it on row-major weights
+        from m3serve.kernels.gemm import _linear as L, nvfp4 as LN
+        cell = L.decode_linear_cells(LN.WEIGHT_BYTES, LN.GEMV_FAMILY, ((1, 1),))[0]
+        one = dataclasses.replace(all_entries()["linear.nvfp4"], cells=(cell,))
+    else:
+        one = _one_cell("linear.nvfp4", lambda c: type(c.config["gemm"]).__name__ == "GemmConfig" and c.rows == (9, 16))
     lines = aot_check.sass_stats([one], ("triton", "ptx"))
     out = {"switch_restored": _e2m1_ptx.PTX_E2M1 is True, "lines": len(lines)}
     for mode in ("triton", "ptx"):

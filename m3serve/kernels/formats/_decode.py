@@ -166,19 +166,45 @@ def e8m0_to_bf16(b):
 
 
 @helper
+def nvfp4_word_offsets(rn, kw, K, TILED: tl.constexpr):
+    """[BN, BKW] int32-word offsets of rows rn [BN], words kw [BKW] (word w of a row = columns 8w..8w+7) of an
+    NVFP4 [N, K] weight, row-major or (TILED) in the MMA tile layout of m3serve.quant.nvfp4.tile_nvfp4: a block
+    of 16 rows x 128 columns is 256 words [h, g, c, 4 words], row 16 rb + 8 h + g. A row's 16 words of one
+    128-column step stay contiguous, so the loads keep their 16-byte vectors."""
+    if TILED:
+        row = (rn // 16) * (2 * K) + ((rn // 8) % 2) * 128 + (rn % 8) * 16
+        col = (kw // 16) * 256 + kw % 16
+        return row[:, None] + col[None, :]
+    else:
+        return rn[:, None] * (K // 8) + kw[None, :]
+
+
+@helper
+def nvfp4_scale_offsets(rn, ks, K, TILED: tl.constexpr):
+    """[BN, G] byte offsets of the E4M3 group scales of rows rn, groups ks (16 columns each), row-major or
+    (TILED) in the tile layout: 128 B a block, [g, c, h, 2 scales], groups 8 ks' + 2 c, + 1."""
+    if TILED:
+        row = (rn // 16) * K + (rn % 8) * 16 + ((rn // 8) % 2) * 2
+        col = (ks // 8) * 128 + ((ks % 8) // 2) * 4 + ks % 2
+        return row[:, None] + col[None, :]
+    else:
+        return rn[:, None] * (K // 16) + ks[None, :]
+
+
+@helper
 def load_w_groups(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GS: tl.constexpr, CUDA: tl.constexpr, LOWP: tl.constexpr):
+                  GS: tl.constexpr, CUDA: tl.constexpr, LOWP: tl.constexpr, TILED: tl.constexpr = False):
     """Rows `rn` [BN] (int64-safe offsets are the caller's job: pass shifted base pointers),
     columns [k0, k0+BK) -> (w [BN, BK/GS, GS] unscaled, s [BN, BK/GS] group scale), fp32 or
     (LOWP, compiled only) bf16. w * s is the weight (NVFP4: times 2**-8 and the global scale);
-    FP8/BF16 have no group scale and return s = 1."""
+    FP8/BF16 have no group scale and return s = 1. TILED: NVFP4 in the MMA tile layout."""
     G: tl.constexpr = BK // GS
     rn2 = rn[:, None]
     if FMT == 0:
         kw = k0 // 8 + tl.arange(0, BK // 8)
-        w = e2m1_words(tl.load(w_ptr + rn2 * (K // 8) + kw[None, :]), LOWP).reshape(BN, G, GS)
+        w = e2m1_words(tl.load(w_ptr + nvfp4_word_offsets(rn, kw, K, TILED)), LOWP).reshape(BN, G, GS)
         ks = k0 // 16 + tl.arange(0, G)
-        s = e4m3_to_f32(tl.load(s_ptr + rn2 * (K // 16) + ks[None, :]), CUDA)
+        s = e4m3_to_f32(tl.load(s_ptr + nvfp4_scale_offsets(rn, ks, K, TILED)), CUDA)
         if LOWP:
             s = (s * _SCALE_BF16).to(tl.bfloat16)
         else:

@@ -64,3 +64,14 @@ def check_gemm_args(x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: Gem
         if ws.count.numel() < n // cfg.BN:
             raise ValueError(f"workspace.count: expected >= {n // cfg.BN} int32, found {ws.count.numel()}")
     return m
+
+
+def check_tiled(tiled: bool, fmt: int, n: int | None = None, k: int | None = None) -> None:
+    """Raise unless a `tiled` weight is one the MMA tile layout defines: NVFP4 (format 0), N % 16 == 0 and
+    K % 128 == 0 (m3serve.quant.nvfp4.tile_nvfp4)."""
+    if not tiled:
+        return
+    if fmt != 0:
+        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 weights only, found format {fmt}")
+    if (n is not None and n % 16) or (k is not None and k % 128):
+        raise ValueError(f"tiled: the MMA tile layout needs N % 16 == 0 and K % 128 == 0, found N={n}, K={k}")

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from m3serve.kernels.formats._e2m1_ptx import use_ptx
-from m3serve.kernels.gemm._gemm_tiles import GemmConfig, GemmWorkspace, check_gemm_args
+from m3serve.kernels.gemm._gemm_tiles import GemmConfig, GemmWorkspace, check_gemm_args, check_tiled
 from m3serve.kernels.gemm._gemv import GemvConfig, gemv_split
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig, mma_split
@@ -131,13 +131,15 @@ def interp_cells(shapes: tuple[tuple[int, int], ...], mma: bool = False) -> tupl
 
 def launch_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
                 out: torch.Tensor, ws: GemmWorkspace, *, fmt: int, alpha_mode: int, gs: int, n: int, k: int,
-                cfg: GemmConfig) -> torch.Tensor:
+                cfg: GemmConfig, tiled: bool = False) -> torch.Tensor:
+    """tiled: NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4)."""
     m = check_gemm_args(x, out, n, k, cfg, ws)
+    check_tiled(tiled, fmt, n, k)
     grid = (n // cfg.BN, cfg.SPLIT)
     wstream_gemm[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0), out.stride(0), alpha_stride,
         FMT=fmt, ALPHA=alpha_mode, GS=gs, SPLIT=cfg.SPLIT, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-        CUDA=is_compiled(x), PTX=use_ptx(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CUDA=is_compiled(x), PTX=use_ptx(x), TILED=tiled, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

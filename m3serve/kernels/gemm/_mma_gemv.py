@@ -88,7 +88,7 @@ class MmaGemvConfig:
 @functools.lru_cache(maxsize=None)
 def asm_args(fmt: int, rp: int, alpha: int, partial: bool, tiled: bool = False) -> dict:
     """The PTX blocks of one variant as the kernel's constexpr arguments (text, constraints, output counts).
-    tiled: NVFP4 weights in the MMA tile layout (tile_nvfp4)."""
+    tiled: NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4)."""
     load, load_c = P.tiled_load_asm(rp) if tiled else P.load_asm(fmt, rp)
     mma, mma_c = P.compute_asm(fmt, rp)
     xload, xload_c = P.xload_asm()
@@ -223,7 +223,7 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
                     cfg: MmaGemvConfig, tiled: bool = False) -> torch.Tensor:
     """Same arguments as _linear.launch_gemm (w: int32 words for NVFP4, uint8 E4M3 for MXFP8). Compiled
     only: the raw calls send CPU tensors to _wstream with the same tiles (interpreted_config).
-    tiled: w and s are NVFP4 in the MMA tile layout of tile_nvfp4 (same shapes and strides)."""
+    tiled: w and s are NVFP4 in the MMA tile layout of m3serve.quant.nvfp4.tile_nvfp4 (same shapes and strides)."""
     if tiled and fmt != P.FMT_NVFP4:
         raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 only, found format {fmt}")
     if x.device.type not in ("cuda", "meta"):
@@ -240,21 +240,6 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
         num_warps=cfg.num_warps, num_stages=1,
     )
     return out
-
-
-def tile_nvfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 [N, K/2] bytes and [N, K/16] E4M3 scales -> the MMA tile layout, same shapes: row block rb (16 rows)
-    and step ks (128 columns) become one 1 KB tile [h, lane, 16 B], lane = 4g + c holding row 16rb + 8h + g,
-    bytes 64ks + 16c .. +15, and one 128 B scale tile [lane, h, 2 B] (groups 8ks + 2c, +1). Each warp load of
-    tiled_load_asm then reads 512 (128) contiguous bytes instead of 8 rows x 64 B."""
-    n, kb = packed.shape
-    if n % 16 or kb % 64 or tuple(scale.shape) != (n, kb // 8):
-        raise ValueError(f"tile_nvfp4: expected [N, K/2] and [N, K/16] with N % 16 == 0 and K % 128 == 0, found "
-                         f"{tuple(packed.shape)} and {tuple(scale.shape)}")
-    w = packed.contiguous().view(torch.uint8).reshape(n // 16, 2, 8, kb // 64, 4, 16).permute(0, 3, 1, 2, 4, 5)
-    sc = scale.contiguous().view(torch.uint8).reshape(n // 16, 2, 8, kb // 64, 4, 2).permute(0, 3, 2, 4, 1, 5)
-    return (w.contiguous().reshape(n, kb).view(packed.dtype),
-            sc.contiguous().reshape(n, kb // 8).view(scale.dtype))
 
 
 def interpreted_config(cfg: MmaGemvConfig) -> GemmConfig:

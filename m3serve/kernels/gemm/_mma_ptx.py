@@ -96,7 +96,7 @@ def scale_regs(rp: int) -> int:
 
 
 def tiled_load_asm(rp: int) -> tuple[str, str]:
-    """load_asm for NVFP4 weights in the MMA tile layout (_mma_gemv.tile_nvfp4): a tile is one row block of 16
+    """load_asm for NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4): a tile is one row block of 16
     rows x one 128-column step, 1 KB [h, lane, 16 B] of words + 128 B [lane, h, 2 B] of scales, so each warp
     instruction reads 512 (words) or 128 (scales) contiguous bytes. wk / sk: the CTA's first tile of the step;
     sw / ss: bytes from one row block's tile to the next row block's."""
@@ -129,6 +129,56 @@ add.s64 sa, sa, o64;
 ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p:8 * p + 4])}}}, [wa+0];
 ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p + 4:8 * p + 8])}}}, [wa+512];
 ld.global.nc.L1::no_allocate.b32 {r['S'][p]}, [sa];""")
+    if scale_regs(rp) > rp:
+        s.append(f"mov.b32 {r['S'][rp]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+def tiled_gate_up_load_asm(rp: int) -> tuple[str, str]:
+    """load_asm(FMT_NVFP4, rp, gate_up=True) for weights in the MMA tile layout: the same registers from the same
+    rows, so compute_asm and swiglu_store_asm serve both layouts unchanged. Row pair p's gate row
+    n = 8q + g (q = RP * warp + p) is half h = q & 1 of row block q >> 1, so a warp's gate words are 512 contiguous
+    bytes of one tile; the up row n + I is in the tile `ub` bytes (`usb` scale bytes) further, at the same place,
+    which is why its scales take a u16 load of their own where tiled_load_asm reads a row pair's in one b32.
+    wk / sk: the CTA's first tile of the step (the CTA's first column is a multiple of 16); sw / ss: bytes
+    from one row block's tile to the next row block's."""
+    o = _Operands()
+    o.out("W", word_regs(FMT_NVFP4, rp), "r")
+    o.out("S", scale_regs(rp), "r")
+    for name, c in (("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r"), ("ub", "l"), ("usb", "l")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    wk, sk, sw, ss, ub, usb = (r[n][0] for n in ("wk", "sk", "sw", "ss", "ub", "usb"))
+    W = r["W"]
+    s = ["{", ".reg .b32 lane, tid, warp, q, rb, h, cb;", ".reg .b64 wa, sa, wb, sb, o64;", ".reg .b16 hA, hB;",
+         """mov.u32 lane, %laneid;
+mov.u32 tid, %tid.x;
+shr.u32 warp, tid, 5;"""]
+    for p in range(rp):
+        # tile_nvfp4's orders: words [h, lane, 16 B], scales [g, c, h, 2 B] (lane = 4g + c)
+        s.append(f"""mad.lo.u32 q, warp, {rp}, {p};
+shr.u32 rb, q, 1;
+and.b32 h, q, 1;
+mul.wide.u32 o64, rb, {sw};
+add.s64 wa, {wk}, o64;
+shl.b32 cb, h, 9;
+mad.lo.u32 cb, lane, 16, cb;
+cvt.u64.u32 o64, cb;
+add.s64 wa, wa, o64;
+mul.wide.u32 o64, rb, {ss};
+add.s64 sa, {sk}, o64;
+shl.b32 cb, h, 1;
+mad.lo.u32 cb, lane, 4, cb;
+cvt.u64.u32 o64, cb;
+add.s64 sa, sa, o64;
+add.s64 wb, wa, {ub};
+add.s64 sb, sa, {usb};
+ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p:8 * p + 4])}}}, [wa+0];
+ld.global.nc.L1::no_allocate.u16 hA, [sa];
+ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p + 4:8 * p + 8])}}}, [wb+0];
+ld.global.nc.L1::no_allocate.u16 hB, [sb];
+mov.b32 {r['S'][p]}, {{hA, hB}};""")
     if scale_regs(rp) > rp:
         s.append(f"mov.b32 {r['S'][rp]}, 0;")
     s.append("}")

@@ -37,6 +37,7 @@ from m3serve.kernels.formats._e2m1_ptx import use_ptx
 from m3serve.kernels._jit import is_compiled, kernel, kernel_unspecialized
 from m3serve.kernels.moe._grouped import swizzle
 from m3serve.kernels.gemm._wstream import apply_alpha, dot_tile, load_w_tile
+from m3serve.kernels.gemm._gemm_tiles import check_tiled
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,13 @@ class TiledGemmConfig:
 @kernel_unspecialized("M")
 def tiled_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, M, N, K, stride_xm, stride_ym, alpha_stride,
                FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
-    """grid (cdiv(M, BM) * N / BN,)."""
+               BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
+    """grid (cdiv(M, BM) * N / BN,). TILED: NVFP4 weights in the MMA tile layout."""
     pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BM), N // BN, GM)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros([BN, BM], tl.float32)
-    acc = dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, 0, K, stride_xm, FMT, GS, BM, BN, BK, CUDA, PTX)
+    acc = dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, 0, K, stride_xm, FMT, GS, BM, BN, BK, CUDA, PTX, TILED)
     out = apply_alpha(tl.trans(acc), alpha_ptr, rn, alpha_stride, ALPHA)  # [BM, BN]
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], to_bf16(out, CUDA),
              mask=rm[:, None] < M)
@@ -69,8 +70,9 @@ def tiled_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, M, N, K, stride_xm, stride
 
 def launch_tiled_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
                       out: torch.Tensor, *, fmt: int, alpha_mode: int, gs: int, n: int, k: int,
-                      cfg: TiledGemmConfig) -> torch.Tensor:
-    """The linear entries' raw calls hand their kernel views here for a TiledGemmConfig (any row count >= 1)."""
+                      cfg: TiledGemmConfig, tiled: bool = False) -> torch.Tensor:
+    """The linear entries' raw calls hand their kernel views here for a TiledGemmConfig (any row count >= 1).
+    tiled: NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4)."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k \
             or x.stride(1) != 1 or x.shape[0] < 1:
         raise ValueError(f"x: expected bf16 [M >= 1, {k}] with unit column stride, found "
@@ -82,23 +84,25 @@ def launch_tiled_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: 
     if n % cfg.BN or k % cfg.BK or cfg.BK % gs:
         raise ValueError(f"shape (N={n}, K={k}): expected N % {cfg.BN} == 0, K % {cfg.BK} == 0 and BK % {gs} == 0 "
                          f"for config {cfg}")
+    check_tiled(tiled, fmt, n, k)
     if cfg.DEQUANT_MM:
         return _dequant_mm(x, w, s, alpha, alpha_stride, out, fmt=fmt, alpha_mode=alpha_mode, gs=gs, n=n, k=k,
-                           cfg=cfg)
+                           cfg=cfg, tiled=tiled)
     grid = (triton.cdiv(m, cfg.BM) * (n // cfg.BN),)
     tiled_gemm[grid](x, w, s, alpha, out, m, n, k, x.stride(0), out.stride(0), alpha_stride, FMT=fmt,
                      ALPHA=alpha_mode, GS=gs, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GM=cfg.GM, CUDA=is_compiled(x),
-                     PTX=use_ptx(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                     PTX=use_ptx(x), TILED=tiled, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 @kernel
 def dequant_weight(w_ptr, s_ptr, wb_ptr, K, FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
-    """grid (N / BN, K / BK): wb[N, K] bf16 = the group-scaled weight tile values, in natural column order."""
+                   BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
+    """grid (N / BN, K / BK): wb[N, K] bf16 = the group-scaled weight tile values, in natural column order
+    (row-major whatever the layout the weight is read in: cuBLAS reads it next)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
-    w = load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)  # [BN, BK], columns in x_cols order
+    w = load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX, TILED)  # [BN, BK], columns in x_cols order
     cols = x_cols(k0, BK, FMT)
     tl.store(wb_ptr + rn.to(tl.int64)[:, None] * K + cols[None, :], to_bf16(w.to(tl.float32), CUDA))
 
@@ -142,14 +146,14 @@ def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tens
     return buf[:numel]
 
 
-def _dequant_mm(x, w, s, alpha, alpha_stride, out, *, fmt, alpha_mode, gs, n, k, cfg) -> torch.Tensor:
+def _dequant_mm(x, w, s, alpha, alpha_stride, out, *, fmt, alpha_mode, gs, n, k, cfg, tiled) -> torch.Tensor:
     m, compiled = x.shape[0], is_compiled(x)
     bn, bk = 64, 128 if k % 128 == 0 else cfg.BK
     if n % bn or k % bk or bk % gs:
         raise ValueError(f"shape (N={n}, K={k}): the weight decode needs N % {bn} == 0, K % {bk} == 0")
     wb = _scratch(x.device, torch.bfloat16, n * k).view(n, k)
     dequant_weight[(n // bn, k // bk)](w, s, wb, k, FMT=fmt, GS=gs, BN=bn, BK=bk, CUDA=compiled, PTX=use_ptx(x),
-                                       num_warps=4)
+                                       TILED=tiled, num_warps=4)
     rows = max(1, min(cfg.MM_ROWS, m))
     y = None if alpha_mode == 0 and compiled else _scratch(x.device, torch.float32, rows * n).view(rows, n)
     for r0 in range(0, m, rows):

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from m3serve.kernels.formats._decode import NVFP4_UNIT, load_w_groups, to_bf16, x_cols
+from m3serve.kernels.formats._decode import (NVFP4_UNIT, load_w_groups, nvfp4_scale_offsets, nvfp4_word_offsets,
+                                             to_bf16, x_cols)
 from m3serve.kernels.formats._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
@@ -53,19 +54,19 @@ def apply_alpha(acc, alpha_ptr, rn, alpha_stride, ALPHA: tl.constexpr):
 
 @helper
 def load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                GS: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+                GS: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr = False):
     """Group-scaled weight tile [BN, BK] in x_cols order: bf16 compiled, fp32 interpreted.
     PTX (compiled NVFP4 only): the inline-PTX decoder of _e2m1_ptx (same values, fewer
-    instructions); otherwise _decode's bit tricks and a separate group-scale multiply."""
+    instructions); otherwise _decode's bit tricks and a separate group-scale multiply.
+    TILED: NVFP4 in the MMA tile layout (same values: only the addresses change)."""
     if FMT == 0 and PTX:
-        rn2 = rn[:, None]
         kw = k0 // 8 + tl.arange(0, BK // 8)
-        wd = tl.load(w_ptr + rn2 * (K // 8) + kw[None, :])
+        wd = tl.load(w_ptr + nvfp4_word_offsets(rn, kw, K, TILED))
         ks = k0 // 16 + tl.arange(0, BK // 16)
-        sc = scale_bf16_2_118(tl.load(s_ptr + rn2 * (K // 16) + ks[None, :]), CUDA)
+        sc = scale_bf16_2_118(tl.load(s_ptr + nvfp4_scale_offsets(rn, ks, K, TILED)), CUDA)
         return nvfp4_words_scaled(wd, sc, False)
     else:
-        w, s = load_w_groups(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, CUDA)
+        w, s = load_w_groups(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, CUDA, TILED)
         if FMT == 0 or FMT == 1:
             w = w * s[:, :, None]
         return w.reshape(BN, BK)
@@ -101,10 +102,10 @@ def mma(acc, w, xt, CUDA: tl.constexpr):
 @helper
 def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT: tl.constexpr,
              GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr,
-             PTX: tl.constexpr):
+             PTX: tl.constexpr, TILED: tl.constexpr = False):
     """acc [BN, BM] += W[rn, k_lo:k_hi] @ x[rm, k_lo:k_hi]^T (group-scaled, before alpha)."""
     for k0 in range(k_lo, k_hi, BK):
-        w = load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)
+        w = load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX, TILED)
         acc = mma(acc, w, x_tile(x_ptr, rm, M, k0, stride_xm, FMT, BM, BK), CUDA)
     return acc
 
@@ -112,7 +113,8 @@ def dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, k_lo, k_hi, stride_xm, FMT:
 @kernel
 def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym,
                  alpha_stride, FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr,
+                 TILED: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)  # before any global access (_pdl)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -121,7 +123,7 @@ def wstream_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, 
     k_len = K // SPLIT
     acc = tl.zeros([BN, BM], tl.float32)
     acc = dot_tile(acc, x_ptr, w_ptr, s_ptr, rn, rm, M, K, pid_k * k_len, (pid_k + 1) * k_len, stride_xm,
-                   FMT, GS, BM, BN, BK, CUDA, PTX)
+                   FMT, GS, BM, BN, BK, CUDA, PTX, TILED)
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     out = tl.trans(acc)  # [BM, BN]
     ymask = rm[:, None] < M

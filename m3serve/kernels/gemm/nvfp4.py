@@ -22,7 +22,7 @@ from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig, interpreted_config, la
 from m3serve.kernels.gemm._tiled import TiledGemmConfig, launch_tiled_gemm
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
-from m3serve.quant.nvfp4 import dequantize_nvfp4
+from m3serve.quant.nvfp4 import dequantize_nvfp4, tile_nvfp4, tileable, untile_nvfp4
 
 ENABLED = True  # the one switch: False sends every linear.nvfp4 call down the stock path
 
@@ -40,32 +40,41 @@ def check_nvfp4_weight(packed: torch.Tensor, block_scale: torch.Tensor, n: int, 
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                 out: torch.Tensor, workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig | MmaGemvConfig | TiledGemmConfig
-                 ) -> torch.Tensor:
+                 out: torch.Tensor, workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig | MmaGemvConfig | TiledGemmConfig,
+                 tiled: bool = False) -> torch.Tensor:
     """Raw call. Writes and returns `out`. `global_scale` may also be a [N] fp32 vector (one
-    ENCODE scale per output row; used by the fused projection entry)."""
+    ENCODE scale per output row; used by the fused projection entry). tiled: packed / block_scale are in
+    the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4), the layout the target holds them in; every
+    config but the CUDA-core GEMV reads it."""
     n, k = packed.shape[0], packed.shape[1] * 2
     check_nvfp4_weight(packed, block_scale, n, k)
     check_tensor("global_scale", global_scale, torch.float32, device=x.device)
     if global_scale.numel() not in (1, n) or global_scale.dim() > 1:
         raise ValueError(f"global_scale: expected a 0-dim/1-element or [{n}] tensor, found {tuple(global_scale.shape)}")
     stride = 1 if global_scale.numel() == n and n > 1 else 0
+    w, s = packed.view(torch.int32), block_scale.view(torch.uint8)
     if isinstance(config, TiledGemmConfig):  # prefill rows (linear.nvfp4.tiled, gemm/_tiled.py), same contract
-        return launch_tiled_gemm(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride,
-                                 out, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k, cfg=config)
+        return launch_tiled_gemm(x, w, s, global_scale, stride, out, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k,
+                                 cfg=config, tiled=tiled)
     if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (gemm/_gemv.py), same contract
-        return launch_gemv(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride, out,
-                           workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k, cfg=config)
+        if tiled:
+            raise ValueError(f"config: the CUDA-core GEMV ({config}) reads row-major NVFP4 only; the tile layout "
+                             "goes to the MMA GEMV (MmaGemvConfig)")
+        return launch_gemv(x, w, s, global_scale, stride, out, workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n,
+                           k=k, cfg=config)
     if isinstance(config, MmaGemvConfig):  # register-operand MMA GEMV for 1-8 rows (gemm/_mma_gemv.py)
         if is_compiled(x):
-            return launch_mma_gemv(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride,
-                                   out, workspace, fmt=FMT_NVFP4, alpha_mode=2, n=n, k=k, cfg=config)
+            return launch_mma_gemv(x, w, s, global_scale, stride, out, workspace, fmt=FMT_NVFP4, alpha_mode=2, n=n,
+                                   k=k, cfg=config, tiled=tiled)
         config = interpreted_config(config)  # CPU: the same tiles through the interpreted _wstream kernel
-    return L.launch_gemm(x, packed.view(torch.int32), block_scale.view(torch.uint8), global_scale, stride, out,
-                         workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k, cfg=config)
+    return L.launch_gemm(x, w, s, global_scale, stride, out, workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k,
+                         cfg=config, tiled=tiled)
 
 
-def _dequant(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+def _dequant(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+             tiled: bool = False) -> torch.Tensor:
+    if tiled:
+        packed, block_scale = untile_nvfp4(packed, block_scale)
     if global_scale.numel() > 1:  # per-row ENCODE scales (fused projection)
         return dequantize_nvfp4(packed, block_scale, torch.ones((), device=packed.device)) / global_scale[:, None]
     return dequantize_nvfp4(packed, block_scale, global_scale.reshape(()))
@@ -73,15 +82,17 @@ def _dequant(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torc
 
 def nvfp4_linear_reference(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
                            global_scale: torch.Tensor, out: torch.Tensor | None = None,
-                           workspace: L.GemmWorkspace | None = None, config: L.GemmConfig | None = None) -> torch.Tensor:
+                           workspace: L.GemmWorkspace | None = None, config: L.GemmConfig | None = None,
+                           tiled: bool = False) -> torch.Tensor:
     """fp32 [M, N] = x.float() @ dequantize_nvfp4(W).T in true fp32 (the contract)."""
     with true_fp32():
-        return x.float() @ _dequant(packed, block_scale, global_scale).T
+        return x.float() @ _dequant(packed, block_scale, global_scale, tiled).T
 
 
-def nvfp4_linear_stock(x, packed, block_scale, global_scale, out=None, workspace=None, config=None) -> torch.Tensor:
+def nvfp4_linear_stock(x, packed, block_scale, global_scale, out=None, workspace=None, config=None,
+                       tiled: bool = False) -> torch.Tensor:
     """The path without this kernel: dequantize to bf16, then a bf16 GEMM (benchmark only)."""
-    w = _dequant(packed, block_scale, global_scale).to(torch.bfloat16)
+    w = _dequant(packed, block_scale, global_scale, tiled).to(torch.bfloat16)
     return x @ w.T
 
 
@@ -90,8 +101,14 @@ def compare(out: torch.Tensor, ref: torch.Tensor, case: Case) -> None:
     order). The decoded weights are exact, so nothing else may differ."""
     x, packed, block_scale, global_scale = case.args[:4]
     with true_fp32():
-        absprod = x.float().abs() @ _dequant(packed, block_scale, global_scale).abs().T
+        absprod = x.float().abs() @ _dequant(packed, block_scale, global_scale, case.kwargs.get("tiled", False)).abs().T
     assert_band("linear.nvfp4", out, ref, gemm_band(ref, absprod, x.shape[1]))
+
+
+def reads_tiles(config) -> bool:
+    """Whether a cell's config reads the MMA tile layout the target holds NVFP4 weights in (every config but the
+    CUDA-core GEMV, which no NVFP4 cell uses)."""
+    return not isinstance(config, GemvConfig)
 
 
 def random_nvfp4_weight(n: int, k: int, device: torch.device, gen: torch.Generator | None) -> tuple[torch.Tensor, ...]:
@@ -114,21 +131,26 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     n, k = cell.shape
     cfg: L.GemmConfig = cell.config["gemm"]
     packed, scale, gs = random_nvfp4_weight(n, k, device, gen)
+    tiled = reads_tiles(cfg) and tileable(packed, scale)
+    if tiled:  # the layout the target holds the weight in
+        packed, scale = tile_nvfp4(packed, scale)
     x = L.fresh_x(rows, k, device, gen)
     out = poisoned((rows, n), torch.bfloat16, device)
     ws = make_workspace(cfg, n, device)
-    return Case(args=(x, packed, scale, gs, out, ws, cfg), kwargs={},
+    return Case(args=(x, packed, scale, gs, out, ws, cfg), kwargs={"tiled": tiled},
                 bytes_moved=n * k // 2 + n * k // 16 + rows * k * 2 + rows * n * 2)
 
 
-# Row 1: the register-accumulating GEMV (family g16x512w4), 2.3x the tensor-core cell and, launched alone, ahead
-# of the MMA GEMV (bench/results/gemv_variants/gemv_variants-h200-2026-11-30.json). Rows 2-8: the register-operand MMA GEMV,
-# whose cost does not grow with the rows (the 8 token columns ride in one MMA): at 4 / 8 rows 1.5-3.3x the
-# cells it replaces (gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056).
+# Rows 1-8: the register-operand MMA GEMV reading the MMA tile layout, whose cost does not grow with the rows (the
+# 8 token columns ride in one MMA). Rows 2-8 row-major: 1.5-3.3x the tensor-core cells at 4 / 8 rows
+# (bench/results/gemv_variants/gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056). Row 1: in the tile
+# layout it is ahead of the CUDA-core GEMV on row-major weights (g16x512w4, the former row-1 cell) on all six M3
+# shapes, 10.6-36.4 us against 10.7-40.3 us (bench/results/tiled_layout/tiled-layout-h200.json), and that GEMV
+# cannot read the tile layout. The GEMV family stays defined for the MXFP8 / FP8 comparisons of the benches.
 GEMV_FAMILY = {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528, "PREFETCH": True, "num_stages": 1}
-GEMV_ROWS = ((1, 1),)
+GEMV_ROWS = ()
 MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "ctas": 1056}
-MMA_ROWS = (2, 8)
+MMA_ROWS = (1, 8)
 CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS, mma=MMA_FAMILY, mma_rows=MMA_ROWS)
 INTERP_CELLS = L.interp_cells(((128, 256),), mma=True)
 

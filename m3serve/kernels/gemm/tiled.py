@@ -49,7 +49,8 @@ def _warmup(module, make_case):
     def warmup(device: torch.device) -> None:
         """One call per cell: the kernel does not specialise on M."""
         for c in CELLS:
-            module.ENTRY.raw_call(*make_case(c, c.rows[0], device, None).args)
+            case = make_case(c, c.rows[0], device, None)
+            module.ENTRY.raw_call(*case.args, **case.kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return warmup

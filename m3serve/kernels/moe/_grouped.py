@@ -85,7 +85,7 @@ def row_factor(acc, f_ptr, e, rows, N, P, FMT: tl.constexpr):
 
 @helper
 def weight_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr,
-                CUDA: tl.constexpr, PTX: tl.constexpr):
+                CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
     """The [BN, BK] weight operand: BF16 as one plain tile load (which the compiler can stage through shared memory
     like any GEMM operand), the other formats decoded in registers by load_w_tile (x_cols order)."""
     if FMT == 3:
@@ -94,14 +94,14 @@ def weight_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK
             w = w.to(tl.float32)  # the interpreter's dot takes fp32 operands (mma)
         return w
     else:
-        return load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)
+        return load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX, TILED)
 
 
 @kernel_unspecialized("T", "L", "NB", "E0", "EG")
 def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T, L, NB, H, I, E0, EG, P, stride_x,
                     swiglu_alpha, swiglu_limit, A: tl.constexpr, FMT: tl.constexpr, RF: tl.constexpr,
                     GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
-                    CUDA: tl.constexpr, PTX: tl.constexpr):
+                    CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
     """grid (NB * I / BN,): program (b, j) -> act[b*BM:(b+1)*BM, j*BN:(j+1)*BN] for the block's valid positions,
     for the blocks of experts E0 .. E0 + EG - 1 only (w holds those EG experts; the others' programs exit)."""
     b, j = swizzle(tl.program_id(0), NB, I // BN, GM)
@@ -117,8 +117,8 @@ def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T,
         u = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, H, BK):
             xt = x_tile(x_ptr, tok, T, k0, stride_x, FMT, BM, BK)
-            g = mma(g, weight_tile(wp, sp, rn, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
-            u = mma(u, weight_tile(wp, sp, rn + I, k0, H, FMT, BN, BK, GS, CUDA, PTX), xt, CUDA)
+            g = mma(g, weight_tile(wp, sp, rn, k0, H, FMT, BN, BK, GS, CUDA, PTX, TILED), xt, CUDA)
+            u = mma(u, weight_tile(wp, sp, rn + I, k0, H, FMT, BN, BK, GS, CUDA, PTX, TILED), xt, CUDA)
         g = row_factor(g, f_ptr, e, rn, 2 * I, P, RF)
         u = row_factor(u, f_ptr, e, rn + I, 2 * I, P, RF)
         a = tl.trans(swiglu_oai(g, u, swiglu_alpha, swiglu_limit))  # [BM, BN]
@@ -128,7 +128,7 @@ def grouped_gate_up(x_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, act_ptr, T,
 @kernel_unspecialized("T", "L", "NB", "E0", "EG")
 def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L, NB, H, I, E0, EG, P,
                  FMT: tl.constexpr, RF: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+                 BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
     """grid (NB * H / BN,): program (b, j) -> y[pair, j*BN:(j+1)*BN] = bf16(act[pos] @ W2_e^T x row factor) for
     the block's valid positions (padding is masked out of the operand and never stored), experts E0 .. E0 + EG - 1
     only, as grouped_gate_up."""
@@ -143,7 +143,7 @@ def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L,
         wp, sp = expert_base(w_ptr, s_ptr, e - E0, H, I, FMT)
         acc = tl.zeros([BN, BM], tl.float32)
         for k0 in range(0, I, BK):
-            w = weight_tile(wp, sp, rn, k0, I, FMT, BN, BK, GS, CUDA, PTX)
+            w = weight_tile(wp, sp, rn, k0, I, FMT, BN, BK, GS, CUDA, PTX, TILED)
             acc = mma(acc, w, x_tile(act_ptr, rm, L, k0, I, FMT, BM, BK), CUDA)
         acc = row_factor(acc, f_ptr, e, rn, H, P, RF)
         yt = tl.trans(acc)  # [BM, BN]
@@ -152,8 +152,9 @@ def grouped_down(act_ptr, w_ptr, s_ptr, f_ptr, pair_ptr, blk_e_ptr, y_ptr, T, L,
 
 @kernel_unspecialized("E0")
 def decode_experts(w_ptr, s_ptr, wb_ptr, E0, N, K, FMT: tl.constexpr, GS: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
-    """grid (EG * N / BN, K / BK): wb[el] (bf16 [N, K], natural column order) = expert E0 + el of a stacked
+                   BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
+    """grid (EG * N / BN, K / BK): wb[el] (bf16 [N, K], row-major and natural column order whatever the layout
+    it is read in) = expert E0 + el of a stacked
     [E, N, K] weight of format FMT, group-scaled as load_w_tile gives it to the in-register path (NVFP4
     e2m1 * scale * 2**-8, MXFP8 e4m3 * 2**e, FP8 e4m3: exact in bf16), the per-row factor NOT applied (the GEMM's
     row_factor applies it to the fp32 sums, as the in-register path does). gemm/_tiled.dequant_weight's body per
@@ -163,7 +164,7 @@ def decode_experts(w_ptr, s_ptr, wb_ptr, E0, N, K, FMT: tl.constexpr, GS: tl.con
     rn = (tl.program_id(0) % nt) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
     wp, sp = expert_base(w_ptr, s_ptr, E0 + el, N, K, FMT)
-    w = load_w_tile(wp, sp, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX)  # [BN, BK], columns in x_cols order
+    w = load_w_tile(wp, sp, rn, k0, K, FMT, BN, BK, GS, CUDA, PTX, TILED)  # [BN, BK], columns in x_cols order
     if FMT == 0:
         # NVFP4 tiles come in pair order (position 2a + b of each 8 holds column a + 4b): put them back in natural
         # order in registers (x_tile's permutation, inverted) so the store is contiguous and vectorisable instead

@@ -6,6 +6,8 @@ Shape legend (T tokens <= 8, E experts, H hidden, I expert width, S routed slots
     w13, s13   [E, 2I, H/8] int32 words, [E, 2I, H/16] E4M3 (gate rows, then up rows); g13 [E, 2] fp32
     w2, s2     [E, H, I/8], [E, H, I/16]; g2 [E]
     shared     the same with E = 1 (NVFP4 only: a BF16 shared expert keeps _nvfp4's kernels)
+    layout     w*/s* (routed and shared alike) row-major, or with tiled=True each expert's matrix in the MMA tile
+               layout of m3serve.quant.nvfp4.tile_nvfp4 (same shapes; needs 8 * RP * num_warps % 16 == 0)
     slot_e     [SP]          touched experts ascending, -1 padded (moe_router)
     slot_w     [SP, T]       fp32 routing weight of token t for slot s (0: not routed)
     act        [S + 1, T, I] bf16 SwiGLU-OAI activations
@@ -15,6 +17,10 @@ Why: each touched expert at 1-8 tokens is a GEMV whose token columns come free w
 projections run _mma_gemv's step (16-byte loads decoded in the registers that are the MMA's A operand) over
 all T tokens, whether or not a token was routed to the expert: a token's activations for an expert it was not
 routed to are computed and then weighted by 0 (slot_w), which costs MMA columns, not bytes.
+
+Tiled: in the MMA tile layout each warp load reads 512 contiguous bytes of a 1 KB tile instead of 8 rows x 64 B
+(1.2-1.4x on the linear MMA GEMV, bench/results/tiled_layout/tiled-layout-h200.json); the registers each lane
+ends up with are the same, so only the load blocks and the step addresses differ.
 
 gate|up (grid (I / BNA, S + 1), BNA = 8 * RP * warps activation columns): a thread's row pair is (gate row n,
 up row n) (load_asm's gate_up pairing), so its accumulators hold both inputs of SwiGLU for the same (n, token)
@@ -41,9 +47,10 @@ import triton.language as tl
 from m3serve.kernels.gemm import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.gemm._mma_gemv import MMA_ROWS, STEP, asm_block, mma_epilogue, ring_advance
+from m3serve.kernels.gemm._mma_gemv import MMA_ROWS, STEP, asm_block, mma_epilogue, ring_advance, step_addrs
 
 _NX = tl.constexpr(P.X_REGS // 2)
+_NVFP4 = tl.constexpr(P.FMT_NVFP4)  # step_addrs' format (jit code reads module globals only as constexprs)
 
 
 @dataclass(frozen=True)
@@ -85,8 +92,12 @@ class MmaMoEConfig:
         """down rows of H per CTA."""
         return 16 * self.RP * self.down_warps
 
-    def fits(self, h: int, i: int) -> str | None:
-        """None, or why (E, H, I) does not fit this config."""
+    def fits(self, h: int, i: int, tiled: bool = False) -> str | None:
+        """None, or why (E, H, I) does not fit this config (tiled: with weights in the MMA tile layout)."""
+        if tiled and self.bna % 16:
+            # a gate|up CTA's first column must start a 16-row block, or its tiles would straddle two
+            return (f"tiled: the gate|up tile 8 * RP * num_warps = {self.bna} (RP={self.RP}, num_warps="
+                    f"{self.num_warps}) is not a multiple of the 16-row block of the MMA tile layout")
         if i % self.bna:
             return f"I={i} is not a multiple of the gate|up tile {self.bna}"
         if h % self.dbn:
@@ -97,8 +108,9 @@ class MmaMoEConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def gate_up_asm(rp: int) -> dict:
-    load, load_c = P.load_asm(P.FMT_NVFP4, rp, gate_up=True)
+def gate_up_asm(rp: int, tiled: bool = False) -> dict:
+    """gate|up's PTX blocks (tiled: weights in the MMA tile layout) as the kernel's constexpr arguments."""
+    load, load_c = P.tiled_gate_up_load_asm(rp) if tiled else P.load_asm(P.FMT_NVFP4, rp, gate_up=True)
     mma, mma_c = P.compute_asm(P.FMT_NVFP4, rp)
     xload, xload_c = P.xload_asm()
     store, store_c = P.swiglu_store_asm(rp)
@@ -107,8 +119,10 @@ def gate_up_asm(rp: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def down_asm(rp: int, partial: bool) -> dict:
-    load, load_c = P.load_asm(P.FMT_NVFP4, rp)
+def down_asm(rp: int, partial: bool, tiled: bool = False) -> dict:
+    """down's PTX blocks (tiled: weights in the MMA tile layout, read by the linear GEMV's tiled load: down's row
+    pairs are its (rA, rA + 8)) as the kernel's constexpr arguments."""
+    load, load_c = P.tiled_load_asm(rp) if tiled else P.load_asm(P.FMT_NVFP4, rp)
     mma, mma_c = P.compute_asm(P.FMT_NVFP4, rp)
     xload, xload_c = P.xload_asm()
     fold, fold_c = P.fold_asm(rp)
@@ -120,10 +134,11 @@ def down_asm(rp: int, partial: bool) -> dict:
 @kernel
 def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr, T, H, I,
                     stride_xb, S, swiglu_alpha, swiglu_limit, RP: tl.constexpr, NW: tl.constexpr,
-                    STAGES: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr,
-                    MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr,
-                    STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
-    """grid (I / BNA, S + 1): program (j, s) -> act[s, :T, j*BNA:(j+1)*BNA]. Padding slots (slot_e = -1) exit."""
+                    STAGES: tl.constexpr, TILED: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr,
+                    N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr,
+                    XLOAD_C: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (I / BNA, S + 1): program (j, s) -> act[s, :T, j*BNA:(j+1)*BNA]. Padding slots (slot_e = -1) exit.
+    TILED: w13 / sw13 in the MMA tile layout (LOAD is tiled_gate_up_load_asm; BNA a multiple of 16)."""
     pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BNA: tl.constexpr = 8 * RP * NW
@@ -147,8 +162,8 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         s_row = s_base + n0.to(tl.int64) * srow_b
         ub = zl + I * row_b  # the up row of activation column n is I rows after its gate row
         usb = zl + I * srow_b
-        sw = zi + (H // 2)
-        ss = zi + (H // 16)
+        sw = zi + (H // 2) * (16 if TILED else 1)  # TILED: the next row block's tile
+        ss = zi + (H // 16) * (16 if TILED else 1)
         sx = zi + stride_xb
         mm = zi + (T - 1)
         x_base = x_ptr.to(tl.int64)
@@ -158,13 +173,11 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         st0 = asm_block((zl + w_row, zl + s_row, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
         st1 = st0
         if STAGES == 3:
-            k1 = tl.minimum(128, last)
-            st1 = asm_block((zl + (w_row + k1 // 2), zl + (s_row + k1 // 16), sw, ss, ub, usb), False, N_LOAD,
-                            LOAD, LOAD_C, False)
+            wk, sk = step_addrs(w_row, s_row, tl.minimum(128, last), _NVFP4, TILED)
+            st1 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
         for k0 in range(0, H, 128):
-            kn = tl.minimum(k0 + 128 * (STAGES - 1), last)
-            nxt = asm_block((zl + (w_row + kn // 2), zl + (s_row + kn // 16), sw, ss, ub, usb), False, N_LOAD,
-                            LOAD, LOAD_C, False)
+            wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), _NVFP4, TILED)
+            nxt = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
             xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
                            False)
             acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
@@ -176,9 +189,11 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
 
 
 @helper
-def down_step(j, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T, H, I, S):
+def down_step(j, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T, H, I, S,
+              TILED: tl.constexpr):
     """Byte addresses of flat step j (clamped to the last) of a down CTA: slot j // KT, its K tile j % KT:
-    the weights and scales of the CTA's first row there, and the slot's activations at that column."""
+    the weights and scales of the CTA's first row there (TILED: of its first tile of that step), and the
+    slot's activations at that column."""
     j = tl.minimum(j, total - 1)
     s = j // KT
     routed = s < n_valid
@@ -189,8 +204,7 @@ def down_step(j, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_p
     s_base = tl.where(routed, s2_ptr.to(tl.int64) + e * H * srow_b, ss2_ptr.to(tl.int64))
     k0 = k_lo + (j - s * KT) * 128
     a_slot = tl.where(routed, s, S).to(tl.int64)
-    wk = w_base + n0.to(tl.int64) * row_b + k0 // 2
-    sk = s_base + n0.to(tl.int64) * srow_b + k0 // 16
+    wk, sk = step_addrs(w_base + n0.to(tl.int64) * row_b, s_base + n0.to(tl.int64) * srow_b, k0, _NVFP4, TILED)
     xa = act_ptr.to(tl.int64) + (a_slot * T * I + k0) * 2
     return wk, sk, xa
 
@@ -198,12 +212,13 @@ def down_step(j, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_p
 @kernel
 def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_ptr, slot_w_ptr, y_ptr, part_ptr,
                  count_ptr, T, H, I, S, stride_y, DSPLIT, KT, SP: tl.constexpr, SPLITK: tl.constexpr,
-                 RP: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr,
-                 N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr,
-                 XLOAD_C: tl.constexpr, FOLD: tl.constexpr, FOLD_C: tl.constexpr, STORE: tl.constexpr,
-                 STORE_C: tl.constexpr, PDL: tl.constexpr = False):
+                 RP: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr, LOAD: tl.constexpr,
+                 LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr,
+                 XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, FOLD: tl.constexpr, FOLD_C: tl.constexpr,
+                 STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
     """grid (H / BN, DSPLIT): y[:T, tile] = sum_slots w_slot * (act_slot @ W2_e^T) / g2_e + act_S @ W2_sh^T /
-    sg2, each CTA over I columns [pid_k * KT * 128, +KT * 128) of every slot (KT steps a slot)."""
+    sg2, each CTA over I columns [pid_k * KT * 128, +KT * 128) of every slot (KT steps a slot). TILED: w2 / sw2
+    in the MMA tile layout (LOAD is tiled_load_asm)."""
     pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BN: tl.constexpr = 16 * RP * NW
@@ -218,31 +233,31 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
     zl = tl.zeros([Tn], tl.int64)
     zi = tl.zeros([Tn], tl.int32)
     zf = tl.zeros([Tn], tl.float32)
-    sw = zi + (I // 2)
-    ss = zi + (I // 16)
+    sw = zi + (I // 2) * (16 if TILED else 1)  # TILED: the next row block's tile
+    ss = zi + (I // 16) * (16 if TILED else 1)
     sx = zi + I * 2
     mm = zi + (T - 1)
     zero = (zf,) * NACC
     acc = zero
     out = zero
     wk, sk, xa = down_step(0, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T,
-                           H, I, S)
+                           H, I, S, TILED)
     st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
     xs = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
     st1 = st0
     if STAGES == 3:
         wk, sk, xa = down_step(1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
-                               act_ptr, T, H, I, S)
+                               act_ptr, T, H, I, S, TILED)
         st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
     for s in range(0, n_valid + 1):
         for kk in range(0, KT):
             j = s * KT + kk
             # x one step ahead; the weights STAGES - 1 steps ahead (the same step at ring depth 2: one address walk)
             wk, sk, xa = down_step(j + 1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
-                                   act_ptr, T, H, I, S)
+                                   act_ptr, T, H, I, S, TILED)
             if STAGES == 3:
                 wk, sk, _ = down_step(j + 2, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr,
-                                       ss2_ptr, act_ptr, T, H, I, S)
+                                       ss2_ptr, act_ptr, T, H, I, S, TILED)
             nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
             xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
             acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
@@ -260,8 +275,9 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
 
 def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out, *, t: int, h: int, e: int,
                    i: int, s: int, swiglu_alpha: float, swiglu_limit: float, cfg: MmaMoEConfig,
-                   launches: str) -> None:
-    """The gate|up and down launches after moe_router (w*: int32 words, s*: uint8 scales; shared NVFP4)."""
+                   launches: str, tiled: bool = False) -> None:
+    """The gate|up and down launches after moe_router (w*: int32 words, s*: uint8 scales; shared NVFP4).
+    tiled: all of w13/s13, w2/s2, sw13/ss13, sw2/ss2 in the MMA tile layout (tile_nvfp4, per expert)."""
     if x.device.type not in ("cuda", "meta"):
         raise ValueError(f"x: the MMA MoE runs compiled only (inline PTX), found a {x.device.type} tensor")
     if t > MMA_ROWS:
@@ -269,21 +285,22 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
     if x.data_ptr() % 16:
         raise ValueError(f"x: the MMA MoE reads 16-byte vectors of each row; expected a 16-byte aligned base, found "
                          f"address % 16 = {x.data_ptr() % 16}")
-    why = cfg.fits(h, i)
+    why = cfg.fits(h, i, tiled)
     if why:
         raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit {cfg}: {why}")
     sp = ws.slot_e.numel()
     if "g" in launches:
         mma_moe_gate_up[(i // cfg.bna, s + 1)](
             x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i, x.stride(0) * 2, s, float(swiglu_alpha),
-            float(swiglu_limit), RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES, **gate_up_asm(cfg.RP),
-            num_warps=cfg.num_warps, num_stages=1)
+            float(swiglu_limit), RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES, TILED=tiled,
+            **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1)
     if "d" in launches:
         kt = i // cfg.DSPLIT // STEP
         mma_moe_down[(h // cfg.dbn, cfg.DSPLIT)](
             ws.act, w2, s2, g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart, ws.dcount, t, h, i, s,
             out.stride(0), cfg.DSPLIT, kt, SP=sp, SPLITK=cfg.DSPLIT > 1, RP=cfg.RP, NW=cfg.down_warps,
-            STAGES=cfg.down_stages, **down_asm(cfg.RP, cfg.DSPLIT > 1), num_warps=cfg.down_warps, num_stages=1)
+            STAGES=cfg.down_stages, TILED=tiled, **down_asm(cfg.RP, cfg.DSPLIT > 1, tiled), num_warps=cfg.down_warps,
+            num_stages=1)
 
 
 def dpart_numel(cfg: MmaMoEConfig, h: int) -> int:
@@ -294,17 +311,18 @@ def dpart_numel(cfg: MmaMoEConfig, h: int) -> int:
 
 
 def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_e, slot_w, *, s: int, cfg: MmaMoEConfig,
-            swiglu_alpha: float, swiglu_limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+            swiglu_alpha: float, swiglu_limit: float, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(act [S + 1, T, I] bf16, y [T, H] bf16) from running both kernels' PTX blocks on _ptx_emu, CTA by CTA
     and warp by warp, with the kernels' own scalar logic (slot order, the ring across slot boundaries and its
-    clamped last steps, split-K in order). CPU tensors (w*: uint8 packed bytes, s*: E4M3), tiny shapes."""
+    clamped last steps, split-K in order). CPU tensors (w*: uint8 packed bytes, s*: E4M3), tiny shapes.
+    tiled: every w*/s* in the MMA tile layout, as launch_mma_moe's."""
     import numpy as np
 
     from m3serve.kernels.gemm import _ptx_emu as E
 
     t, h = x.shape
     i = w2.shape[2] * 2
-    why = cfg.fits(h, i)
+    why = cfg.fits(h, i, tiled)
     if why or t > MMA_ROWS:
         raise ValueError(f"emulate: shape (T={t}, H={h}, I={i}) does not fit {cfg}: {why}")
     mem = E.Memory()
@@ -339,11 +357,18 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
             xs = xn
         return acc
 
+    def step(w_row: int, s_row: int, k0: int) -> tuple[int, int]:
+        """step_addrs of the kernels."""
+        if tiled:
+            return w_row + (k0 // STEP) * 1024, s_row + (k0 // STEP) * 128
+        return w_row + k0 // 2, s_row + k0 // 16
+
     n_acc = P.acc_regs(cfg.RP)
     # gate|up
-    gu = gate_up_asm(cfg.RP)
+    gu = gate_up_asm(cfg.RP, tiled)
     n_load = 2 * gu["N_LOAD"]
     row_b, srow_b = h // 2, h // 16
+    block_b, sblock_b = (16 * row_b, 16 * srow_b) if tiled else (row_b, srow_b)  # the kernels' sw, ss
     steps = h // STEP
     for sl in range(s + 1):
         routed = sl < s
@@ -357,9 +382,9 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
             n0 = j * cfg.bna
             for warp in range(cfg.num_warps):
                 def words_at(st, n0=n0, wb=wb, sb=sb):
-                    k0 = min(st, steps - 1) * STEP
-                    return E.run_block(gu["LOAD"], warp, pair(wb + n0 * row_b + k0 // 2, sb + n0 * srow_b + k0 // 16,
-                                                              row_b, srow_b, i * row_b, i * srow_b), n_load, mem)
+                    wk, sk = step(wb + n0 * row_b, sb + n0 * srow_b, min(st, steps - 1) * STEP)
+                    return E.run_block(gu["LOAD"], warp, pair(wk, sk, block_b, sblock_b, i * row_b, i * srow_b),
+                                       n_load, mem)
 
                 def x_at(st):
                     return E.run_block(gu["XLOAD"], warp, pair(xa + min(st, steps - 1) * STEP * 2, h * 2, t - 1),
@@ -370,9 +395,10 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
                 E.run_block(gu["STORE"], warp, acc + pair(act_base + sl * t * i * 2, n0, t, i, gg, gup,
                                                           float(swiglu_alpha), float(swiglu_limit)), 2, mem)
     # down
-    dn = down_asm(cfg.RP, cfg.DSPLIT > 1)
+    dn = down_asm(cfg.RP, cfg.DSPLIT > 1, tiled)
     n_load = 2 * dn["N_LOAD"]
     row_b, srow_b = i // 2, i // 16
+    block_b, sblock_b = (16 * row_b, 16 * srow_b) if tiled else (row_b, srow_b)
     kt = i // cfg.DSPLIT // STEP
     total = (n_valid + 1) * kt
     for pid_n in range(h // cfg.dbn):
@@ -388,12 +414,12 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
                     wb = regions["w2"] + ex * h * row_b if routed else regions["sw2"]
                     sb = regions["s2"] + ex * h * srow_b if routed else regions["ss2"]
                     k0 = k_lo + (jj - sl * kt) * STEP
-                    return (wb + n0 * row_b + k0 // 2, sb + n0 * srow_b + k0 // 16,
+                    return (*step(wb + n0 * row_b, sb + n0 * srow_b, k0),
                             act_base + ((sl if routed else s) * t * i + k0) * 2)
 
                 def words_at(jj):
                     wk, sk, _ = at(jj)
-                    return E.run_block(dn["LOAD"], warp, pair(wk, sk, row_b, srow_b), n_load, mem)
+                    return E.run_block(dn["LOAD"], warp, pair(wk, sk, block_b, sblock_b), n_load, mem)
 
                 def x_at(jj):
                     return E.run_block(dn["XLOAD"], warp, pair(at(jj)[2], i * 2, t - 1), P.X_REGS, mem)

@@ -105,23 +105,25 @@ def swiglu_oai(g, u, alpha, limit):
 
 @helper
 def gate_up_dots(x_ptr, w_ptr, s_ptr, rn, I, rt, T, H, stride_x, FMT: tl.constexpr, BT: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
     """Gate rows rn and up rows rn + I of one expert against all tokens, [BN, BT] fp32 each, in ONE
     K loop: each step has both tiles' loads in flight and shares the x tile."""
     g = tl.zeros([BN, BT], tl.float32)
     u = tl.zeros([BN, BT], tl.float32)
     for k0 in range(0, H, BK):
         xt = x_tile(x_ptr, rt, T, k0, stride_x, FMT, BT, BK)
-        g = mma(g, load_w_tile(w_ptr, s_ptr, rn, k0, H, FMT, BN, BK, 16, CUDA, PTX), xt, CUDA)
-        u = mma(u, load_w_tile(w_ptr, s_ptr, rn + I, k0, H, FMT, BN, BK, 16, CUDA, PTX), xt, CUDA)
+        g = mma(g, load_w_tile(w_ptr, s_ptr, rn, k0, H, FMT, BN, BK, 16, CUDA, PTX, TILED), xt, CUDA)
+        u = mma(u, load_w_tile(w_ptr, s_ptr, rn + I, k0, H, FMT, BN, BK, 16, CUDA, PTX, TILED), xt, CUDA)
     return g, u
 
 
 @kernel
 def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr,
                 T, H, I, stride_x, S, swiglu_alpha, swiglu_limit, SHARED_FMT: tl.constexpr, BT: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
-    """grid (S + 1, I / BN): program (s, j) -> act[s, :, j*BN:(j+1)*BN] for all T tokens."""
+                BN: tl.constexpr, BK: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr,
+                PDL: tl.constexpr = False):
+    """grid (S + 1, I / BN): program (s, j) -> act[s, :, j*BN:(j+1)*BN] for all T tokens. TILED: the NVFP4
+    experts (and an NVFP4 shared expert) in the MMA tile layout."""
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     s = tl.program_id(0)
@@ -132,14 +134,15 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
         if e >= 0:
             wp = w13_ptr + e.to(tl.int64) * (2 * I * (H // 8))
             sp = s13_ptr + e.to(tl.int64) * (2 * I * (H // 16))
-            g, u = gate_up_dots(x_ptr, wp, sp, rn, I, rt, T, H, stride_x, 0, BT, BN, BK, CUDA, PTX)
+            g, u = gate_up_dots(x_ptr, wp, sp, rn, I, rt, T, H, stride_x, 0, BT, BN, BK, CUDA, PTX, TILED)
             g = g * NVFP4_UNIT / tl.load(g13_ptr + 2 * e)
             u = u * NVFP4_UNIT / tl.load(g13_ptr + 2 * e + 1)
             a = tl.trans(swiglu_oai(g, u, swiglu_alpha, swiglu_limit))
             tl.store(act_ptr + s.to(tl.int64) * T * I + rt[:, None] * I + rn[None, :], to_bf16(a, CUDA),
                      mask=rt[:, None] < T)
     else:
-        g, u = gate_up_dots(x_ptr, sw13_ptr, ss13_ptr, rn, I, rt, T, H, stride_x, SHARED_FMT, BT, BN, BK, CUDA, PTX)
+        g, u = gate_up_dots(x_ptr, sw13_ptr, ss13_ptr, rn, I, rt, T, H, stride_x, SHARED_FMT, BT, BN, BK, CUDA, PTX,
+                            TILED)
         if SHARED_FMT == 0:
             g = g * NVFP4_UNIT / tl.load(sg13_ptr)
             u = u * NVFP4_UNIT / tl.load(sg13_ptr + 1)
@@ -152,7 +155,7 @@ def moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, 
 def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_ptr, slot_w_ptr, y_ptr, dpart_ptr,
              count_ptr, T, H, I, S, stride_y, SHARED_FMT: tl.constexpr, DSPLIT: tl.constexpr, BT: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr, SP: tl.constexpr, CUDA: tl.constexpr,
-             PTX: tl.constexpr, PDL: tl.constexpr = False):
+             PTX: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr = False):
     """grid (H / BN, DSPLIT): y[:, tile] = sum_slots w_slot * (act_slot @ W2_e^T) + act_S @ W2_sh^T,
     the K (= I) range split DSPLIT ways (KT tiles of BK each) with the ticketed fixed-order
     reduction of _splitk.
@@ -188,7 +191,7 @@ def moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_
             sp = tl.where(routed, sp, ss2_ptr)
         ap = act_ptr + tl.where(routed, s, S).to(tl.int64) * T * I
         k0 = k_lo + (it - s * KT) * BK
-        w = load_w_tile(wp, sp, rn, k0, I, 0, BN, BK, 16, CUDA, PTX)
+        w = load_w_tile(wp, sp, rn, k0, I, 0, BN, BK, 16, CUDA, PTX, TILED)
         xt = x_tile(ap, rt, T, k0, I, 0, BT, BK)
         gs = tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
         wt = tl.load(slot_w_ptr + s * T + rt, mask=tmask & routed, other=0.0)

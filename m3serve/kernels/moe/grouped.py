@@ -73,6 +73,7 @@ from m3serve.kernels.gemm.mxfp8 import random_e4m3
 from m3serve.kernels.moe.nvfp4 import SWIGLU_ALPHA, SWIGLU_LIMIT, check_swiglu, random_experts, swiglu_oai_ref
 from m3serve.model.layers import swiglu_oai
 from m3serve.model.qweight import QWeight
+from m3serve.quant.nvfp4 import tile_nvfp4, tileable
 
 ENABLED = True  # the one switch: False sends moe.grouped calls down the stock path
 
@@ -291,24 +292,28 @@ def _check_decode_once(fmt: int, cfg: GroupedConfig, e: int, h: int, i: int, ws:
                          f"{None if not isinstance(wd, torch.Tensor) else (wd.dtype, tuple(wd.shape), wd.device)}")
 
 
-def decode_group(fmt: int, w, s, e0: int, eg: int, wdec: torch.Tensor, cfg: GroupedConfig) -> torch.Tensor:
-    """Experts e0 .. e0 + eg - 1 of a stacked quantized weight [E, N, K] (the raw call's (w, s) tensors) -> their
-    group-scaled values, exact in bf16, as a [eg, N, K] view of wdec (one decode_experts launch)."""
+def decode_group(fmt: int, w, s, e0: int, eg: int, wdec: torch.Tensor, cfg: GroupedConfig,
+                 tiled: bool = False) -> torch.Tensor:
+    """Experts e0 .. e0 + eg - 1 of a stacked quantized weight [E, N, K] (the raw call's (w, s) tensors; tiled:
+    NVFP4 in the MMA tile layout) -> their group-scaled values, exact in bf16, as a row-major [eg, N, K] view of
+    wdec (one decode_experts launch)."""
     n, k = w.shape[1], w.shape[2] * (2 if fmt == FMT_NVFP4 else 1)
     wa, sa, _ = _kernel_views(fmt, w, s, None)
     out = wdec[: eg * n * k].view(eg, n, k)
     decode_experts[(eg * (n // cfg.DEC_BN), k // cfg.DEC_BK)](
         wa, sa, out, e0, n, k, FMT=fmt, GS=_GS[fmt], BN=cfg.DEC_BN, BK=cfg.DEC_BK, CUDA=is_compiled(w),
-        PTX=use_ptx(w), num_warps=4)
+        PTX=use_ptx(w), TILED=tiled, num_warps=4)
     return out
 
 
 def expert_launches(x, fmt: int, w13, s13, f13, w2, s2, f2, ws: GroupedWorkspace, cfg: GroupedConfig, top_k: int,
-                    swiglu_alpha: float, swiglu_limit: float, *, decode: bool = True, gemm: bool = True) -> None:
+                    swiglu_alpha: float, swiglu_limit: float, *, decode: bool = True, gemm: bool = True,
+                    tiled: bool = False) -> None:
     """Steps 3-4 on the routing already in ws (pair, blk_e): x -> ws.act -> ws.y. In-register decode: one gate|up
     and one down launch over every block. Decode-once band: per group of EXPERT_GROUP experts, decode gate|up into
     ws.wdec, gate|up on it (that group's blocks), decode down into ws.wdec, down on it. decode / gemm False leave
-    out the decode or the GEMM launches (bench/moe_grouped.py times them apart; the raw call runs both)."""
+    out the decode or the GEMM launches (bench/moe_grouped.py times them apart; the raw call runs both). tiled:
+    NVFP4 experts in the MMA tile layout (the decode-once scratch is row-major bf16 whatever it is)."""
     t, h = x.shape
     e = w13.shape[0]
     i = w2.shape[-1] * (2 if fmt == FMT_NVFP4 else 1)
@@ -325,13 +330,14 @@ def expert_launches(x, fmt: int, w13, s13, f13, w2, s2, f2, ws: GroupedWorkspace
         grouped_gate_up[(nb * (i // cfg.BN),)](
             x, wa, sa, c13, ws.pair, ws.blk_e, ws.act, t, length, nb, h, i, e0, eg, p13, x.stride(0),
             float(swiglu_alpha), float(swiglu_limit), A=top_k, FMT=wfmt, RF=fmt, GS=_GS[wfmt], BM=cfg.BM, BN=cfg.BN,
-            BK=cfg.BK, GM=cfg.GM, CUDA=cuda, PTX=ptx, num_warps=up_warps, num_stages=up_stages)
+            BK=cfg.BK, GM=cfg.GM, CUDA=cuda, PTX=ptx, TILED=tiled and wfmt == FMT_NVFP4, num_warps=up_warps,
+            num_stages=up_stages)
 
     def down(wa, sa, e0, eg, wfmt):
         grouped_down[(nb * (h // cfg.dbn),)](
             ws.act, wa, sa, c2, ws.pair, ws.blk_e, ws.y, t, length, nb, h, i, e0, eg, p2, FMT=wfmt, RF=fmt,
-            GS=_GS[wfmt], BM=cfg.BM, BN=cfg.dbn, BK=cfg.dbk, GM=cfg.GM, CUDA=cuda, PTX=ptx, num_warps=dn_warps,
-            num_stages=dn_stages)
+            GS=_GS[wfmt], BM=cfg.BM, BN=cfg.dbn, BK=cfg.dbk, GM=cfg.GM, CUDA=cuda, PTX=ptx,
+            TILED=tiled and wfmt == FMT_NVFP4, num_warps=dn_warps, num_stages=dn_stages)
 
     if not cfg.DECODE_ONCE:
         if gemm:
@@ -345,10 +351,10 @@ def expert_launches(x, fmt: int, w13, s13, f13, w2, s2, f2, ws: GroupedWorkspace
     jobs = [(w, sc, e0, min(g, e - e0), launch) for e0 in range(0, e, g)
             for w, sc, launch in ((w13, s13, gate_up), (w2, s2, down))]
     if cfg.DECODE_AHEAD:
-        _decode_ahead(fmt, jobs, ws.wdec, cfg, decode, gemm)
+        _decode_ahead(fmt, jobs, ws.wdec, cfg, decode, gemm, tiled)
         return
     for w, sc, e0, eg, launch in jobs:
-        wb = decode_group(fmt, w, sc, e0, eg, ws.wdec, cfg) if decode else ws.wdec
+        wb = decode_group(fmt, w, sc, e0, eg, ws.wdec, cfg, tiled) if decode else ws.wdec
         if gemm:
             launch(wb, wb, e0, eg, FMT_BF16)
 
@@ -364,7 +370,8 @@ def _side_stream(dev: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
-def _decode_ahead(fmt: int, jobs: list, wdec: torch.Tensor, cfg: GroupedConfig, decode: bool, gemm: bool) -> None:
+def _decode_ahead(fmt: int, jobs: list, wdec: torch.Tensor, cfg: GroupedConfig, decode: bool, gemm: bool,
+                  tiled: bool = False) -> None:
     """The band's jobs double-buffered: job j's decode goes to scratch half j % 2 on a side stream, so job j + 1's
     decode (memory-bound) runs while job j's GEMM (tensor-core-bound) does. Job j + 2's decode waits for job j's
     GEMM (it overwrites the half that GEMM reads); job j's GEMM waits for job j's decode. The side stream forks from
@@ -395,7 +402,7 @@ def _decode_ahead(fmt: int, jobs: list, wdec: torch.Tensor, cfg: GroupedConfig, 
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             if cuda:
                 side.wait_event(free[j % 2])
-            decode_group(fmt, w, sc, e0, eg, bufs[j % 2], cfg)
+            decode_group(fmt, w, sc, e0, eg, bufs[j % 2], cfg, tiled)
             ready[j % 2] = mark(side)
 
     if decode:
@@ -412,9 +419,11 @@ def _decode_ahead(fmt: int, jobs: list, wdec: torch.Tensor, cfg: GroupedConfig, 
 
 def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, shared, routed_scaling: float,
                 out: torch.Tensor, workspace: GroupedWorkspace, config: GroupedConfig, top_k: int = 4,
-                swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+                swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
+                tiled: bool = False) -> torch.Tensor:
     """Raw call: routing and grouping (torch ops), then three launches, all on the current stream and free of
-    host syncs. Writes and returns `out`; workspace.act / .y and the routing stay readable."""
+    host syncs. Writes and returns `out`; workspace.act / .y and the routing stay readable. tiled: NVFP4 experts
+    in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4, per expert matrix), the layout the target holds."""
     cfg = config
     check_swiglu(swiglu_alpha, swiglu_limit)
     if fmt not in FMT_NAMES:
@@ -436,6 +445,9 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
     i = w2.shape[-1] * (2 if fmt == FMT_NVFP4 else 1)
     _check_weight("w13", fmt, w13, s13, f13, e, 2 * i, h, dev)
     _check_weight("w2", fmt, w2, s2, f2, e, h, i, dev)
+    if tiled and (fmt != FMT_NVFP4 or not (tileable(w13, s13) and tileable(w2, s2))):
+        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 experts with H and I multiples of 128, "
+                         f"found {FMT_NAMES[fmt]} experts, H={h}, I={i}")
     bk_unit = 32 if fmt == FMT_MXFP8 else 16
     for what, size, tile in (("H", h, cfg.BK), ("I", i, cfg.BN), ("I", i, cfg.dbk), ("H", h, cfg.dbn),
                              ("H", h, cfg.CBH)):
@@ -468,7 +480,7 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
         pair, blk_e = group_pairs(ids, e, cfg.BM)
     ws.ids, ws.weights, ws.pair, ws.blk_e = ids, weights, pair, blk_e
 
-    expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, top_k, swiglu_alpha, swiglu_limit)
+    expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, top_k, swiglu_alpha, swiglu_limit, tiled=tiled)
     grouped_combine[(triton.cdiv(t, cfg.CBT), h // cfg.CBH)](
         ws.y, weights, shared if shared is not None else ws.y, out, t, h, float(routed_scaling), A=top_k,
         HAS_SHARED=shared is not None, BT=cfg.CBT, BH=cfg.CBH, CUDA=cuda, num_warps=4)
@@ -478,7 +490,7 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
 # --- reference ----------------------------------------------------------------------------------
 
 
-def qweight_of(fmt: int, w, s, f) -> QWeight:
+def qweight_of(fmt: int, w, s, f, tiled: bool = False) -> QWeight:
     """The raw call's (w, s, f) triple as the QWeight it came from (for the fp32 dequantization)."""
     if fmt == FMT_BF16:
         return QWeight("dense", {"w": w})
@@ -486,7 +498,7 @@ def qweight_of(fmt: int, w, s, f) -> QWeight:
         return QWeight("fp8", {"q": w, "scale": f})
     if fmt == FMT_MXFP8:
         return QWeight("mxfp8", {"q": w, "scale": s})
-    return QWeight("nvfp4", {"packed": w, "scale": s, "global_scale": f})
+    return QWeight("nvfp4", {"packed": w, "scale": s, "global_scale": f}, "mma_tile" if tiled else "rows")
 
 
 @dataclass
@@ -509,9 +521,9 @@ def route_reference(x, router_w, router_bias, top_k, ids_override=None):
 
 def moe_grouped_reference(x, router_w, router_bias, fmt, w13, s13, f13, w2, s2, f2, shared, routed_scaling,
                           out=None, workspace=None, config=None, top_k: int = 4, swiglu_alpha: float = SWIGLU_ALPHA,
-                          swiglu_limit: float = SWIGLU_LIMIT, ids_override=None) -> GroupedReference:
+                          swiglu_limit: float = SWIGLU_LIMIT, ids_override=None, tiled: bool = False) -> GroupedReference:
     logits, ids, w = route_reference(x, router_w, router_bias, top_k, ids_override)
-    q13, q2 = qweight_of(fmt, w13, s13, f13), qweight_of(fmt, w2, s2, f2)
+    q13, q2 = qweight_of(fmt, w13, s13, f13, tiled), qweight_of(fmt, w2, s2, f2, tiled)
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
@@ -530,10 +542,10 @@ def moe_grouped_reference(x, router_w, router_bias, fmt, w13, s13, f13, w2, s2, 
 
 def moe_grouped_stock(x, router_w, router_bias, fmt, w13, s13, f13, w2, s2, f2, shared, routed_scaling, out=None,
                       workspace=None, config=None, top_k: int = 4, swiglu_alpha: float = SWIGLU_ALPHA,
-                      swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+                      swiglu_limit: float = SWIGLU_LIMIT, tiled: bool = False) -> torch.Tensor:
     """Without the engine: the stock MoE loop (per touched expert: dequantize, bf16 GEMMs), for the benchmark."""
     ids, w = route_sorted(x, router_w, router_bias, top_k)
-    q13, q2 = qweight_of(fmt, w13, s13, f13), qweight_of(fmt, w2, s2, f2)
+    q13, q2 = qweight_of(fmt, w13, s13, f13, tiled), qweight_of(fmt, w2, s2, f2, tiled)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
@@ -565,6 +577,7 @@ def compare(out: torch.Tensor, ref: GroupedReference, case: Case) -> None:
     top_k = case.kwargs.get("top_k", 4)
     alpha = case.kwargs.get("swiglu_alpha", SWIGLU_ALPHA)
     limit = case.kwargs.get("swiglu_limit", SWIGLU_LIMIT)
+    tiled = case.kwargs.get("tiled", False)
     t, h = x.shape
     e_n = router_w.shape[0]
     dev = x.device
@@ -599,7 +612,7 @@ def compare(out: torch.Tensor, ref: GroupedReference, case: Case) -> None:
     if not torch.equal(blk, ids.reshape(-1)[pair[pos]]):
         raise AssertionError("moe.grouped grouping: a pair sits in a block of another expert")
     # 3-4. activations and expert outputs, expert by expert
-    q13, q2 = qweight_of(fmt, w13, s13, f13), qweight_of(fmt, w2, s2, f2)
+    q13, q2 = qweight_of(fmt, w13, s13, f13, tiled), qweight_of(fmt, w2, s2, f2, tiled)
     i = ws.act.shape[1]
     for e in torch.unique(blk).tolist():
         p_e = pos[blk == e]
@@ -681,8 +694,13 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
             ws.wdec.fill_(float("nan"))
     per_elem = {FMT_NVFP4: 9 / 16, FMT_MXFP8: 33 / 32, FMT_FP8: 1.0, FMT_BF16: 2.0}[fmt]
     wbytes = int(min(e, rows * a) * 3 * h * i * per_elem)
+    kwargs = {"top_k": a}
+    if fmt == FMT_NVFP4 and tileable(w13, s13) and tileable(w2, s2):  # the layout the target holds them in
+        w13, s13 = tile_nvfp4(w13, s13)
+        w2, s2 = tile_nvfp4(w2, s2)
+        kwargs["tiled"] = True
     return Case(args=(x, router_w, bias, fmt, w13, s13, f13, w2, s2, f2, shared, 2.0, out, ws, cfg),
-                kwargs={"top_k": a}, bytes_moved=wbytes + e * h * 4 + rows * h * 6)
+                kwargs=kwargs, bytes_moved=wbytes + e * h * 4 + rows * h * 6)
 
 
 # Row bands and their tiles. A block holds one expert's pairs, so BM follows the expected pairs per expert

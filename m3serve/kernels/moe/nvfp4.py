@@ -39,7 +39,7 @@ from m3serve.kernels.moe._mma import MmaMoEConfig, launch_mma_moe
 from m3serve.kernels.moe._nvfp4 import moe_down, moe_gate_up, moe_router
 from m3serve.kernels.catalog import (BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng,
                                      gemm_band, poisoned, true_fp32)
-from m3serve.quant.nvfp4 import dequantize_nvfp4
+from m3serve.quant.nvfp4 import dequantize_nvfp4, tile_nvfp4, tileable, untile_nvfp4
 
 ENABLED = True  # the one switch: False sends moe.nvfp4 calls down the stock path
 
@@ -184,16 +184,20 @@ def check_swiglu(swiglu_alpha: float, swiglu_limit: float) -> None:
 def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
               routed_scaling: float, out: torch.Tensor, workspace: MoEWorkspace, config: MoEConfig | MmaMoEConfig,
               swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
-              launches: str = "rgd") -> torch.Tensor:
+              launches: str = "rgd", tiled: bool = False) -> torch.Tensor:
     """Raw call: three launches on the current stream. Writes and returns `out`; the routing
     (workspace.ids / .tw / .slot_e / .slot_w) and activations (workspace.act) stay readable.
     swiglu_alpha / swiglu_limit: the model config's SwiGLU-OAI constants (runtime kernel arguments).
     launches: the subset of r(outer), g(ate|up), d(own) to issue, for timing one launch alone (the
-    ones before it must have run on the same workspace and inputs)."""
+    ones before it must have run on the same workspace and inputs). tiled: the NVFP4 experts and an NVFP4
+    shared expert are in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4, per expert matrix), the layout
+    the target holds them in."""
     cfg = config
     check_swiglu(swiglu_alpha, swiglu_limit)
     t, h, e, i, shared_fmt = _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13,
                                     sh_w2, sh_s2, sh_g2, out, workspace, cfg)
+    if tiled and not (tileable(w13, s13) and tileable(w2, s2)):
+        raise ValueError(f"tiled: the MMA tile layout needs H and I multiples of 128, found H={h}, I={i}")
     ws = workspace
     cuda = is_compiled(x)
     ptx = use_ptx(x)
@@ -215,19 +219,20 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
         if cuda:
             launch_mma_moe(x, w13.view(torch.int32), s13.view(torch.uint8), g13, w2.view(torch.int32),
                            s2.view(torch.uint8), g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out, t=t, h=h, e=e, i=i, s=s,
-                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, cfg=cfg, launches=launches)
+                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, cfg=cfg, launches=launches,
+                           tiled=tiled)
             return out
         cfg = interpreted_config(cfg)  # the interpreter cannot run inline PTX: _nvfp4's kernels, same workspace
     if "g" in launches:
         moe_gate_up[(s + 1, i // cfg.BN)](
             x, w13.view(torch.int32), s13.view(torch.uint8), g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i,
             x.stride(0), s, float(swiglu_alpha), float(swiglu_limit), SHARED_FMT=shared_fmt, BT=cfg.BT, BN=cfg.BN,
-            BK=cfg.BK, CUDA=cuda, PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BK=cfg.BK, CUDA=cuda, PTX=ptx, TILED=tiled, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if "d" in launches:
         moe_down[(h // cfg.dbn, cfg.DSPLIT)](
             ws.act, w2.view(torch.int32), s2.view(torch.uint8), g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out,
             ws.dpart, ws.dcount, t, h, i, s, out.stride(0), SHARED_FMT=shared_fmt, DSPLIT=cfg.DSPLIT, BT=cfg.BT,
-            BN=cfg.dbn, BK=cfg.dbk, KT=i // cfg.DSPLIT // cfg.dbk, SP=sp, CUDA=cuda, PTX=ptx,
+            BN=cfg.dbn, BK=cfg.dbk, KT=i // cfg.DSPLIT // cfg.dbk, SP=sp, CUDA=cuda, PTX=ptx, TILED=tiled,
             num_warps=cfg.down_warps or cfg.num_warps, num_stages=cfg.down_stages or cfg.num_stages)
     return out
 
@@ -290,9 +295,23 @@ def expert_act(x, w13, s13, g13, e: int, alpha: float = SWIGLU_ALPHA, limit: flo
     return swiglu_oai_ref(hh[:, :i], hh[:, i:], alpha, limit)
 
 
+def row_major(w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2, tiled: bool) -> tuple:
+    """The experts' (and an NVFP4 shared expert's) packed bytes and scales in the row-major layout the references
+    dequantize: untiled when `tiled`, else as given."""
+    if not tiled:
+        return w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2
+    w13, s13 = untile_nvfp4(w13, s13)
+    w2, s2 = untile_nvfp4(w2, s2)
+    if sh_s13 is not None:
+        sh_w13, sh_s13 = untile_nvfp4(sh_w13, sh_s13)
+        sh_w2, sh_s2 = untile_nvfp4(sh_w2, sh_s2)
+    return w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2
+
+
 def moe_reference(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
                   routed_scaling, out=None, workspace=None, config=None, swiglu_alpha: float = SWIGLU_ALPHA,
-                  swiglu_limit: float = SWIGLU_LIMIT, ids_override=None) -> MoEReference:
+                  swiglu_limit: float = SWIGLU_LIMIT, ids_override=None, tiled: bool = False) -> MoEReference:
+    w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2 = row_major(w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2, tiled)
     logits, ids, w = route_reference(x, router_w, router_bias, routed_scaling, ids_override)
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
@@ -310,8 +329,9 @@ def moe_reference(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, s
 
 def moe_stock(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
               routed_scaling, out=None, workspace=None, config=None, swiglu_alpha: float = SWIGLU_ALPHA,
-              swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+              swiglu_limit: float = SWIGLU_LIMIT, tiled: bool = False) -> torch.Tensor:
     """Without the engine: torch routing, then per touched expert dequantize + bf16 GEMMs."""
+    w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2 = row_major(w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2, tiled)
     _, ids, w = route_reference(x, router_w, router_bias, routed_scaling)
     y = torch.zeros_like(x, dtype=torch.float32)
     for e in torch.unique(ids).tolist():
@@ -352,6 +372,8 @@ def compare(out: torch.Tensor, ref: MoEReference, case: Case) -> None:
         case.args
     alpha = case.kwargs.get("swiglu_alpha", SWIGLU_ALPHA)
     limit = case.kwargs.get("swiglu_limit", SWIGLU_LIMIT)
+    w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2 = row_major(w13, s13, w2, s2, sh_w13, sh_s13, sh_w2, sh_s2,
+                                                               case.kwargs.get("tiled", False))
     t, h = x.shape
     e_n = router_w.shape[0]
     with true_fp32():
@@ -461,9 +483,15 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     ws = make_moe_workspace(cfg, rows, e, h, i, device)
     if gen is not None:
         ws.act.fill_(float("nan"))  # the activations are checked too: poison them
+    tiled = tileable(w13, s13) and tileable(w2, s2)
+    if tiled:  # the layout the target holds the experts in
+        w13, s13 = tile_nvfp4(w13, s13)
+        w2, s2 = tile_nvfp4(w2, s2)
+        if not shared_bf16:
+            sh = (*tile_nvfp4(sh[0], sh[1]), sh[2], *tile_nvfp4(sh[3], sh[4]), sh[5])
     n_exp = min(e, TOPK * rows)  # touched experts, upper bound
     wbytes = (n_exp + 1) * 3 * h * i * 9 // 16
-    return Case(args=(x, router_w, bias, w13, s13, g13, w2, s2, g2, *sh, 2.0, out, ws, cfg), kwargs={},
+    return Case(args=(x, router_w, bias, w13, s13, g13, w2, s2, g2, *sh, 2.0, out, ws, cfg), kwargs={"tiled": tiled},
                 bytes_moved=wbytes + e * h * router_w.element_size() + rows * h * 4)
 
 

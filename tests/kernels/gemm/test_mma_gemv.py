@@ -20,6 +20,7 @@ from m3serve.kernels.gemm import _mma_ptx as P
 from m3serve.kernels.gemm import mxfp8 as LM
 from m3serve.kernels.gemm import nvfp4 as LN
 from m3serve.kernels.catalog import Case
+from m3serve.quant.nvfp4 import tile_nvfp4
 
 CPU = torch.device("cpu")
 
@@ -190,7 +191,7 @@ def test_tiled_layout_gives_the_same_bits(rp, warps, split, rows, stages) -> Non
     n, k = cfg.BN * 2, G.STEP * 2 * split
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     packed, scale, gs = LN.random_nvfp4_weight(n, k, CPU, gen)
-    tp, ts = G.tile_nvfp4(packed, scale)
+    tp, ts = tile_nvfp4(packed, scale)
     assert not torch.equal(tp, packed)
     kw = dict(fmt=P.FMT_NVFP4, alpha_mode=2, n=n, k=k, cfg=cfg)
     y = G.emulate(x, packed.view(torch.int32), scale.view(torch.uint8), gs.reshape(-1), 0, **kw)

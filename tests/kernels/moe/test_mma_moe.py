@@ -6,6 +6,9 @@ moe.nvfp4's certified compare: routing, every slot's activations (one bf16 ulp +
 through SwiGLU-OAI's derivative bounds) and the output (gemm_band against the kernel's own activations). The
 activations and the output start as NaN, so an unwritten element fails. The emulator's exp2 is numpy's; the
 hardware's ex2.approx is within 2 fp32 ulp of it, far inside the one-bf16-ulp term.
+
+The tiled variant (weights in the MMA tile layout of m3serve.quant.nvfp4.tile_nvfp4) is checked against the
+row-major one bit for bit: it must hand every lane the same registers, so the band adds nothing there.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import dataclasses
 import pytest
 import torch
 
+from m3serve.kernels.gemm import _mma_ptx as P
 from m3serve.kernels.moe import _mma as MM
 from m3serve.kernels.moe import nvfp4 as MOE
 from m3serve.kernels.catalog import Cell
+from m3serve.quant.nvfp4 import tile_nvfp4, untile_nvfp4
 
 CPU = torch.device("cpu")
 
@@ -29,11 +34,16 @@ def _case(cfg: MM.MmaMoEConfig, tokens: int, i: int, seed: int):
     return case
 
 
+def _tiled(case) -> bool:
+    """Whether make_case put the experts in the MMA tile layout (case.kwargs tells the raw call and the reference)."""
+    return bool(case.kwargs.get("tiled", False))
+
+
 def _emulate(case, cfg: MM.MmaMoEConfig, alpha: float = MOE.SWIGLU_ALPHA, limit: float = MOE.SWIGLU_LIMIT):
     x, _, _, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, _, out, ws, _ = case.args
     s = MOE.n_slots(x.shape[0], 16)
     act, y = MM.emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, ws.slot_e, ws.slot_w[:, :],
-                        s=s, cfg=cfg, swiglu_alpha=alpha, swiglu_limit=limit)
+                        s=s, cfg=cfg, swiglu_alpha=alpha, swiglu_limit=limit, tiled=_tiled(case))
     ws.act.copy_(act)
     out.copy_(y)
     return out, ws
@@ -55,7 +65,7 @@ def test_emulated_moe_matches_the_reference(tokens, i, rp, w, st, ds, dw, dst) -
     case = _case(cfg, tokens, i, 50 + tokens)
     out, ws = _emulate(case, cfg)
     assert bool(torch.isfinite(out.float()).all())
-    MOE.compare(out, MOE.moe_reference(*case.args), case)
+    MOE.compare(out, MOE.moe_reference(*case.args, **case.kwargs), case)
 
 
 def test_other_swiglu_constants_reach_the_epilogue() -> None:
@@ -66,8 +76,9 @@ def test_other_swiglu_constants_reach_the_epilogue() -> None:
     case.kwargs.update(swiglu_alpha=1.2, swiglu_limit=3.0)
     out, ws = _emulate(case, cfg, 1.2, 3.0)
     MOE.compare(out, MOE.moe_reference(*case.args, **case.kwargs), case)
+    layout = {k: v for k, v in case.kwargs.items() if k == "tiled"}
     with pytest.raises(AssertionError):
-        MOE.compare(out, MOE.moe_reference(*case.args), dataclasses.replace(case, kwargs={}))
+        MOE.compare(out, MOE.moe_reference(*case.args, **layout), dataclasses.replace(case, kwargs=layout))
 
 
 def _patched(monkeypatch, fn_name: str, key: str, old: str, new: str) -> None:
@@ -93,7 +104,7 @@ def test_wrong_ptx_is_caught(monkeypatch, fn_name, key, old, new, what) -> None:
     _patched(monkeypatch, fn_name, key, old, new)
     out, ws = _emulate(case, cfg)
     with pytest.raises(AssertionError):
-        MOE.compare(out, MOE.moe_reference(*case.args), case)
+        MOE.compare(out, MOE.moe_reference(*case.args, **case.kwargs), case)
 
 
 def test_config_and_argument_errors() -> None:
@@ -114,5 +125,93 @@ def test_cpu_raw_call_interprets_the_same_function() -> None:
     cfg = MM.MmaMoEConfig(BT=16, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2)
     cell = Cell(rows=(3, 3), shape=(16, 256, 256, 0), why="test", config={"moe": cfg})
     case = MOE.make_case(cell, 3, CPU, torch.Generator().manual_seed(5))
-    out = MOE.moe_nvfp4(*case.args)
-    MOE.compare(out, MOE.moe_reference(*case.args), case)
+    out = MOE.moe_nvfp4(*case.args, **case.kwargs)
+    MOE.compare(out, MOE.moe_reference(*case.args, **case.kwargs), case)
+
+
+# --- the MMA tile layout ------------------------------------------------------------------------------------
+
+
+def _weights(case) -> dict:
+    """The NVFP4 (packed, scales) pairs of a case, row-major: routed gate|up and down, then the shared expert's."""
+    _, _, _, w13, s13, _, w2, s2, _, sw13, ss13, _, sw2, ss2, *_ = case.args
+    pairs = {"w13": (w13, s13), "w2": (w2, s2), "sw13": (sw13, ss13), "sw2": (sw2, ss2)}
+    return {name: untile_nvfp4(*pair) for name, pair in pairs.items()} if _tiled(case) else pairs
+
+
+def _emulate_weights(case, cfg: MM.MmaMoEConfig, weights: dict, tiled: bool):
+    """(act, y) of emulate with `weights` in place of the case's, read in the layout `tiled` names."""
+    x, _, _, _, _, g13, _, _, g2, _, _, sg13, _, _, sg2, _, _, ws, _ = case.args
+    return MM.emulate(x, *weights["w13"], g13, *weights["w2"], g2, *weights["sw13"], sg13, *weights["sw2"], sg2,
+                      ws.slot_e, ws.slot_w, s=MOE.n_slots(x.shape[0], 16), cfg=cfg, swiglu_alpha=MOE.SWIGLU_ALPHA,
+                      swiglu_limit=MOE.SWIGLU_LIMIT, tiled=tiled)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# (tokens, I, RP, gate|up warps, STAGES, DSPLIT, down warps, down stages): RP * warps even everywhere (tiled needs
+# whole 16-row blocks per gate|up CTA); the first and last span two row blocks per CTA in both kernels, so the
+# row-block strides sw / ss are exercised, not only the CTA's first block; I = 256 for down's words to move too
+TILED_CASES = [
+    (1, 128, 1, 4, 2, 1, 2, 2),
+    (5, 128, 2, 2, 3, 1, 1, 3),
+    (1, 256, 2, 1, 3, 2, 2, 2),
+    (3, 256, 1, 2, 2, 2, 4, 3),
+]
+
+
+@pytest.mark.parametrize("tokens,i,rp,w,st,ds,dw,dst", TILED_CASES)
+def test_tiled_layout_gives_the_same_bits(tokens, i, rp, w, st, ds, dw, dst) -> None:
+    """Every expert's weights in the MMA tile layout (routed and shared, gate|up and down), read by the tiled load
+    blocks and step addresses, give act and y bit-identical to the row-major weights read row-major; the
+    tiled reads of the row-major bytes give something else (the layout is a real permutation of what is read)."""
+    cfg = MM.MmaMoEConfig(BT=16, RBE=16, RBK=64, RSPLIT=2, RP=rp, num_warps=w, STAGES=st, DSPLIT=ds, down_warps=dw,
+                          down_stages=dst)
+    case = _case(cfg, tokens, i, 60 + tokens)
+    rows = _weights(case)
+    tiles = {name: tile_nvfp4(*pair) for name, pair in rows.items()}
+    # at K = 128 (down with I = 128) a tile's bytes are in row order already and only the scales move
+    assert not any(torch.equal(tiles[n][0], rows[n][0]) and torch.equal(tiles[n][1], rows[n][1]) for n in rows)
+    act, y = _emulate_weights(case, cfg, rows, tiled=False)
+    assert bool(torch.isfinite(y.float()).all())
+    act_t, y_t = _emulate_weights(case, cfg, tiles, tiled=True)
+    assert _same_bits(act_t, act)
+    assert _same_bits(y_t, y)
+    act_w, y_w = _emulate_weights(case, cfg, rows, tiled=True)
+    assert not _same_bits(act_w, act)
+    assert not _same_bits(y_w, y)
+
+
+@pytest.mark.parametrize("rp", [1, 2])
+def test_load_blocks_of_each_layout(rp) -> None:
+    """The row-major variants keep load_asm's text; the tiled ones swap in the tiled loads only, and the tiled
+    gate|up load has load_asm(gate_up=True)'s operands in its order, so the decode and SwiGLU blocks read both."""
+    rows_gu = P.load_asm(P.FMT_NVFP4, rp, gate_up=True)
+    assert (MM.gate_up_asm(rp)["LOAD"], MM.gate_up_asm(rp)["LOAD_C"]) == rows_gu
+    tiled_gu = MM.gate_up_asm(rp, True)
+    assert (tiled_gu["LOAD"], tiled_gu["LOAD_C"]) == P.tiled_gate_up_load_asm(rp)
+    assert tiled_gu["LOAD_C"] == rows_gu[1]
+    rest = lambda blocks: {k: v for k, v in blocks.items() if k not in ("LOAD", "LOAD_C")}  # noqa: E731
+    assert rest(tiled_gu) == rest(MM.gate_up_asm(rp))
+    for partial in (False, True):
+        rows_dn = MM.down_asm(rp, partial)
+        assert (rows_dn["LOAD"], rows_dn["LOAD_C"]) == P.load_asm(P.FMT_NVFP4, rp)
+        tiled_dn = MM.down_asm(rp, partial, True)
+        assert (tiled_dn["LOAD"], tiled_dn["LOAD_C"]) == P.tiled_load_asm(rp)
+        assert rest(tiled_dn) == rest(rows_dn)
+
+
+def test_tiled_needs_whole_row_blocks_per_gate_up_cta() -> None:
+    """8 * RP * num_warps gate|up columns a CTA: with RP * num_warps odd a CTA would start mid-block."""
+    cfg = MM.MmaMoEConfig(BT=16, RBE=16, RBK=64, RSPLIT=2, RP=1, num_warps=1, DSPLIT=1)
+    assert cfg.fits(256, 128) is None
+    assert "RP=1, num_warps=1" in cfg.fits(256, 128, tiled=True)
+    case = _case(cfg, 2, 128, 13)
+    with pytest.raises(ValueError, match="RP=1, num_warps=1"):
+        _emulate_weights(case, cfg, {n: tile_nvfp4(*p) for n, p in _weights(case).items()}, tiled=True)
+    x = torch.empty(2, 256, dtype=torch.bfloat16, device="meta")  # passes the device check, launches nothing
+    with pytest.raises(ValueError, match="RP=1, num_warps=1"):
+        MM.launch_mma_moe(x, *([None] * 14), t=2, h=256, e=16, i=128, s=8, swiglu_alpha=MOE.SWIGLU_ALPHA,
+                          swiglu_limit=MOE.SWIGLU_LIMIT, cfg=cfg, launches="gd", tiled=True)

@@ -440,8 +440,8 @@ def test_decode_ahead_equals_the_serial_band_and_alternates_the_halves(monkeypat
     args = list(case.args)
     order, real_decode = [], G.decode_group
     monkeypatch.setattr(G, "decode_group",
-                        lambda fmt, w, s, e0, eg, buf, cfg: order.append(("decode", e0, buf.data_ptr()))
-                        or real_decode(fmt, w, s, e0, eg, buf, cfg))
+                        lambda fmt, w, s, e0, eg, buf, cfg, tiled=False: order.append(("decode", e0, buf.data_ptr()))
+                        or real_decode(fmt, w, s, e0, eg, buf, cfg, tiled))
     launches = []
 
     class Recorded:                     # a Triton kernel's launch syntax, logging the launch order

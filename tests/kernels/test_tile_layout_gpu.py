@@ -1,0 +1,110 @@
+"""The MMA tile layout of NVFP4 weights on the H200, compiled: each NVFP4 cell family reading tiles gives the same
+bits as on the row-major weight (the register-operand MMA GEMV at 1 / 4 / 8 rows, the tensor-core GEMM at 9-48, the
+prefill GEMM and its decode-once path; the MoE's MMA step at 1-8 tokens and its tensor-core kernels; moe.grouped's
+in-register and decode-once bands), and row-major bytes read as tiles do not (the flag reaches the compiled kernel).
+
+Run: python -m pytest -m gpu tests/kernels/test_tile_layout_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3serve.kernels.catalog import poisoned
+from m3serve.kernels.formats._decode import FMT_NVFP4
+from m3serve.kernels.gemm import nvfp4 as LN
+from m3serve.kernels.gemm import tiled as LT
+from m3serve.kernels.gemm._gemm_tiles import make_workspace
+from m3serve.kernels.moe import grouped as G
+from m3serve.kernels.moe import nvfp4 as M
+from m3serve.quant.nvfp4 import untile_nvfp4
+
+pytestmark = pytest.mark.gpu
+
+
+def _dev() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+LINEAR_CELLS = [(c, r) for c in LN.CELLS + LT.CELLS if c.shape == (24576, 6144)
+                for r in (1, 4, 8, 9, 48, 49, 300, 1024) if c.rows[0] <= r <= c.rows[1]]
+
+
+@pytest.mark.parametrize("cell,rows", LINEAR_CELLS, ids=[f"{c.shape}-{type(c.config['gemm']).__name__}-r{r}"
+                                                         for c, r in LINEAR_CELLS])
+def test_linear_cells_read_tiles_bit_for_bit(cell, rows):
+    dev = _dev()
+    case = LN.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
+    assert case.kwargs["tiled"]
+    x, tp, ts, gs, out, ws, cfg = case.args
+    packed, scale = untile_nvfp4(tp, ts)
+    got = LN.nvfp4_linear(x, tp, ts, gs, out, ws, cfg, tiled=True).clone()
+    ref = LN.nvfp4_linear(x, packed, scale, gs, poisoned(out.shape, torch.bfloat16, dev),
+                          make_workspace(cfg, out.shape[1], dev), cfg, tiled=False)
+    wrong = LN.nvfp4_linear(x, packed, scale, gs, poisoned(out.shape, torch.bfloat16, dev),
+                            make_workspace(cfg, out.shape[1], dev), cfg, tiled=True)
+    torch.cuda.synchronize()
+    assert _same(got, ref)
+    assert not _same(wrong, ref)
+
+
+MOE_CELLS = [(c, r) for c in M.CELLS if c.shape == (128, 6144, 3072, 0) for r in (1, 4, 8, 16, 48)
+             if c.rows[0] <= r <= c.rows[1]]
+
+
+@pytest.mark.parametrize("cell,rows", MOE_CELLS, ids=[f"{type(c.config['moe']).__name__}-t{r}" for c, r in MOE_CELLS])
+def test_moe_nvfp4_reads_tiles_bit_for_bit(cell, rows):
+    dev = _dev()
+    case = M.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
+    assert case.kwargs["tiled"]
+    args = list(case.args)
+    rows_args = list(args)
+    for w, s in ((3, 4), (6, 7), (9, 10), (12, 13)):
+        rows_args[w], rows_args[s] = untile_nvfp4(args[w], args[s])
+    e, h, i = 128, 6144, 3072
+    cfg = args[18]
+
+    def run(a, tiled):
+        a = list(a)
+        a[16] = poisoned(a[16].shape, torch.bfloat16, dev)
+        a[17] = M.make_moe_workspace(cfg, rows, e, h, i, dev)
+        return M.moe_nvfp4(*a, tiled=tiled)
+
+    got, ref, wrong = run(args, True), run(rows_args, False), run(rows_args, True)
+    torch.cuda.synchronize()
+    assert _same(got, ref)
+    assert not _same(wrong, ref)
+
+
+GROUPED = [(c, r) for c in G.CELLS if c.shape == (FMT_NVFP4, 128, 6144, 3072, 4) for r in (64, 2049, 4096)
+           if c.rows[0] <= r <= c.rows[1]]
+
+
+@pytest.mark.parametrize("cell,rows", GROUPED, ids=[f"r{r}" for _, r in GROUPED])
+def test_moe_grouped_reads_tiles_bit_for_bit(cell, rows):
+    dev = _dev()
+    case = G.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
+    assert case.kwargs["tiled"]
+    args = list(case.args)
+    rows_args = list(args)
+    for w, s in ((4, 5), (7, 8)):
+        rows_args[w], rows_args[s] = untile_nvfp4(args[w], args[s])
+    kw = {k: v for k, v in case.kwargs.items() if k != "tiled"}
+    cfg = args[14]
+
+    def run(a, tiled):
+        a = list(a)
+        a[12] = poisoned(a[12].shape, torch.bfloat16, dev)
+        a[13] = G.make_workspace(cfg, rows, 128, 6144, 3072, 4, dev)
+        return G.moe_grouped(*a, **kw, tiled=tiled).clone()
+
+    got, ref = run(args, True), run(rows_args, False)
+    torch.cuda.synchronize()
+    assert _same(got, ref)
