@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from m3serve.model.parallel import SINGLE, TPGroup
 from m3serve.model.qweight import QWeight
-from m3serve.quant.nvfp4 import tileable as nvfp4_tileable, to_layout
+from m3serve.quant.tiles import ROW_KEYS, tileable as layout_tileable, to_layout
 
 class RMSNorm(nn.Module):
     """Gemma RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32, cast back to x's dtype."""
@@ -101,7 +101,7 @@ class Linear(nn.Module):
         self.name = name
         self.fmt = "unset"
         self._qkeys: tuple[str, ...] = ()
-        self.q_layout = "rows"  # NVFP4 only: "mma_tile" once the decode target holds the weight in its tile layout
+        self.q_layout = "rows"  # NVFP4 / MXFP8: "mma_tile" once the decode target holds the weight in its tile layout
         # The kernel bound from the model's kernel plan (m3serve.targets.routing.bind): (linear, x) -> y or None
         # (stock); None for the stock path.
         self.kernel = None
@@ -132,27 +132,34 @@ class Linear(nn.Module):
             return QWeight("dense", {"w": self.weight})
         return QWeight(self.fmt, {k: getattr(self, f"q_{k}") for k in self._qkeys}, self.q_layout)
 
+    def _row_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The per-row tensors a weight layout permutes (NVFP4: packed, scale; MXFP8: q, scale), None for others."""
+        keys = ROW_KEYS.get(self.fmt)
+        return None if keys is None else tuple(getattr(self, f"q_{k}") for k in keys)
+
     def tileable(self) -> bool:
-        """Whether this is an NVFP4 weight the MMA tile layout covers (N % 16 == 0, K % 128 == 0)."""
-        return self.fmt == "nvfp4" and nvfp4_tileable(self.q_packed, self.q_scale)
+        """Whether this is an NVFP4 / MXFP8 weight the MMA tile layout covers (N % 16 == 0, K % 128 == 0)."""
+        rows = self._row_tensors()
+        return rows is not None and layout_tileable(self.fmt, *rows)
 
     def set_layout(self, layout: str) -> None:
-        """Re-lay the NVFP4 bytes and scales out in `layout` ("rows" | "mma_tile") in place: the same storage, so
+        """Re-lay the weight's per-row tensors out in `layout` ("rows" | "mma_tile") in place: the same storage, so
         row views of it (a fused projection's parts) follow, and one expert at a time, so the extra memory is one
         expert's weight. The stock path reads either layout (QWeight.dequantize)."""
         if layout == self.q_layout:
             return
-        if self.fmt != "nvfp4":
-            raise ValueError(f"{self.name}: only NVFP4 weights have a tile layout, this one is {self.fmt}")
-        packed, scale = self.q_packed, self.q_scale
+        rows = self._row_tensors()
+        if rows is None:
+            raise ValueError(f"{self.name}: only NVFP4 and MXFP8 weights have a tile layout, this one is {self.fmt}")
         if layout == "mma_tile" and not self.tileable():
             raise ValueError(f"{self.name}: the MMA tile layout needs N % 16 == 0 and K % 128 == 0, found weight "
                              f"{list(self.qweight.shape)}")
+        w, scale = rows
         with torch.no_grad():
-            for idx in range(packed.shape[0]) if packed.dim() == 3 else (None,):
-                p, sc = (packed, scale) if idx is None else (packed[idx], scale[idx])
-                new_p, new_s = to_layout(p, sc, self.q_layout, layout)
-                p.copy_(new_p)
+            for idx in range(w.shape[0]) if w.dim() == 3 else (None,):
+                p, sc = (w, scale) if idx is None else (w[idx], scale[idx])
+                new_p, new_s = to_layout(self.fmt, p, sc, self.q_layout, layout)
+                p.view(torch.uint8).copy_(new_p.view(torch.uint8))
                 sc.view(torch.uint8).copy_(new_s.view(torch.uint8))
         self.q_layout = layout
 

@@ -8,9 +8,9 @@ A `QWeight` holds a [*, N, K] weight (y = x @ W^T) in one of four formats, in th
          global_scale fp32 [*, P]   (the encode scale: W = e2m1 * scale / global_scale of the row's part)
 `*` is an optional expert dim E. P "parts" exist because fused layers (gate|up, or q|k|v) are loaded from
 separate checkpoint tensors with their own per-tensor scales: part p owns rows [p*N/P, (p+1)*N/P).
-`layout` (NVFP4 only): "rows", as checkpoints store it, or "mma_tile", the permutation inside blocks of 16 rows x
-128 columns that the decode target's kernels read (m3serve.quant.nvfp4.tile_nvfp4; same shapes, one copy).
-Dequantizing reads either.
+`layout` (NVFP4 and MXFP8): "rows", as checkpoints store it, or "mma_tile", the permutation inside blocks of 16 rows x
+128 columns that the decode target's kernels read (m3serve.quant.tiles; same shapes, one copy). Dequantizing reads
+either.
 
 Checkpoint naming per linear (suffixes after `<name>.`):
   dense:  weight (bf16/fp16/fp32)
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from m3serve.quant.mxfp8 import MX_BLOCK, dequantize_mxfp8
-from m3serve.quant.nvfp4 import NVFP4_BLOCK, NVFP4_LAYOUTS, dequantize_nvfp4, to_layout
+from m3serve.quant.nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
+from m3serve.quant.tiles import LAYOUTS, ROW_KEYS, TILED_FORMATS, to_layout
 
 FORMATS = ("dense", "fp8", "mxfp8", "nvfp4")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,9 +45,9 @@ class QWeight:
     layout: str = "rows"
 
     def __post_init__(self) -> None:
-        if self.layout not in NVFP4_LAYOUTS or (self.layout != "rows" and self.fmt != "nvfp4"):
-            raise ValueError(f"QWeight.layout: expected 'rows' (any format) or one of {NVFP4_LAYOUTS} (nvfp4), found "
-                             f"{self.layout!r} for {self.fmt}")
+        if self.layout not in LAYOUTS or (self.layout != "rows" and self.fmt not in TILED_FORMATS):
+            raise ValueError(f"QWeight.layout: expected 'rows' (any format) or one of {LAYOUTS} ({TILED_FORMATS}), "
+                             f"found {self.layout!r} for {self.fmt}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,11 +63,12 @@ class QWeight:
         return QWeight(self.fmt, {k: v.to(device) for k, v in self.tensors.items()}, self.layout)
 
     def _row_major(self, index: int | None) -> dict[str, torch.Tensor]:
-        """The tensors (of expert `index` when stacked) with NVFP4 bytes and scales in the row-major layout."""
+        """The tensors (of expert `index` when stacked) with the per-row ones in the row-major layout."""
         t = self.tensors if index is None else {k: v[index] for k, v in self.tensors.items()}
         if self.layout != "rows":
-            packed, scale = to_layout(t["packed"], t["scale"], self.layout, "rows")
-            t = {**t, "packed": packed, "scale": scale}
+            kw, ks = ROW_KEYS[self.fmt]
+            w, s = to_layout(self.fmt, t[kw], t[ks], self.layout, "rows")
+            t = {**t, kw: w, ks: s}
         return t
 
     def dequantize(self, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:

@@ -91,3 +91,55 @@ def dequantize_mxfp8(q: Tensor, scale_e8m0: Tensor, dtype: torch.dtype = torch.f
         raise ValueError(f"scale_e8m0: expected shape {want} for q {tuple(q.shape)}, found {tuple(scale_e8m0.shape)}")
     s = e8m0_to_float(scale_e8m0).repeat_interleave(MX_BLOCK, dim=-1)[..., :k]
     return (q.float() * s).to(dtype)
+
+
+# --- The MMA tile layout of MXFP8 weights ----------------------------------------------------------------
+# The MXFP8 twin of nvfp4.tile_nvfp4 (same purpose: the lanes of a warp feeding one mma.m16n8k16 read 512 contiguous
+# bytes per load). Inside each block of 16 rows x 128 columns:
+#     bytes   2 KB at rb * 16 * K + ks * 2048, ordered [h, v, lane, 16 B]:
+#             lane = 4 g + c holds row 16 rb + 8 h + g, bytes 128 ks + 32 c + 16 v .. + 15 of that row
+#     scales  64 B at rb * 16 * K/32 + ks * 64, ordered [g, c, h]: the scale of group 4 ks + c of row 16 rb + 8 h + g
+# A block of 16 rows starts where its first row starts in the row-major layout (slices of whole blocks of rows are
+# tiled weights too).
+
+
+def check_tileable_mxfp8(q: Tensor, scale: Tensor) -> None:
+    """Raise unless (q, scale) is an MXFP8 weight the MMA tile layout covers: N % 16 == 0, K % 128 == 0."""
+    if q.dim() < 2 or scale.shape[:-1] != q.shape[:-1] or scale.shape[-1] * MX_BLOCK != q.shape[-1]:
+        raise ValueError(f"q/scale: expected [..., N, K] and [..., N, K/32], found {tuple(q.shape)} and "
+                         f"{tuple(scale.shape)}")
+    n, k = q.shape[-2], q.shape[-1]
+    if n % 16 or k % 128:
+        raise ValueError(f"q: the MMA tile layout needs N % 16 == 0 and K % 128 == 0, found N={n}, K={k}")
+
+
+def _mx_views(q: Tensor, scale: Tensor, tiled: bool):
+    lead = q.shape[:-2]
+    n, k = q.shape[-2], q.shape[-1]
+    qb = q.contiguous().view(torch.uint8)
+    sb = scale.contiguous().view(torch.uint8)
+    if tiled:
+        return (len(lead), qb.reshape(*lead, n // 16, k // 128, 2, 2, 8, 4, 16),
+                sb.reshape(*lead, n // 16, k // 128, 8, 4, 2))
+    return (len(lead), qb.reshape(*lead, n // 16, 2, 8, k // 128, 4, 2, 16),
+            sb.reshape(*lead, n // 16, 2, 8, k // 128, 4))
+
+
+def tile_mxfp8(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-major MXFP8 (q [..., N, K], scale [..., N, K/32]) -> the MMA tile layout, same shapes and dtypes."""
+    check_tileable_mxfp8(q, scale)
+    d, w, s = _mx_views(q, scale, False)
+    # bytes [rb, h, g, ks, c, v, j] -> [rb, ks, h, v, g, c, j]; scales [rb, h, g, ks, c] -> [rb, ks, g, c, h]
+    w = w.permute(*range(d), d, d + 3, d + 1, d + 5, d + 2, d + 4, d + 6)
+    s = s.permute(*range(d), d, d + 3, d + 2, d + 4, d + 1)
+    return w.contiguous().reshape(q.shape).view(q.dtype), s.contiguous().reshape(scale.shape).view(scale.dtype)
+
+
+def untile_mxfp8(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of tile_mxfp8."""
+    check_tileable_mxfp8(q, scale)
+    d, w, s = _mx_views(q, scale, True)
+    # bytes [rb, ks, h, v, g, c, j] -> [rb, h, g, ks, c, v, j]; scales [rb, ks, g, c, h] -> [rb, h, g, ks, c]
+    w = w.permute(*range(d), d, d + 2, d + 4, d + 1, d + 5, d + 3, d + 6)
+    s = s.permute(*range(d), d, d + 4, d + 2, d + 1, d + 3)
+    return w.contiguous().reshape(q.shape).view(q.dtype), s.contiguous().reshape(scale.shape).view(scale.dtype)

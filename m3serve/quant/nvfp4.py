@@ -187,7 +187,6 @@ def v_scale_from_quad_order(page: Tensor, tokens: int) -> Tensor:
 #             the two scales of groups 8 ks + 2 c, + 1 of row 16 rb + 8 h + g
 # A block of 16 rows starts where its first row starts in the row-major layout, so a slice of whole blocks of
 # rows (a fused projection's part, one expert of a stack) is itself a tiled weight.
-NVFP4_LAYOUTS = ("rows", "mma_tile")
 TILE_ROWS, TILE_COLS = 16, 128
 
 
@@ -243,13 +242,3 @@ def untile_nvfp4(packed: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     s = s.permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 5)
     return (w.contiguous().reshape(packed.shape).view(packed.dtype),
             s.contiguous().reshape(scale.shape).view(scale.dtype))
-
-
-def to_layout(packed: Tensor, scale: Tensor, src: str, dst: str) -> tuple[Tensor, Tensor]:
-    """(packed, scale) from layout `src` to layout `dst` (one of NVFP4_LAYOUTS); the same tensors when equal."""
-    for name, lay in (("src", src), ("dst", dst)):
-        if lay not in NVFP4_LAYOUTS:
-            raise ValueError(f"{name}: expected an NVFP4 layout of {NVFP4_LAYOUTS}, found {lay!r}")
-    if src == dst:
-        return packed, scale
-    return tile_nvfp4(packed, scale) if dst == "mma_tile" else untile_nvfp4(packed, scale)

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from m3serve.kernels.gemm._gemm_tiles import make_workspace
 from m3serve.kernels.gemm.qkv_fused import fuse_projection_weights
+from m3serve.quant.tiles import TILED_FORMATS
 from m3serve.targets.plan import QUANT_FORMATS, projection_parts
 
 
@@ -71,9 +72,9 @@ def _still_views(attn, fp: FusedProjection) -> bool:
 
 
 def _layout(attn, fp: FusedProjection) -> str | None:
-    """The NVFP4 layout all parts are in now (their bytes are the concatenation's rows, re-laid out in place by
-    Linear.set_layout), None when they differ (the parts then run one by one); "rows" for other formats."""
-    if fp.fmt != "nvfp4":
+    """The layout all parts are in now (their bytes are the concatenation's rows, re-laid out in place by
+    Linear.set_layout), None when they differ (the parts then run one by one); "rows" for untiled formats."""
+    if fp.fmt not in TILED_FORMATS:
         return "rows"
     layouts = {p.q_layout for p in projection_parts(attn)}
     return layouts.pop() if len(layouts) == 1 else None
@@ -109,7 +110,7 @@ def project(attn, x: torch.Tensor, qkv=None) -> tuple[torch.Tensor, ...] | None:
         if ws is None:
             ws = launch.workspace = make_workspace(cfg, n, x.device)
         out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
-        if fp.fmt == "nvfp4":
+        if fp.fmt in TILED_FORMATS:
             launch.run(x.contiguous(), *fp.tensors, out, ws, cfg, tiled=layout == "mma_tile")
         else:
             launch.run(x.contiguous(), *fp.tensors, out, ws, cfg)

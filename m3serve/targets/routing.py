@@ -37,6 +37,7 @@ from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
 from m3serve.model.layers import Linear, RMSNorm, rope_inv_freq, swiglu_oai
 from m3serve.model.m3 import Attention
 from m3serve.model.moe import DenseMLP, MoE, route as stock_route
+from m3serve.quant.tiles import TILED_FORMATS
 from m3serve.targets import fused_projection
 from m3serve.targets.dispatch import miss
 from m3serve.targets.plan import (ALL_EXPERTS_MAX, GROUPED_FMT, KernelPlan, Route, build_drafter_plan,
@@ -162,7 +163,7 @@ class LinearKernel:
             launch.run(x2, lin.q_packed, lin.q_scale, _per_row(lin, lin.q_global_scale, n), out, ws, cfg,
                        tiled=lin.q_layout == "mma_tile")
         elif self.fmt == "mxfp8":
-            launch.run(x2, lin.q_q, lin.q_scale, out, ws, cfg)
+            launch.run(x2, lin.q_q, lin.q_scale, out, ws, cfg, tiled=lin.q_layout == "mma_tile")
         else:
             launch.run(x2, lin.q_q, _per_row(lin, lin.q_scale, n), out, ws, cfg)
         return out.view(*x.shape[:-1], n)
@@ -510,35 +511,36 @@ def _kernel_for(mod, mp, mode: str):
 
 
 def _layout_groups(model) -> list[list[Linear]]:
-    """The model's NVFP4 linears in groups that one kernel reads together, so they share one layout: an MoE
-    layer's experts with its NVFP4 shared expert (moe.nvfp4 takes one flag for both), every other linear alone
-    (a fused projection joins its parts' own layouts; fused_projection.fuse)."""
+    """The model's NVFP4 / MXFP8 linears in groups that one kernel reads together, so they share one layout: an MoE
+    layer's experts with its shared expert (moe.nvfp4 takes one flag for both), every other linear alone (a fused
+    projection joins its parts' own layouts; fused_projection.project checks they agree)."""
     groups, grouped = [], set()
     for mod in model.modules():
         if isinstance(mod, MoE):
             members = [mod.w13, mod.w2]
             if mod.shared is not None:
                 members += [mod.shared.gate_up_proj, mod.shared.down_proj]
-            members = [m for m in members if m.fmt == "nvfp4"]
+            members = [m for m in members if m.fmt in TILED_FORMATS]
             grouped.update(id(m) for m in members)
             if members:
                 groups.append(members)
     for mod in model.modules():
-        if isinstance(mod, Linear) and mod.fmt == "nvfp4" and id(mod) not in grouped:
+        if isinstance(mod, Linear) and mod.fmt in TILED_FORMATS and id(mod) not in grouped:
             groups.append([mod])
     return groups
 
 
 def default_weight_layout(model, mode: str) -> str:
-    """NVFP4 weights in the MMA tile layout wherever the decode target runs them (CUDA, mode auto / require): every
-    NVFP4 cell reads it (docs/kernels.md); the stock path (mode off, CPU) keeps the checkpoint's row-major bytes."""
+    """NVFP4 / MXFP8 weights in the MMA tile layout wherever the decode target runs them (CUDA, mode auto /
+    require): every cell of those formats reads it (docs/kernels.md); the stock path (mode off, CPU) keeps the
+    checkpoint's row-major bytes."""
     param = next(model.parameters(), None)
     return "mma_tile" if mode != "off" and param is not None and param.device.type == "cuda" else "rows"
 
 
 def set_weight_layout(model, layout: str) -> int:
-    """Every NVFP4 weight group of `model` (_layout_groups) to `layout` where the whole group is tileable, the
-    others to row-major. Returns the number of linears in the tile layout."""
+    """Every NVFP4 / MXFP8 weight group of `model` (_layout_groups) to `layout` where the whole group is tileable,
+    the others to row-major. Returns the number of linears in the tile layout."""
     tiled = 0
     for group in _layout_groups(model):
         want = layout if all(lin.tileable() for lin in group) else "rows"
@@ -550,8 +552,8 @@ def set_weight_layout(model, layout: str) -> int:
 
 def bind(model, plan: KernelPlan, weight_layout: str | None = None) -> None:
     """Give every module of `model` its bound implementation from `plan` (modules the plan does not route, and
-    every module when its mode is off, get none: the stock path) and keep the plan on the model. NVFP4 weights
-    are re-laid out in place to `weight_layout` (default: default_weight_layout)."""
+    every module when its mode is off, get none: the stock path) and keep the plan on the model. NVFP4 / MXFP8
+    weights are re-laid out in place to `weight_layout` (default: default_weight_layout)."""
     set_weight_layout(model, weight_layout or default_weight_layout(model, plan.mode))
     modules = dict(model.named_modules())
     for mod in modules.values():

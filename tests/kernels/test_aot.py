@@ -53,6 +53,20 @@ def test_mma_moe_layouts_compile_for_sm90_without_spills(monkeypatch, tiled: boo
         assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.regs} regs, {r.stack} B stack"
 
 
+@pytest.mark.parametrize("name,rows", [("linear.mxfp8", (1, 1)), ("linear.mxfp8", (3, 8)), ("linear.nvfp4", (1, 8)),
+                                       ("linear.mxfp8", (9, 16))])
+def test_tiled_linears_compile_for_sm90_without_spills(name: str, rows: tuple) -> None:
+    """The linear cells read the MMA tile layout (their cases hold tiled weights, as the target does): the GEMV, the
+    MMA GEMV (its tiled load block: MXFP8's 2 KB tiles) and the tensor-core GEMM compile with TILED and no spills."""
+    e = ENTRIES[name]
+    cell = next(c for c in e.cells if c.rows == rows and c.shape == (24576, 6144))
+    one = type(e)(**{**e.__dict__, "cells": (cell,)})
+    launched = [(kern.__name__, kwargs.get("TILED")) for _, _, kern, _, kwargs in aot_check.collect([one]).values()]
+    assert launched and all(t is True for _, t in launched), launched
+    for _, _, r in aot_check.run([one], arch=90):
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.regs} regs, {r.stack} B stack"
+
+
 def test_an_interpreted_launch_leaves_triton_language_as_it_was(tmp_path, monkeypatch) -> None:
     """A CPU (interpreted) launch must not leave triton.language's builtins patched: a kernel compiled later in the
     same process (here norm.rms, with an empty Triton cache so it really is built) would otherwise be built with

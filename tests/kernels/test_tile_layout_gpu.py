@@ -1,7 +1,8 @@
-"""The MMA tile layout of NVFP4 weights on the H200, compiled: each NVFP4 cell family reading tiles gives the same
-bits as on the row-major weight (the register-operand MMA GEMV at 1 / 4 / 8 rows, the tensor-core GEMM at 9-48, the
-prefill GEMM and its decode-once path; the MoE's MMA step at 1-8 tokens and its tensor-core kernels; moe.grouped's
-in-register and decode-once bands), and row-major bytes read as tiles do not (the flag reaches the compiled kernel).
+"""The MMA tile layout of NVFP4 and MXFP8 weights on the H200, compiled: each cell family reading tiles gives the
+same bits as on the row-major weight (the GEMV and the register-operand MMA GEMV at 1-8 rows, the tensor-core GEMM at
+9-48, the prefill GEMM and its decode-once path; the MoE's MMA step at 1-8 tokens and its tensor-core kernels;
+moe.grouped's in-register and decode-once bands), and row-major bytes read as tiles do not (the flag reaches the
+compiled kernel).
 
 Run: python -m pytest -m gpu tests/kernels/test_tile_layout_gpu.py -q
 """
@@ -13,12 +14,13 @@ import torch
 
 from m3serve.kernels.catalog import poisoned
 from m3serve.kernels.formats._decode import FMT_NVFP4
-from m3serve.kernels.gemm import nvfp4 as LN
+from m3serve.kernels.gemm import mxfp8 as LM, nvfp4 as LN
 from m3serve.kernels.gemm import tiled as LT
 from m3serve.kernels.gemm._gemm_tiles import make_workspace
 from m3serve.kernels.moe import grouped as G
 from m3serve.kernels.moe import nvfp4 as M
 from m3serve.quant.nvfp4 import untile_nvfp4
+from m3serve.quant.tiles import to_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -33,23 +35,28 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-LINEAR_CELLS = [(c, r) for c in LN.CELLS + LT.CELLS if c.shape == (24576, 6144)
-                for r in (1, 4, 8, 9, 48, 49, 300, 1024) if c.rows[0] <= r <= c.rows[1]]
+ROWS = (1, 2, 4, 8, 9, 48, 49, 300, 1024)
+LINEAR_CELLS = [(mod, c, r) for mod, tiled_entry in ((LN, LT.ENTRIES[0]), (LM, LT.ENTRIES[1]))
+                for c in mod.CELLS + tiled_entry.cells if c.shape == (24576, 6144)
+                for r in ROWS if c.rows[0] <= r <= c.rows[1]]
 
 
-@pytest.mark.parametrize("cell,rows", LINEAR_CELLS, ids=[f"{c.shape}-{type(c.config['gemm']).__name__}-r{r}"
-                                                         for c, r in LINEAR_CELLS])
-def test_linear_cells_read_tiles_bit_for_bit(cell, rows):
+@pytest.mark.parametrize("mod,cell,rows", LINEAR_CELLS, ids=[
+    f"{m.ENTRY.name}-{type(c.config['gemm']).__name__}-r{r}" for m, c, r in LINEAR_CELLS])
+def test_linear_cells_read_tiles_bit_for_bit(mod, cell, rows):
     dev = _dev()
-    case = LN.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
+    case = mod.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
     assert case.kwargs["tiled"]
-    x, tp, ts, gs, out, ws, cfg = case.args
-    packed, scale = untile_nvfp4(tp, ts)
-    got = LN.nvfp4_linear(x, tp, ts, gs, out, ws, cfg, tiled=True).clone()
-    ref = LN.nvfp4_linear(x, packed, scale, gs, poisoned(out.shape, torch.bfloat16, dev),
-                          make_workspace(cfg, out.shape[1], dev), cfg, tiled=False)
-    wrong = LN.nvfp4_linear(x, packed, scale, gs, poisoned(out.shape, torch.bfloat16, dev),
-                            make_workspace(cfg, out.shape[1], dev), cfg, tiled=True)
+    x, w, s, *rest = case.args
+    out, ws, cfg = rest[-3:]
+    fmt = "nvfp4" if mod is LN else "mxfp8"
+    w_rows, s_rows = to_layout(fmt, w, s, "mma_tile", "rows")
+
+    def run(w_, s_, tiled):
+        return mod.ENTRY.raw_call(x, w_, s_, *rest[:-3], poisoned(out.shape, torch.bfloat16, dev),
+                                  make_workspace(cfg, out.shape[1], dev), cfg, tiled=tiled).clone()
+
+    got, ref, wrong = run(w, s, True), run(w_rows, s_rows, False), run(w_rows, s_rows, True)
     torch.cuda.synchronize()
     assert _same(got, ref)
     assert not _same(wrong, ref)

@@ -1,4 +1,4 @@
-"""NVFP4 weights in the MMA tile layout on the decode target (targets.routing.set_weight_layout): which linears
+"""NVFP4 and MXFP8 weights in the MMA tile layout on the decode target (targets.routing.set_weight_layout): which linears
 are re-laid out (an MoE layer's experts and NVFP4 shared expert together, or not at all), in place and reversibly,
 with the stock path reading either layout bit for bit, and the bound kernels told each module's layout."""
 
@@ -33,8 +33,8 @@ def _nvfp4(name: str = "tiny"):
                       keep_quantized=True)
 
 
-def _nvfp4_linears(model) -> dict[str, Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.fmt == "nvfp4"}
+def _linears(model, fmts=("nvfp4", "mxfp8")) -> dict[str, Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.fmt in fmts}
 
 
 def _forward(model):
@@ -45,28 +45,32 @@ def _forward(model):
 
 def test_layouts_follow_the_groups_and_the_stock_path_reads_both(tileable_preset):
     model = _nvfp4(tileable_preset)
-    lins = _nvfp4_linears(model)
-    before = {n: (m.q_packed.clone(), m.q_scale.view(torch.uint8).clone()) for n, m in lins.items()}
+    lins = _linears(model)
+    before = {n: tuple(t.view(torch.uint8).clone() for t in m._row_tensors()) for n, m in lins.items()}
     stock = _forward(model)
     tiled = routing.set_weight_layout(model, "mma_tile")
-    assert tiled == len(lins) == 4 * 3                     # 3 MoE layers: w13, w2, shared gate|up and down
+    # NVFP4: 3 MoE layers' w13, w2, shared gate|up and down; MXFP8: every attention and dense-MLP linear
+    assert len(_linears(model, ("nvfp4",))) == 4 * 3 and len(_linears(model, ("mxfp8",))) > 12
+    assert tiled == len(lins)
     for n, m in lins.items():
-        assert m.q_layout == "mma_tile" and not torch.equal(m.q_packed, before[n][0]), n
+        w, _ = m._row_tensors()
+        assert m.q_layout == "mma_tile" and not torch.equal(w.view(torch.uint8), before[n][0]), n
     assert torch.equal(_forward(model), stock)             # the stock path untiles: the same bits
     routing.set_weight_layout(model, "rows")
     for n, (p, s) in before.items():
         m = lins[n]
-        assert m.q_layout == "rows" and torch.equal(m.q_packed, p) and torch.equal(m.q_scale.view(torch.uint8), s)
+        w, sc = m._row_tensors()
+        assert m.q_layout == "rows" and torch.equal(w.view(torch.uint8), p) and torch.equal(sc.view(torch.uint8), s)
 
 
 def test_a_group_with_one_untileable_weight_stays_row_major():
     """The tiny preset's expert down projection has K = 64: its MoE layer's experts and shared expert all stay
     row-major, because moe.nvfp4 reads them under one flag."""
     model = _nvfp4()
-    assert routing.set_weight_layout(model, "mma_tile") == 0
+    assert routing.set_weight_layout(model, "mma_tile") == len(_linears(model, ("mxfp8",)))   # those all tile
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     assert moe.w13.tileable() and not moe.w2.tileable()
-    assert {m.q_layout for m in _nvfp4_linears(model).values()} == {"rows"}
+    assert {m.q_layout for m in _linears(model, ("nvfp4",)).values()} == {"rows"}
 
 
 def test_install_lays_out_by_device_and_mode(monkeypatch, tileable_preset):
@@ -113,5 +117,5 @@ def test_set_layout_refuses_what_the_layout_does_not_cover():
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):
         moe.w2.set_layout("mma_tile")
     dense = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, seed=0)
-    with pytest.raises(ValueError, match="only NVFP4"):
+    with pytest.raises(ValueError, match="only NVFP4 and MXFP8"):
         dense.layers[0].attn.q_proj.set_layout("mma_tile")

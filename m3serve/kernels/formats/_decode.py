@@ -192,12 +192,37 @@ def nvfp4_scale_offsets(rn, ks, K, TILED: tl.constexpr):
 
 
 @helper
+def mxfp8_byte_offsets(rn, kk, K, TILED: tl.constexpr):
+    """[BN, BK] byte offsets of rows rn [BN], columns kk [BK] of an MXFP8 [N, K] weight, row-major or (TILED) in
+    the MMA tile layout of m3serve.quant.mxfp8.tile_mxfp8: a block of 16 rows x 128 columns is 2 KB
+    [h, v, g, c, 16 B] holding row 16 rb + 8 h + g, columns 32 c + 16 v .. + 15 (runs of 16 contiguous bytes)."""
+    if TILED:
+        row = (rn // 16) * (16 * K) + ((rn // 8) % 2) * 1024 + (rn % 8) * 64
+        col = (kk // 128) * 2048 + ((kk // 16) % 2) * 512 + ((kk // 32) % 4) * 16 + kk % 16
+        return row[:, None] + col[None, :]
+    else:
+        return rn[:, None] * K + kk[None, :]
+
+
+@helper
+def mxfp8_scale_offsets(rn, ks, K, TILED: tl.constexpr):
+    """[BN, G] byte offsets of the E8M0 scales of rows rn, groups ks (32 columns each), row-major or (TILED) in the
+    tile layout: 64 B a block, [g, c, h], group 4 ks' + c."""
+    if TILED:
+        row = (rn // 16) * (K // 2) + (rn % 8) * 8 + (rn // 8) % 2
+        col = (ks // 4) * 64 + (ks % 4) * 2
+        return row[:, None] + col[None, :]
+    else:
+        return rn[:, None] * (K // 32) + ks[None, :]
+
+
+@helper
 def load_w_groups(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GS: tl.constexpr, CUDA: tl.constexpr, LOWP: tl.constexpr, TILED: tl.constexpr = False):
     """Rows `rn` [BN] (int64-safe offsets are the caller's job: pass shifted base pointers),
     columns [k0, k0+BK) -> (w [BN, BK/GS, GS] unscaled, s [BN, BK/GS] group scale), fp32 or
     (LOWP, compiled only) bf16. w * s is the weight (NVFP4: times 2**-8 and the global scale);
-    FP8/BF16 have no group scale and return s = 1. TILED: NVFP4 in the MMA tile layout."""
+    FP8/BF16 have no group scale and return s = 1. TILED: NVFP4 / MXFP8 in the MMA tile layout."""
     G: tl.constexpr = BK // GS
     rn2 = rn[:, None]
     if FMT == 0:
@@ -211,9 +236,9 @@ def load_w_groups(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, 
             s = s * _SCALE_FP32
     elif FMT == 1:
         kk = k0 + tl.arange(0, BK)
-        w = e4m3_to(tl.load(w_ptr + rn2 * K + kk[None, :]), CUDA, LOWP).reshape(BN, G, GS)
+        w = e4m3_to(tl.load(w_ptr + mxfp8_byte_offsets(rn, kk, K, TILED)), CUDA, LOWP).reshape(BN, G, GS)
         ks = k0 // 32 + tl.arange(0, G)
-        sb = tl.load(s_ptr + rn2 * (K // 32) + ks[None, :])
+        sb = tl.load(s_ptr + mxfp8_scale_offsets(rn, ks, K, TILED))
         s = e8m0_to_bf16(sb) if LOWP else e8m0_to_f32(sb)
     elif FMT == 2:
         kk = k0 + tl.arange(0, BK)

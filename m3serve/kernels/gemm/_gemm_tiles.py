@@ -67,11 +67,11 @@ def check_gemm_args(x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: Gem
 
 
 def check_tiled(tiled: bool, fmt: int, n: int | None = None, k: int | None = None) -> None:
-    """Raise unless a `tiled` weight is one the MMA tile layout defines: NVFP4 (format 0), N % 16 == 0 and
-    K % 128 == 0 (m3serve.quant.nvfp4.tile_nvfp4)."""
+    """Raise unless a `tiled` weight is one the MMA tile layout defines: NVFP4 or MXFP8 (formats 0, 1),
+    N % 16 == 0 and K % 128 == 0 (m3serve.quant.tiles)."""
     if not tiled:
         return
-    if fmt != 0:
-        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 weights only, found format {fmt}")
+    if fmt not in (0, 1):
+        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 and MXFP8 weights, found format {fmt}")
     if (n is not None and n % 16) or (k is not None and k % 128):
         raise ValueError(f"tiled: the MMA tile layout needs N % 16 == 0 and K % 128 == 0, found N={n}, K={k}")

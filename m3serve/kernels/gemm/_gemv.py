@@ -59,12 +59,16 @@ from m3serve.kernels.formats._decode import (
     e2m1_pair,
     e4m3_to_f32,
     e8m0_to_f32,
+    mxfp8_byte_offsets,
+    mxfp8_scale_offsets,
+    nvfp4_scale_offsets,
+    nvfp4_word_offsets,
     to_bf16,
 )
 from m3serve.kernels.formats._e2m1_ptx import nvfp4_words_scaled, scale_bf16_2_118, use_ptx
 from m3serve.kernels._jit import helper, is_compiled, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.gemm._gemm_tiles import GemmWorkspace, check_gemm_args
+from m3serve.kernels.gemm._gemm_tiles import GemmWorkspace, check_gemm_args, check_tiled
 from m3serve.kernels.gemm._splitk import ordered_sum, put_partial, release_ticket, take_ticket
 from m3serve.kernels.gemm._wstream import apply_alpha
 from m3serve.kernels.catalog import Cell
@@ -129,18 +133,27 @@ def e2m1_words_f32(w):
 
 
 @helper
-def load_raw(w_ptr, s_ptr, rn2, k0, stride_w, stride_s, FMT: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr):
-    """Raw weight words/bytes and scale bytes of rows rn2 [BN, 1], columns [k0, k0+BK).
-    Weights are read once per launch: evict them first so x and the partials keep the cache."""
+def load_raw(w_ptr, s_ptr, rn, k0, K, stride_w, stride_s, FMT: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr,
+             TILED: tl.constexpr):
+    """Raw weight words/bytes and scale bytes of rows rn [BN], columns [k0, k0+BK) (TILED: in the MMA tile
+    layout). Weights are read once per launch: evict them first so x and the partials keep the cache."""
     G: tl.constexpr = BK // GS
+    rn2 = rn[:, None]
     ks = k0 // GS + tl.arange(0, G)
-    sr = tl.load(s_ptr + rn2 * stride_s + ks[None, :], eviction_policy="evict_first")
     if FMT == 0:
         kw = k0 // 8 + tl.arange(0, BK // 8)
-        wr = tl.load(w_ptr + rn2 * stride_w + kw[None, :], eviction_policy="evict_first")
+        if TILED:
+            wo, so = nvfp4_word_offsets(rn, kw, K, True), nvfp4_scale_offsets(rn, ks, K, True)
+        else:
+            wo, so = rn2 * stride_w + kw[None, :], rn2 * stride_s + ks[None, :]
     else:
         kk = k0 + tl.arange(0, BK)
-        wr = tl.load(w_ptr + rn2 * stride_w + kk[None, :], eviction_policy="evict_first")
+        if TILED:
+            wo, so = mxfp8_byte_offsets(rn, kk, K, True), mxfp8_scale_offsets(rn, ks, K, True)
+        else:
+            wo, so = rn2 * stride_w + kk[None, :], rn2 * stride_s + ks[None, :]
+    sr = tl.load(s_ptr + so, eviction_policy="evict_first")
+    wr = tl.load(w_ptr + wo, eviction_policy="evict_first")
     return wr, sr
 
 
@@ -205,13 +218,13 @@ def reduce_row(part_ptr, y_ptr, alpha_ptr, rn, m, M, N, stride_ym, alpha_stride,
 def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_ym,
                 stride_w, stride_s, alpha_stride, FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr,
                 SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                PREFETCH: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
+                PREFETCH: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr = False,
+                PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BK // GS
     PRE: tl.constexpr = FMT == 0 and PTX  # NVFP4 weights come out of the PTX decoder already scaled
     rn = pid_n * BN + tl.arange(0, BN)
-    rn2 = rn[:, None]
     k_len = K // SPLIT
     k_lo = tl.multiple_of(pid_k * k_len, BK)
     k_hi = k_lo + k_len
@@ -223,7 +236,7 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
         acc2 = tl.zeros([BN, G], tl.float32)
         acc3 = tl.zeros([BN, G], tl.float32)
     if PREFETCH:  # weights only: they may go out before the previous kernel has finished (_pdl)
-        wr, sr = load_raw(w_ptr, s_ptr, rn2, k_lo, stride_w, stride_s, FMT, BK, GS)
+        wr, sr = load_raw(w_ptr, s_ptr, rn, k_lo, K, stride_w, stride_s, FMT, BK, GS, TILED)
     pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BK):
         # K slices are whole BK steps (check_gemm_args): the hint lets loads use 16-byte vectors
@@ -232,9 +245,9 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
             # next tile's loads go out before this tile is decoded; the last step re-reads its own
             # tile (an L1/L2 hit) instead of branching
             kn = tl.multiple_of(tl.minimum(k0 + BK, k_hi - BK), BK)
-            wn, sn = load_raw(w_ptr, s_ptr, rn2, kn, stride_w, stride_s, FMT, BK, GS)
+            wn, sn = load_raw(w_ptr, s_ptr, rn, kn, K, stride_w, stride_s, FMT, BK, GS, TILED)
         else:
-            wr, sr = load_raw(w_ptr, s_ptr, rn2, k0, stride_w, stride_s, FMT, BK, GS)
+            wr, sr = load_raw(w_ptr, s_ptr, rn, k0, K, stride_w, stride_s, FMT, BK, GS, TILED)
         w, s = decode_tile(wr, sr, FMT, BN, BK, GS, CUDA, PTX)
         acc0 += row_part(w, s, x_ptr, 0, M, stride_xm, k0, BK, GS, False, PRE)
         if BM > 1:
@@ -274,16 +287,19 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
                 out: torch.Tensor, ws: GemmWorkspace, *, fmt: int, alpha_mode: int, gs: int, n: int, k: int,
-                cfg: GemvConfig) -> torch.Tensor:
-    """Same arguments as _linear.launch_gemm (w: int32 words for NVFP4, uint8 for MXFP8)."""
+                cfg: GemvConfig, tiled: bool = False) -> torch.Tensor:
+    """Same arguments as _linear.launch_gemm (w: int32 words for NVFP4, uint8 for MXFP8; tiled: in the MMA tile
+    layout)."""
     if fmt not in (FMT_NVFP4, FMT_MXFP8):
         raise ValueError(f"fmt: the decode GEMV serves NVFP4 ({FMT_NVFP4}) and MXFP8 ({FMT_MXFP8}), found {fmt}")
     m = check_gemm_args(x, out, n, k, cfg, ws)
+    check_tiled(tiled, fmt, n, k)
     grid = (n // cfg.BN, cfg.SPLIT)
     gemv_stream[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0), out.stride(0), w.stride(0), s.stride(0),
         alpha_stride, FMT=fmt, ALPHA=alpha_mode, GS=gs, SPLIT=cfg.SPLIT, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-        PREFETCH=cfg.PREFETCH, CUDA=is_compiled(x), PTX=use_ptx(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=cfg.PREFETCH, CUDA=is_compiled(x), PTX=use_ptx(x), TILED=tiled, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 

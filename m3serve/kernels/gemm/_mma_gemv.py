@@ -88,8 +88,8 @@ class MmaGemvConfig:
 @functools.lru_cache(maxsize=None)
 def asm_args(fmt: int, rp: int, alpha: int, partial: bool, tiled: bool = False) -> dict:
     """The PTX blocks of one variant as the kernel's constexpr arguments (text, constraints, output counts).
-    tiled: NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4)."""
-    load, load_c = P.tiled_load_asm(rp) if tiled else P.load_asm(fmt, rp)
+    tiled: weights in the MMA tile layout (m3serve.quant.tiles)."""
+    load, load_c = P.tiled_load_asm(rp, fmt) if tiled else P.load_asm(fmt, rp)
     mma, mma_c = P.compute_asm(fmt, rp)
     xload, xload_c = P.xload_asm()
     store, store_c = P.store_asm(rp, P.MODE_PARTIAL if partial else P.MODE_FINAL, 0 if partial else alpha)
@@ -115,8 +115,10 @@ def asm_block(args, FLOAT: tl.constexpr, N_OUT: tl.constexpr, TEXT: tl.constexpr
 def step_addrs(w_row, s_row, k0, FMT: tl.constexpr, TILED: tl.constexpr = False):
     """Byte addresses of column k0 in the CTA's first weight row and its scale row (TILED: of the CTA's first
     tile of that step; a row block's tiles start where its first row does in the row-major layout)."""
-    if TILED:
+    if TILED and FMT == 0:
         return w_row + (k0 // 128) * 1024, s_row + (k0 // 128) * 128
+    elif TILED:
+        return w_row + (k0 // 128) * 2048, s_row + (k0 // 128) * 64
     elif FMT == 0:
         return w_row + k0 // 2, s_row + k0 // 16
     else:
@@ -223,9 +225,7 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
                     cfg: MmaGemvConfig, tiled: bool = False) -> torch.Tensor:
     """Same arguments as _linear.launch_gemm (w: int32 words for NVFP4, uint8 E4M3 for MXFP8). Compiled
     only: the raw calls send CPU tensors to _wstream with the same tiles (interpreted_config).
-    tiled: w and s are NVFP4 in the MMA tile layout of m3serve.quant.nvfp4.tile_nvfp4 (same shapes and strides)."""
-    if tiled and fmt != P.FMT_NVFP4:
-        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 only, found format {fmt}")
+    tiled: w and s are in the MMA tile layout of m3serve.quant.tiles (same shapes and strides)."""
     if x.device.type not in ("cuda", "meta"):
         raise ValueError(f"x: the MMA GEMV runs compiled only (inline PTX), found a {x.device.type} tensor; "
                          "the raw call interprets _wstream_gemm for CPU tensors")
@@ -296,7 +296,8 @@ def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tens
                 def words_at(k0: int) -> list[np.ndarray]:
                     k0 = min(k0, last)
                     if tiled:
-                        wk, sk = wa + n0 * stride_wb + (k0 // STEP) * 1024, sa + n0 * stride_sb + (k0 // STEP) * 128
+                        tw, ts = (1024, 128) if fmt == P.FMT_NVFP4 else (2048, 64)   # one tile's bytes / scales
+                        wk, sk = wa + n0 * stride_wb + (k0 // STEP) * tw, sa + n0 * stride_sb + (k0 // STEP) * ts
                         return E.run_block(blocks["LOAD"], warp, pair(wk, sk, 16 * stride_wb, 16 * stride_sb), n_load,
                                            mem)
                     wk = wa + n0 * stride_wb + (k0 // 2 if fmt == P.FMT_NVFP4 else k0)

@@ -95,21 +95,26 @@ def scale_regs(rp: int) -> int:
     return rp + (rp % 2)
 
 
-def tiled_load_asm(rp: int) -> tuple[str, str]:
-    """load_asm for NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4): a tile is one row block of 16
-    rows x one 128-column step, 1 KB [h, lane, 16 B] of words + 128 B [lane, h, 2 B] of scales, so each warp
-    instruction reads 512 (words) or 128 (scales) contiguous bytes. wk / sk: the CTA's first tile of the step;
-    sw / ss: bytes from one row block's tile to the next row block's."""
+def tiled_load_asm(rp: int, fmt: int = FMT_NVFP4) -> tuple[str, str]:
+    """load_asm for weights in the MMA tile layout (m3serve.quant.tiles), the same registers from the same rows. A
+    tile is one row block of 16 rows x one 128-column step, its bytes [h, v, lane, 16 B] (NVFP4: 1 KB, v = 0 only;
+    MXFP8: 2 KB, v = the lane's first or second 16 B of its 32) and its scales [lane, h] (NVFP4: 2 B each, 128 B;
+    MXFP8: 1 B each, 64 B), so each warp instruction reads 512 contiguous bytes of words (128 / 64 of scales).
+    wk / sk: the CTA's first tile of the step; sw / ss: bytes from one row block's tile to the next row block's."""
     o = _Operands()
-    o.out("W", word_regs(FMT_NVFP4, rp), "r")
+    o.out("W", word_regs(fmt, rp), "r")
     o.out("S", scale_regs(rp), "r")
     for name, c in (("wk", "l"), ("sk", "l"), ("sw", "r"), ("ss", "r")):
         o.inp(name, 2, c)
     r, cons = o.build()
     wk, sk, sw, ss = (r[n][0] for n in ("wk", "sk", "sw", "ss"))
     W = r["W"]
-    s = ["{", ".reg .b32 lane, tid, warp, rb, cb;", ".reg .b64 wa, sa, o64;",
-         f"""mov.u32 lane, %laneid;
+    per_row = word_regs(fmt, 1) // 2          # registers of one row: 4 (NVFP4) / 8 (MXFP8)
+    half = 512 * (per_row // 4)               # bytes of one h half of a tile
+    scale_bytes = 2 if fmt == FMT_NVFP4 else 1
+    s = ["{", ".reg .b32 lane, tid, warp, rb, cb;", ".reg .b64 wa, sa, o64;"] + ([] if fmt == FMT_NVFP4 else
+                                                                               [".reg .b16 hs;"])
+    s += [f"""mov.u32 lane, %laneid;
 mov.u32 tid, %tid.x;
 shr.u32 warp, tid, 5;
 mul.lo.u32 rb, warp, {rp};"""]
@@ -123,12 +128,17 @@ add.s64 wa, wa, o64;
 add.u32 cb, rb, {p};
 mul.wide.u32 o64, cb, {ss};
 add.s64 sa, {sk}, o64;
-shl.b32 cb, lane, 2;
+shl.b32 cb, lane, {scale_bytes};
 cvt.u64.u32 o64, cb;
-add.s64 sa, sa, o64;
-ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p:8 * p + 4])}}}, [wa+0];
-ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p + 4:8 * p + 8])}}}, [wa+512];
-ld.global.nc.L1::no_allocate.b32 {r['S'][p]}, [sa];""")
+add.s64 sa, sa, o64;""")
+        for h in range(2):
+            for v in range(per_row // 4):
+                regs = W[(2 * p + h) * per_row + 4 * v:(2 * p + h) * per_row + 4 * v + 4]
+                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs)}}}, [wa+{h * half + 512 * v}];")
+        if fmt == FMT_NVFP4:  # rows rA, rB: two E4M3 pairs, one word
+            s.append(f"ld.global.nc.L1::no_allocate.b32 {r['S'][p]}, [sa];")
+        else:                 # rows rA, rB: one E8M0 each, as load_asm's hA | hB << 8
+            s.append(f"ld.global.nc.L1::no_allocate.u16 hs, [sa];\ncvt.u32.u16 {r['S'][p]}, hs;")
     if scale_regs(rp) > rp:
         s.append(f"mov.b32 {r['S'][rp]}, 0;")
     s.append("}")

@@ -22,7 +22,8 @@ from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig, interpreted_config, la
 from m3serve.kernels.gemm._tiled import TiledGemmConfig, launch_tiled_gemm
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
-from m3serve.quant.mxfp8 import dequantize_mxfp8
+from m3serve.quant.mxfp8 import dequantize_mxfp8, tile_mxfp8, untile_mxfp8
+from m3serve.quant.tiles import tileable
 
 ENABLED = True  # the one switch: False sends every linear.mxfp8 call down the stock path
 
@@ -50,43 +51,53 @@ def _one(device: torch.device) -> torch.Tensor:
 
 
 def mxfp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                 workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig | MmaGemvConfig) -> torch.Tensor:
-    """Raw call. Writes and returns `out`. A GemvConfig selects the decode GEMV (gemm/_gemv.py)."""
+                 workspace: L.GemmWorkspace, config: L.GemmConfig | GemvConfig | MmaGemvConfig,
+                 tiled: bool = False) -> torch.Tensor:
+    """Raw call. Writes and returns `out`. A GemvConfig selects the decode GEMV (gemm/_gemv.py). tiled: q / scale
+    are in the MMA tile layout (m3serve.quant.mxfp8.tile_mxfp8), the layout the target holds them in; every config
+    reads it."""
     n, k = q.shape
     check_mxfp8_weight(q, scale, n, k)
+    qb = q.view(torch.uint8)
     if isinstance(config, TiledGemmConfig):  # prefill rows (linear.mxfp8.tiled, gemm/_tiled.py), same contract
-        return launch_tiled_gemm(x, q.view(torch.uint8), scale, _one(x.device), 0, out, fmt=FMT_MXFP8,
-                                 alpha_mode=0, gs=32, n=n, k=k, cfg=config)
+        return launch_tiled_gemm(x, qb, scale, _one(x.device), 0, out, fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k,
+                                 cfg=config, tiled=tiled)
     if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (gemm/_gemv.py), same contract
-        return launch_gemv(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
-                           fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k, cfg=config)
+        return launch_gemv(x, qb, scale, _one(x.device), 0, out, workspace, fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n,
+                           k=k, cfg=config, tiled=tiled)
     if isinstance(config, MmaGemvConfig):  # register-operand MMA GEMV for 1-8 rows (gemm/_mma_gemv.py)
         if is_compiled(x):
             if q.data_ptr() % 16:
                 raise ValueError(f"q: the MMA GEMV reads 16-byte vectors; expected a 16-byte aligned base, found "
                                  f"address % 16 = {q.data_ptr() % 16}")
-            return launch_mma_gemv(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
-                                   fmt=FMT_MXFP8, alpha_mode=0, n=n, k=k, cfg=config)
+            return launch_mma_gemv(x, qb, scale, _one(x.device), 0, out, workspace, fmt=FMT_MXFP8, alpha_mode=0, n=n,
+                                   k=k, cfg=config, tiled=tiled)
         config = interpreted_config(config)  # CPU: the same tiles through the interpreted _wstream kernel
-    return L.launch_gemm(x, q.view(torch.uint8), scale, _one(x.device), 0, out, workspace,
-                         fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n, k=k, cfg=config)
+    return L.launch_gemm(x, qb, scale, _one(x.device), 0, out, workspace, fmt=FMT_MXFP8, alpha_mode=0, gs=32, n=n,
+                         k=k, cfg=config, tiled=tiled)
 
 
-def mxfp8_linear_reference(x, q, scale, out=None, workspace=None, config=None) -> torch.Tensor:
+def _dequant(q: torch.Tensor, scale: torch.Tensor, tiled: bool = False, dtype=torch.float32) -> torch.Tensor:
+    if tiled:
+        q, scale = untile_mxfp8(q, scale)
+    return dequantize_mxfp8(q, scale, dtype)
+
+
+def mxfp8_linear_reference(x, q, scale, out=None, workspace=None, config=None, tiled: bool = False) -> torch.Tensor:
     """fp32 [M, N] = x.float() @ dequantize_mxfp8(q, scale).T in true fp32."""
     with true_fp32():
-        return x.float() @ dequantize_mxfp8(q, scale).T
+        return x.float() @ _dequant(q, scale, tiled).T
 
 
-def mxfp8_linear_stock(x, q, scale, out=None, workspace=None, config=None) -> torch.Tensor:
-    return x @ dequantize_mxfp8(q, scale, torch.bfloat16).T
+def mxfp8_linear_stock(x, q, scale, out=None, workspace=None, config=None, tiled: bool = False) -> torch.Tensor:
+    return x @ _dequant(q, scale, tiled, torch.bfloat16).T
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, case: Case) -> None:
     """Band: gemm_band (one bf16 ulp + 2*K*u*sum|x*w|); the decoded weights are exact."""
     x, q, scale = case.args[:3]
     with true_fp32():
-        absprod = x.float().abs() @ dequantize_mxfp8(q, scale).abs().T
+        absprod = x.float().abs() @ _dequant(q, scale, case.kwargs.get("tiled", False)).abs().T
     assert_band("linear.mxfp8", out, ref, gemm_band(ref, absprod, x.shape[1]))
 
 
@@ -107,10 +118,13 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
         scale = torch.full((n, k // 32), 127, dtype=torch.uint8, device=device)
     else:  # 2**-17 .. 2**8: the range real MXFP8 checkpoints use, extremes included
         scale = torch.randint(110, 136, (n, k // 32), generator=device_rng(gen, device), dtype=torch.uint8, device=device)
+    tiled = tileable("mxfp8", q, scale)
+    if tiled:  # the layout the target holds the weight in (every config reads it)
+        q, scale = tile_mxfp8(q, scale)
     x = L.fresh_x(rows, k, device, gen)
     out = poisoned((rows, n), torch.bfloat16, device)
     ws = make_workspace(cfg, n, device)
-    return Case(args=(x, q, scale, out, ws, cfg), kwargs={},
+    return Case(args=(x, q, scale, out, ws, cfg), kwargs={"tiled": tiled},
                 bytes_moved=n * k + n * k // 32 + rows * k * 2 + rows * n * 2)
 
 

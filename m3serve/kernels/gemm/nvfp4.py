@@ -45,7 +45,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     """Raw call. Writes and returns `out`. `global_scale` may also be a [N] fp32 vector (one
     ENCODE scale per output row; used by the fused projection entry). tiled: packed / block_scale are in
     the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4), the layout the target holds them in; every
-    config but the CUDA-core GEMV reads it."""
+    config reads it."""
     n, k = packed.shape[0], packed.shape[1] * 2
     check_nvfp4_weight(packed, block_scale, n, k)
     check_tensor("global_scale", global_scale, torch.float32, device=x.device)
@@ -57,11 +57,8 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
         return launch_tiled_gemm(x, w, s, global_scale, stride, out, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n, k=k,
                                  cfg=config, tiled=tiled)
     if isinstance(config, GemvConfig):  # decode GEMV for 1-4 rows (gemm/_gemv.py), same contract
-        if tiled:
-            raise ValueError(f"config: the CUDA-core GEMV ({config}) reads row-major NVFP4 only; the tile layout "
-                             "goes to the MMA GEMV (MmaGemvConfig)")
         return launch_gemv(x, w, s, global_scale, stride, out, workspace, fmt=FMT_NVFP4, alpha_mode=2, gs=16, n=n,
-                           k=k, cfg=config)
+                           k=k, cfg=config, tiled=tiled)
     if isinstance(config, MmaGemvConfig):  # register-operand MMA GEMV for 1-8 rows (gemm/_mma_gemv.py)
         if is_compiled(x):
             return launch_mma_gemv(x, w, s, global_scale, stride, out, workspace, fmt=FMT_NVFP4, alpha_mode=2, n=n,
@@ -105,12 +102,6 @@ def compare(out: torch.Tensor, ref: torch.Tensor, case: Case) -> None:
     assert_band("linear.nvfp4", out, ref, gemm_band(ref, absprod, x.shape[1]))
 
 
-def reads_tiles(config) -> bool:
-    """Whether a cell's config reads the MMA tile layout the target holds NVFP4 weights in (every config but the
-    CUDA-core GEMV, which no NVFP4 cell uses)."""
-    return not isinstance(config, GemvConfig)
-
-
 def random_nvfp4_weight(n: int, k: int, device: torch.device, gen: torch.Generator | None) -> tuple[torch.Tensor, ...]:
     """Uniform random codes (all 16 E2M1 codes, -0 included), random finite non-negative E4M3
     block scales (subnormals and 0 included) and a realistic ENCODE scale 2688 / amax.
@@ -131,7 +122,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     n, k = cell.shape
     cfg: L.GemmConfig = cell.config["gemm"]
     packed, scale, gs = random_nvfp4_weight(n, k, device, gen)
-    tiled = reads_tiles(cfg) and tileable(packed, scale)
+    tiled = tileable(packed, scale)
     if tiled:  # the layout the target holds the weight in
         packed, scale = tile_nvfp4(packed, scale)
     x = L.fresh_x(rows, k, device, gen)
@@ -145,8 +136,8 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 # 8 token columns ride in one MMA). Rows 2-8 row-major: 1.5-3.3x the tensor-core cells at 4 / 8 rows
 # (bench/results/gemv_variants/gemv_variants-h200-mma-2026-12-01.json, family r1w4s2c1056). Row 1: in the tile
 # layout it is ahead of the CUDA-core GEMV on row-major weights (g16x512w4, the former row-1 cell) on all six M3
-# shapes, 10.6-36.4 us against 10.7-40.3 us (bench/results/tiled_layout/tiled-layout-h200.json), and that GEMV
-# cannot read the tile layout. The GEMV family stays defined for the MXFP8 / FP8 comparisons of the benches.
+# shapes, 10.6-36.4 us against 10.7-40.3 us (bench/results/tiled_layout/tiled-layout-h200.json). The GEMV family
+# stays defined for the benches' comparisons (the GEMV reads either layout).
 GEMV_FAMILY = {"BN": 16, "BK": 512, "num_warps": 4, "programs": 528, "PREFETCH": True, "num_stages": 1}
 GEMV_ROWS = ()
 MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "ctas": 1056}

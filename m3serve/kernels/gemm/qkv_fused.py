@@ -23,7 +23,7 @@ from m3serve.kernels.gemm._gemm_tiles import make_workspace
 from m3serve.kernels.gemm import _linear as L
 from m3serve.kernels.gemm import fp8 as linear_fp8, mxfp8 as linear_mxfp8, nvfp4 as linear_nvfp4
 from m3serve.kernels.catalog import Case, Cell, Entry, assert_band, device_rng, gemm_band, poisoned, true_fp32
-from m3serve.quant.nvfp4 import tile_nvfp4, tileable
+from m3serve.quant.tiles import tileable, to_layout
 
 ENABLED = True  # the one switch for all three fused-projection entries
 
@@ -80,10 +80,10 @@ def split_projection(out: torch.Tensor, splits: Sequence[int]) -> tuple[torch.Te
 def _make(fmt: str, raw: Callable, ref: Callable, stock: Callable, weight_bytes: float,
           random_part: Callable[[int, int, torch.device, torch.Generator | None], tuple], dequant: Callable,
           gemv: tuple[dict, tuple] | None = None, mma: tuple[dict, tuple] | None = None,
-          tiles: Callable | None = None) -> Entry:
+          tiles: bool = False) -> Entry:
     """gemv: the linear entry's decode GEMV family and row ranges, so a fused projection at 1-4 rows streams its
-    weight with the same kernel the separate projections would use. tiles(config): whether a cell's config reads
-    the MMA tile layout (NVFP4): its cases then hold the fused weight in that layout, as the target does."""
+    weight with the same kernel the separate projections would use. tiles: the format has the MMA tile layout
+    (NVFP4, MXFP8), which every cell reads: the cases hold the fused weight in it, as the target does."""
     name = f"qkv.{fmt}"
 
     def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
@@ -92,8 +92,8 @@ def _make(fmt: str, raw: Callable, ref: Callable, stock: Callable, weight_bytes:
         fused = fuse_projection_weights(fmt, [random_part(r, k, device, gen) for r in split])
         cfg: L.GemmConfig = cell.config["gemm"]
         weights, kwargs = fused.tensors, {}
-        if tiles is not None and tiles(cfg) and tileable(*weights[:2]):
-            weights, kwargs = (*tile_nvfp4(*weights[:2]), *weights[2:]), {"tiled": True}
+        if tiles and tileable(fmt, *weights[:2]):
+            weights, kwargs = (*to_layout(fmt, *weights[:2], "rows", "mma_tile"), *weights[2:]), {"tiled": True}
         x = L.fresh_x(rows, k, device, gen)
         out = poisoned((rows, n), torch.bfloat16, device)
         ws = make_workspace(cfg, n, device)
@@ -143,11 +143,11 @@ def _fp8_part(r: int, k: int, device: torch.device, gen: torch.Generator | None)
 QKV_NVFP4 = _make("nvfp4", linear_nvfp4.nvfp4_linear, linear_nvfp4.nvfp4_linear_reference,
                   linear_nvfp4.nvfp4_linear_stock, linear_nvfp4.WEIGHT_BYTES, _nvfp4_part, linear_nvfp4._dequant,
                   gemv=(linear_nvfp4.GEMV_FAMILY, linear_nvfp4.GEMV_ROWS),
-                  mma=(linear_nvfp4.MMA_FAMILY, linear_nvfp4.MMA_ROWS), tiles=linear_nvfp4.reads_tiles)
+                  mma=(linear_nvfp4.MMA_FAMILY, linear_nvfp4.MMA_ROWS), tiles=True)
 QKV_MXFP8 = _make("mxfp8", linear_mxfp8.mxfp8_linear, linear_mxfp8.mxfp8_linear_reference,
                   linear_mxfp8.mxfp8_linear_stock, linear_mxfp8.WEIGHT_BYTES, _mxfp8_part,
-                  lambda q, s: linear_mxfp8.dequantize_mxfp8(q, s), gemv=(linear_mxfp8.GEMV_FAMILY, linear_mxfp8.GEMV_ROWS),
-                  mma=(linear_mxfp8.MMA_FAMILY, linear_mxfp8.MMA_ROWS))
+                  linear_mxfp8._dequant, gemv=(linear_mxfp8.GEMV_FAMILY, linear_mxfp8.GEMV_ROWS),
+                  mma=(linear_mxfp8.MMA_FAMILY, linear_mxfp8.MMA_ROWS), tiles=True)
 QKV_FP8 = _make("fp8", linear_fp8.fp8_linear, linear_fp8.fp8_linear_reference, linear_fp8.fp8_linear_stock, 1.0,
                 _fp8_part, linear_fp8._dequant)
 ENTRIES = (QKV_NVFP4, QKV_MXFP8, QKV_FP8)

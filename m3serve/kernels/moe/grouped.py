@@ -73,7 +73,7 @@ from m3serve.kernels.gemm.mxfp8 import random_e4m3
 from m3serve.kernels.moe.nvfp4 import SWIGLU_ALPHA, SWIGLU_LIMIT, check_swiglu, random_experts, swiglu_oai_ref
 from m3serve.model.layers import swiglu_oai
 from m3serve.model.qweight import QWeight
-from m3serve.quant.nvfp4 import tile_nvfp4, tileable
+from m3serve.quant.tiles import tileable, to_layout
 
 ENABLED = True  # the one switch: False sends moe.grouped calls down the stock path
 
@@ -292,6 +292,11 @@ def _check_decode_once(fmt: int, cfg: GroupedConfig, e: int, h: int, i: int, ws:
                          f"{None if not isinstance(wd, torch.Tensor) else (wd.dtype, tuple(wd.shape), wd.device)}")
 
 
+def _tiles(fmt: int, w, s) -> bool:
+    """Whether experts of format `fmt` ((w, s) as the raw call takes them) have the MMA tile layout."""
+    return fmt in (FMT_NVFP4, FMT_MXFP8) and tileable(FMT_NAMES[fmt], w, s)
+
+
 def decode_group(fmt: int, w, s, e0: int, eg: int, wdec: torch.Tensor, cfg: GroupedConfig,
                  tiled: bool = False) -> torch.Tensor:
     """Experts e0 .. e0 + eg - 1 of a stacked quantized weight [E, N, K] (the raw call's (w, s) tensors; tiled:
@@ -313,7 +318,7 @@ def expert_launches(x, fmt: int, w13, s13, f13, w2, s2, f2, ws: GroupedWorkspace
     and one down launch over every block. Decode-once band: per group of EXPERT_GROUP experts, decode gate|up into
     ws.wdec, gate|up on it (that group's blocks), decode down into ws.wdec, down on it. decode / gemm False leave
     out the decode or the GEMM launches (bench/moe_grouped.py times them apart; the raw call runs both). tiled:
-    NVFP4 experts in the MMA tile layout (the decode-once scratch is row-major bf16 whatever it is)."""
+    NVFP4 / MXFP8 experts in the MMA tile layout (the decode-once scratch is row-major bf16 whatever it is)."""
     t, h = x.shape
     e = w13.shape[0]
     i = w2.shape[-1] * (2 if fmt == FMT_NVFP4 else 1)
@@ -330,14 +335,14 @@ def expert_launches(x, fmt: int, w13, s13, f13, w2, s2, f2, ws: GroupedWorkspace
         grouped_gate_up[(nb * (i // cfg.BN),)](
             x, wa, sa, c13, ws.pair, ws.blk_e, ws.act, t, length, nb, h, i, e0, eg, p13, x.stride(0),
             float(swiglu_alpha), float(swiglu_limit), A=top_k, FMT=wfmt, RF=fmt, GS=_GS[wfmt], BM=cfg.BM, BN=cfg.BN,
-            BK=cfg.BK, GM=cfg.GM, CUDA=cuda, PTX=ptx, TILED=tiled and wfmt == FMT_NVFP4, num_warps=up_warps,
+            BK=cfg.BK, GM=cfg.GM, CUDA=cuda, PTX=ptx, TILED=tiled and wfmt != FMT_BF16, num_warps=up_warps,
             num_stages=up_stages)
 
     def down(wa, sa, e0, eg, wfmt):
         grouped_down[(nb * (h // cfg.dbn),)](
             ws.act, wa, sa, c2, ws.pair, ws.blk_e, ws.y, t, length, nb, h, i, e0, eg, p2, FMT=wfmt, RF=fmt,
             GS=_GS[wfmt], BM=cfg.BM, BN=cfg.dbn, BK=cfg.dbk, GM=cfg.GM, CUDA=cuda, PTX=ptx,
-            TILED=tiled and wfmt == FMT_NVFP4, num_warps=dn_warps, num_stages=dn_stages)
+            TILED=tiled and wfmt != FMT_BF16, num_warps=dn_warps, num_stages=dn_stages)
 
     if not cfg.DECODE_ONCE:
         if gemm:
@@ -422,8 +427,8 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
                 swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
                 tiled: bool = False) -> torch.Tensor:
     """Raw call: routing and grouping (torch ops), then three launches, all on the current stream and free of
-    host syncs. Writes and returns `out`; workspace.act / .y and the routing stay readable. tiled: NVFP4 experts
-    in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4, per expert matrix), the layout the target holds."""
+    host syncs. Writes and returns `out`; workspace.act / .y and the routing stay readable. tiled: NVFP4 / MXFP8
+    experts in the MMA tile layout (m3serve.quant.tiles, per expert matrix), the layout the target holds."""
     cfg = config
     check_swiglu(swiglu_alpha, swiglu_limit)
     if fmt not in FMT_NAMES:
@@ -445,9 +450,9 @@ def moe_grouped(x, router_w, router_bias, fmt: int, w13, s13, f13, w2, s2, f2, s
     i = w2.shape[-1] * (2 if fmt == FMT_NVFP4 else 1)
     _check_weight("w13", fmt, w13, s13, f13, e, 2 * i, h, dev)
     _check_weight("w2", fmt, w2, s2, f2, e, h, i, dev)
-    if tiled and (fmt != FMT_NVFP4 or not (tileable(w13, s13) and tileable(w2, s2))):
-        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 experts with H and I multiples of 128, "
-                         f"found {FMT_NAMES[fmt]} experts, H={h}, I={i}")
+    if tiled and not (_tiles(fmt, w13, s13) and _tiles(fmt, w2, s2)):
+        raise ValueError(f"tiled: the MMA tile layout is defined for NVFP4 and MXFP8 experts with H and I multiples of "
+                         f"128, found {FMT_NAMES[fmt]} experts, H={h}, I={i}")
     bk_unit = 32 if fmt == FMT_MXFP8 else 16
     for what, size, tile in (("H", h, cfg.BK), ("I", i, cfg.BN), ("I", i, cfg.dbk), ("H", h, cfg.dbn),
                              ("H", h, cfg.CBH)):
@@ -497,7 +502,7 @@ def qweight_of(fmt: int, w, s, f, tiled: bool = False) -> QWeight:
     if fmt == FMT_FP8:
         return QWeight("fp8", {"q": w, "scale": f})
     if fmt == FMT_MXFP8:
-        return QWeight("mxfp8", {"q": w, "scale": s})
+        return QWeight("mxfp8", {"q": w, "scale": s}, "mma_tile" if tiled else "rows")
     return QWeight("nvfp4", {"packed": w, "scale": s, "global_scale": f}, "mma_tile" if tiled else "rows")
 
 
@@ -695,9 +700,10 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     per_elem = {FMT_NVFP4: 9 / 16, FMT_MXFP8: 33 / 32, FMT_FP8: 1.0, FMT_BF16: 2.0}[fmt]
     wbytes = int(min(e, rows * a) * 3 * h * i * per_elem)
     kwargs = {"top_k": a}
-    if fmt == FMT_NVFP4 and tileable(w13, s13) and tileable(w2, s2):  # the layout the target holds them in
-        w13, s13 = tile_nvfp4(w13, s13)
-        w2, s2 = tile_nvfp4(w2, s2)
+    if _tiles(fmt, w13, s13) and _tiles(fmt, w2, s2):  # the layout the target holds them in
+        name = FMT_NAMES[fmt]
+        w13, s13 = to_layout(name, w13, s13, "rows", "mma_tile")
+        w2, s2 = to_layout(name, w2, s2, "rows", "mma_tile")
         kwargs["tiled"] = True
     return Case(args=(x, router_w, bias, fmt, w13, s13, f13, w2, s2, f2, shared, 2.0, out, ws, cfg),
                 kwargs=kwargs, bytes_moved=wbytes + e * h * 4 + rows * h * 6)

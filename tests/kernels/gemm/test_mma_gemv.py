@@ -20,6 +20,7 @@ from m3serve.kernels.gemm import _mma_ptx as P
 from m3serve.kernels.gemm import mxfp8 as LM
 from m3serve.kernels.gemm import nvfp4 as LN
 from m3serve.kernels.catalog import Case
+from m3serve.quant.mxfp8 import tile_mxfp8
 from m3serve.quant.nvfp4 import tile_nvfp4
 
 CPU = torch.device("cpu")
@@ -201,4 +202,26 @@ def test_tiled_layout_gives_the_same_bits(rp, warps, split, rows, stages) -> Non
                                                                          bytes_moved=0))
     # the layout is a permutation: a row-major read of the tiled bytes is wrong
     yw = G.emulate(x, tp.view(torch.int32), ts.view(torch.uint8), gs.reshape(-1), 0, **kw)
+    assert not torch.equal(yw.view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.parametrize("warps,split,rows,stages", [(2, 1, 3, 2), (4, 2, 8, 3), (2, 2, 1, 2)])
+def test_mxfp8_tiled_layout_gives_the_same_bits(warps, split, rows, stages) -> None:
+    """MXFP8 in the MMA tile layout (tile_mxfp8 + tiled_load_asm(fmt=MXFP8): 2 KB tiles, each of a lane's 16-byte
+    halves its own 512 B warp load) feeds every lane the same registers as the row-major layout: bit-identical."""
+    cfg = G.MmaGemvConfig(SPLIT=split, RP=1, num_warps=warps, STAGES=stages)
+    gen = torch.Generator().manual_seed(91 + rows)
+    n, k = cfg.BN * 2, G.STEP * 2 * split
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    q = LM.random_e4m3((n, k), gen, CPU)
+    scale = torch.randint(118, 130, (n, k // 32), generator=gen, dtype=torch.uint8)
+    tq, ts = tile_mxfp8(q, scale)
+    assert not torch.equal(tq.view(torch.uint8), q.view(torch.uint8)) and not torch.equal(ts, scale)
+    kw = dict(fmt=P.FMT_MXFP8, alpha_mode=0, n=n, k=k, cfg=cfg)
+    one = torch.ones(1)
+    y = G.emulate(x, q.view(torch.uint8), scale, one, 0, **kw)
+    yt = G.emulate(x, tq.view(torch.uint8), ts, one, 0, tiled=True, **kw)
+    assert torch.equal(y.view(torch.int16), yt.view(torch.int16))
+    LM.compare(yt, LM.mxfp8_linear_reference(x, q, scale), Case(args=(x, q, scale), kwargs={}, bytes_moved=0))
+    yw = G.emulate(x, q.view(torch.uint8), scale, one, 0, tiled=True, **kw)
     assert not torch.equal(yw.view(torch.int16), y.view(torch.int16))

@@ -1,20 +1,23 @@
-"""The MMA tile layout of NVFP4 weights (m3serve.quant.nvfp4.tile_nvfp4) read by every linear.nvfp4 / qkv / tiled
-prefill config on the CPU (interpreter): the same bits out as the row-major weight, and reading a row-major weight
-as tiled gives a different answer (so the flag reaches the kernels)."""
+"""The MMA tile layout of NVFP4 and MXFP8 weights (m3serve.quant.tiles) read by every linear.nvfp4 / linear.mxfp8
+config (GEMV, tensor-core, the MMA GEMV's CPU run, tiled prefill, decode-once) on the CPU (interpreter): the same
+bits out as the row-major weight, and reading a row-major weight as tiled gives a different answer (so the flag
+reaches the kernels)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from m3serve.kernels.gemm import nvfp4 as LN
+from m3serve.kernels.gemm import mxfp8 as LM, nvfp4 as LN
 from m3serve.kernels.gemm._gemm_tiles import GemmConfig, make_workspace
 from m3serve.kernels.gemm._linear import fresh_x
 from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig
 from m3serve.kernels.gemm._tiled import TiledGemmConfig
 from m3serve.kernels.gemm._gemv import GemvConfig
 from m3serve.kernels.catalog import poisoned
-from m3serve.quant.nvfp4 import tile_nvfp4, tileable, to_layout, untile_nvfp4
+from m3serve.quant.mxfp8 import tile_mxfp8
+from m3serve.quant.nvfp4 import tile_nvfp4, tileable, untile_nvfp4
+from m3serve.quant.tiles import to_layout
 
 N, K = 64, 256
 
@@ -31,6 +34,7 @@ CONFIGS = [
     (MmaGemvConfig(SPLIT=2, RP=1, num_warps=2), 1),          # the CPU runs its tiles through _wstream
     (TiledGemmConfig(BM=16, BN=32, BK=64, num_warps=4), 20),
     (TiledGemmConfig(BM=16, BN=64, BK=128, DEQUANT_MM=True), 33),
+    (GemvConfig(BM=1, BN=16, BK=128, SPLIT=2), 1),
 ]
 
 
@@ -47,13 +51,24 @@ def test_every_linear_config_reads_the_tile_layout_bit_for_bit(cfg, rows):
     assert not torch.equal(wrong.view(torch.int16), ref.view(torch.int16))
 
 
-def test_the_cuda_core_gemv_refuses_tiles():
-    packed, scale, gs = LN.random_nvfp4_weight(N, K, torch.device("cpu"), torch.Generator().manual_seed(0))
-    tp, ts = tile_nvfp4(packed, scale)
-    cfg = GemvConfig(BM=1, BN=16, BK=128, SPLIT=1)
-    x = fresh_x(1, K, torch.device("cpu"), torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match="CUDA-core GEMV"):
-        _run(cfg, 1, tp, ts, gs, x, tiled=True)
+MX_CONFIGS = CONFIGS + [(GemvConfig(BM=2, BN=32, BK=256, SPLIT=1), 2)]
+
+
+@pytest.mark.parametrize("cfg,rows", MX_CONFIGS, ids=lambda v: type(v).__name__ if not isinstance(v, int) else str(v))
+def test_every_mxfp8_config_reads_the_tile_layout_bit_for_bit(cfg, rows):
+    gen = torch.Generator().manual_seed(100 + rows)
+    q = LM.random_e4m3((N, K), gen, torch.device("cpu"))
+    scale = torch.randint(112, 136, (N, K // 32), generator=gen, dtype=torch.uint8)
+    x = fresh_x(rows, K, torch.device("cpu"), gen)
+
+    def run(q_, s_, tiled):
+        out = poisoned((rows, N), torch.bfloat16, torch.device("cpu"))
+        return LM.mxfp8_linear(x, q_, s_, out, make_workspace(cfg, N, torch.device("cpu")), cfg, tiled=tiled)
+
+    ref = run(q, scale, False)
+    tq, ts = tile_mxfp8(q, scale)
+    assert torch.equal(run(tq, ts, True).view(torch.int16), ref.view(torch.int16))
+    assert not torch.equal(run(q, scale, True).view(torch.int16), ref.view(torch.int16))
 
 
 def test_tiles_are_a_permutation_inside_blocks_of_16_rows_and_128_columns():
@@ -75,9 +90,9 @@ def test_tiles_are_a_permutation_inside_blocks_of_16_rows_and_128_columns():
     soff = 16 * 16 + 128 + g * 16 + c * 4 + h * 2
     assert torch.equal(ts[1].view(torch.uint8).reshape(-1)[soff:soff + 2],
                        scale[1, row, 8 + 2 * c:8 + 2 * c + 2].view(torch.uint8))
-    assert to_layout(packed, scale, "rows", "rows")[0] is packed
+    assert to_layout("nvfp4", packed, scale, "rows", "rows")[0] is packed
     with pytest.raises(ValueError, match="layout"):
-        to_layout(packed, scale, "rows", "cols")
+        to_layout("nvfp4", packed, scale, "rows", "cols")
     assert not tileable(packed[:, :24], scale[:, :24])
     with pytest.raises(ValueError, match="N % 16"):
         tile_nvfp4(packed[:, :24], scale[:, :24])

@@ -1,4 +1,4 @@
-"""The MoE entries read NVFP4 experts in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4) on the CPU
+"""The MoE entries read NVFP4 (and moe.grouped MXFP8) experts in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4) on the CPU
 (interpreter): moe.nvfp4 (its tensor-core config and the CPU run of its MMA config) and moe.grouped (in-register,
 decode-once and decode-ahead bands) give the same bits as on the row-major experts, and row-major experts read as
 tiles give something else (the flag reaches the kernels). The PTX of the MMA step on tiles: test_mma_moe.py."""
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from m3serve.kernels.catalog import Cell
-from m3serve.kernels.formats._decode import FMT_NVFP4
+from m3serve.kernels.formats._decode import FMT_FP8, FMT_MXFP8, FMT_NVFP4
 from m3serve.kernels.moe import grouped as G
 from m3serve.kernels.moe import nvfp4 as M
 from m3serve.kernels.moe._mma import MmaMoEConfig
 from m3serve.quant.nvfp4 import untile_nvfp4
+from m3serve.quant.tiles import to_layout
 
 CPU = torch.device("cpu")
 
@@ -71,13 +72,18 @@ BANDS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", BANDS, ids=["in-register", "decode-once", "decode-ahead"])
-def test_moe_grouped_reads_tiles_bit_for_bit(cfg):
+@pytest.mark.parametrize("fmt,cfg", [(FMT_NVFP4, c) for c in BANDS] + [(FMT_MXFP8, BANDS[0]), (FMT_MXFP8, BANDS[1])],
+                         ids=["nvfp4-in-register", "nvfp4-decode-once", "nvfp4-decode-ahead", "mxfp8-in-register",
+                              "mxfp8-decode-once"])
+def test_moe_grouped_reads_tiles_bit_for_bit(fmt, cfg):
     e, h, i, a, rows = 8, 256, 128, 2, 9
-    cell = Cell(rows=(rows, rows), shape=(FMT_NVFP4, e, h, i, a), why="test", config={"moe": cfg, "shared": True})
+    cell = Cell(rows=(rows, rows), shape=(fmt, e, h, i, a), why="test", config={"moe": cfg, "shared": True})
     case = G.make_case(cell, rows, CPU, torch.Generator().manual_seed(7))
     assert case.kwargs["tiled"]
-    rows_args = _untiled_args(case.args, ((4, 5), (7, 8)))
+    name = G.FMT_NAMES[fmt]
+    rows_args = list(case.args)
+    for w, s in ((4, 5), (7, 8)):
+        rows_args[w], rows_args[s] = to_layout(name, case.args[w], case.args[s], "mma_tile", "rows")
     kw = {k: v for k, v in case.kwargs.items() if k != "tiled"}
 
     def run(args, tiled):
@@ -92,10 +98,15 @@ def test_moe_grouped_reads_tiles_bit_for_bit(cfg):
     assert not torch.equal(_bits(run(rows_args, True)), _bits(ref))
 
 
-def test_tiles_need_nvfp4_experts_the_layout_covers():
+def test_tiles_need_experts_the_layout_covers():
     cfg = G.GroupedConfig(BM=16, BN=32, BK=32, CBH=64, CBT=2)
     cell = Cell(rows=(2, 2), shape=(FMT_NVFP4, 8, 64, 32, 2), why="test", config={"moe": cfg, "shared": False})
     case = G.make_case(cell, 2, CPU, torch.Generator().manual_seed(1))
     assert "tiled" not in case.kwargs        # H = 64: no tile layout, the case stays row-major
     with pytest.raises(ValueError, match="tile layout"):
+        G.moe_grouped(*case.args, **case.kwargs, tiled=True)
+    fp8 = Cell(rows=(2, 2), shape=(FMT_FP8, 8, 256, 128, 2), why="test", config={"moe": cfg, "shared": False})
+    case = G.make_case(fp8, 2, CPU, torch.Generator().manual_seed(1))
+    assert "tiled" not in case.kwargs        # FP8 has no tile layout
+    with pytest.raises(ValueError, match="NVFP4 and MXFP8"):
         G.moe_grouped(*case.args, **case.kwargs, tiled=True)
