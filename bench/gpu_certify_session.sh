@@ -109,10 +109,13 @@ layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU
     --iters 20 --name kernel-variants-moe-tiles-h200.json --out-dir "$OUT"
   ;;
 layout-decode)  # the decode step with the tile layout vs row-major side by side (route target vs target-rows, the
-               # per-kernel-class GPU time of each), minimax-m3:5 and minimax-m3:24, batch 1 and 8
-  phase decode-tile-layout ${T_B:-480} python3 bench/decode.py --models minimax-m3:5,minimax-m3:24 --batch 1,8 \
+               # per-kernel-class GPU time of each), minimax-m3:5 and minimax-m3:24, batch 1 and 8; then the 8k
+               # prefill of minimax-m3:5 in both layouts (its in-register GEMMs read the tiles too)
+  phase decode-tile-layout ${T_B:-400} python3 bench/decode.py --models minimax-m3:5,minimax-m3:24 --batch 1,8 \
     --context 512 --steps 20 --routes target,target-rows --quantization nvfp4 \
     --out "$OUT/decode-target-h200-tile-layout.json"
+  phase prefill-tile-layout ${T_C:-150} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
+    --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-h200.json"
   ;;
 moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on a side stream while this group's
             # GEMM runs): GPU tests (bit-equal to serial, capture, no host sync), the layer timed serial vs ahead,

@@ -77,10 +77,11 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 
 
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
-                 profile_dir: str | None = None, graph_tokens: int = 0):
+                 profile_dir: str | None = None, graph_tokens: int = 0, weight_layout: str | None = None):
     from m3serve import LLM, SamplingParams
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
-              max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens)
+              max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens,
+              weight_layout=weight_layout)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in tokens:
@@ -96,10 +97,11 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
         ttft = statistics.median(times)
         rows.append({"engine": "m3serve", "model": model, "quantization": quant or "none", "tokens": n,
                      "chunk": chunk, "ttft_s": ttft, "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
-                     "prefill_graph_tokens": graph_tokens})
+                     "prefill_graph_tokens": graph_tokens, "weight_layout": weight_layout or "mma_tile"})
         print(json.dumps(rows[-1]), flush=True)
         if profile_dir:
-            profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}.txt"))
+            profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}"
+                                                     f"{'-rows' if weight_layout == 'rows' else ''}.txt"))
     cfg = llm.model.cfg
     llm.shutdown()
     del llm
@@ -159,6 +161,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile-dir", default=None, help="also write a torch-profiler kernel table per row here")
+    ap.add_argument("--weight-layouts", default="default",
+                    help="comma list: m3serve rows per NVFP4 / MXFP8 weight layout (default = mma_tile, or rows)")
     ap.add_argument("--prefill-graph-tokens", default="0",
                     help="comma list: m3serve rows per value of EngineConfig.prefill_graph_tokens (0: eager steps)")
     args = ap.parse_args()
@@ -167,9 +171,10 @@ def main() -> int:
     results, cfg = [], None
     for q in args.quant.split(","):
         for g in (int(v) for v in args.prefill_graph_tokens.split(",")):
-            rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
-                                     args.device, args.profile_dir, g)
-            results += rows
+            for lay in args.weight_layouts.split(","):
+                rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
+                                         args.device, args.profile_dir, g, None if lay == "default" else lay)
+                results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

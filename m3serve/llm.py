@@ -64,7 +64,8 @@ class LLM:
                  tensor_parallel_size: int = 1, cpu_threads: int | None = None,
                  speculative_config: dict | None = None, route: str | None = None, enforce_eager: bool = False,
                  kv_scales: str | None = "auto", kv_fp8_layers: tuple[int, ...] | str = "auto",
-                 kv_rotation: int | None | str = "auto", tokenizer: str | None = None, **engine_kwargs):
+                 kv_rotation: int | None | str = "auto", tokenizer: str | None = None, weight_layout: str | None = None,
+                 **engine_kwargs):
         """route: "off" (stock path), "auto" (certified Triton entries where a module's rows and shape lie in a
         cell, stock elsewhere) or "require" (raise outside the cells). Default: auto on CUDA, off on CPU. The
         mode belongs to this LLM's model (two LLMs in one process route independently); tensor-parallel
@@ -80,6 +81,9 @@ class LLM:
         None = unrotated; "auto" = the `rotation` of the kv_scales.json that kv_scales selects (unrotated when
         that file has none), else the default seed.
         tokenizer: a directory holding the tokenizer (vLLM's argument), when it is not the model's.
+        weight_layout: how the decode target holds NVFP4 / MXFP8 weights: None (default) = "mma_tile", the layout
+        every kernel of those formats reads fastest (docs/kernels.md); "rows" keeps the checkpoint's row-major bytes
+        (for side-by-side measurements). Ignored with routing off and by tensor-parallel workers (stock path).
         Other keyword arguments: EngineConfig's (max_model_len, max_num_seqs, kv_cache_dtype, ...); vLLM's that do
         not apply here are accepted with one warning naming them (m3serve.vllm_args.IGNORED)."""
         engine_kwargs = split_kwargs(engine_kwargs, EngineConfig, _TP_ONLY, tensor_parallel_size != 1)
@@ -115,7 +119,8 @@ class LLM:
         if self.route != "off":
             max_rows = _max_step_rows(engine_kwargs, speculative_config)
             with COMPILE_WATCH.startup():
-                routing.install(self.model, self.route, max_rows=max_rows)   # require: uncovered rows raise here
+                routing.install(self.model, self.route, max_rows=max_rows,   # require: uncovered rows raise here
+                                weight_layout=weight_layout)
                 routing.warmup(self.model, max_rows=max_rows)
         self.tokenizer = self._load_tokenizer(model)
         engine_kwargs["kv_fp8_layers"] = self._resolve_kv_fp8_layers(
