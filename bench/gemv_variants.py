@@ -105,7 +105,8 @@ def with_config(case: Case, cfg, n: int, device: torch.device) -> Case:
     """The same inputs with a fresh poisoned output, a fresh workspace and another config."""
     inputs = case.args[:-3]
     out = poisoned(tuple(case.args[-3].shape), torch.bfloat16, device)
-    return Case(args=(*inputs, out, make_workspace(cfg, n, device), cfg), kwargs={}, bytes_moved=case.bytes_moved)
+    return Case(args=(*inputs, out, make_workspace(cfg, n, device), cfg), kwargs=case.kwargs,
+                bytes_moved=case.bytes_moved)
 
 
 def cfg_dict(cfg) -> dict:
@@ -126,7 +127,7 @@ def time_in_sequence(kb, e, case: Case, copies: list[tuple], iters: int) -> floa
 
     def body() -> None:
         for wts in copies:
-            e.raw_call(x, *wts, out, ws, cfg)
+            e.raw_call(x, *wts, out, ws, cfg, **case.kwargs)
 
     replay = kb.graphed(body)
     if replay is None:
@@ -163,7 +164,7 @@ def run(a: argparse.Namespace) -> dict:
                 base_cfg = cell_cfg or GemvConfig(BM=4, BN=16, BK=64, SPLIT=1)
                 base = e.make_case(Cell(rows=(rows, rows), shape=(n, k), why="bench", config={"gemm": base_cfg}),
                                    rows, dev, gen)
-                ref = e.reference(*base.args)
+                ref = e.reference(*base.args, **base.kwargs)
                 copies = weight_copies(base) if (a.seq and not cpu) else None
                 fmt = 0 if e.name == "linear.nvfp4" else 1
                 for vname, cfg in variants(n, k, rows, cell_cfg, grid, mma_grid, fmt):
@@ -175,12 +176,12 @@ def run(a: argparse.Namespace) -> dict:
                     try:
                         case = with_config(base, cfg, n, dev)
                         tc = time.time()
-                        out = e.raw_call(*case.args).clone()
+                        out = e.raw_call(*case.args, **case.kwargs).clone()
                         rec["first_call_s"] = time.time() - tc  # compile (GPU) or interpret (CPU) time
                         e.compare(out, ref, case)
                         rec["ok"] = True
                         if not cpu:
-                            call = lambda case=case, e=e: e.raw_call(*case.args)  # noqa: E731
+                            call = lambda case=case, e=e: e.raw_call(*case.args, **case.kwargs)  # noqa: E731
                             replay = kb.graphed(call)
                             t = kb.time_call(replay or call, a.iters, flush, "read" if a.flush == "read" else "write")
                             torch.cuda.synchronize()
@@ -197,7 +198,7 @@ def run(a: argparse.Namespace) -> dict:
                                 rec.update(us_seq=ts * 1e6, frac_copy_seq=case.bytes_moved / ts / bw,
                                            seq_launches=len(copies))
                         else:
-                            rec["det"] = bool(torch.equal(e.raw_call(*case.args), out))
+                            rec["det"] = bool(torch.equal(e.raw_call(*case.args, **case.kwargs), out))
                     except Exception as exc:  # report, keep going: one bad variant must not end the run
                         rec["ok"] = False
                         rec["error"] = f"{type(exc).__name__}: {exc}"[:2000]

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.kernels.moe import grouped as G  # noqa: E402
 from m3serve.kernels.formats._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4  # noqa: E402
+from m3serve.quant.tiles import tileable, to_layout  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from kernels import flush_l2, graphed, time_call  # noqa: E402
@@ -145,6 +146,7 @@ def decode_once_sweep(fmts: list[str], rows_list: list[int], iters: int, check_r
         band = next(c for c in cells if c.shape == (fmt, *shape) and c.rows[0] <= t_max <= c.rows[1])
         base = G.make_case(band, t_max, dev, torch.Generator().manual_seed(29))  # the weights, made once per format
         (x_all, router_w, bias, _, w13, s13, f13, w2, s2, f2, sh_all, scaling, _, _, _) = base.args
+        tiled = base.kwargs.get("tiled", False)   # the layout the target holds the experts in
         del base
         for rows in sorted(rows_list):
             rec = {"fmt": f, "rows": rows}
@@ -153,23 +155,26 @@ def decode_once_sweep(fmts: list[str], rows_list: list[int], iters: int, check_r
                 ws = G.make_workspace(cfg, rows, e, h, i, a, dev)
                 o = torch.full((rows, h), float("nan"), dtype=torch.bfloat16, device=dev)
                 args = (x, router_w, bias, fmt, w13, s13, f13, w2, s2, f2, shared, scaling, o, ws, cfg)
-                case = G.Case(args=args, kwargs={"top_k": a}, bytes_moved=0)
+                kw = {"top_k": a, "tiled": tiled}
+                case = G.Case(args=args, kwargs=kw, bytes_moved=0)
                 try:
-                    G.moe_grouped(*args, top_k=a)
+                    G.moe_grouped(*args, **kw)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     if rows <= check_rows:
-                        G.compare(o, G.moe_grouped_reference(*args, top_k=a), case)
+                        G.compare(o, G.moe_grouped_reference(*args, **kw), case)
                         rec[f"{path}_checked"] = True
                     rec[f"{path}_config"] = repr(cfg)
-                    rec[f"{path}_total_ms"] = timed(lambda: G.moe_grouped(*args, top_k=a), iters) * 1e3
+                    rec[f"{path}_total_ms"] = timed(lambda: G.moe_grouped(*args, **kw), iters) * 1e3
 
                     def gemm_only(x=x, ws=ws, cfg=cfg):
-                        G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, decode=False)
+                        G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, decode=False,
+                                          tiled=tiled)
                     rec[f"{path}_gemm_ms"] = timed(gemm_only, iters) * 1e3
                     if cfg.DECODE_ONCE and not cfg.DECODE_AHEAD:
                         def decode_only(x=x, ws=ws, cfg=cfg):
-                            G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, gemm=False)
+                            G.expert_launches(x, fmt, w13, s13, f13, w2, s2, f2, ws, cfg, a, alpha, limit, gemm=False,
+                                              tiled=tiled)
                         rec[f"{path}_decode_ms"] = timed(decode_only, iters) * 1e3
                     rec[f"{path}_ok"] = True
                 except AssertionError as err:
@@ -212,9 +217,10 @@ DECODE_TILES = ((64, 128), (32, 128), (64, 256), (128, 128), (128, 64), (32, 256
 
 def decode_tile_sweep(fmts: list[str], iters: int, group: int = 16, dev: torch.device | None = None,
                       shape: tuple = SHAPE, tiles: tuple = DECODE_TILES, timed=None) -> list[dict]:
-    """--decode-tiles: decode_experts alone on one group of `group` experts' gate|up weight [G, 2I, H] for each
-    (DEC_BN, DEC_BK): each variant's scratch first equals the default tile's bit for bit, then the median time and
-    the bytes it moves (quantized weight and scales read, bf16 written) as a share of the H200's HBM rate."""
+    """--decode-tiles: decode_experts alone on one group of `group` experts' gate|up weight [G, 2I, H] (in the MMA
+    tile layout the target holds it in) for each (DEC_BN, DEC_BK): each variant's scratch first equals the default
+    tile's bit for bit, then the median time and the bytes it moves (quantized weight and scales read, bf16 written)
+    as a share of the H200's HBM rate."""
     dev = dev or torch.device("cuda")
     timed = timed or _timed
     e, h, i, _ = shape
@@ -222,6 +228,9 @@ def decode_tile_sweep(fmts: list[str], iters: int, group: int = 16, dev: torch.d
     for f in fmts:
         fmt = FMTS[f]
         w, sc, _ = G.random_weight(fmt, group, 2 * i, h, 1, dev, torch.Generator(device=dev).manual_seed(5))
+        tiled = f in ("nvfp4", "mxfp8") and tileable(f, w, sc)
+        if tiled:
+            w, sc = to_layout(f, w, sc, "rows", "mma_tile")
         moved = group * 2 * i * h * (BYTES[fmt] + 2.0)
         ref = None
         for bn, bk in tiles:
@@ -229,11 +238,11 @@ def decode_tile_sweep(fmts: list[str], iters: int, group: int = 16, dev: torch.d
             rec = {"fmt": f, "group": group, "dec_bn": bn, "dec_bk": bk}
             try:
                 wdec = torch.full((group * 2 * i * h,), float("nan"), dtype=torch.bfloat16, device=dev)
-                got = G.decode_group(fmt, w, sc, 0, group, wdec, cfg)
+                got = G.decode_group(fmt, w, sc, 0, group, wdec, cfg, tiled)
                 if ref is None:
                     ref = got.clone()
                 rec["exact"] = bool(torch.equal(got, ref))
-                sec = timed(lambda: G.decode_group(fmt, w, sc, 0, group, wdec, cfg), iters)
+                sec = timed(lambda: G.decode_group(fmt, w, sc, 0, group, wdec, cfg, tiled), iters)
                 rec.update(ms=sec * 1e3, frac_hbm=moved / sec / HBM)
             except Exception:  # noqa: BLE001 - recorded, the sweep goes on
                 rec["error"] = traceback.format_exc()[-400:]

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = found[name]
         case = e.make_case(Cell(rows=(a.rows, a.rows), shape=(n, k), why="ncu", config={"gemm": cfg}), a.rows, dev, gen)
         for _ in range(a.launches):
-            e.raw_call(*case.args)
+            e.raw_call(*case.args, **case.kwargs)
         torch.cuda.synchronize()
         print(f"{name}: {a.launches} launches of {cfg}")
     return 0

@@ -101,10 +101,10 @@ def test_norm_matches_the_stock_module_and_may_run_in_place() -> None:
 def test_norm_compare_catches_an_unwritten_element() -> None:
     e = RN.ENTRY
     case = e.make_case(e.interp_cells[0], 2, CPU, _gen(2))
-    out = e.raw_call(*case.args)
+    out = e.raw_call(*case.args, **case.kwargs)
     out.view(-1)[-1] = float("nan")
     with pytest.raises(AssertionError, match="non-finite"):
-        e.compare(out, e.reference(*case.args), case)
+        e.compare(out, e.reference(*case.args, **case.kwargs), case)
 
 
 def test_norm_rejects_bad_arguments() -> None:
@@ -255,8 +255,8 @@ def test_route_exact_ties_take_the_lowest_expert_and_the_compare_accepts_either(
 def test_route_compare_rejects_a_wrong_pick_and_an_unwritten_id() -> None:
     e = RS.ENTRY
     case = e.make_case(e.interp_cells[0], 2, CPU, _gen(10))
-    weights, ids = e.raw_call(*case.args)
-    ref = e.reference(*case.args)
+    weights, ids = e.raw_call(*case.args, **case.kwargs)
+    ref = e.reference(*case.args, **case.kwargs)
     worst = int(torch.argmin(torch.sigmoid(ref.logits[0]) + case.args[2]))
     wrong = ids.clone()
     wrong[0, -1] = worst

@@ -107,9 +107,9 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero(name: str) -> None
     dev = _dev()
     e, cell = _split_cell(name)
     case = e.make_case(cell, cell.rows[1], dev, torch.Generator().manual_seed(1))
-    out = e.raw_call(*case.args).clone()
+    out = e.raw_call(*case.args, **case.kwargs).clone()
     for _ in range(5):
-        again = e.raw_call(*case.args)
+        again = e.raw_call(*case.args, **case.kwargs)
         assert torch.equal(again.view(torch.int16), out.view(torch.int16)), "split-K sums in a fixed order"
     ws = case.args[-2]
     torch.cuda.synchronize()
@@ -122,20 +122,20 @@ def _graph_check(e, cell, rows: int, fresh_inputs) -> None:
     dev = _dev()
     gen = torch.Generator().manual_seed(5)
     case = e.make_case(cell, rows, dev, gen)
-    e.raw_call(*case.args)  # compile + warm outside the capture
+    e.raw_call(*case.args, **case.kwargs)  # compile + warm outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(g, stream=s):
-            e.raw_call(*case.args)
+            e.raw_call(*case.args, **case.kwargs)
     torch.cuda.current_stream().wait_stream(s)
     for k in range(3):
         fresh_inputs(case, torch.Generator().manual_seed(100 + k))
         g.replay()
         torch.cuda.synchronize()
-        e.compare(_outputs(e, case), e.reference(*case.args), case)
+        e.compare(_outputs(e, case), e.reference(*case.args, **case.kwargs), case)
 
 
 def _outputs(e, case):
@@ -168,7 +168,7 @@ def test_head12_agrees_with_bf16_head_on_the_same_weights() -> None:
     x, w = case.args[0], case.args[1]
     h = H12.prepare_head12(encode_head12(w))
     assert h.esc_row.numel() > 0, "the test weights must exercise escapes"
-    ids_b, best_b = HB.head_bf16_argmax(*case.args)
+    ids_b, best_b = HB.head_bf16_argmax(*case.args, **case.kwargs)
     ids_b, best_b = ids_b.clone(), best_b.clone()
     cfg = cell.config["head"]
     ids12, best12, ws = HB.head_case_io(cfg, 8, w.shape[0], dev)
@@ -198,7 +198,7 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
             e.compare(out, e.reference(*case.args, **case.kwargs), case)
             if rows == hi:
                 for _ in range(3):
-                    assert torch.equal(e.raw_call(*case.args).view(torch.int16), out.view(torch.int16))
+                    assert torch.equal(e.raw_call(*case.args, **case.kwargs).view(torch.int16), out.view(torch.int16))
                 torch.cuda.synchronize()
                 ws = case.args[-2]
                 assert int(ws.dcount.abs().sum()) == 0 and int(ws.rcount.abs().sum()) == 0

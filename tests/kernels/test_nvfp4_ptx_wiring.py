@@ -101,7 +101,7 @@ def test_nvfp4_k_loop_with_and_without_ptx(kind: str) -> None:
 def _moe_case(gen: torch.Generator, **kw):
     cell = MOE.INTERP_CELLS[0]
     case = MOE.make_case(cell, 2, torch.device("cpu"), gen)
-    return dataclasses.replace(case, kwargs=kw)
+    return dataclasses.replace(case, kwargs={**case.kwargs, **kw})   # the case's weight layout stays
 
 
 def test_moe_honours_swiglu_alpha_and_limit() -> None:
@@ -112,7 +112,8 @@ def test_moe_honours_swiglu_alpha_and_limit() -> None:
     MOE.compare(out, ref, case)
     # the same kernel output must fail against M3's constants: the clamp at 2.5 is exercised
     with pytest.raises(AssertionError):
-        MOE.compare(out, MOE.moe_reference(*case.args), dataclasses.replace(case, kwargs={}))
+        layout = {"tiled": case.kwargs["tiled"]}
+        MOE.compare(out, MOE.moe_reference(*case.args, **layout), dataclasses.replace(case, kwargs=layout))
 
 
 @pytest.mark.parametrize("kw,exc", [({"swiglu_alpha": float("nan")}, TypeError),
@@ -121,4 +122,4 @@ def test_moe_honours_swiglu_alpha_and_limit() -> None:
 def test_moe_rejects_bad_swiglu_constants(kw: dict, exc: type) -> None:
     case = _moe_case(torch.Generator().manual_seed(1))
     with pytest.raises(exc, match="swiglu_"):
-        MOE.moe_nvfp4(*case.args, **kw)
+        MOE.moe_nvfp4(*case.args, **case.kwargs, **kw)

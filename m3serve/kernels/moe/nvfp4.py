@@ -559,7 +559,8 @@ INTERP_CELLS = (
 
 def warmup(device: torch.device) -> None:
     for c in CELLS:
-        moe_nvfp4(*make_case(c, c.rows[1], device, None).args)
+        case = make_case(c, c.rows[1], device, None)
+        moe_nvfp4(*case.args, **case.kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

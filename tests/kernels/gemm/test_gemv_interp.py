@@ -46,7 +46,7 @@ def test_gemv_is_deterministic_with_split_k(name: str) -> None:
     e, case, out, _ = _run(name, cell, 2, seed=5)
     first = out.clone()
     case.args[-3].fill_(float("nan"))
-    assert torch.equal(e.raw_call(*case.args), first)
+    assert torch.equal(e.raw_call(*case.args, **case.kwargs), first)
 
 
 @pytest.mark.parametrize("name", sorted(ENTRIES))
@@ -108,7 +108,7 @@ def test_gemv_config_and_rows_are_validated() -> None:
     case = linear_mxfp8.make_case(Cell(rows=(3, 3), shape=(64, 256), why="t", config={"gemm": cfg}), 3, CPU,
                                   torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"x: this config \(BM=2\) serves 1..2 rows, found M=3"):
-        linear_mxfp8.mxfp8_linear(*case.args)
+        linear_mxfp8.mxfp8_linear(*case.args, **case.kwargs)
 
 
 GPU_SHAPES = ((6144, 8192), (512, 6144))
@@ -130,8 +130,8 @@ def test_gemv_compiled_real_shapes(name: str, rows: int) -> None:
         if not cell.rows[0] <= rows <= cell.rows[1]:
             continue
         case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
-        out = e.raw_call(*case.args).clone()
-        e.compare(out, e.reference(*case.args), case)
+        out = e.raw_call(*case.args, **case.kwargs).clone()
+        e.compare(out, e.reference(*case.args, **case.kwargs), case)
         case.args[-3].fill_(float("nan"))
-        assert torch.equal(e.raw_call(*case.args), out)
+        assert torch.equal(e.raw_call(*case.args, **case.kwargs), out)
         assert int(case.args[-2].count.abs().sum()) == 0
