@@ -15,6 +15,7 @@ import torch
 
 from m3serve.cli import _add_model_args, build_llm
 from m3serve.targets.explain import explain
+from m3serve.targets.routing import weight_layouts
 
 
 def routing_note(device_type: str) -> str | None:
@@ -23,6 +24,19 @@ def routing_note(device_type: str) -> str | None:
         return None
     return (f"device {device_type}: routing is off here (every module runs the stock torch path); the placements "
             "below are what a CUDA run with route=auto would use")
+
+
+def weight_layout_line(model) -> str:
+    """How a CUDA target run holds the model's NVFP4 / MXFP8 weights (routing.weight_layouts)."""
+    placed = weight_layouts(model, "mma_tile")
+    if not placed:
+        return "weights: no NVFP4 / MXFP8 linears (nothing to lay out)"
+    counts: dict[tuple[str, str], int] = {}
+    for lin, lay in placed:
+        counts[(lin.fmt, lay)] = counts.get((lin.fmt, lay), 0) + 1
+    parts = [f"{n} {fmt} {'in MMA tiles' if lay == 'mma_tile' else 'row-major (not tileable)'}"
+             for (fmt, lay), n in sorted(counts.items())]
+    return "weights on a CUDA target run: " + ", ".join(parts)
 
 
 def graph_memory_lines(engine) -> list[str]:
@@ -62,6 +76,7 @@ def cmd_explain(args) -> int:
     note = routing_note(llm.device.type)
     if note:
         print(note)
+    print(weight_layout_line(llm.model))
     for p in rows:
         print(p.line())
     stock = sum(p.entry is None for p in rows)

@@ -538,16 +538,23 @@ def default_weight_layout(model, mode: str) -> str:
     return "mma_tile" if mode != "off" and param is not None and param.device.type == "cuda" else "rows"
 
 
-def set_weight_layout(model, layout: str) -> int:
-    """Every NVFP4 / MXFP8 weight group of `model` (_layout_groups) to `layout` where the whole group is tileable,
-    the others to row-major. Returns the number of linears in the tile layout."""
-    tiled = 0
+def weight_layouts(model, layout: str) -> list[tuple[Linear, str]]:
+    """(linear, its layout) for every NVFP4 / MXFP8 linear of `model` when the model is laid out in `layout`: each
+    weight group (_layout_groups) takes `layout` where the whole group is tileable, row-major otherwise."""
+    out = []
     for group in _layout_groups(model):
         want = layout if all(lin.tileable() for lin in group) else "rows"
-        for lin in group:
-            lin.set_layout(want)
-            tiled += want == "mma_tile"
-    return tiled
+        out += [(lin, want) for lin in group]
+    return out
+
+
+def set_weight_layout(model, layout: str) -> int:
+    """Every NVFP4 / MXFP8 linear of `model` to its layout of weight_layouts(model, layout), in place. Returns the
+    number of linears in the tile layout."""
+    placed = weight_layouts(model, layout)
+    for lin, want in placed:
+        lin.set_layout(want)
+    return sum(want == "mma_tile" for _, want in placed)
 
 
 def bind(model, plan: KernelPlan, weight_layout: str | None = None) -> None:

@@ -119,3 +119,16 @@ def test_set_layout_refuses_what_the_layout_does_not_cover():
     dense = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, seed=0)
     with pytest.raises(ValueError, match="only NVFP4 and MXFP8"):
         dense.layers[0].attn.q_proj.set_layout("mma_tile")
+
+
+def test_explain_says_how_a_target_run_holds_the_weights(tileable_preset):
+    from m3serve.targets.explain_cli import weight_layout_line
+    model = _nvfp4(tileable_preset)
+    line = weight_layout_line(model)
+    assert line.startswith("weights on a CUDA target run: ") and "12 nvfp4 in MMA tiles" in line
+    assert f"{len(_linears(model, ('mxfp8',)))} mxfp8 in MMA tiles" in line
+    assert {m.q_layout for m in _linears(model).values()} == {"rows"}     # saying so lays nothing out
+    tiny = _nvfp4()                                                       # its MoE groups stay row-major
+    assert "12 nvfp4 row-major (not tileable)" in weight_layout_line(tiny)
+    dense = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, seed=0)
+    assert weight_layout_line(dense) == "weights: no NVFP4 / MXFP8 linears (nothing to lay out)"
