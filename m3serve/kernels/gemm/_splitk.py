@@ -45,10 +45,20 @@ def take_ticket(count_ptr, arrivals):
 
 @helper
 def ordered_sum(part_ptr, split_stride, offs, mask, SPLIT):
-    """fp32 sum of the SPLIT partials of the tile, always in the order 0..SPLIT-1."""
+    """fp32 sum of the SPLIT partials of the tile, always in the order 0..SPLIT-1. The partials are read four at a
+    time, all four loads out before the first add: the last arrival's tail would otherwise be SPLIT L2 round trips
+    back to back (the MoE router sums 16). A read past SPLIT is masked to +0.0, which adds exactly (the sum starts
+    at +0.0 and so is never -0.0), so the result is the plain sequential sum bit for bit."""
     total = tl.zeros(offs.shape, tl.float32)
-    for sp in range(SPLIT):
-        total += tl.load(part_ptr + sp * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for sp in range(0, SPLIT, 4):
+        p0 = tl.load(part_ptr + sp * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        p1 = tl.load(part_ptr + (sp + 1) * split_stride + offs, mask=mask & (sp + 1 < SPLIT), other=0.0,
+                     cache_modifier=".cg")
+        p2 = tl.load(part_ptr + (sp + 2) * split_stride + offs, mask=mask & (sp + 2 < SPLIT), other=0.0,
+                     cache_modifier=".cg")
+        p3 = tl.load(part_ptr + (sp + 3) * split_stride + offs, mask=mask & (sp + 3 < SPLIT), other=0.0,
+                     cache_modifier=".cg")
+        total = (((total + p0) + p1) + p2) + p3
     return total
 
 
