@@ -249,7 +249,7 @@ def main() -> None:
         for route, pdl in (("target-pdl", True), ("target-nopdl", False)):
             if route in routes:
                 graphs[route] = recapture(llm, llm.engine.runner.graphs, pdl)
-        base_tokens = {}
+        base_tokens, target_tokens = {}, {}
         for route in routes:
             set_route(llm, route, graphs)
             for b in batches:
@@ -258,11 +258,16 @@ def main() -> None:
                 toks = r.pop("_tokens")
                 if route == "off":
                     base_tokens[b] = toks
+                if route == "target":
+                    target_tokens[b] = toks
                 same = [x == y for ref, got in zip(base_tokens.get(b, []), toks) for x, y in zip(ref, got)]
                 nbytes = step_bytes(llm, b, args.context)
                 r.update(model=name, route=route, batch=b, context=args.context, bytes_per_step=nbytes,
                          roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
                          greedy_agreement_vs_off=(sum(same) / len(same)) if same else None)
+                if route == "target-rows" and b in target_tokens:   # the same kernels on other addresses: identical
+                    eq = [x == y for ref, got in zip(target_tokens[b], toks) for x, y in zip(ref, got)]
+                    r["tokens_equal_to_target"] = sum(eq) / len(eq) if eq else None
                 print(json.dumps(r), flush=True)
                 results.append(r)
         del llm, graphs
