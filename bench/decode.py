@@ -73,9 +73,9 @@ def step_bytes(llm, batch: int, context: int) -> int:
 
 def set_route(llm, route: str, graphs) -> None:
     """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl", "target-rows").
-    target-rows: the target with NVFP4 / MXFP8 weights left row-major (the layout before the MMA tile layout), its graphs
-    captured on first use; every other target route runs the default (tile) layout. A graph replays the kernels it
-    captured, so the layout is set before the route's graphs run."""
+    target-rows: the target with NVFP4 / MXFP8 weights left row-major (the layout before the MMA tile layout), its
+    graphs captured on first use; every other target route runs the default (tile) layout. A graph replays the
+    kernels it captured, so the layout is set before the route's graphs run."""
     from m3serve.targets import routing
     routing.install(llm.model, "off" if route == "off" else "auto",
                     weight_layout="rows" if route == "target-rows" else None)
@@ -210,7 +210,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--routes", default="off,auto,target",
-                    help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 weights row-major)")
+                    help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
+                         "weights row-major)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

@@ -526,7 +526,8 @@ def route_reference(x, router_w, router_bias, top_k, ids_override=None):
 
 def moe_grouped_reference(x, router_w, router_bias, fmt, w13, s13, f13, w2, s2, f2, shared, routed_scaling,
                           out=None, workspace=None, config=None, top_k: int = 4, swiglu_alpha: float = SWIGLU_ALPHA,
-                          swiglu_limit: float = SWIGLU_LIMIT, ids_override=None, tiled: bool = False) -> GroupedReference:
+                          swiglu_limit: float = SWIGLU_LIMIT, ids_override=None,
+                          tiled: bool = False) -> GroupedReference:
     logits, ids, w = route_reference(x, router_w, router_bias, top_k, ids_override)
     q13, q2 = qweight_of(fmt, w13, s13, f13, tiled), qweight_of(fmt, w2, s2, f2, tiled)
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
