@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from m3serve.quant._blocks import relayout
 from m3serve.quant.fp8 import _require_float, cast_to_fp8
 
 MX_BLOCK = 32
@@ -113,33 +114,23 @@ def check_tileable_mxfp8(q: Tensor, scale: Tensor) -> None:
         raise ValueError(f"q: the MMA tile layout needs N % 16 == 0 and K % 128 == 0, found N={n}, K={k}")
 
 
-def _mx_views(q: Tensor, scale: Tensor, tiled: bool):
-    lead = q.shape[:-2]
+def _mx_splits(q: Tensor) -> tuple[tuple, tuple]:
+    """(bytes, scales) factor splits of the row-major layout: bytes [rb, h, g, ks, c, v, j], scales [rb, h, g, ks, c]."""
     n, k = q.shape[-2], q.shape[-1]
-    qb = q.contiguous().view(torch.uint8)
-    sb = scale.contiguous().view(torch.uint8)
-    if tiled:
-        return (len(lead), qb.reshape(*lead, n // 16, k // 128, 2, 2, 8, 4, 16),
-                sb.reshape(*lead, n // 16, k // 128, 8, 4, 2))
-    return (len(lead), qb.reshape(*lead, n // 16, 2, 8, k // 128, 4, 2, 16),
-            sb.reshape(*lead, n // 16, 2, 8, k // 128, 4))
+    return (n // 16, 2, 8, k // 128, 4, 2, 16), (n // 16, 2, 8, k // 128, 4)
+
+
+# tiled orders: bytes [rb, ks, h, v, g, c, j], scales [rb, ks, g, c, h]
+_ORDERS = (0, 3, 1, 5, 2, 4, 6), (0, 3, 2, 4, 1)
 
 
 def tile_mxfp8(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """Row-major MXFP8 (q [..., N, K], scale [..., N, K/32]) -> the MMA tile layout, same shapes and dtypes."""
     check_tileable_mxfp8(q, scale)
-    d, w, s = _mx_views(q, scale, False)
-    # bytes [rb, h, g, ks, c, v, j] -> [rb, ks, h, v, g, c, j]; scales [rb, h, g, ks, c] -> [rb, ks, g, c, h]
-    w = w.permute(*range(d), d, d + 3, d + 1, d + 5, d + 2, d + 4, d + 6)
-    s = s.permute(*range(d), d, d + 3, d + 2, d + 4, d + 1)
-    return w.contiguous().reshape(q.shape).view(q.dtype), s.contiguous().reshape(scale.shape).view(scale.dtype)
+    return relayout(q, scale, _mx_splits(q), _ORDERS)
 
 
 def untile_mxfp8(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """The inverse of tile_mxfp8."""
     check_tileable_mxfp8(q, scale)
-    d, w, s = _mx_views(q, scale, True)
-    # bytes [rb, ks, h, v, g, c, j] -> [rb, h, g, ks, c, v, j]; scales [rb, ks, g, c, h] -> [rb, h, g, ks, c]
-    w = w.permute(*range(d), d, d + 2, d + 4, d + 1, d + 5, d + 3, d + 6)
-    s = s.permute(*range(d), d, d + 4, d + 2, d + 1, d + 3)
-    return w.contiguous().reshape(q.shape).view(q.dtype), s.contiguous().reshape(scale.shape).view(scale.dtype)
+    return relayout(q, scale, _mx_splits(q), _ORDERS, inverse=True)

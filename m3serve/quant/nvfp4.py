@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from m3serve.quant._blocks import relayout
 from m3serve.quant.fp8 import FP8_MAX, FP32_MAX, _as_fp32_scalar, _require_float, cast_to_fp8
 
 NVFP4_BLOCK = 16
@@ -209,36 +210,24 @@ def tileable(packed: Tensor, scale: Tensor) -> bool:
     return True
 
 
-def _tile_views(packed: Tensor, scale: Tensor):
-    lead = packed.shape[:-2]
+def _splits(packed: Tensor) -> tuple[tuple, tuple]:
+    """(bytes, scales) factor splits of the row-major layout: bytes [rb, h, g, ks, c, j], scales [rb, h, g, ks, c, e]."""
     n, kb = packed.shape[-2], packed.shape[-1]
-    d = len(lead)
-    w = packed.contiguous().view(torch.uint8).reshape(*lead, n // 16, 2, 8, kb // 64, 4, 16)
-    s = scale.contiguous().view(torch.uint8).reshape(*lead, n // 16, 2, 8, kb // 64, 4, 2)
-    return lead, d, w, s
+    return (n // 16, 2, 8, kb // 64, 4, 16), (n // 16, 2, 8, kb // 64, 4, 2)
+
+
+# tiled orders: bytes [rb, ks, h, g, c, j], scales [rb, ks, g, c, h, e]
+_ORDERS = (0, 3, 1, 2, 4, 5), (0, 3, 2, 4, 1, 5)
 
 
 def tile_nvfp4(packed: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """Row-major NVFP4 (packed [..., N, K/2], scale [..., N, K/16]) -> the MMA tile layout, same shapes and
     dtypes, new tensors."""
     check_tileable(packed, scale)
-    lead, d, w, s = _tile_views(packed, scale)
-    # bytes [rb, h, g, ks, c, j] -> [rb, ks, h, g, c, j]; scales [rb, h, g, ks, c, e] -> [rb, ks, g, c, h, e]
-    w = w.permute(*range(d), d, d + 3, d + 1, d + 2, d + 4, d + 5)
-    s = s.permute(*range(d), d, d + 3, d + 2, d + 4, d + 1, d + 5)
-    return (w.contiguous().reshape(packed.shape).view(packed.dtype),
-            s.contiguous().reshape(scale.shape).view(scale.dtype))
+    return relayout(packed, scale, _splits(packed), _ORDERS)
 
 
 def untile_nvfp4(packed: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """The inverse of tile_nvfp4: MMA tile layout -> row-major, new tensors."""
     check_tileable(packed, scale)
-    lead, d, _, _ = _tile_views(packed, scale)
-    n, kb = packed.shape[-2], packed.shape[-1]
-    w = packed.contiguous().view(torch.uint8).reshape(*lead, n // 16, kb // 64, 2, 8, 4, 16)
-    s = scale.contiguous().view(torch.uint8).reshape(*lead, n // 16, kb // 64, 8, 4, 2, 2)
-    # bytes [rb, ks, h, g, c, j] -> [rb, h, g, ks, c, j]; scales [rb, ks, g, c, h, e] -> [rb, h, g, ks, c, e]
-    w = w.permute(*range(d), d, d + 2, d + 3, d + 1, d + 4, d + 5)
-    s = s.permute(*range(d), d, d + 4, d + 2, d + 1, d + 3, d + 5)
-    return (w.contiguous().reshape(packed.shape).view(packed.dtype),
-            s.contiguous().reshape(scale.shape).view(scale.dtype))
+    return relayout(packed, scale, _splits(packed), _ORDERS, inverse=True)

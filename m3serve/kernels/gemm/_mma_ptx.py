@@ -145,6 +145,17 @@ add.s64 sa, sa, o64;""")
     return "\n".join(s), cons
 
 
+def _half_tile_address(dst: str, tile0: str, block_bytes: str, half_bytes: int, lane_bytes: int) -> str:
+    """dst = tile0 + rb * block_bytes + h * half_bytes + lane * lane_bytes: this lane's part of half h of row block
+    rb's tile (registers rb, h, lane set; cb, o64 scratch)."""
+    return f"""mul.wide.u32 o64, rb, {block_bytes};
+add.s64 {dst}, {tile0}, o64;
+shl.b32 cb, h, {half_bytes.bit_length() - 1};
+mad.lo.u32 cb, lane, {lane_bytes}, cb;
+cvt.u64.u32 o64, cb;
+add.s64 {dst}, {dst}, o64;"""
+
+
 def tiled_gate_up_load_asm(rp: int) -> tuple[str, str]:
     """load_asm(FMT_NVFP4, rp, gate_up=True) for weights in the MMA tile layout: the same registers from the same
     rows, so compute_asm and swiglu_store_asm serve both layouts unchanged. Row pair p's gate row
@@ -170,18 +181,8 @@ shr.u32 warp, tid, 5;"""]
         s.append(f"""mad.lo.u32 q, warp, {rp}, {p};
 shr.u32 rb, q, 1;
 and.b32 h, q, 1;
-mul.wide.u32 o64, rb, {sw};
-add.s64 wa, {wk}, o64;
-shl.b32 cb, h, 9;
-mad.lo.u32 cb, lane, 16, cb;
-cvt.u64.u32 o64, cb;
-add.s64 wa, wa, o64;
-mul.wide.u32 o64, rb, {ss};
-add.s64 sa, {sk}, o64;
-shl.b32 cb, h, 1;
-mad.lo.u32 cb, lane, 4, cb;
-cvt.u64.u32 o64, cb;
-add.s64 sa, sa, o64;
+{_half_tile_address("wa", wk, sw, 512, 16)}
+{_half_tile_address("sa", sk, ss, 2, 4)}
 add.s64 wb, wa, {ub};
 add.s64 sb, sa, {usb};
 ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p:8 * p + 4])}}}, [wa+0];
