@@ -141,9 +141,27 @@ def kernel_class(name: str, families: dict[str, str]) -> str:
     return "torch"
 
 
-def profile_steps(eng, steps: int) -> tuple[float, float, dict[str, float]]:
-    """(GPU-busy seconds per step, launch calls per step, GPU seconds per step by kernel class) over `steps`
-    engine steps."""
+def kernel_gaps(intervals: list[tuple[float, float]], steps: int) -> dict:
+    """The GPU's idle time between kernels (issue 30: ramp-up and tail inside a graph): from the (start, end) µs of
+    every kernel of `steps` steps, the gaps between one kernel's end and the next one's start (overlapping kernels
+    leave none). Per step: kernels, idle seconds; over all gaps: the median, 90th percentile and largest, in µs."""
+    spans = sorted(intervals)
+    gaps, reach = [], None
+    for start, end in spans:
+        if reach is not None:
+            gaps.append(max(0.0, start - reach))
+        reach = end if reach is None else max(reach, end)
+    if not gaps:
+        return {"kernels_per_step": len(spans) / steps, "gpu_idle_s": 0.0, "gap_us_p50": None, "gap_us_p90": None,
+                "gap_us_max": None}
+    q = sorted(gaps)
+    return {"kernels_per_step": len(spans) / steps, "gpu_idle_s": sum(gaps) / 1e6 / steps,
+            "gap_us_p50": q[len(q) // 2], "gap_us_p90": q[min(len(q) - 1, (9 * len(q)) // 10)], "gap_us_max": q[-1]}
+
+
+def profile_steps(eng, steps: int) -> tuple[float, float, dict[str, float], dict]:
+    """(GPU-busy seconds per step, launch calls per step, GPU seconds per step by kernel class, kernel_gaps) over
+    `steps` engine steps."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -151,15 +169,17 @@ def profile_steps(eng, steps: int) -> tuple[float, float, dict[str, float]]:
             eng.step()
         torch.cuda.synchronize()
     families = triton_families()
-    busy_us, launches, by_class = 0.0, 0, {}
+    busy_us, launches, by_class, spans = 0.0, 0, {}, []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             busy_us += ev.device_time
             c = kernel_class(ev.name, families)
             by_class[c] = by_class.get(c, 0.0) + ev.device_time
+            spans.append((ev.time_range.start, ev.time_range.end))
         elif ev.name in LAUNCH_CALLS:
             launches += 1
-    return busy_us / 1e6 / steps, launches / steps, {c: us / 1e6 / steps for c, us in sorted(by_class.items())}
+    return (busy_us / 1e6 / steps, launches / steps, {c: us / 1e6 / steps for c, us in sorted(by_class.items())},
+            kernel_gaps(spans, steps))
 
 
 WINDOW = 8   # decode steps per timing sample on the target (the eager routes sync every step anyway: 1)
@@ -186,14 +206,14 @@ def time_decode(llm, batch: int, context: int, steps: int, seed: int, window: in
             eng.step()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) / window)
-    busy, launches, by_class = profile_steps(eng, 3)
+    busy, launches, by_class, gaps = profile_steps(eng, 3)
     tokens = [list(r.output_token_ids) for r in reqs]
     for r in reqs:
         eng.abort(r.request_id)
     med = statistics.median(times[1:])
     return {"median_s": med, "min_s": min(times[1:]), "steps": window * (len(times) - 1), "window": window,
             "tokens_per_s": batch / med,
-            "gpu_busy_s": busy, "gpu_s_by_class": by_class, "launches_per_step": launches, "_tokens": tokens}
+            "gpu_busy_s": busy, "gpu_s_by_class": by_class, "launches_per_step": launches, **gaps, "_tokens": tokens}
 
 
 def main() -> None:

@@ -30,3 +30,16 @@ def test_other_kernels_by_name():
     assert kernel_class("Memcpy DtoD (Device -> Device)", fam) == "copy"
     assert kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", fam) \
         == "torch"
+
+
+def test_kernel_gaps_measure_the_idle_time_between_kernels():
+    from decode import kernel_gaps
+    # 2 steps; kernel 3 overlaps kernel 2 (no gap), kernel 4 starts inside kernel 2's reach (none either)
+    spans = [(0.0, 10.0), (12.0, 20.0), (15.0, 18.0), (19.0, 25.0), (30.0, 31.0), (31.0, 40.0)]
+    g = kernel_gaps(list(reversed(spans)), steps=2)
+    assert g["kernels_per_step"] == 3.0
+    assert g["gpu_idle_s"] == (2.0 + 5.0) / 1e6 / 2          # 10 -> 12 and 25 -> 30
+    assert (g["gap_us_p50"], g["gap_us_max"]) == (0.0, 5.0)   # gaps 2, 0, 0, 5, 0: median 0
+    assert g["gap_us_p90"] == 5.0
+    one = kernel_gaps([(0.0, 1.0)], steps=1)
+    assert one["gpu_idle_s"] == 0.0 and one["gap_us_max"] is None
