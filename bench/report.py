@@ -322,21 +322,23 @@ def render_decode(files: list[ResultFile]) -> str:
                 "key": (model, need(r, "batch", w, "int"), need(r, "context", w, "int")),
                 "route": need(r, "route", w, "str"), "median_s": need(r, "median_s", w),
                 "tokens_per_s": need(r, "tokens_per_s", w), "busy": opt(r, "gpu_busy_s", w),
-                "launches": opt(r, "launches_per_step", w), "roofline": opt(r, "fraction_of_roofline", w),
+                "launches": opt(r, "launches_per_step", w), "idle": opt(r, "gpu_idle_s", w),
+                "roofline": opt(r, "fraction_of_roofline", w),
                 "agree": opt(r, "greedy_agreement_vs_off", w),
                 "classes": opt(r, "gpu_s_by_class", w, "dict")})
         off = {p["key"]: p["median_s"] for p in parsed if p["route"] == "off"}
         parsed.sort(key=lambda p: (p["key"], ROUTE_ORDER.get(p["route"], len(ROUTE_ORDER)), p["route"]))
-        has = {f: any(p[f] is not None for p in parsed) for f in ("busy", "launches", "roofline", "agree", "classes")}
+        has = {f: any(p[f] is not None for p in parsed)
+               for f in ("busy", "idle", "launches", "roofline", "agree", "classes")}
         headers = ["model", "batch", "context", "route", "ms/step", "tok/s"]
-        headers += [h for f, h in (("busy", "GPU busy ms"), ("launches", "launches/step"),
-                                   ("roofline", "% of roofline")) if has[f]]
+        headers += [h for f, h in (("busy", "GPU busy ms"), ("idle", "GPU idle between kernels ms"),
+                                   ("launches", "launches/step"), ("roofline", "% of roofline")) if has[f]]
         headers += ["speedup vs off"] + (["greedy agreement vs off"] if has["agree"] else [])
         headers += ["GPU ms per step by kernel class"] if has["classes"] else []
         table = []
         for p in parsed:
             row = [p["key"][0], p["key"][1], p["key"][2], p["route"], ms(p["median_s"]), sig(p["tokens_per_s"])]
-            for field, fmt in (("busy", ms), ("launches", count), ("roofline", pct)):
+            for field, fmt in (("busy", ms), ("idle", ms), ("launches", count), ("roofline", pct)):
                 if has[field]:
                     row.append(or_dash(p[field], fmt))
             base = off.get(p["key"])

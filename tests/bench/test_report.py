@@ -610,3 +610,15 @@ def test_serve_pareto_repeats_and_spec_vs_plain(report, tmp_path):
     versus = out.split("Speculation against plain serving")[1]
     assert table_rows(versus, "model") == [["embedded", "spec-pg vs plain-pg", "4", "2710 / 2650", "1.02×", "1.04×",
                                            "1.02×", "2 / 2"]]
+
+
+def test_decode_gpu_idle_between_kernels(report, tmp_path):
+    """A file whose rows carry gpu_idle_s (bench/decode.py's kernel_gaps) gets its column after GPU busy; rows
+    without it show a dash, and files without it keep their columns."""
+    f = decode_target_file()
+    f["results"][3]["gpu_idle_s"] = 0.00042
+    write(tmp_path, "decode-target-h200.json", f)
+    out = report.render_report(tmp_path)
+    assert headers_of(out, "model")[6:8] == ["GPU busy ms", "GPU idle between kernels ms"]
+    rows = table_rows(out, "model")
+    assert [r[7] for r in rows] == ["—", "—", "0.420", "—", "—", "—"]
