@@ -278,7 +278,7 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
                             *args, **kw, launches=launch)
                         r.add("moe", what, f"{name}/{launch}", fn1, int(nb), None, tokens=tokens,
                               shared_bf16=shared_bf16, launch=launch)
-            del case
+            del case, rows_case
             torch.cuda.empty_cache()
 
 
