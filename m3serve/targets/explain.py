@@ -21,6 +21,9 @@ from m3serve.targets.plan import KernelPlan, Route, build_plan
 from m3serve.targets.routing import plan_of
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")
+
+
 @dataclass(frozen=True)
 class Placement:
     module: str       # e.g. "layers.3.self_attn [msa.scores]"
@@ -101,12 +104,19 @@ def plan_placements(plan: KernelPlan, bucket: int) -> list[Placement]:
             prep = routes["qk_prep"]
             out.append(_route_placement(f"{mp.name} [{prep.kind}]", bucket, prep))
             # the projections join only inside attn.qk_prep: where it falls back, each part runs alone
-            if prep.serves(bucket) and (mp.note or ("qkv" in routes and routes["qkv"].serves(bucket))):
-                placed = (Placement(f"{mp.name}.qkv", bucket, "torch:fused-GEMM", mp.note) if mp.note
-                          else _route_placement(f"{mp.name}.qkv", bucket, routes["qkv"]))
+            qkv = routes.get("qkv")
+            if prep.serves(bucket) and qkv is None and mp.note:          # every part dense: one cuBLAS GEMM
+                placed = Placement(f"{mp.name}.qkv", bucket, "torch:fused-GEMM", mp.note)
                 out.append(placed)
-                fused.update((f"{mp.name}.{part}", placed.module) for part in
-                             ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"))
+                fused.update((f"{mp.name}.{part}", placed.module) for part in PROJECTIONS)
+            elif prep.serves(bucket) and qkv is not None and qkv.serves(bucket):
+                placed = _route_placement(f"{mp.name}.qkv", bucket, qkv)
+                out.append(placed)
+                fused.update((f"{mp.name}.{part}", placed.module) for part in PROJECTIONS[:3 if mp.note else 5])
+                if mp.note:                                              # the dense index parts beside it
+                    index = Placement(f"{mp.name}.index_qk", bucket, "torch:fused-GEMM", mp.note)
+                    out.append(index)
+                    fused.update((f"{mp.name}.{part}", index.module) for part in PROJECTIONS[3:])
         elif mp.role in ("linear", "linear.torch"):
             if mp.name in fused:
                 out.append(Placement(mp.name, bucket, "(fused)", f"runs inside {fused[mp.name]}"))

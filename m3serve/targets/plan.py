@@ -71,14 +71,29 @@ def projection_format(attn: Attention) -> str | None:
     return fmts.pop()
 
 
-def qkv_key(attn: Attention) -> Key | None:
-    """The attention projections as one quantized GEMM: qkv.{fmt} over (N_total, H); None unless they share a
-    quantized format (dense parts join as one cuBLAS GEMM, targets.fused_projection)."""
-    fmt = projection_format(attn)
-    if fmt not in QUANT_FORMATS:
-        return None
+def projection_groups(attn: Attention) -> list[list[Linear]] | None:
+    """The attention projections in the groups that each run as one GEMM (targets.fused_projection): all parts when
+    they share a format; or, as every quantized M3 checkpoint stores them (the indexer is never quantized), q|k|v in
+    their quantized format and index-q|index-k dense; None for any other mix or a stacked part."""
     parts = projection_parts(attn)
-    return f"qkv.{fmt}", (sum(p.out_features for p in parts), parts[0].in_features)
+    if any(p.num_experts is not None for p in parts):
+        return None
+    if projection_format(attn) is not None:
+        return [parts]
+    qkv, index = parts[:3], parts[3:]
+    if len({p.fmt for p in qkv}) == 1 and qkv[0].fmt in QUANT_FORMATS and index and \
+            all(p.fmt == "dense" for p in index):
+        return [qkv, index]
+    return None
+
+
+def qkv_key(attn: Attention) -> Key | None:
+    """The attention projections' quantized group (projection_groups) as one GEMM: qkv.{fmt} over (N_group, H); None
+    without one (dense groups join as one cuBLAS GEMM each)."""
+    for group in projection_groups(attn) or []:
+        if group[0].fmt in QUANT_FORMATS:
+            return f"qkv.{group[0].fmt}", (sum(p.out_features for p in group), group[0].in_features)
+    return None
 
 
 def qk_prep_key(attn: Attention) -> Key:
@@ -271,6 +286,10 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
                 parts = projection_parts(mod)
                 note = (f"q|k|v{'|index-q|index-k' if mod.sparse else ''} as one cuBLAS GEMM "
                         f"({sum(p.out_features for p in parts)} x {parts[0].in_features})")
+            elif qkv is not None and len(projection_groups(mod)) > 1:
+                index = projection_groups(mod)[1]
+                note = (f"index-q|index-k as one cuBLAS GEMM ({sum(p.out_features for p in index)} x "
+                        f"{index[0].in_features}) beside the {qkv.kind} of q|k|v")
             out.append(ModulePlan(name, "attention", routes, note))
         elif isinstance(mod, DenseMLP):
             out.append(ModulePlan(name, "mlp", {"act": route(swiglu_key(mod))}))

@@ -75,3 +75,25 @@ def test_engine_stats_report_graph_memory_without_graphs():
     from m3serve import LLM
     llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_bytes=1 << 20)
     assert llm.engine.stats()["graph_memory_bytes"] == {}
+
+
+def test_a_quantized_qkv_beside_a_dense_index_is_explained_as_two_gemms(monkeypatch):
+    """A sparse layer whose q|k|v are quantized and whose indexer is dense (every quantized M3 checkpoint): where its
+    qk_prep and qkv routes serve, explain prints the qkv GEMM and the index-q|index-k GEMM, and each part as fused
+    into the one that runs it."""
+    import torch
+
+    from m3serve.model.loader import load_model
+    from m3serve.targets import plan as plan_mod
+    from m3serve.targets.explain import plan_placements
+
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=0,
+                       keep_quantized=True)
+    bound = plan_mod.build_plan(model, "auto")
+    monkeypatch.setattr(plan_mod.Route, "serves", lambda self, rows: True)   # as if the tiny shapes had cells
+    lines = {p.module: p for p in plan_placements(bound, 1)}
+    assert lines["layers.1.attn.index_qk"].entry == "torch:fused-GEMM"
+    assert "index-q|index-k as one cuBLAS GEMM (96 x 128)" in lines["layers.1.attn.index_qk"].detail
+    assert lines["layers.1.attn.q_proj"].detail == "runs inside layers.1.attn.qkv"
+    assert lines["layers.1.attn.index_k_proj"].detail == "runs inside layers.1.attn.index_qk"
+    assert "layers.0.attn.index_qk" not in lines                               # a dense-attention layer: q|k|v only

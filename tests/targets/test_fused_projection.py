@@ -41,7 +41,7 @@ def test_fusing_keeps_every_part_weight_bit_for_bit_and_shares_storage(fmt):
                 p.set_weight(_quantize(p.weight.detach().float(), fmt))
         before = [p.dense_weight(torch.float32).clone() for p in parts]
         fp = fused_projection.fuse(attn)
-        assert fp is not None and fp.fmt == fmt and fp.splits == tuple(p.out_features for p in parts)
+        assert fp is not None and [g.fmt for g in fp.groups] == [fmt] and fp.splits == tuple(p.out_features for p in parts)
         assert len(parts) == (5 if attn.sparse else 3)
         for p, w in zip(parts, before):
             assert torch.equal(p.dense_weight(torch.float32), w), p.name
@@ -84,3 +84,45 @@ def test_quantized_projection_needs_a_certified_cell():
     x = torch.randn(2, attn.cfg.hidden_size, dtype=torch.bfloat16)
     for mode in ("auto", "require"):
         assert fused_projection.project(attn, x, RowTable(route, name, mode)) is None
+
+
+
+def test_quantized_qkv_and_dense_index_run_as_two_gemms():
+    """As quantized M3 checkpoints store them (the indexer is never quantized): q|k|v join in their format's qkv
+    GEMM and index-q|index-k in one dense GEMM; the plan keys the qkv route by q|k|v alone; each output is its
+    part's own (stock) output up to the kernel's rounding."""
+    from m3serve.kernels.gemm._gemm_tiles import GemmConfig
+    from m3serve.kernels.gemm.qkv_fused import QKV_MXFP8
+    from m3serve.targets.plan import qkv_key
+
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=6,
+                       keep_quantized=True)
+    gen = torch.Generator().manual_seed(1)
+
+    class Launch:
+        run = staticmethod(QKV_MXFP8.raw_call)
+        config = GemmConfig(BM=16, BN=64, BK=128, SPLIT=1)
+        workspace = None
+
+    checked = 0
+    for attn in _attentions(model):
+        parts = fused_projection.projection_parts(attn)
+        x = torch.randn(3, attn.cfg.hidden_size, generator=gen).to(torch.bfloat16)
+        want = [p(x).float() for p in parts]                       # the stock path, before fusing
+        fp = fused_projection.fuse(attn)
+        if attn.sparse:
+            assert [g.fmt for g in fp.groups] == ["mxfp8", "dense"]
+            assert [len(g.parts) for g in fp.groups] == [3, 2]
+            assert qkv_key(attn) == ("qkv.mxfp8", (sum(p.out_features for p in parts[:3]), attn.cfg.hidden_size))
+        else:
+            assert [g.fmt for g in fp.groups] == ["mxfp8"]
+        got = fused_projection.project(attn, x, lambda rows: Launch())
+        assert got is not None and len(got) == len(parts)
+        for p, g, w in zip(parts, got, want):
+            assert g.shape == (3, p.out_features), p.name
+            # the kernel rounds once to bf16 from fp32 sums, the stock path rounds its GEMM's output: one bf16 ulp
+            # of each side plus fp32 order
+            torch.testing.assert_close(g.float(), w, rtol=2 ** -6, atol=2 ** -6 * float(w.abs().max())), p.name
+        assert fused_projection.project(attn, x, lambda rows: None) is None   # no qkv cell: every part alone
+        checked += attn.sparse
+    assert checked >= 1
