@@ -100,11 +100,11 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
   ;;
 layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU tests: each NVFP4 cell family gives
-              # the same bits on tiles as on row-major weights, the NVFP4 cells certified on their (tiled) cases;
+              # the same bits on tiles as on row-major weights, the NVFP4 / qkv cells certified on their (tiled) cases;
               # then the MoE's MMA step per launch, tiles vs row-major (the "/rows" variants), with the router
               # variants (fewer K splits: a shorter serial tail), 1 / 4 / 8 tokens
-  phase pytest-tiles ${T_A:-210} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/kernels/test_tile_layout_gpu.py tests/kernels/test_gpu.py -k "tiles or moe.nvfp4 or qkv.nvfp4 or 24576"
+  phase pytest-tiles ${T_A:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+    tests/kernels/test_tile_layout_gpu.py tests/kernels/test_gpu.py -k "tiles or moe.nvfp4 or qkv or 24576"
   phase moe-tiles ${T_B:-240} python3 bench/kernel_variants.py --only moe --moe-tokens 1,4,8 --moe-mma-only \
     --iters 20 --name kernel-variants-moe-tiles-h200.json --out-dir "$OUT"
   ;;
