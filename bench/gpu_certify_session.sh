@@ -103,9 +103,13 @@ layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU
               # the same bits on tiles as on row-major weights, the NVFP4 / qkv cells certified on their (tiled) cases;
               # then the MoE's MMA step per launch, tiles vs row-major (the "/rows" variants), with the router
               # variants (fewer K splits: a shorter serial tail), 1 / 4 / 8 tokens
-  phase pytest-tiles ${T_A:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+  phase pytest-tiles ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
     tests/kernels/test_tile_layout_gpu.py tests/kernels/test_gpu.py -k "tiles or moe.nvfp4 or qkv or 24576"
-  phase moe-tiles ${T_B:-240} python3 bench/kernel_variants.py --only moe --moe-tokens 1,4,8 --moe-mma-only \
+  # minimax-m3:4 NVFP4 (MXFP8 projections, dense indexer) routed in require mode vs stock: tiles and the two
+  # projection GEMMs of its MSA layers, end to end
+  phase pytest-routed ${T_R:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 95 -rfE \
+    tests/targets/test_routing.py -k routed_matches_stock
+  phase moe-tiles ${T_B:-230} python3 bench/kernel_variants.py --only moe --moe-tokens 1,4,8 --moe-mma-only \
     --iters 20 --name kernel-variants-moe-tiles-h200.json --out-dir "$OUT"
   ;;
 layout-decode)  # the decode step with the tile layout vs row-major side by side (route target vs target-rows, the
