@@ -202,14 +202,6 @@ def check_tileable(packed: Tensor, scale: Tensor) -> None:
                          f"N={n}, K={2 * kb}")
 
 
-def tileable(packed: Tensor, scale: Tensor) -> bool:
-    try:
-        check_tileable(packed, scale)
-    except ValueError:
-        return False
-    return True
-
-
 def _splits(packed: Tensor) -> tuple[tuple, tuple]:
     """(bytes, scales) factor splits of the row-major layout: bytes [rb, h, g, ks, c, j], scales [rb, h, g, ks, c, e]."""
     n, kb = packed.shape[-2], packed.shape[-1]

@@ -170,7 +170,7 @@ def nvfp4_word_offsets(rn, kw, K, TILED: tl.constexpr):
     """[BN, BKW] int32-word offsets of rows rn [BN], words kw [BKW] (word w of a row = columns 8w..8w+7) of an
     NVFP4 [N, K] weight, row-major or (TILED) in the MMA tile layout of m3serve.quant.nvfp4.tile_nvfp4: a block
     of 16 rows x 128 columns is 256 words [h, g, c, 4 words], row 16 rb + 8 h + g. A row's 16 words of one
-    128-column step stay contiguous, so the loads keep their 16-byte vectors."""
+    128-column step stay contiguous."""
     if TILED:
         row = (rn // 16) * (2 * K) + ((rn // 8) % 2) * 128 + (rn % 8) * 16
         col = (kw // 16) * 256 + kw % 16

@@ -132,7 +132,7 @@ def interp_cells(shapes: tuple[tuple[int, int], ...], mma: bool = False) -> tupl
 def launch_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
                 out: torch.Tensor, ws: GemmWorkspace, *, fmt: int, alpha_mode: int, gs: int, n: int, k: int,
                 cfg: GemmConfig, tiled: bool = False) -> torch.Tensor:
-    """tiled: NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4)."""
+    """tiled: NVFP4 / MXFP8 weights in the MMA tile layout (m3serve.quant.tiles)."""
     m = check_gemm_args(x, out, n, k, cfg, ws)
     check_tiled(tiled, fmt, n, k)
     grid = (n // cfg.BN, cfg.SPLIT)

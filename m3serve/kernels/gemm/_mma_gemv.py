@@ -43,7 +43,7 @@ import triton.language as tl
 from m3serve.kernels.gemm import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.gemm._gemm_tiles import GemmConfig, GemmWorkspace, check_gemm_args
+from m3serve.kernels.gemm._gemm_tiles import GemmConfig, GemmWorkspace, check_gemm_args, check_tiled
 from m3serve.kernels.gemm._splitk import ordered_sum, release_ticket, take_ticket
 from m3serve.kernels.gemm._wstream import apply_alpha
 
@@ -230,6 +230,7 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
         raise ValueError(f"x: the MMA GEMV runs compiled only (inline PTX), found a {x.device.type} tensor; "
                          "the raw call interprets _wstream_gemm for CPU tensors")
     m = check_mma_args(x, out, n, k, cfg, ws)
+    check_tiled(tiled, fmt, n, k)
     cfg.check_format(fmt)
     grid = (n // cfg.BN, cfg.SPLIT)
     mma_gemv[grid](

@@ -57,7 +57,7 @@ class TiledGemmConfig:
 def tiled_gemm(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, M, N, K, stride_xm, stride_ym, alpha_stride,
                FMT: tl.constexpr, ALPHA: tl.constexpr, GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, GM: tl.constexpr, CUDA: tl.constexpr, PTX: tl.constexpr, TILED: tl.constexpr):
-    """grid (cdiv(M, BM) * N / BN,). TILED: NVFP4 weights in the MMA tile layout."""
+    """grid (cdiv(M, BM) * N / BN,). TILED: NVFP4 / MXFP8 weights in the MMA tile layout."""
     pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BM), N // BN, GM)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -72,7 +72,7 @@ def launch_tiled_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: 
                       out: torch.Tensor, *, fmt: int, alpha_mode: int, gs: int, n: int, k: int,
                       cfg: TiledGemmConfig, tiled: bool = False) -> torch.Tensor:
     """The linear entries' raw calls hand their kernel views here for a TiledGemmConfig (any row count >= 1).
-    tiled: NVFP4 weights in the MMA tile layout (m3serve.quant.nvfp4.tile_nvfp4)."""
+    tiled: NVFP4 / MXFP8 weights in the MMA tile layout (m3serve.quant.tiles)."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k \
             or x.stride(1) != 1 or x.shape[0] < 1:
         raise ValueError(f"x: expected bf16 [M >= 1, {k}] with unit column stride, found "

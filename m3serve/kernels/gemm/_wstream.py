@@ -58,7 +58,7 @@ def load_w_tile(w_ptr, s_ptr, rn, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK
     """Group-scaled weight tile [BN, BK] in x_cols order: bf16 compiled, fp32 interpreted.
     PTX (compiled NVFP4 only): the inline-PTX decoder of _e2m1_ptx (same values, fewer
     instructions); otherwise _decode's bit tricks and a separate group-scale multiply.
-    TILED: NVFP4 in the MMA tile layout (same values: only the addresses change)."""
+    TILED: NVFP4 / MXFP8 in the MMA tile layout (same values: only the addresses change)."""
     if FMT == 0 and PTX:
         kw = k0 // 8 + tl.arange(0, BK // 8)
         wd = tl.load(w_ptr + nvfp4_word_offsets(rn, kw, K, TILED))

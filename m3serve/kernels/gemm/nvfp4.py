@@ -22,7 +22,8 @@ from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig, interpreted_config, la
 from m3serve.kernels.gemm._tiled import TiledGemmConfig, launch_tiled_gemm
 from m3serve.kernels.catalog import (Case, Cell, Entry, assert_band, check_tensor, device_rng, gemm_band, poisoned,
                                      true_fp32)
-from m3serve.quant.nvfp4 import dequantize_nvfp4, tile_nvfp4, tileable, untile_nvfp4
+from m3serve.quant.nvfp4 import dequantize_nvfp4, tile_nvfp4, untile_nvfp4
+from m3serve.quant.tiles import tileable
 
 ENABLED = True  # the one switch: False sends every linear.nvfp4 call down the stock path
 
@@ -122,7 +123,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     n, k = cell.shape
     cfg: L.GemmConfig = cell.config["gemm"]
     packed, scale, gs = random_nvfp4_weight(n, k, device, gen)
-    tiled = tileable(packed, scale)
+    tiled = tileable("nvfp4", packed, scale)
     if tiled:  # the layout the target holds the weight in
         packed, scale = tile_nvfp4(packed, scale)
     x = L.fresh_x(rows, k, device, gen)

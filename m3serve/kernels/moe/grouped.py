@@ -300,7 +300,7 @@ def _tiles(fmt: int, w, s) -> bool:
 def decode_group(fmt: int, w, s, e0: int, eg: int, wdec: torch.Tensor, cfg: GroupedConfig,
                  tiled: bool = False) -> torch.Tensor:
     """Experts e0 .. e0 + eg - 1 of a stacked quantized weight [E, N, K] (the raw call's (w, s) tensors; tiled:
-    NVFP4 in the MMA tile layout) -> their group-scaled values, exact in bf16, as a row-major [eg, N, K] view of
+    NVFP4 / MXFP8 in the MMA tile layout) -> their group-scaled values, exact in bf16, as a row-major [eg, N, K] view of
     wdec (one decode_experts launch)."""
     n, k = w.shape[1], w.shape[2] * (2 if fmt == FMT_NVFP4 else 1)
     wa, sa, _ = _kernel_views(fmt, w, s, None)

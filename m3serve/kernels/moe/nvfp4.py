@@ -39,7 +39,8 @@ from m3serve.kernels.moe._mma import MmaMoEConfig, launch_mma_moe
 from m3serve.kernels.moe._nvfp4 import moe_down, moe_gate_up, moe_router
 from m3serve.kernels.catalog import (BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng,
                                      gemm_band, poisoned, true_fp32)
-from m3serve.quant.nvfp4 import dequantize_nvfp4, tile_nvfp4, tileable, untile_nvfp4
+from m3serve.quant.nvfp4 import dequantize_nvfp4, tile_nvfp4, untile_nvfp4
+from m3serve.quant.tiles import tileable
 
 ENABLED = True  # the one switch: False sends moe.nvfp4 calls down the stock path
 
@@ -196,7 +197,7 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
     check_swiglu(swiglu_alpha, swiglu_limit)
     t, h, e, i, shared_fmt = _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13,
                                     sh_w2, sh_s2, sh_g2, out, workspace, cfg)
-    if tiled and not (tileable(w13, s13) and tileable(w2, s2)):
+    if tiled and not (tileable("nvfp4", w13, s13) and tileable("nvfp4", w2, s2)):
         raise ValueError(f"tiled: the MMA tile layout needs H and I multiples of 128, found H={h}, I={i}")
     ws = workspace
     cuda = is_compiled(x)
@@ -483,7 +484,7 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     ws = make_moe_workspace(cfg, rows, e, h, i, device)
     if gen is not None:
         ws.act.fill_(float("nan"))  # the activations are checked too: poison them
-    tiled = tileable(w13, s13) and tileable(w2, s2)
+    tiled = tileable("nvfp4", w13, s13) and tileable("nvfp4", w2, s2)
     if tiled:  # the layout the target holds the experts in
         w13, s13 = tile_nvfp4(w13, s13)
         w2, s2 = tile_nvfp4(w2, s2)

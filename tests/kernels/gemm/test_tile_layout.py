@@ -16,8 +16,8 @@ from m3serve.kernels.gemm._tiled import TiledGemmConfig
 from m3serve.kernels.gemm._gemv import GemvConfig
 from m3serve.kernels.catalog import poisoned
 from m3serve.quant.mxfp8 import tile_mxfp8
-from m3serve.quant.nvfp4 import tile_nvfp4, tileable, untile_nvfp4
-from m3serve.quant.tiles import to_layout
+from m3serve.quant.nvfp4 import tile_nvfp4, untile_nvfp4
+from m3serve.quant.tiles import tileable, to_layout
 
 N, K = 64, 256
 
@@ -93,6 +93,23 @@ def test_tiles_are_a_permutation_inside_blocks_of_16_rows_and_128_columns():
     assert to_layout("nvfp4", packed, scale, "rows", "rows")[0] is packed
     with pytest.raises(ValueError, match="layout"):
         to_layout("nvfp4", packed, scale, "rows", "cols")
-    assert not tileable(packed[:, :24], scale[:, :24])
+    assert not tileable("nvfp4", packed[:, :24], scale[:, :24]) and not tileable("fp8", packed, scale)
     with pytest.raises(ValueError, match="N % 16"):
         tile_nvfp4(packed[:, :24], scale[:, :24])
+
+
+def test_kernels_refuse_tiles_the_layout_does_not_define():
+    from m3serve.kernels.gemm._gemm_tiles import check_tiled
+    check_tiled(True, 0, 64, 256)
+    check_tiled(True, 1, 64, 256)
+    check_tiled(False, 2, 7, 9)                                   # row-major: anything goes
+    with pytest.raises(ValueError, match="NVFP4 and MXFP8"):
+        check_tiled(True, 2, 64, 256)                             # FP8 has no tile layout
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):
+        check_tiled(True, 0, 64, 192)
+    packed, scale, gs = LN.random_nvfp4_weight(N, 192, torch.device("cpu"), torch.Generator().manual_seed(0))
+    x = fresh_x(1, 192, torch.device("cpu"), torch.Generator().manual_seed(1))
+    cfg = GemmConfig(BM=16, BN=64, BK=64, SPLIT=1)
+    with pytest.raises(ValueError, match="K % 128"):
+        LN.nvfp4_linear(x, packed, scale, gs, poisoned((1, N), torch.bfloat16, torch.device("cpu")),
+                        make_workspace(cfg, N, torch.device("cpu")), cfg, tiled=True)
