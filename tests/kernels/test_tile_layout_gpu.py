@@ -62,6 +62,14 @@ def test_linear_cells_read_tiles_bit_for_bit(mod, cell, rows):
     assert not _same(wrong, ref)
 
 
+def _untiled(args: list, pairs: tuple) -> list:
+    """args with the NVFP4 (bytes, scales) at each pair of positions back in the row-major layout."""
+    out = list(args)
+    for w, s in pairs:
+        out[w], out[s] = untile_nvfp4(args[w], args[s])
+    return out
+
+
 MOE_CELLS = [(c, r) for c in M.CELLS if c.shape == (128, 6144, 3072, 0) for r in (1, 4, 8, 16, 48)
              if c.rows[0] <= r <= c.rows[1]]
 
@@ -72,9 +80,7 @@ def test_moe_nvfp4_reads_tiles_bit_for_bit(cell, rows):
     case = M.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
     assert case.kwargs["tiled"]
     args = list(case.args)
-    rows_args = list(args)
-    for w, s in ((3, 4), (6, 7), (9, 10), (12, 13)):
-        rows_args[w], rows_args[s] = untile_nvfp4(args[w], args[s])
+    rows_args = _untiled(args, ((3, 4), (6, 7), (9, 10), (12, 13)))   # routed and shared experts
     e, h, i = 128, 6144, 3072
     cfg = args[18]
 
@@ -100,9 +106,7 @@ def test_moe_grouped_reads_tiles_bit_for_bit(cell, rows):
     case = G.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
     assert case.kwargs["tiled"]
     args = list(case.args)
-    rows_args = list(args)
-    for w, s in ((4, 5), (7, 8)):
-        rows_args[w], rows_args[s] = untile_nvfp4(args[w], args[s])
+    rows_args = _untiled(args, ((4, 5), (7, 8)))
     kw = {k: v for k, v in case.kwargs.items() if k != "tiled"}
     cfg = args[14]
 
@@ -112,6 +116,7 @@ def test_moe_grouped_reads_tiles_bit_for_bit(cell, rows):
         a[13] = G.make_workspace(cfg, rows, 128, 6144, 3072, 4, dev)
         return G.moe_grouped(*a, **kw, tiled=tiled).clone()
 
-    got, ref = run(args, True), run(rows_args, False)
+    got, ref, wrong = run(args, True), run(rows_args, False), run(rows_args, True)
     torch.cuda.synchronize()
     assert _same(got, ref)
+    assert not _same(wrong, ref)
