@@ -22,6 +22,8 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+# the card in result names (the H100 also serves calls planned for the H200)
+case "$(head -1 "$OUT/gpu.txt")" in *H100*) TAG=h100 ;; *) TAG=h200 ;; esac
 phase() {  # name, seconds, command...
   local name=$1 t=$2; shift 2
   local s=$(date +%s)
@@ -110,16 +112,17 @@ layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU
   phase pytest-routed ${T_R:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 95 -rfE \
     tests/targets/test_routing.py -k routed_matches_stock
   phase moe-tiles ${T_B:-230} python3 bench/kernel_variants.py --only moe --moe-tokens 1,4,8 --moe-mma-only \
-    --iters 20 --name kernel-variants-moe-tiles-h200.json --out-dir "$OUT"
+    --iters 20 --name kernel-variants-moe-tiles-$TAG.json --out-dir "$OUT"
   ;;
 layout-decode)  # the decode step with the tile layout vs row-major side by side (route target vs target-rows, the
                # per-kernel-class GPU time of each), minimax-m3:5 and minimax-m3:24, batch 1 and 8; then the 8k
                # prefill of minimax-m3:5 in both layouts (its in-register GEMMs read the tiles too)
-  phase decode-tile-layout ${T_B:-400} python3 bench/decode.py --models minimax-m3:5,minimax-m3:24 --batch 1,8 \
-    --context 512 --steps 20 --routes target,target-rows --quantization nvfp4 \
-    --out "$OUT/decode-target-h200-tile-layout.json"
+  # (minimax-m3:24 NVFP4 holds ~100 GB: on an H100 MODELS=minimax-m3:5,minimax-m3:12)
+  phase decode-tile-layout ${T_B:-400} python3 bench/decode.py --models ${MODELS:-minimax-m3:5,minimax-m3:24} \
+    --batch 1,8 --context 512 --steps 20 --routes target,target-rows --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-tile-layout.json"
   phase prefill-tile-layout ${T_C:-150} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
-    --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-h200.json"
+    --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
   ;;
 moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on a side stream while this group's
             # GEMM runs): GPU tests (bit-equal to serial, capture, no host sync), the layer timed serial vs ahead,
