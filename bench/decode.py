@@ -72,15 +72,18 @@ def step_bytes(llm, batch: int, context: int) -> int:
 
 
 def set_route(llm, route: str, graphs) -> None:
-    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl", "target-rows").
-    target-rows: the target with NVFP4 / MXFP8 weights left row-major (the layout before the MMA tile layout), its
-    graphs captured on first use; every other target route runs the default (tile) layout. A graph replays the
-    kernels it captured, so the layout is set before the route's graphs run."""
+    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl", "target-rows",
+    "target-logits-head"). target-rows: the target with NVFP4 / MXFP8 weights left row-major (the layout before the
+    MMA tile layout); target-logits-head: the target's greedy step through the head's logits + argmax instead of the
+    fused greedy head (head.bf16); both capture their graphs on first use. Every other target route runs the
+    default layout and head. A graph replays the kernels it captured, so the binding is set before it runs."""
     from m3serve.targets import routing
     routing.install(llm.model, "off" if route == "off" else "auto",
                     weight_layout="rows" if route == "target-rows" else None)
+    if route == "target-logits-head":
+        llm.model.greedy_head = None
     llm.engine.runner.target_attention = route != "off"
-    if route == "target-rows" and route not in graphs:
+    if route in ("target-rows", "target-logits-head") and route not in graphs:
         graphs[route] = recapture(llm, graphs["target"])
     llm.engine.runner.graphs = graphs.get(route)
 
@@ -231,7 +234,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
-                         "weights row-major)")
+                         "weights row-major), target-logits-head (greedy tokens from the head's logits)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -286,7 +289,7 @@ def main() -> None:
                 r.update(model=name, route=route, batch=b, context=args.context, bytes_per_step=nbytes,
                          roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
                          greedy_agreement_vs_off=(sum(same) / len(same)) if same else None)
-                if route == "target-rows" and b in target_tokens:   # the same kernels on other addresses: identical
+                if route in ("target-rows", "target-logits-head") and b in target_tokens:
                     eq = [x == y for ref, got in zip(target_tokens[b], toks) for x, y in zip(ref, got)]
                     r["tokens_equal_to_target"] = sum(eq) / len(eq) if eq else None
                 print(json.dumps(r), flush=True)

@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... layout-round | layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... head-layout-round | head-layout-decode | layout-round | layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -100,6 +100,31 @@ serve-round)  # issue 28's served sweep, embedded model, 128/128 tokens at C = 1
     embedded:spec embedded:spec-always-pg embedded:spec-always-pg-aw --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-h200.json"
   grep -n "WARNING\|ERROR\|left out\|off (" "$OUT/serve-pareto.log" | head -40
+  ;;
+head-layout-round)  # issue 30 items 1 and 3, first call: GPU tests of the tile layout (every NVFP4 cell family gives
+                   # the same bits on tiles as on row-major weights), of the certified NVFP4 / qkv / head cells on their
+                   # cases, of the decode graphs' fused greedy head; minimax-m3:4 routed vs stock; the decode step of
+                   # minimax-m3:5 side by side: tiles + fused head (target), row-major (target-rows), logits head
+                   # (target-logits-head); then the MoE's MMA step per launch, tiles vs row-major
+  phase pytest-tiles-head ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+    tests/kernels/test_tile_layout_gpu.py tests/runtime/test_greedy_head_gpu.py tests/kernels/test_gpu.py \
+    -k "tiles or moe.nvfp4 or qkv or 24576 or head.bf16 or greedy_head"
+  phase pytest-routed ${T_R:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 95 -rfE \
+    tests/targets/test_routing.py -k routed_matches_stock
+  phase decode-m3_5 ${T_B:-170} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-tiles-head.json"
+  phase moe-tiles ${T_C:-100} python3 bench/kernel_variants.py --only moe --moe-tokens ${MOE_TOKENS:-1,8} --moe-mma-only \
+    --iters 20 --name kernel-variants-moe-tiles-$TAG.json --out-dir "$OUT"
+  ;;
+head-layout-decode)  # second call (warm): the decode step at more depth side by side (MODELS: minimax-m3:24 on an
+                     # H200, minimax-m3:12 on an H100), then the 8k prefill of minimax-m3:5 in both layouts
+  phase decode-deep ${T_B:-330} python3 bench/decode.py --models ${MODELS:-minimax-m3:24} --batch 1,8 --context 512 \
+    --steps 20 --routes target,target-rows,target-logits-head --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
+  phase prefill-tile-layout ${T_C:-150} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
+    --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  phase pytest-moe-ahead ${T_D:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 95 -rfE \
+    tests/kernels/moe/test_moe_grouped_gpu.py::test_decode_ahead_equals_the_serial_band_bit_for_bit
   ;;
 layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU tests: each NVFP4 cell family gives
               # the same bits on tiles as on row-major weights, the NVFP4 / qkv cells certified on their (tiled) cases;

@@ -438,7 +438,7 @@ class LLMEngine:
         if rows is not None and self.grammars is not None:
             self.grammars.fill([r.request_id for r in reqs], rows, in_graph=True)
         launched = self.runner.launch_graph([r.request_id for r in reqs], [_last_token(r) for r in reqs],
-                                            [r.num_computed for r in reqs], sampling, rows)
+                                            [r.num_computed for r in reqs], sampling, rows, want_logits=not own)
         if own:
             return self.runner.fetch_tokens(launched), None
         return self.runner.sample(self.runner.graph_logits(launched), reqs, self._logits_processing(reqs))

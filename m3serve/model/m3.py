@@ -152,6 +152,9 @@ class M3ForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.vocab_start, vocab_local = tp.shard(cfg.vocab_size, "vocab_size")
         self.lm_head = Linear(cfg.hidden_size, vocab_local, parallel="column", name="lm_head")
+        # Bound from the kernel plan (m3serve.targets.routing.bind), or None: (lm_head, h [R, H]) -> token ids [R]
+        # equal to argmax of logits(h) without materialising the logits, or None where it does not serve.
+        self.greedy_head = None
         if device is not None:
             self.to(device)
 
@@ -192,6 +195,15 @@ class M3ForCausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[R, H] -> fp32 logits [R, V] over the full vocabulary (gathered across TP ranks)."""
         return self.tp.all_gather_last(self.local_logits(h))
+
+    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> [R] int64: argmax of logits(h) per row (first index on ties), through the bound greedy head
+        where it serves (the decode graphs' greedy step), else from the logits."""
+        if self.greedy_head is not None:
+            ids = self.greedy_head(self.lm_head, h)
+            if ids is not None:
+                return ids
+        return self.logits(h).argmax(-1)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.hidden(batch)

@@ -8,7 +8,8 @@ smallest bucket >= its batch size and runs as:
     H2D    one copy                                   (stage views sit at fixed offsets for a bucket)
     device one graph replay: table rows -> slot table, token slots (expand_staged, captured), input ids (a staged id, or -1 = "the token this row's request sampled in the
            previous graph step", kept on the device) -> embed -> L x (norms, projections, kv.write,
-           [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax (or, in the sampling
+           [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax (the greedy variant takes the
+           model's greedy head when bound: head GEMV + argmax of the bf16 logits, no logits written) (or, in the sampling
            variant, temperature / top-k / top-p and the keyed exponential race; in the processed variant,
            penalties / logit_bias / min_tokens and the structured-output token masks from the staged state
            rows first, the tokens counted after)
@@ -100,6 +101,8 @@ def staged_sampling(stage: torch.Tensor, bucket: int, vocab: int) -> tuple[torch
     return sampling_tensors(*(stage[off[name]] for name in SAMPLING_FIELDS), vocab) + (counters,)
 
 
+GREEDY_ROW = sampling_row(0.0, 0, 1.0, 0)     # temperature 0: the row's argmax in every sampling variant
+
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "key_lo", "key_hi")   # a sampling_row, in order
 
 
@@ -121,6 +124,7 @@ class Launched:
     n: int                      # real rows (the first n of the bucket)
     host: torch.Tensor          # pinned [bucket] int64 ring slot
     done: torch.cuda.Event      # recorded after the D2H copy
+    logits: torch.Tensor | None = None   # [bucket, V] the replayed variant's logits (None: it wrote none)
 
 
 @dataclass
@@ -128,13 +132,16 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph
     step: PagedStep
     tokens: torch.Tensor        # [S] int64 greedy tokens (graph output)
-    logits: torch.Tensor        # [S, V] fp32 (graph output; read only when a row samples or wants logprobs)
+    logits: torch.Tensor | None  # [S, V] fp32 (graph output; read only when a row samples or wants logprobs);
+                                 # None in a greedy variant that runs the model's greedy head
 
 
 class DecodeGraphs:
     """sampling=True also captures, per bucket, a variant that samples on the device (temperature, top-k, top-p,
     per-request keys: m3serve.engine.sampler.sample_rows) from the staged parameters; greedy steps replay the
-    plain argmax variant, so they pay nothing for it."""
+    plain argmax variant, so they pay nothing for it. With the sampling variant and a bound greedy head
+    (model.greedy_head), the greedy variant writes no logits; a step that needs them (run(want_logits=True))
+    replays the sampling variant with every row greedy."""
 
     def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None,
                  token_masks=None):
@@ -167,6 +174,8 @@ class DecodeGraphs:
         self._offsets: dict[int, tuple[int, ...]] = {}   # bucket -> staged layout its graph expands
         self.blocked: dict[int, capture_check.CaptureBlocker] = {}   # buckets left eager, and why
         self.captured: tuple[int, ...] = ()                          # buckets with graphs (after capture)
+        # the greedy variant's head: the fused greedy head (no logits) when the sampling variant can supply logits
+        self.fused_greedy = sampling and getattr(model, "greedy_head", None) is not None
         self.memory_bytes = 0       # device memory the capture reserved (its pool, static outputs), measured
 
     # ------------------------------------------------------------------ capture
@@ -179,6 +188,8 @@ class DecodeGraphs:
         ids = torch.where(staged >= 0, staged, self.tok_by_row[rows])
         batch = ForwardBatch(input_ids=ids, positions=stage[off["positions"]].long(),
                              seqs=[], slot_mapping=self.tables.slot_mapping_out[:bucket], kv=self.kv, step=step)
+        if variant == "greedy" and self.fused_greedy:
+            return self._remember(rows, self.model.greedy_tokens(self.model.hidden(batch))), None
         logits = self.model(batch)
         if variant == "greedy":
             tokens = logits.argmax(-1)
@@ -192,8 +203,11 @@ class DecodeGraphs:
             tokens = sample_rows(scores, *staged_sampling(stage, bucket, logits.shape[1]))
             if variant == "processed":
                 self.penalties.record(prow, tokens)
+        return self._remember(rows, tokens), logits
+
+    def _remember(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         self.tok_by_row.index_copy_(0, rows, tokens)   # padded rows all land on the padding row
-        return tokens, logits
+        return tokens
 
     def _variants(self) -> list[tuple[str, dict]]:
         out = [("greedy", self.graphs)]
@@ -263,12 +277,14 @@ class DecodeGraphs:
         return bucket_for(batch, self.captured)
 
     def run(self, seq_ids: list[int], token_ids: list[int], positions: list[int],
-            sampling: list[SamplingRow] | None = None, penalty_rows: list[int] | None = None) -> Launched:
+            sampling: list[SamplingRow] | None = None, penalty_rows: list[int] | None = None,
+            want_logits: bool = False) -> Launched:
         """Stage, prepare and replay one padded decode step, then queue the copy of its tokens to the host.
         token_ids[i] = -1: row i's input is the token its request sampled in the previous graph step.
         sampling: each row's sampling_row(...) to sample on the device (temperature 0: that row's argmax);
         None: every row greedy. penalty_rows: each row's PenaltyState row (the neutral one for
-        rows without processing), with `sampling` given; None: no penalties this step."""
+        rows without processing), with `sampling` given; None: no penalties this step. want_logits: the step's
+        logits must be readable (`logits`); a greedy step then replays a variant that writes them."""
         bucket = self.bucket_for(len(seq_ids))
         if bucket is None:
             raise ValueError(f"seq_ids: {len(seq_ids)} sequences; no captured graph bucket holds them "
@@ -277,6 +293,8 @@ class DecodeGraphs:
             raise ValueError("sampling: these graphs were captured without the sampling variant")
         if penalty_rows is not None and (self.penalties is None or sampling is None):
             raise ValueError("penalty_rows: needs graphs captured with a PenaltyState, and the rows' sampling")
+        if want_logits and sampling is None and self.fused_greedy:
+            sampling = [GREEDY_ROW] * len(seq_ids)     # the sampling variant's logits; temperature 0 is argmax
         self._stage(bucket, seq_ids, token_ids, positions, sampling, penalty_rows)   # the graph expands it
         store = (self.processed_graphs if penalty_rows is not None
                  else self.sampled_graphs if sampling is not None else self.graphs)
@@ -288,11 +306,14 @@ class DecodeGraphs:
         self._next ^= 1
         host[:bucket].copy_(g.tokens, non_blocking=True)
         done.record()
-        return Launched(bucket, len(seq_ids), host, done)
+        return Launched(bucket, len(seq_ids), host, done, g.logits)
 
     def logits(self, launched: Launched) -> torch.Tensor:
-        """[n, V] fp32 logits of a launched greedy-variant step (valid until the same bucket replays again)."""
-        return self.graphs[launched.bucket].logits[:launched.n]
+        """[n, V] fp32 logits of a launched step (valid until the same bucket's variant replays again)."""
+        if launched.logits is None:
+            raise ValueError("logits: this step replayed the greedy variant, which writes none (launch it with "
+                             "want_logits=True)")
+        return launched.logits[:launched.n]
 
     @staticmethod
     def fetch_tokens(launched: Launched) -> list[int]:

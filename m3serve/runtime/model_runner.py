@@ -263,16 +263,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ graph steps
     def launch_graph(self, seq_ids: list[int], token_ids: list[int], positions: list[int], sampling=None,
-                     penalty_rows: list[int] | None = None) -> Launched:
-        """One decode graph replay (DecodeGraphs.run); its tokens are read later by `fetch_tokens`."""
-        return self.graphs.run(seq_ids, token_ids, positions, sampling, penalty_rows)
+                     penalty_rows: list[int] | None = None, want_logits: bool = False) -> Launched:
+        """One decode graph replay (DecodeGraphs.run); its tokens are read later by `fetch_tokens`, its logits
+        (want_logits) by `graph_logits`."""
+        return self.graphs.run(seq_ids, token_ids, positions, sampling, penalty_rows, want_logits)
 
     def fetch_tokens(self, launched: Launched) -> list[int]:
         """A launched graph step's tokens (waits for that step only)."""
         return self.graphs.fetch_tokens(launched)
 
     def graph_logits(self, launched: Launched) -> torch.Tensor:
-        """[n, V] logits of a launched greedy-variant step, for rows the engine samples eagerly."""
+        """[n, V] logits of a step launched with want_logits, for rows the engine samples eagerly."""
         return self.graphs.logits(launched)
 
 

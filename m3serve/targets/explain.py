@@ -124,6 +124,9 @@ def plan_placements(plan: KernelPlan, bucket: int) -> list[Placement]:
                 out.append(_route_placement(mp.name, bucket, routes["linear"]))
             else:
                 out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
+        elif mp.role == "head":      # its logits stay cuBLAS; the greedy decode-graph rows take the fused head
+            out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
+            out.append(_route_placement(f"{mp.name} [{routes['greedy'].kind}]", bucket, routes["greedy"]))
         elif mp.role == "moe.all_experts":
             out.append(Placement(mp.name, bucket, "torch:all-experts", mp.note))
             out += [_route_placement(f"{mp.name} [{r.kind}]", bucket, r) for r in routes.values()]

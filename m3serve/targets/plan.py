@@ -6,7 +6,7 @@ cells, and `m3serve explain` prints it: all three read this one object.
     build_plan(model, mode, max_rows)           the M3 model (m3serve.model.m3)
     build_drafter_plan(drafter, mode, max_rows)  an Eagle3 drafter (m3serve.model.eagle3)
 
-Each module kind's key (kind, shape) is derived by ONE function below (linear_key, qkv_key, qk_prep_key,
+Each module kind's key (kind, shape) is derived by ONE function below (linear_key, head_key, qkv_key, qk_prep_key,
 norm_keys, swiglu_key, moe_nvfp4_key, moe_grouped_key, all_experts_keys, rope_key, silu_mul_key).
 
 Modes: "off" plans nothing (every module stock). "auto": rows no certified cell serves run stock. "require": as
@@ -41,7 +41,7 @@ GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
 
 # the cell config a launch of each kind takes (the others take none)
 CONFIG_KEY = {**{f"linear.{f}": "gemm" for f in QUANT_FORMATS}, **{f"qkv.{f}": "gemm" for f in QUANT_FORMATS},
-              "moe.nvfp4": "moe", "moe.grouped": "moe"}
+              "moe.nvfp4": "moe", "moe.grouped": "moe", "head.bf16": "head"}
 
 Key = tuple[str, tuple[int, ...]]
 
@@ -53,6 +53,15 @@ def linear_key(lin: Linear) -> Key | None:
     if lin.num_experts is not None or lin.fmt not in QUANT_FORMATS:
         return None
     return f"linear.{lin.fmt}", (lin.out_features, lin.in_features)
+
+
+def head_key(model, lin: Linear) -> Key | None:
+    """The LM head's greedy rows: head.bf16 over (V, K), fused GEMV + argmax (no logits written), for a dense bf16
+    head on one rank (a vocab-parallel head would need a cross-rank max of the partial picks)."""
+    if lin is not getattr(model, "lm_head", None) or model.tp.size != 1 or lin.fmt != "dense" \
+            or lin.weight.dtype != torch.bfloat16:
+        return None
+    return "head.bf16", (lin.out_features, lin.in_features)
 
 
 def projection_parts(attn: Attention) -> list[Linear]:
@@ -194,7 +203,7 @@ class Route:
 @dataclass(frozen=True)
 class ModulePlan:
     """One module's routes by slot. role names the bound implementation routing.bind gives it:
-    linear | norm | attention | mlp | moe | moe.all_experts | moe.stock | drafter.norm | drafter.attention |
+    linear | head | norm | attention | mlp | moe | moe.all_experts | moe.stock | drafter.norm | drafter.attention |
     drafter.mlp. A role without routes is planned stock or torch (note says which and why)."""
     name: str
     role: str
@@ -268,7 +277,12 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
     for name, mod in model.named_modules():
         if isinstance(mod, Linear):
             lin = route(linear_key(mod))
-            if lin is not None:
+            head = route(head_key(model, mod), strict=False)
+            if head is not None:
+                out.append(ModulePlan(name, "head", {"greedy": head},
+                                      "logits (sampling, logprobs, prefill): cuBLAS; greedy decode-graph steps: the "
+                                      "fused head + argmax"))
+            elif lin is not None:
                 out.append(ModulePlan(name, "linear", {"linear": lin}))
             elif mod.num_experts is None:
                 out.append(ModulePlan(name, "linear.torch", note=f"{mod.fmt} weights: cuBLAS (no catalog entry for "

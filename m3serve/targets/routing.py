@@ -20,8 +20,9 @@ moe.grouped for every other expert format and row count); on bf16 CUDA activatio
 (norm.rms; norm.add_rms where a residual add precedes the norm), each attention layer's q/k norms + RoPE
 (attn.qk_prep, one launch), the dense MLPs' SwiGLU-OAI (mlp.swiglu_oai) and, in the dense all-experts MoE, the
 router (moe.route_small) and the stacked experts' activation. CPU or fp32 activations always take the stock path
-(byte for byte). The LM head's catalog entries (head.bf16 / head.head12) are not routed: a quantized head is a
-linear like any other.
+(byte for byte). A dense bf16 LM head on one rank gets the model's greedy head (head.bf16: GEMV + argmax of the
+bf16 logits in two launches, no logits written), which the decode graphs' greedy variant calls; its logits stay
+cuBLAS. head.head12 is not routed (it is slower than the BF16 head today). A quantized head is a linear like any other.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from bisect import bisect_right
 import torch
 
 from m3serve.kernels.gemm._gemm_tiles import make_workspace as gemm_workspace
+from m3serve.kernels.head.bf16 import make_head_workspace
 from m3serve.kernels.moe.grouped import make_workspace as grouped_workspace
 from m3serve.kernels.moe.nvfp4 import make_moe_workspace
 from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
@@ -167,6 +169,31 @@ class LinearKernel:
         else:
             launch.run(x2, lin.q_q, _per_row(lin, lin.q_scale, n), out, ws, cfg)
         return out.view(*x.shape[:-1], n)
+
+
+class HeadKernel:
+    """The LM head's greedy rows on head.bf16: (lm_head, h [R, H]) -> token ids [R] int64, argmax of the bf16 logits
+    (first index on ties) without writing them; None (the caller takes argmax of the logits) off CUDA, for non-bf16
+    activations, or where no cell serves R (the head is never required: the logits path is the stock one)."""
+    __slots__ = ("table",)
+
+    def __init__(self, table: RowTable):
+        self.table = table
+
+    def __call__(self, lin, h: torch.Tensor):
+        if not _routes(h) or h.dtype != torch.bfloat16 or h.dim() != 2:
+            return None
+        launch = self.table(h.shape[0])
+        if launch is None:
+            return None
+        w = lin.weight
+        if launch.workspace is None:
+            launch.workspace = make_head_workspace(launch.config, w.shape[0], w.device)
+        rows = h.shape[0]
+        ids = torch.empty(rows, dtype=torch.int64, device=h.device)
+        best = torch.empty(rows, dtype=torch.float32, device=h.device)
+        launch.run(h.contiguous(), w, ids, best, launch.workspace, 0, launch.config)
+        return ids
 
 
 class NormKernel:
@@ -485,6 +512,8 @@ def _kernel_for(mod, mp, mode: str):
     role = mp.role
     if role == "linear":
         return LinearKernel(mod, t["linear"], mode)
+    if role == "head":
+        return HeadKernel(t["greedy"])
     if role == "norm":
         return NormKernel(mp.name, t["rms"], t["add_rms"], mode)
     if role == "drafter.norm":
@@ -566,11 +595,16 @@ def bind(model, plan: KernelPlan, weight_layout: str | None = None) -> None:
     for mod in modules.values():
         if isinstance(mod, ROUTED_CLASSES):
             mod.kernel = None
+    if hasattr(model, "greedy_head"):
+        model.greedy_head = None
     for mp in plan.modules:
         mod = modules.get(mp.name)
         if mod is None:
             raise ValueError(f"kernel plan: module {mp.name!r} is not in this model (a plan binds the model it was "
                              "built for)")
+        if mp.role == "head":     # the head's logits stay cuBLAS (Linear.kernel None); its greedy rows are the model's
+            model.greedy_head = _kernel_for(mod, mp, plan.mode)
+            continue
         mod.kernel = _kernel_for(mod, mp, plan.mode)
     model.kernel_plan = plan
 

@@ -11,10 +11,12 @@ Shape legend:
     part_val   [M, P]          fp32 per-program maxima, P = V / BN   (workspace)
     part_idx   [M, P]          int32 their vocabulary indices         (workspace)
     ids        [M]             int64 greedy token ids (+ index_offset, for a vocab shard)
-    best       [M]             fp32 the winning logits (for a cross-rank max at TP > 1)
+    best       [M]             fp32 the winning logits, bf16 values (for a cross-rank max at TP > 1)
 
-Pass 1 (grid V/BN): the swap-AB tile dot of _wstream, then each program reduces its [BM, BN]
-logit tile to (max, first index of the max) per row. Pass 2 (grid M) reduces the P partials in
+Pass 1 (grid V/BN): the swap-AB tile dot of _wstream, then each program rounds its [BM, BN] fp32
+logit tile to bf16 (the logits a BF16 head returns: the stock path's argmax reads those, so the
+ids here equal its ids up to fp32 summation order, ties included) and reduces it to (max, first
+index of the max) per row. Pass 2 (grid M) reduces the P partials in
 increasing program order, keeping the earlier one on ties, so ties go to the smallest index,
 as torch.argmax does. Only 8 bytes per (row, program) ever reach memory.
 
@@ -54,6 +56,15 @@ def _head12_tile(sm_ptr, code_ptr, tb_ptr, n0, k0, K, BN: tl.constexpr, BK: tl.c
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+@helper
+def _round_to_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32; in integer ops because the Triton interpreter's
+    float cast truncates (the compiled cast rounds to nearest even: the same values)."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
 @kernel
 def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, esc_col_ptr, esc_val_ptr,
                         pval_ptr, pidx_ptr, M, V, K, stride_xm, P, HEAD12: tl.constexpr, BM: tl.constexpr,
@@ -85,7 +96,7 @@ def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, es
             v = tl.load(esc_val_ptr + e)
             xv = tl.load(x_ptr + rm * stride_xm + col, mask=rm < M, other=0.0).to(tl.float32)
             acc += tl.where(rn[:, None] == r, v * xv[None, :], 0.0)
-    logits = tl.trans(acc)  # [BM, BN]
+    logits = _round_to_bf16(tl.trans(acc))  # [BM, BN]
     best = tl.max(logits, axis=1)
     arg = tl.argmax(logits, axis=1, tie_break_left=True)
     tl.store(pval_ptr + rm * P + pid, best, mask=rm < M)

@@ -1,12 +1,14 @@
 """Catalog entry head.bf16: greedy token ids = argmax(x @ W^T) over the vocabulary for a BF16
-LM head, without writing the [M, V] logits (the comparison baseline and fallback for head12).
+LM head, without writing the [M, V] logits (the comparison baseline and fallback for head12). The
+logits are compared as bf16 values, as the BF16 head returns them: the decode graphs' greedy step
+takes these ids where the stock path takes argmax of its bf16 logits.
 
 Shape legend:
     x          [M, K]   bf16 final hidden states (M = 1..48 tokens, K = 6144)
     w          [V, K]   bf16 (V = 200064 at TP1, 100032 per rank at TP2 vocab-parallel)
     workspace  HeadWorkspace: part_val fp32 [BM, V/BN], part_idx int32 [BM, V/BN]
     ids        [M]      int64 argmax + index_offset (the shard's first vocabulary row)
-    best       [M]      fp32 the winning logit (combine shards with a max over ranks)
+    best       [M]      fp32 the winning logit, a bf16 value (combine shards with a max over ranks)
 """
 
 from __future__ import annotations
@@ -102,12 +104,19 @@ def head_bf16_stock(x, w, ids=None, best=None, workspace=None, index_offset=0, c
     return torch.argmax(x @ w.T, dim=-1) + index_offset
 
 
+def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |t| (fp32 in, fp32 out): 2**(exponent(t) - 7), at least the smallest normal's."""
+    e = torch.floor(torch.log2(t.abs().clamp_min(2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
 def compare_argmax(name: str, out: tuple[torch.Tensor, torch.Tensor], logits: torch.Tensor, absprod: torch.Tensor,
                    k: int, index_offset: int) -> None:
-    """ids: the kernel's pick must be a maximum up to summation order: with
-    b = 2*K*u*sum|x*w| per logit (fp32 accumulation in two orders, exact products),
-    logits[id] >= max - (b[id] + b[argmax]). Exact ties and near-ties may go either way.
-    best: |best - logits[id]| <= b[id] (the kernel returns its fp32 logit, no rounding)."""
+    """ids: the kernel rounds its fp32 logits l' to bf16 (as a BF16 head's logits) and picks the first maximum, so
+    with b = 2*K*u*sum|x*w| per logit (fp32 accumulation in two orders, exact products) and the reference's true
+    maximum j: logits[id] >= max - (b[id] + b[j] + (ulp_bf16(max) + ulp_bf16(logits[id])) / 2) (each side rounded
+    by at most half its ulp). Exact ties and near-ties may go either way.
+    best: the bf16 rounding of the kernel's logit: |best - logits[id]| <= b[id] + ulp_bf16(logits[id]) / 2."""
     ids, best = out
     m = logits.shape[0]
     local = ids.long() - index_offset
@@ -117,13 +126,16 @@ def compare_argmax(name: str, out: tuple[torch.Tensor, torch.Tensor], logits: to
     rows = torch.arange(m, device=logits.device)
     j = torch.argmax(logits, dim=1)
     picked = logits[rows, local]
-    slack = b[rows, local] + b[rows, j]
-    short = logits[rows, j] - picked - slack
+    top = logits[rows, j]
+    slack = b[rows, local] + b[rows, j] + (bf16_ulp(top) + bf16_ulp(picked)) / 2
+    short = top - picked - slack
     if bool((short > 0).any()):
         r = int(torch.argmax(short))
         raise AssertionError(f"{name}: row {r} picked {int(local[r])} (logit {float(picked[r])}) but "
                              f"{int(j[r])} has {float(logits[r, j[r]])}; allowed slack {float(slack[r]):.3g}")
-    err = (best.float() - picked).abs() - b[rows, local]
+    if not torch.equal(best.float(), best.float().to(torch.bfloat16).float()):
+        raise AssertionError(f"{name}: best holds values that are not bf16: {best.tolist()[:8]}")
+    err = (best.float() - picked).abs() - (b[rows, local] + bf16_ulp(picked) / 2)
     if bool((~torch.isfinite(best)).any()) or bool((err > 0).any()):
         r = int(torch.argmax(torch.nan_to_num(err, nan=float("inf"))))
         raise AssertionError(f"{name}: best[{r}] = {float(best[r])} but logit[{int(local[r])}] = {float(picked[r])}")

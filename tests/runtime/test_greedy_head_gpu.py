@@ -1,0 +1,47 @@
+"""The decode graphs' greedy variant on the fused greedy head (head.bf16: no logits written) at real dims: it is
+bound and captured without logits, its tokens equal those of graphs captured through the head's logits + argmax
+(the same bf16 logits, summed in another order: a near-tie may flip, hence a 90 % floor over 4 x 24 tokens), and a
+greedy request that asks for logprobs (which needs the logits) replays the sampling variant and gets the same
+tokens as without."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime.test_decode_target_gpu import _greedy, _need_cuda, _release
+
+pytestmark = pytest.mark.gpu
+
+
+def test_fused_greedy_head_in_the_decode_graphs():
+    _need_cuda()
+    from m3serve import LLM, SamplingParams
+    from m3serve.runtime.decode_graphs import DecodeGraphs
+    llm = LLM("minimax-m3:2", random_weights=True, quantization="nvfp4", kv_cache_bytes=1 << 30, max_model_len=2048,
+              max_num_seqs=8)
+    runner = llm.engine.runner
+    g = runner.graphs
+    assert llm.model.greedy_head is not None and g.fused_greedy
+    assert all(g.graphs[b].logits is None for b in g.captured)
+    assert all(g.sampled_graphs[b].logits is not None for b in g.captured)
+    vocab = llm.model.cfg.vocab_size
+    prompts = [{"prompt_token_ids": [(11 + 17 * i + 29 * j) % vocab for j in range(30 + 7 * i)]} for i in range(4)]
+    replays = g.replays
+    fused = _greedy(llm, prompts, 24)
+    assert g.replays > replays and g.sampled_replays == 0
+    # the same greedy requests with logprobs: the engine asks for logits, the sampling variant supplies them
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    with_lp = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert g.sampled_replays > 0
+    # graphs captured through the logits (as before the fused head)
+    llm.model.greedy_head = None
+    plain = DecodeGraphs(llm.model, runner.kv, runner.tables, g.buckets, penalties=llm.engine.penalties)
+    plain.capture()
+    assert not plain.fused_greedy and all(plain.graphs[b].logits is not None for b in plain.captured)
+    runner.graphs = plain
+    logits_head = _greedy(llm, prompts, 24)
+    assert plain.replays > 0
+    for other in (with_lp, logits_head):
+        same = sum(a == b for x, y in zip(fused, other) for a, b in zip(x, y))
+        assert same >= 0.9 * 4 * 24, (fused, other)
+    _release(llm)

@@ -1,0 +1,72 @@
+"""The model's greedy head (targets.routing.HeadKernel on head.bf16): planned for a dense bf16 head on one rank, bound
+by install, and its ids equal the stock path's argmax of the bf16 logits (the Triton interpreter on CPU, with a cell
+for the tiny head's shape and the CUDA gate opened)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from m3serve.kernels.catalog import Cell
+from m3serve.kernels.head import bf16 as HB
+from m3serve.model.loader import load_model
+from m3serve.targets import explain, routing
+
+
+def _tiny(**kw):
+    return load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, seed=0, **kw)
+
+
+def _with_tiny_cell(monkeypatch, model):
+    v, k = model.lm_head.out_features, model.lm_head.in_features
+    cell = Cell(rows=(1, 16), shape=(v, k), why="test: the tiny head", config={"head": HB.HeadConfig(BM=16)})
+    monkeypatch.setattr(HB, "ENTRIES", (dataclasses.replace(HB.ENTRY, cells=HB.CELLS + (cell,)),))
+
+
+def test_the_plan_routes_a_bf16_heads_greedy_rows_and_keeps_its_logits_on_cublas():
+    model = _tiny()
+    plan = routing.install(model, "auto")
+    head = plan.module("lm_head")
+    assert head.role == "head" and head.routes["greedy"].kind == "head.bf16"
+    assert model.lm_head.kernel is None                 # the logits: F.linear
+    assert isinstance(model.greedy_head, routing.HeadKernel)
+    lines = {p.module: p for p in explain.module_placements(model, 1)}
+    assert lines["lm_head"].entry == "torch:F.linear"
+    assert lines["lm_head [head.bf16]"].entry is None    # no cell for the tiny vocabulary: logits + argmax
+    routing.install(model, "off")
+    assert model.greedy_head is None
+
+
+def test_no_greedy_head_for_a_quantized_or_fp32_head():
+    fp32 = load_model("tiny", device="cpu", dtype=torch.float32, random_weights=True, seed=0)
+    assert "head" not in {mp.role for mp in routing.install(fp32, "auto").modules}
+    assert fp32.greedy_head is None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_greedy_tokens_equal_argmax_of_the_stock_logits(monkeypatch, rows):
+    model = _tiny()
+    _with_tiny_cell(monkeypatch, model)
+    routing.install(model, "auto")
+    monkeypatch.setattr(routing, "_routes", lambda t: True)
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
+    # near-ties in the bf16 logits: copy one head row onto another (equal logits: the first index must win)
+    with torch.no_grad():
+        model.lm_head.weight[300] = model.lm_head.weight[7]
+    fired = []
+    launch = model.greedy_head.table(rows)
+    run = launch.run
+    launch.run = lambda *a: fired.append(a[0].shape[0]) or run(*a)
+    with torch.no_grad():
+        stock = model.logits(h).argmax(-1)
+        got = model.greedy_tokens(h)
+    assert fired == [rows]
+    assert got.dtype == torch.int64 and torch.equal(got, stock)
+    # rows without a cell (17) take the logits
+    with torch.no_grad():
+        h17 = torch.randn(17, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
+        assert torch.equal(model.greedy_tokens(h17), model.logits(h17).argmax(-1))
+    assert fired == [rows]
