@@ -24,6 +24,7 @@ from m3serve.runtime.decode_graphs import pack_decode, stage_offsets, staged_sam
 class _Launched:
     tokens: list[int]
     n: int
+    logits: torch.Tensor | None = None
 
 
 class FakeGraphs:
@@ -33,7 +34,7 @@ class FakeGraphs:
         self.engine, self.buckets = engine, buckets
         self.sampling = True
         self.penalties = engine.penalties
-        self.sampled_runs = self.processed_runs = 0
+        self.sampled_runs = self.processed_runs = self.logits_runs = 0
         self.device_tokens: dict[int, int] = {}     # request id -> token sampled in the last graph step
         self.runs = 0
         self.pending_reads = 0                       # launched steps whose tokens were not fetched yet
@@ -41,7 +42,7 @@ class FakeGraphs:
     def bucket_for(self, n):
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, seq_ids, token_ids, positions, sampling=None, penalty_rows=None):
+    def run(self, seq_ids, token_ids, positions, sampling=None, penalty_rows=None, want_logits=False):
         eng = self.engine
         ids = [t if t >= 0 else self.device_tokens[s] for s, t in zip(seq_ids, token_ids)]
         pos = np.asarray(positions, dtype=np.int64)
@@ -74,14 +75,19 @@ class FakeGraphs:
             self.device_tokens[s] = t
         self.runs += 1
         self.pending_reads += 1
-        return _Launched(tokens, len(seq_ids))
+        self.logits_runs += want_logits
+        return _Launched(tokens, len(seq_ids), logits if want_logits else None)
 
     def fetch_tokens(self, launched):
         self.pending_reads -= 1
         return launched.tokens[:launched.n]
 
     def logits(self, launched):
-        raise AssertionError("greedy steps never read logits")
+        """As DecodeGraphs: only a step launched with want_logits has them (the greedy variant may write none)."""
+        if launched.logits is None:
+            raise AssertionError("logits read from a step launched without want_logits")
+        self.pending_reads -= 1
+        return launched.logits
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +140,27 @@ def test_overlapped_equals_synchronous(model):
     assert got == ref
     assert eng.runner.graphs.runs > 10 and eng.runner.graphs.pending_reads == 0 and eng._inflight is None
     assert all(r.pending == 0 for r in eng.requests.values())
+    _assert_no_leak(eng)
+
+
+def test_a_logprobs_request_asks_the_graph_step_for_its_logits(model):
+    """A greedy request that wants logprobs is not decided by the graph: its step is launched with want_logits (the
+    fused greedy variant writes none) and sampled from them; tokens and logprobs as the synchronous engine's."""
+    rng = np.random.default_rng(3)
+    prompts = _prompts(rng, 3)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2) for _ in prompts]
+    ref_eng = _engine(model, False)
+    ref = _drive(ref_eng, prompts, params)
+    eng = _engine(model, True)
+    got = _drive(eng, prompts, params)
+    assert got == ref
+    assert eng.runner.graphs.logits_runs >= 5
+    lp = [r.output_logprobs for r in eng.requests.values()]
+    ref_lp = [r.output_logprobs for r in ref_eng.requests.values()]
+    assert len(lp) == 3 and all(len(x) == 6 for x in lp)
+    for a, b in zip(lp, ref_lp):
+        for da, db in zip(a, b):
+            assert da.keys() == db.keys() and all(abs(da[k] - db[k]) < 1e-4 for k in da)
     _assert_no_leak(eng)
 
 
