@@ -265,8 +265,8 @@ class SpecSteps:
                              kv=self.kv, step=verify, capture_layers=self.capture_ids)
         h = m.hidden(batch)
         fused = d.fuse([batch.captured[i] for i in d.cfg.capture_layers])
-        logits = m.logits(h)                                                 # [T, V] fp32
         if sampled:
+            logits = m.logits(h)                                             # [T, V] fp32
             v = logits.shape[1]
             temp, top_k, top_p, greedy, keys = params = self._sampling_params(bucket, v)
             per_row = [x.repeat_interleave(k + 1) for x in (temp, top_k, top_p, greedy)]
@@ -276,7 +276,8 @@ class SpecSteps:
             buf.accepted.copy_(a)                          # spec.accept takes a as the "forced" count, y as t_a
             accepted, target = buf.accepted, y[:, None].expand(s, k + 1).contiguous()
         else:
-            accepted, target = forced, logits.argmax(-1).view(s, k + 1)     # t_j
+            # t_j: argmax of the bf16 logits, through the model's greedy head where bound (no logits written)
+            accepted, target = forced, m.greedy_tokens(h).view(s, k + 1)
         spec_accept(buf.ids.view(s, k + 1), target, accepted, buf.pos0, seq_lens, rows,
                     self.tables.slot_table[:s], self.kv.page_size, self.next_pos, buf.emitted, buf.last,
                     buf.draft_pos, buf.draft_map, buf.draft_lens, buf.result)
@@ -306,11 +307,13 @@ class SpecSteps:
         step's verification (keyed draw: stream TAG_DRAFT at sequence index `index`)."""
         d, out = self.drafter, buf.drafted[j]
         if params is None:
-            logits = d.lm_head(normed) if d.lm_head is not None else self.model.lm_head(normed.to(self.model.dtype))
-            if d.d2t is None:
-                torch.argmax(logits, dim=-1, out=out)
+            if d.lm_head is None:     # the target's head: its greedy head where bound (no logits written)
+                ids = self.model.greedy_tokens(normed.to(self.model.dtype))
             else:
-                ids = logits.argmax(-1)
+                ids = d.lm_head(normed).argmax(-1)
+            if d.d2t is None:
+                out.copy_(ids)
+            else:
                 torch.add(ids, d.d2t[ids], out=out)
             return
         temp, top_k, top_p, greedy, keys = params
