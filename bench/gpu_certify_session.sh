@@ -116,15 +116,20 @@ head-layout-round)  # issue 30 items 1 and 3, first call: GPU tests of the tile 
   phase moe-tiles ${T_C:-100} python3 bench/kernel_variants.py --only moe --moe-tokens ${MOE_TOKENS:-1,8} --moe-mma-only \
     --iters 20 --name kernel-variants-moe-tiles-$TAG.json --out-dir "$OUT"
   ;;
-head-layout-decode)  # second call (warm): the decode step at more depth side by side (MODELS: minimax-m3:24 on an
-                     # H200, minimax-m3:12 on an H100), then the 8k prefill of minimax-m3:5 in both layouts
-  phase decode-deep ${T_B:-330} python3 bench/decode.py --models ${MODELS:-minimax-m3:24} --batch 1,8 --context 512 \
-    --steps 20 --routes target,target-rows,target-logits-head --quantization nvfp4 \
-    --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
-  phase prefill-tile-layout ${T_C:-150} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
+head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nvfp4 1-8 token cell (down split 8) certified;
+                     # the decode step side by side (tiles + fused head, row-major, logits head) of minimax-m3:5 and
+                     # the deepest model the card holds (MODELS; default minimax-m3:24 on an H200, minimax-m3:12 on an
+                     # H100: its NVFP4 weights alone are ~100 GB); the 8k prefill of minimax-m3:5 in both layouts
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase pytest-head-moe ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+    tests/runtime/test_greedy_head_gpu.py "tests/kernels/test_gpu.py::test_cell[moe.nvfp4-(128, 6144, 3072, 0)-r1-8]" \
+    "tests/kernels/test_gpu.py::test_cuda_graph_replay[moe.nvfp4]"
+  phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-tiles-head.json"
+  phase decode-deep ${T_C:-200} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
+  phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
-  phase pytest-moe-ahead ${T_D:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 95 -rfE \
-    tests/kernels/moe/test_moe_grouped_gpu.py::test_decode_ahead_equals_the_serial_band_bit_for_bit
   ;;
 layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU tests: each NVFP4 cell family gives
               # the same bits on tiles as on row-major weights, the NVFP4 / qkv cells certified on their (tiled) cases;

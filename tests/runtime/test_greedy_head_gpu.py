@@ -26,9 +26,24 @@ def test_fused_greedy_head_in_the_decode_graphs():
     assert all(g.sampled_graphs[b].logits is not None for b in g.captured)
     vocab = llm.model.cfg.vocab_size
     prompts = [{"prompt_token_ids": [(11 + 17 * i + 29 * j) % vocab for j in range(30 + 7 * i)]} for i in range(4)]
-    replays = g.replays
+    replays, sampled = g.replays, g.sampled_replays      # (the engine's warm-up requests sample)
     fused = _greedy(llm, prompts, 24)
-    assert g.replays > replays and g.sampled_replays == 0
+    assert g.replays > replays and g.sampled_replays == sampled
+    # the greedy head itself on fresh hidden states: ids = argmax of the bf16 logits, a pick that differs only where
+    # the two bf16 logits lie within fp32 summation noise of each other (one bf16 ulp apart or tied)
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (1, 3, 8, 16, 33, 48):
+        h = torch.randn(rows, llm.model.cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            logits = llm.model.logits(h)
+            ids = llm.model.greedy_tokens(h)
+        want = logits.argmax(-1)
+        top = logits.gather(1, want[:, None])[:, 0]
+        got = logits.gather(1, ids[:, None])[:, 0]
+        ulp = torch.exp2(torch.floor(torch.log2(top.abs())) - 7)
+        assert bool(((ids == want) | (top - got <= ulp)).all()), (rows, ids, want)
+        assert (ids == want).float().mean() >= 0.9
     # the same greedy requests with logprobs: the engine asks for logits, the sampling variant supplies them
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     with_lp = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]

@@ -517,9 +517,11 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
     return cfg
 
 
-# 1-8 tokens with an NVFP4 shared expert: gate|up and down on the register-operand MMA step (_mma)
+# 1-8 tokens with an NVFP4 shared expert: gate|up and down on the register-operand MMA step (_mma). I = 3072: down
+# split 8 ways (on MMA tiles, H100, bench/kernel_variants.py --moe-mma-only: 109.8 / 379.8 us at 1 / 8 tokens against
+# 116.5 / 406.1 us split 4, kernel-variants-moe-tiles-h100.json); the TP2 shard (1536) keeps its measured split
 MMA_MOE_ROWS = (1, 8)
-MMA_MOE = {3072: MmaMoEConfig(DSPLIT=4), 1536: MmaMoEConfig(DSPLIT=2)}
+MMA_MOE = {3072: MmaMoEConfig(DSPLIT=8), 1536: MmaMoEConfig(DSPLIT=2)}
 
 
 def _row_ranges(sb: int) -> tuple[tuple[int, int], ...]:
