@@ -71,34 +71,44 @@ def step_bytes(llm, batch: int, context: int) -> int:
     return total
 
 
-def set_route(llm, route: str, graphs) -> None:
-    """graphs: {route: DecodeGraphs} of the graph routes ("target", "target-pdl", "target-nopdl", "target-rows",
-    "target-logits-head"). target-rows: the target with NVFP4 / MXFP8 weights left row-major (the layout before the
-    MMA tile layout); target-logits-head: the target's greedy step through the head's logits + argmax instead of the
-    fused greedy head (head.bf16); both capture their graphs on first use. Every other target route runs the
-    default layout and head. A graph replays the kernels it captured, so the binding is set before it runs."""
+def route_binding(route: str) -> tuple[str, str | None, bool]:
+    """(route mode, weight layout, fused greedy head) a route runs with. target-rows: NVFP4 / MXFP8 weights left
+    row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens from the head's logits +
+    argmax instead of the fused greedy head (head.bf16); every other target route: the default layout and head."""
+    return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
+            route != "target-logits-head")
+
+
+def set_route(llm, route: str, state: dict) -> None:
+    """Bind the route's binding (only when it changes) and give the runner its graphs. A graph replays the kernels,
+    flags and workspace addresses of the binding it was captured under, so a new binding drops every cached graph
+    (the decode graphs here; the bench runs without prefill graphs) and each graph route captures its own on first
+    use. state: {"binding", "graphs": {route: DecodeGraphs}, "buckets"}."""
     from m3serve.targets import routing
-    routing.install(llm.model, "off" if route == "off" else "auto",
-                    weight_layout="rows" if route == "target-rows" else None)
-    if route == "target-logits-head":
-        llm.model.greedy_head = None
+    want = route_binding(route)
+    if state["binding"] != want:
+        routing.install(llm.model, want[0], weight_layout=want[1])
+        if not want[2]:
+            llm.model.greedy_head = None
+        state["binding"], state["graphs"] = want, {}
     llm.engine.runner.target_attention = route != "off"
-    if route in ("target-rows", "target-logits-head") and route not in graphs:
-        graphs[route] = recapture(llm, graphs["target"])
+    graphs = state["graphs"]
+    if route.startswith("target") and route not in graphs:
+        graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route))
     llm.engine.runner.graphs = graphs.get(route)
 
 
-def recapture(llm, like, pdl: bool | None = None):
-    """The target's graphs captured again (same buckets) for a side-by-side run: as the model is bound now (its
-    weight layout), with programmatic dependent launch on or off (m3serve.kernels._jit's switch; None: as it is);
-    the switch is restored afterwards (a graph keeps what it captured)."""
+def recapture(llm, buckets: tuple[int, ...], pdl: bool | None = None):
+    """The target's graphs captured again (these buckets) for a side-by-side run: as the model is bound now (its
+    weight layout, its greedy head), with programmatic dependent launch on or off (m3serve.kernels._jit's switch;
+    None: as it is); the switch is restored afterwards (a graph keeps what it captured)."""
     from m3serve.kernels import _jit
     from m3serve.runtime.decode_graphs import DecodeGraphs
     eng = llm.engine
     before = _jit.PDL_ENABLED
     _jit.PDL_ENABLED = before if pdl is None else pdl
     try:
-        g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, like.buckets, penalties=eng.penalties)
+        g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties)
         g.capture()
     finally:
         _jit.PDL_ENABLED = before
@@ -269,16 +279,15 @@ def main() -> None:
                   max_num_batched_tokens=max(2048, args.context), gpu_memory_utilization=0.85,
                   max_model_len=args.context + WINDOW * args.steps + 64, route="auto",
                   # every route prefills its prompts itself: a prefix hit would give a later route other prefill
-                  # rows (other kernels, other summation order) than the route it is compared with
-                  enable_prefix_caching=False)
+                  # rows (other kernels, other summation order) than the route it is compared with; and eagerly:
+                  # prefill graphs would replay the kernels of the binding they were captured under (set_route)
+                  enable_prefix_caching=False, prefill_graph_tokens=0)
         loads[name] = time.perf_counter() - t0
-        graphs = {"target": llm.engine.runner.graphs}
-        for route, pdl in (("target-pdl", True), ("target-nopdl", False)):
-            if route in routes:
-                graphs[route] = recapture(llm, llm.engine.runner.graphs, pdl)
+        init = llm.engine.runner.graphs
+        state = {"binding": route_binding("target"), "graphs": {"target": init}, "buckets": init.buckets}
         base_tokens, target_tokens = {}, {}
         for route in routes:
-            set_route(llm, route, graphs)
+            set_route(llm, route, state)
             for b in batches:
                 r = time_decode(llm, b, args.context, args.steps, seed=b, window=WINDOW if route.startswith("target") else 1,
                                 sampling=sampling)
@@ -301,7 +310,7 @@ def main() -> None:
                                                             None) for ref, got in zip(target_tokens[b], toks)]
                 print(json.dumps(r), flush=True)
                 results.append(r)
-        del llm, graphs
+        del llm, state, init
         gc.collect()   # the routing hooks and graphs hold reference cycles; the next model sizes its KV from free memory
         torch.cuda.empty_cache()
         # written after every model, so a run cut short by a time limit keeps what it measured

@@ -227,7 +227,7 @@ def decode_tile_sweep(fmts: list[str], iters: int, group: int = 16, dev: torch.d
     out = []
     for f in fmts:
         fmt = FMTS[f]
-        w, sc, _ = G.random_weight(fmt, group, 2 * i, h, 1, dev, torch.Generator(device=dev).manual_seed(5))
+        w, sc, _ = G.random_weight(fmt, group, 2 * i, h, 1, dev, torch.Generator().manual_seed(5))
         tiled = f in ("nvfp4", "mxfp8") and tileable(f, w, sc)
         if tiled:
             w, sc = to_layout(f, w, sc, "rows", "mma_tile")

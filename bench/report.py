@@ -371,7 +371,9 @@ def render_decode(files: list[ResultFile]) -> str:
             caption += ", sampled: " + ", ".join(f"{k} {v}" for k, v in sampling.items() if k != "seed")
         else:
             caption += ", greedy"
-        blocks.append(file_block(caption, md_table(headers, table), rf, copy_bw_note(rf)))
+        caveat = opt(rf.data, "caveat", rf.name, "str")   # a note added to the file by hand after its run
+        blocks.append(file_block(caption, md_table(headers, table), rf, copy_bw_note(rf))
+                      + (f"\n\n**Caveat:** {caveat}" if caveat else ""))
     return "\n\n".join(blocks)
 
 
@@ -1261,7 +1263,9 @@ def _prefill_summary(rf: ResultFile) -> list[list[str]]:
         vs = f" ({sig(ttft / hf[n], 2)}x transformers' BF16 {ms(hf[n])} ms, same run)" if n in hf else ""
         q = need(r, "quantization", w, "str")
         graphs = opt(r, "prefill_graph_tokens", w, "int")
+        layout = opt(r, "weight_layout", w, "str")
         rows.append([f"prefill TTFT, {count(n)} tokens, {'BF16' if q == 'none' else q.upper()} weights"
+                     + (f" ({'MMA tile' if layout == 'mma_tile' else 'row-major'} layout)" if layout else "")
                      + (", prefill graphs" if graphs else ""),
                      need(r, "model", w, "str"), f"{ms(ttft)} ms{vs}", code(rf.name)])
     return rows

@@ -30,6 +30,22 @@ import torch
 log = logging.getLogger("m3serve")
 
 
+def binding_of(*models) -> tuple[int, ...]:
+    """The kernel-binding generation of each model (targets.routing.bind counts them; 0: never bound). A graph
+    captured under one generation replays that binding's kernels, layout flags and workspace addresses: once a
+    model is bound again, its graphs are stale (and the old workspaces may be freed and reused)."""
+    return tuple(getattr(m, "kernel_binding", 0) for m in models if m is not None)
+
+
+def check_binding(captured_under: tuple[int, ...], models, what: str) -> None:
+    """Raise when a model was bound again since the graphs were captured (replaying them would run the old binding's
+    kernels on re-laid-out weights and write into freed workspaces)."""
+    now = binding_of(*models)
+    if now != captured_under:
+        raise RuntimeError(f"{what} graphs: captured under kernel binding {captured_under}, the model is now bound as "
+                           f"{now} (targets.routing.install ran after capture): capture them again")
+
+
 class GraphCaptureError(RuntimeError):
     """route='require' and a bucket cannot be captured: names the bucket, the module and the reason."""
 

@@ -177,6 +177,7 @@ class DecodeGraphs:
         # the greedy variant's head: the fused greedy head (no logits) when the sampling variant can supply logits
         self.fused_greedy = sampling and getattr(model, "greedy_head", None) is not None
         self.memory_bytes = 0       # device memory the capture reserved (its pool, static outputs), measured
+        self.binding = capture_check.binding_of(model)   # the kernel binding the graphs capture (capture sets it)
 
     # ------------------------------------------------------------------ capture
     def _forward(self, bucket: int, step: PagedStep, variant: str = "greedy") -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +238,7 @@ class DecodeGraphs:
         whose capture fails is left out: `auto` logs the module and reason and that bucket's batches run
         eagerly; `require` raises GraphCaptureError naming it."""
         dev = self.model.device
+        self.binding = capture_check.binding_of(self.model)
         reserved = torch.cuda.memory_reserved(dev)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -299,6 +301,7 @@ class DecodeGraphs:
         store = (self.processed_graphs if penalty_rows is not None
                  else self.sampled_graphs if sampling is not None else self.graphs)
         g = store[bucket]
+        capture_check.check_binding(self.binding, (self.model,), "decode")
         self.sampled_replays += sampling is not None
         g.graph.replay()
         self.replays += 1

@@ -104,6 +104,7 @@ class PrefillGraphs:
             raise ValueError(f"PrefillGraphs: buckets up to {tokens[-1]} tokens / {seqs[-1]} sequences exceed the "
                              f"block tables' {tables.max_tokens} tokens / {tables.manager.max_seqs} sequences")
         self.model, self.kv, self.tables, self.plan = model, kv, tables, plan
+        self.binding = capture_check.binding_of(model)   # the kernel binding the programs capture (capture sets it)
         self.use_graphs = graphs
         self.capture_layers = tuple(capture_layers)   # residual streams kept (an Eagle3 drafter's: ForwardBatch)
         self.tokens, self.seqs = tuple(sorted(tokens)), tuple(sorted(seqs))
@@ -157,6 +158,7 @@ class PrefillGraphs:
                     self.programs[(tb, sb)] = _Eager(lambda tb=tb, step=step: self._forward(tb, step))
             return
         dev = self.model.device
+        self.binding = capture_check.binding_of(self.model)
         reserved = torch.cuda.memory_reserved(dev)
         keep_outgrown_scratch()     # steps from 512 rows decode quantized weights into the process-wide scratch
         stream = torch.cuda.Stream(dev)
@@ -228,6 +230,8 @@ class PrefillGraphs:
         self.query_start[:s + 1].copy_(st.query_start)
         self.query_start[s + 1:sb + 1].fill_(tb)      # padded sequence s owns rows t..tb-1, the others none
         prog = self.programs[key]
+        if isinstance(prog, _Graph):
+            capture_check.check_binding(self.binding, (self.model,), "prefill")
         prog.replay()
         self.replays += 1
         h, captured = prog.out

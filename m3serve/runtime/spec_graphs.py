@@ -118,6 +118,7 @@ class SpecSteps:
         if k < 1:
             raise ValueError(f"k: expected >= 1 speculative tokens, found {k}")
         self.model, self.drafter, self.view, self.tables, self.k = model, drafter, view, tables, k
+        self.binding = capture_check.binding_of(model, drafter)   # the kernel bindings the graphs capture
         self.kv = view.cache
         self.buckets = tuple(sorted(buckets))
         if not self.buckets or self.buckets[-1] > tables.manager.max_seqs:
@@ -336,6 +337,7 @@ class SpecSteps:
         if not self.graphs:
             return
         dev = self.model.device
+        self.binding = capture_check.binding_of(self.model, self.drafter)
         reserved = torch.cuda.memory_reserved(dev)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
@@ -380,6 +382,7 @@ class SpecSteps:
         if sampled:
             self._stage_q(seq_ids, drafts, positions, q)
         if (bucket, sampled) in self._graph:
+            capture_check.check_binding(self.binding, (self.model, self.drafter), "speculative")
             self._graph[bucket, sampled].replay()
             result = self._result[bucket, sampled]
         else:

@@ -591,6 +591,8 @@ def bind(model, plan: KernelPlan, weight_layout: str | None = None) -> None:
     every module when its mode is off, get none: the stock path) and keep the plan on the model. NVFP4 / MXFP8
     weights are re-laid out in place to `weight_layout` (default: default_weight_layout)."""
     set_weight_layout(model, weight_layout or default_weight_layout(model, plan.mode))
+    # graphs captured under the previous binding are stale from here on (runtime.capture_check.check_binding)
+    model.kernel_binding = getattr(model, "kernel_binding", 0) + 1
     modules = dict(model.named_modules())
     for mod in modules.values():
         if isinstance(mod, ROUTED_CLASSES):

@@ -106,3 +106,25 @@ def test_capture_returns_the_graph_and_what_the_captured_call_returned(monkeypat
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (_ for _ in ()).throw(RuntimeError(SYNC_ERROR)))
     graph, out, blocker = capture_check.capture(lambda: moe(x), model, "prefill", 32, None, stream)
     assert graph is None and blocker.module == "layers.1.mlp (MoE)" and cuda.captured == []
+
+
+def test_graphs_refuse_to_replay_after_the_model_is_bound_again():
+    """routing.bind counts kernel bindings; graphs remember the one they captured, and check_binding raises, naming
+    both, once the model (or its drafter) was bound again: the old graphs would replay the old binding's kernels on
+    re-laid-out weights and write into workspaces the new binding may have freed."""
+    import pytest
+    import torch
+
+    from m3serve.model.loader import load_model
+    from m3serve.runtime.capture_check import binding_of, check_binding
+    from m3serve.targets import routing
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, seed=0)
+    before = binding_of(model)
+    routing.install(model, "auto")
+    under = binding_of(model)
+    assert under == (before[0] + 1,)
+    check_binding(under, (model,), "decode")                  # unchanged: no error
+    check_binding(binding_of(model, None), (model, None), "speculative")   # an absent drafter counts for nothing
+    routing.install(model, "auto")
+    with pytest.raises(RuntimeError, match=r"decode graphs: captured under kernel binding \(\d+,\), .*now bound"):
+        check_binding(under, (model,), "decode")
