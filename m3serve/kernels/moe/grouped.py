@@ -24,7 +24,7 @@ in-register decode keeps the MMA loop off tensor-core rate (NVFP4 8192-token pre
 ~38 ms in moe.grouped vs ~16 ms with BF16 experts, ~11 ms more per layer), while decoding a layer's 128 experts once
 writes ~14.5 GB of bf16 (~3-5 ms at HBM rate). At 4096 tokens the difference is half that, about the decode's
 cost: the band starts there. The groups bound the scratch; their loop is over host ints fixed by E, so the call
-stays graph-safe and free of host syncs. DECODE_AHEAD (opt-in, not yet timed on the GPU, so no cell uses it)
+stays graph-safe and free of host syncs. DECODE_AHEAD (opt-in; on the H200 not faster than serial, so no cell uses it)
 double-buffers the scratch: the next group's decode (memory-bound) runs on a side stream while this group's GEMM
 (tensor-core-bound) runs, each GEMM still reading exactly what the serial band reads (_decode_ahead);
 bench/moe_grouped.py --decode-once times the serial band against it (groups of 16, the same 2.4 GB, and of 32).
