@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... head-layout-round | head-layout-decode | layout-round | layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -129,29 +129,6 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
   phase decode-deep ${T_C:-200} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
-    --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
-  ;;
-layout-round)  # issue 30 item 1: every NVFP4 weight in the MMA tile layout. GPU tests: each NVFP4 cell family gives
-              # the same bits on tiles as on row-major weights, the NVFP4 / qkv cells certified on their (tiled) cases;
-              # then the MoE's MMA step per launch, tiles vs row-major (the "/rows" variants), with the router
-              # variants (fewer K splits: a shorter serial tail), 1 / 4 / 8 tokens
-  phase pytest-tiles ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/kernels/test_tile_layout_gpu.py tests/kernels/test_gpu.py -k "tiles or moe.nvfp4 or qkv or 24576"
-  # minimax-m3:4 NVFP4 (MXFP8 projections, dense indexer) routed in require mode vs stock: tiles and the two
-  # projection GEMMs of its MSA layers, end to end
-  phase pytest-routed ${T_R:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 95 -rfE \
-    tests/targets/test_routing.py -k routed_matches_stock
-  phase moe-tiles ${T_B:-230} python3 bench/kernel_variants.py --only moe --moe-tokens 1,4,8 --moe-mma-only \
-    --iters 20 --name kernel-variants-moe-tiles-$TAG.json --out-dir "$OUT"
-  ;;
-layout-decode)  # the decode step with the tile layout vs row-major side by side (route target vs target-rows, the
-               # per-kernel-class GPU time of each), minimax-m3:5 and minimax-m3:24, batch 1 and 8; then the 8k
-               # prefill of minimax-m3:5 in both layouts (its in-register GEMMs read the tiles too)
-  # (minimax-m3:24 NVFP4 holds ~100 GB: on an H100 MODELS=minimax-m3:5,minimax-m3:12)
-  phase decode-tile-layout ${T_B:-400} python3 bench/decode.py --models ${MODELS:-minimax-m3:5,minimax-m3:24} \
-    --batch 1,8 --context 512 --steps 20 --routes target,target-rows --quantization nvfp4 \
-    --out "$OUT/decode-target-$TAG-tile-layout.json"
-  phase prefill-tile-layout ${T_C:-150} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
   ;;
 moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on a side stream while this group's

@@ -297,11 +297,11 @@ class DecodeGraphs:
             raise ValueError("penalty_rows: needs graphs captured with a PenaltyState, and the rows' sampling")
         if want_logits and sampling is None and self.fused_greedy:
             sampling = [GREEDY_ROW] * len(seq_ids)     # the sampling variant's logits; temperature 0 is argmax
+        capture_check.check_binding(self.binding, (self.model,), "decode")
         self._stage(bucket, seq_ids, token_ids, positions, sampling, penalty_rows)   # the graph expands it
         store = (self.processed_graphs if penalty_rows is not None
                  else self.sampled_graphs if sampling is not None else self.graphs)
         g = store[bucket]
-        capture_check.check_binding(self.binding, (self.model,), "decode")
         self.sampled_replays += sampling is not None
         g.graph.replay()
         self.replays += 1

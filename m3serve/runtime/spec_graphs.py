@@ -308,14 +308,18 @@ class SpecSteps:
         step's verification (keyed draw: stream TAG_DRAFT at sequence index `index`)."""
         d, out = self.drafter, buf.drafted[j]
         if params is None:
-            if d.lm_head is None:     # the target's head: its greedy head where bound (no logits written)
+            if d.lm_head is not None:
+                logits = d.lm_head(normed)
+                if d.d2t is None:
+                    torch.argmax(logits, dim=-1, out=out)
+                    return
+                ids = logits.argmax(-1)
+            else:                     # the target's head: its greedy head where bound (no logits written)
                 ids = self.model.greedy_tokens(normed.to(self.model.dtype))
-            else:
-                ids = d.lm_head(normed).argmax(-1)
-            if d.d2t is None:
-                out.copy_(ids)
-            else:
-                torch.add(ids, d.d2t[ids], out=out)
+                if d.d2t is None:
+                    out.copy_(ids)
+                    return
+            torch.add(ids, d.d2t[ids], out=out)
             return
         temp, top_k, top_p, greedy, keys = params
         logits = d.logits(normed)                                            # [S, Vd] fp32

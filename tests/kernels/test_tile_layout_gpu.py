@@ -70,30 +70,37 @@ def _untiled(args: list, pairs: tuple) -> list:
     return out
 
 
+def _moe_reads_tiles_bit_for_bit(entry, cell, rows: int, pairs: tuple, out_at: int, make_ws) -> None:
+    """An MoE entry's case (experts tiled) run on tiles, on the same experts row-major, and on row-major bytes read as
+    tiles: the first two give the same bits, the third does not. pairs: the experts' (bytes, scales) positions;
+    out_at: the output's, the workspace's follows it (each run a poisoned output and make_ws(args, dev))."""
+    dev = _dev()
+    case = entry.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
+    assert case.kwargs["tiled"]
+    args = list(case.args)
+    rows_args = _untiled(args, pairs)
+    kw = {k: v for k, v in case.kwargs.items() if k != "tiled"}
+
+    def run(a, tiled):
+        a = list(a)
+        a[out_at] = poisoned(a[out_at].shape, torch.bfloat16, dev)
+        a[out_at + 1] = make_ws(a, dev)
+        return entry.raw_call(*a, **kw, tiled=tiled).clone()
+
+    got, ref, wrong = run(args, True), run(rows_args, False), run(rows_args, True)
+    torch.cuda.synchronize()
+    assert _same(got, ref)
+    assert not _same(wrong, ref)
+
+
 MOE_CELLS = [(c, r) for c in M.CELLS if c.shape == (128, 6144, 3072, 0) for r in (1, 4, 8, 16, 48)
              if c.rows[0] <= r <= c.rows[1]]
 
 
 @pytest.mark.parametrize("cell,rows", MOE_CELLS, ids=[f"{type(c.config['moe']).__name__}-t{r}" for c, r in MOE_CELLS])
 def test_moe_nvfp4_reads_tiles_bit_for_bit(cell, rows):
-    dev = _dev()
-    case = M.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
-    assert case.kwargs["tiled"]
-    args = list(case.args)
-    rows_args = _untiled(args, ((3, 4), (6, 7), (9, 10), (12, 13)))   # routed and shared experts
-    e, h, i = 128, 6144, 3072
-    cfg = args[18]
-
-    def run(a, tiled):
-        a = list(a)
-        a[16] = poisoned(a[16].shape, torch.bfloat16, dev)
-        a[17] = M.make_moe_workspace(cfg, rows, e, h, i, dev)
-        return M.moe_nvfp4(*a, tiled=tiled)
-
-    got, ref, wrong = run(args, True), run(rows_args, False), run(rows_args, True)
-    torch.cuda.synchronize()
-    assert _same(got, ref)
-    assert not _same(wrong, ref)
+    _moe_reads_tiles_bit_for_bit(M.ENTRY, cell, rows, ((3, 4), (6, 7), (9, 10), (12, 13)), 16,   # routed, shared
+                                 lambda a, dev: M.make_moe_workspace(a[18], rows, 128, 6144, 3072, dev))
 
 
 GROUPED = [(c, r) for c in G.CELLS if c.shape == (FMT_NVFP4, 128, 6144, 3072, 4) for r in (64, 2049, 4096)
@@ -102,21 +109,5 @@ GROUPED = [(c, r) for c in G.CELLS if c.shape == (FMT_NVFP4, 128, 6144, 3072, 4)
 
 @pytest.mark.parametrize("cell,rows", GROUPED, ids=[f"r{r}" for _, r in GROUPED])
 def test_moe_grouped_reads_tiles_bit_for_bit(cell, rows):
-    dev = _dev()
-    case = G.make_case(cell, rows, dev, torch.Generator().manual_seed(rows))
-    assert case.kwargs["tiled"]
-    args = list(case.args)
-    rows_args = _untiled(args, ((4, 5), (7, 8)))
-    kw = {k: v for k, v in case.kwargs.items() if k != "tiled"}
-    cfg = args[14]
-
-    def run(a, tiled):
-        a = list(a)
-        a[12] = poisoned(a[12].shape, torch.bfloat16, dev)
-        a[13] = G.make_workspace(cfg, rows, 128, 6144, 3072, 4, dev)
-        return G.moe_grouped(*a, **kw, tiled=tiled).clone()
-
-    got, ref, wrong = run(args, True), run(rows_args, False), run(rows_args, True)
-    torch.cuda.synchronize()
-    assert _same(got, ref)
-    assert not _same(wrong, ref)
+    _moe_reads_tiles_bit_for_bit(G.ENTRY, cell, rows, ((4, 5), (7, 8)), 12,
+                                 lambda a, dev: G.make_workspace(a[14], rows, 128, 6144, 3072, 4, dev))
