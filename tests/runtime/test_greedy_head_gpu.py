@@ -32,6 +32,8 @@ def test_fused_greedy_head_in_the_decode_graphs():
     # the greedy head itself on fresh hidden states: ids = argmax of the bf16 logits, a pick that differs only where
     # the two bf16 logits lie within fp32 summation noise of each other (one bf16 ulp apart or tied)
     import torch
+
+    from m3serve.kernels.head.bf16 import bf16_ulp
     gen = torch.Generator(device="cuda").manual_seed(0)
     for rows in (1, 3, 8, 16, 33, 48):
         h = torch.randn(rows, llm.model.cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
@@ -41,8 +43,7 @@ def test_fused_greedy_head_in_the_decode_graphs():
         want = logits.argmax(-1)
         top = logits.gather(1, want[:, None])[:, 0]
         got = logits.gather(1, ids[:, None])[:, 0]
-        ulp = torch.exp2(torch.floor(torch.log2(top.abs())) - 7)
-        assert bool(((ids == want) | (top - got <= ulp)).all()), (rows, ids, want)
+        assert bool(((ids == want) | (top - got <= bf16_ulp(top))).all()), (rows, ids, want)
         assert (ids == want).float().mean() >= 0.9
     # the same greedy requests with logprobs: the engine asks for logits, the sampling variant supplies them
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
