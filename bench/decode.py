@@ -172,9 +172,20 @@ def kernel_gaps(intervals: list[tuple[float, float]], steps: int) -> dict:
             "gap_us_p50": q[len(q) // 2], "gap_us_p90": q[min(len(q) - 1, (9 * len(q)) // 10)], "gap_us_max": q[-1]}
 
 
+TOP_KERNELS = 40  # kernels listed by name per result (the rest is in the class totals)
+
+
+def top_kernels(times: dict[str, list[float]], steps: int, n: int = TOP_KERNELS) -> list[dict]:
+    """The `n` kernels with the most GPU time, from {name: [µs, ...]} over `steps` steps: per step, seconds and
+    launches, and the mean µs of one launch (where a layer's time goes, kernel by kernel)."""
+    rows = sorted(times.items(), key=lambda kv: -sum(kv[1]))[:n]
+    return [{"kernel": name, "s_per_step": sum(us) / 1e6 / steps, "calls_per_step": len(us) / steps,
+             "us_per_call": sum(us) / len(us)} for name, us in rows]
+
+
 def profile_steps(eng, steps: int) -> tuple[float, float, dict[str, float], dict]:
-    """(GPU-busy seconds per step, launch calls per step, GPU seconds per step by kernel class, kernel_gaps) over
-    `steps` engine steps."""
+    """(GPU-busy seconds per step, launch calls per step, GPU seconds per step by kernel class, kernel_gaps and the
+    top kernels by name) over `steps` engine steps."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -182,17 +193,18 @@ def profile_steps(eng, steps: int) -> tuple[float, float, dict[str, float], dict
             eng.step()
         torch.cuda.synchronize()
     families = triton_families()
-    busy_us, launches, by_class, spans = 0.0, 0, {}, []
+    busy_us, launches, by_class, spans, by_name = 0.0, 0, {}, [], {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             busy_us += ev.device_time
             c = kernel_class(ev.name, families)
             by_class[c] = by_class.get(c, 0.0) + ev.device_time
+            by_name.setdefault(ev.name, []).append(ev.device_time)
             spans.append((ev.time_range.start, ev.time_range.end))
         elif ev.name in LAUNCH_CALLS:
             launches += 1
     return (busy_us / 1e6 / steps, launches / steps, {c: us / 1e6 / steps for c, us in sorted(by_class.items())},
-            kernel_gaps(spans, steps))
+            {**kernel_gaps(spans, steps), "top_kernels": top_kernels(by_name, steps)})
 
 
 WINDOW = 8   # decode steps per timing sample on the target (the eager routes sync every step anyway: 1)

@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -130,6 +130,16 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+depth-round)  # issue 30, second round's first call: the decode step side by side (tiles + fused head, row-major,
+             # logits head) of minimax-m3:5 and the deepest model the card holds, now with each result's top kernels by
+             # GPU time (bench/decode.py's top_kernels: where a layer's time goes, launch by launch), and the token
+             # columns the fixed bench makes valid (no prefill graphs, one binding per route)
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-kernels.json"
+  phase decode-deep ${T_C:-220} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-kernels.json"
   ;;
 moe-round)  # the MoE decode-once band decoded ahead (the next group's decode on a side stream while this group's
             # GEMM runs): GPU tests (bit-equal to serial, capture, no host sync), the layer timed serial vs ahead,

@@ -43,3 +43,12 @@ def test_kernel_gaps_measure_the_idle_time_between_kernels():
     assert g["gap_us_p90"] == 5.0
     one = kernel_gaps([(0.0, 1.0)], steps=1)
     assert one["gpu_idle_s"] == 0.0 and one["gap_us_max"] is None
+
+
+def test_top_kernels_rank_by_time_per_step_with_calls_and_mean():
+    from decode import top_kernels
+    times = {"a": [1.0, 1.0, 1.0, 1.0], "b": [10.0, 6.0], "c": [0.5]}
+    rows = top_kernels(times, steps=2, n=2)
+    assert [r["kernel"] for r in rows] == ["b", "a"]          # 16 µs over 2 steps, then 4: "c" left out
+    assert rows[0]["s_per_step"] == 8.0e-6 and rows[0]["calls_per_step"] == 1.0 and rows[0]["us_per_call"] == 8.0
+    assert rows[1]["calls_per_step"] == 2.0 and rows[1]["us_per_call"] == 1.0
