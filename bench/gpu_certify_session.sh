@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -130,6 +130,29 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+moe-split-round)  # issue 30 item 2, first call: the MoE's MMA-step gate|up split over H at 1-2 tokens (GSPLIT):
+                 # its GPU tests (every token count, determinism, tickets at zero, graph replay at one token, the
+                 # tile-layout bit equality), the split variants beside the whole-K ones at 1, 2 and 8 tokens, then
+                 # minimax-m3:5's decode step side by side: split (target) vs whole-K gate|up, row-major, logits head
+  phase pytest-moe-split ${T_A:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
+    "tests/kernels/test_gpu.py::test_mma_moe_every_token_count_and_split_determinism" \
+    "tests/kernels/test_gpu.py::test_cell[moe.nvfp4-(128, 6144, 3072, 0)-r1-8]" \
+    tests/kernels/test_tile_layout_gpu.py -k "mma_moe or MmaMoEConfig or 3072"
+  phase moe-split-variants ${T_B:-170} python3 bench/kernel_variants.py --only moe --moe-tokens ${MOE_TOKENS:-1,2,8} \
+    --moe-mma-only --iters 20 --name kernel-variants-moe-gate-up-split-$TAG.json --out-dir "$OUT"
+  phase decode-m3_5 ${T_C:-200} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-gate-up-whole,target-rows,target-logits-head --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-m3_5-gate-up-split.json"
+  ;;
+moe-split-deep)  # second call: the deepest model the card holds, split vs whole-K gate|up vs row-major, with its
+                 # top kernels; then issue 28's served plain vs Eagle3 (policy-round2's first phase)
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase decode-deep ${T_D:-250} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-gate-up-whole,target-rows --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-deep-gate-up-split.json"
+  phase serve-pareto ${T_SERVE:-300} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
+    --repeats 2 --requests-per-user ${RPU:-16} --timeout 120 --out "$OUT/serve-pareto-policy-repeats-$TAG.json"
   ;;
 depth-round)  # issue 30, second round's first call: the decode step side by side (tiles + fused head, row-major,
              # logits head) of minimax-m3:5 and the deepest model the card holds, now with each result's top kernels by

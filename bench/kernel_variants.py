@@ -188,12 +188,16 @@ def select_group(r: Runner, cache, m) -> None:
 
 
 # the MMA-step MoE (moe/_mma.py, NVFP4 shared expert, 1-8 tokens):
-# (name, RP, gate|up warps, STAGES, DSPLIT, down warps, down stages)
+# (name, RP, gate|up warps, STAGES, DSPLIT, down warps, down stages[, GSPLIT, GSPLIT_SLOTS: gate|up split over H])
 MMA_MOE = (("mma_w4s2_d4w4s2", 1, 4, 2, 4, 4, 2), ("mma_w4s3_d4w4s3", 1, 4, 3, 4, 4, 3),
            ("mma_w2s2_d4w4s2", 1, 2, 2, 4, 4, 2), ("mma_w2s3_d8w4s2", 1, 2, 3, 8, 4, 2),
            ("mma_w4s2_d8w4s2", 1, 4, 2, 8, 4, 2), ("mma_w4s2_d2w4s2", 1, 4, 2, 2, 4, 2),
            ("mma_w4s2_d8w2s2", 1, 4, 2, 8, 2, 2), ("mma_w4s3_d8w4s3", 1, 4, 3, 8, 4, 3),
-           ("mma_w8s2_d4w8s2", 1, 8, 2, 4, 8, 2), ("mma_r2w4s2_d4w4s2", 2, 4, 2, 4, 4, 2))
+           ("mma_w8s2_d4w8s2", 1, 8, 2, 4, 8, 2), ("mma_r2w4s2_d4w4s2", 2, 4, 2, 4, 4, 2),
+           ("mma_g2_d8", 1, 4, 2, 8, 4, 2, 2, 64), ("mma_g4_d8", 1, 4, 2, 8, 4, 2, 4, 64),
+           ("mma_g8_d8", 1, 4, 2, 8, 4, 2, 8, 64), ("mma_g4s20_d8", 1, 4, 2, 8, 4, 2, 4, 20),
+           ("mma_g4s3_d8", 1, 4, 3, 8, 4, 2, 4, 64), ("mma_g4_d6", 1, 4, 2, 6, 4, 2, 4, 20),
+           ("mma_g4_d12", 1, 4, 2, 12, 4, 2, 4, 20), ("mma_g3_d6", 1, 4, 2, 6, 4, 2, 3, 64))
 # the router launch of the MMA step (name, RBE experts per program, RSPLIT, warps): its last program sums RSPLIT
 # partials in order before the top-k, so fewer splits shorten that serial tail and lengthen each program's K loop
 ROUTER = (("rt_e16k8w4", 16, 8, 4), ("rt_e16k4w4", 16, 4, 4), ("rt_e32k4w4", 32, 4, 4), ("rt_e16k2w4", 16, 2, 4),
@@ -221,8 +225,10 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
                 for name, dbn, dbk, ds, st, w in DOWN[1:]:
                     configs.append((name, replace(base, DBN=dbn, DBK=dbk, DSPLIT=ds, down_stages=st, down_warps=w)))
             if not shared_bf16 and tokens <= 8:
-                for name, rp, w, st, ds, dw, dst in MMA_MOE:
-                    mma = MmaMoEConfig(RP=rp, num_warps=w, STAGES=st, DSPLIT=ds, down_warps=dw, down_stages=dst)
+                for name, rp, w, st, ds, dw, dst, *split in MMA_MOE:
+                    gs, gslots = split or (1, 0)
+                    mma = MmaMoEConfig(RP=rp, num_warps=w, STAGES=st, DSPLIT=ds, down_warps=dw, down_stages=dst,
+                                       GSPLIT=gs, GSPLIT_SLOTS=gslots)
                     configs.append((name, mma))
                     if mma_only:
                         configs.append((f"{name}/rows", mma))
@@ -265,8 +271,8 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
                     continue
                 r.add("moe", what, name, fn, nbytes, check,
                       tokens=tokens, shared_bf16=shared_bf16, config=cfg.__dict__, default=(name == "base"))
-                if name in ("base", MMA_MOE[0][0], f"{MMA_MOE[0][0]}/rows"):  # each launch alone, on the routing and
-                    # activations the call left
+                # each launch alone, on the routing and activations the call left
+                if name in ("base", MMA_MOE[0][0], f"{MMA_MOE[0][0]}/rows", "mma_g4_d8", "mma_g4_d6"):
                     e_, h_, i_ = 128, 6144, 3072
                     touched = int((ws.slot_e >= 0).sum()) + 1
                     # a BF16 shared expert reads 32/9 the bytes of an NVFP4 one

@@ -52,3 +52,22 @@ def test_top_kernels_rank_by_time_per_step_with_calls_and_mean():
     assert [r["kernel"] for r in rows] == ["b", "a"]          # 16 µs over 2 steps, then 4: "c" left out
     assert rows[0]["s_per_step"] == 8.0e-6 and rows[0]["calls_per_step"] == 1.0 and rows[0]["us_per_call"] == 8.0
     assert rows[1]["calls_per_step"] == 2.0 and rows[1]["us_per_call"] == 1.0
+
+
+def test_gate_up_whole_route_binds_the_mma_cells_without_their_split_and_back():
+    from decode import route_binding, set_gate_up_split
+
+    from m3serve.kernels.moe import nvfp4 as moe_nvfp4
+    from m3serve.kernels.moe._mma import MmaMoEConfig
+    assert route_binding("target") == ("auto", None, True, True)
+    assert route_binding("target-gate-up-whole") == ("auto", None, True, False)
+    mma = [c for c in moe_nvfp4.CELLS if isinstance(c.config["moe"], MmaMoEConfig)]
+    assert any(c.config["moe"].GSPLIT > 1 for c in mma)           # the default splits somewhere
+    before = [c.config["moe"] for c in moe_nvfp4.CELLS]
+    saved: dict = {}
+    try:
+        set_gate_up_split(False, saved)
+        assert all(c.config["moe"].GSPLIT == 1 for c in mma)
+    finally:
+        set_gate_up_split(True, saved)
+    assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before

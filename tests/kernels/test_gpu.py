@@ -180,10 +180,14 @@ def test_head12_agrees_with_bf16_head_on_the_same_weights() -> None:
     HB.compare_argmax("bf16", (ids_b, best_b), logits, absprod, x.shape[1], case.args[5])
 
 
+MOE_SLOTS_AT_ONE_TOKEN = 5  # M3's top-4 experts + the shared one
+
+
 def test_mma_moe_every_token_count_and_split_determinism() -> None:
     """The MMA-step MoE cells (1-8 tokens): every token count (the token columns are masked in PTX, so each
-    count is its own path through the stores), then the down split's fixed-order sum: repeated calls are
-    bit-identical and leave the counters at zero."""
+    count is its own path through the stores), then the down split's and (at one token) the gate|up split's
+    fixed-order sums: repeated calls are bit-identical and leave the counters at zero; a split gate|up replays in a
+    CUDA graph on fresh inputs."""
     from m3serve.kernels.moe._mma import MmaMoEConfig
     dev = _dev()
     e = ENTRIES["moe.nvfp4"]
@@ -196,10 +200,13 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
             out = e.raw_call(*case.args, **case.kwargs).clone()
             torch.cuda.synchronize()
             e.compare(out, e.reference(*case.args, **case.kwargs), case)
-            if rows == hi:
+            if rows in (lo, hi):   # one token: the gate|up split's tickets too (MmaMoEConfig.gate_up_split)
                 for _ in range(3):
                     assert torch.equal(e.raw_call(*case.args, **case.kwargs).view(torch.int16), out.view(torch.int16))
                 torch.cuda.synchronize()
                 ws = case.args[-2]
                 assert int(ws.dcount.abs().sum()) == 0 and int(ws.rcount.abs().sum()) == 0
+                assert int(ws.gcount.abs().sum()) == 0
             del case, out
+        if cell.config["moe"].gate_up_split(MOE_SLOTS_AT_ONE_TOKEN) > 1:   # the split's tickets inside a graph
+            _graph_check(e, cell, 1, _fresh_x)

@@ -493,6 +493,39 @@ cvt.rn.bf16.f32 hv, gv;
     return "\n".join(s), cons
 
 
+def gate_up_partial_asm(rp: int) -> tuple[str, str]:
+    """The MoE gate|up epilogue of one K split (moe/_mma.py's GSPLIT): this thread's raw fp32 sums, gate of activation
+    column n (load_asm's gate_up pairing, as swiglu_store_asm) to part[t, n] and up to part[t, I + n], tokens
+    t = 2c, 2c + 1 < M; the last arrival sums the splits in order and applies SwiGLU-OAI in Triton."""
+    o = _Operands()
+    o.out("dummy", 2, "r")
+    o.inp("A", acc_regs(rp), "f")
+    for name, c in (("pa", "l"), ("n0", "r"), ("m", "r"), ("rs", "r"), ("ui", "r")):
+        o.inp(name, 2, c)
+    r, cons = o.build()
+    A = r["A"]
+    pa, n0, m, rs, ui = (r[n][0] for n in ("pa", "n0", "m", "rs", "ui"))
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, n, t, idx;", ".reg .b64 a64, o64;", ".reg .pred pr;",
+         _lane_prologue(rp, 8)]
+    for p in range(rp):
+        s.append(f"add.u32 n, {n0}, r0;\nadd.u32 n, n, {8 * p};")
+        for e in range(2):
+            s.append(f"""shl.b32 t, c, 1;
+add.u32 t, t, {e};
+setp.lt.u32 pr, t, {m};
+mad.lo.u32 idx, t, {rs}, n;
+mul.wide.u32 o64, idx, 4;
+add.s64 a64, {pa}, o64;
+@pr st.global.cg.f32 [a64], {A[4 * p + e]};
+add.u32 idx, idx, {ui};
+mul.wide.u32 o64, idx, 4;
+add.s64 a64, {pa}, o64;
+@pr st.global.cg.f32 [a64], {A[4 * p + 2 + e]};""")
+    s.append(f"mov.b32 {r['dummy'][0]}, 0;\nmov.b32 {r['dummy'][1]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
 def fold_asm(rp: int) -> tuple[str, str]:
     """The MoE down projection at the end of one expert's K range: out += acc * (cs * w[t]) per token column
     t = 2c + e < M, w[t] the slot's routing weight (fp32 at wr + 4t; wr = 0: the shared expert, weight 1),

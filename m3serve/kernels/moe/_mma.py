@@ -48,6 +48,7 @@ from m3serve.kernels.gemm import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.gemm._mma_gemv import MMA_ROWS, STEP, asm_block, mma_epilogue, ring_advance, step_addrs
+from m3serve.kernels.gemm._splitk import ordered_sum, release_ticket, take_ticket
 
 _NX = tl.constexpr(P.X_REGS // 2)
 _NVFP4 = tl.constexpr(P.FMT_NVFP4)  # step_addrs' format (jit code reads module globals only as constexprs)
@@ -69,6 +70,8 @@ class MmaMoEConfig:
     DSPLIT: int = 4
     down_warps: int = 4
     down_stages: int = 2
+    GSPLIT: int = 1  # gate|up K (= H) split at most this many ways ...
+    GSPLIT_SLOTS: int = 0  # ... while (touched slots + shared) x split <= this (gate_up_split)
 
     def __post_init__(self) -> None:
         for name in ("STAGES", "down_stages"):
@@ -81,6 +84,18 @@ class MmaMoEConfig:
             raise ValueError(f"MmaMoEConfig.RP: expected 1 or 2, found {self.RP}")
         if self.DSPLIT < 1:
             raise ValueError(f"MmaMoEConfig.DSPLIT: expected >= 1, found {self.DSPLIT}")
+        if self.GSPLIT not in (1, 2, 3, 4, 6, 8):
+            raise ValueError(f"MmaMoEConfig.GSPLIT: expected 1, 2, 3, 4, 6 or 8, found {self.GSPLIT}")
+
+    def gate_up_split(self, slots: int) -> int:
+        """The gate|up launch's K split for `slots` gate|up columns of CTAs (touched experts + the shared one): GSPLIT
+        halved (rounding down) until its product with slots is <= GSPLIT_SLOTS (1: no split). Why: at one
+        token the launch is 5 x I / BNA CTAs of whole-K rows, ~15 warps an SM on an H200, too few loads in flight
+        to reach copy bandwidth; a split multiplies the warps, and more tokens touch enough experts by themselves."""
+        p = self.GSPLIT
+        while p > 1 and slots * p > self.GSPLIT_SLOTS:
+            p //= 2
+        return p
 
     @property
     def bna(self) -> int:
@@ -102,8 +117,9 @@ class MmaMoEConfig:
             return f"I={i} is not a multiple of the gate|up tile {self.bna}"
         if h % self.dbn:
             return f"H={h} is not a multiple of the down tile {self.dbn}"
-        if h % STEP or i % (STEP * self.DSPLIT):
-            return f"H={h} and I / DSPLIT={i}/{self.DSPLIT} must be multiples of {STEP}"
+        if h % (STEP * self.GSPLIT) or i % (STEP * self.DSPLIT):
+            return (f"H / GSPLIT={h}/{self.GSPLIT} and I / DSPLIT={i}/{self.DSPLIT} must be multiples of "
+                    f"{STEP}")
         return None
 
 
@@ -114,8 +130,9 @@ def gate_up_asm(rp: int, tiled: bool = False) -> dict:
     mma, mma_c = P.compute_asm(P.FMT_NVFP4, rp)
     xload, xload_c = P.xload_asm()
     store, store_c = P.swiglu_store_asm(rp)
+    part, part_c = P.gate_up_partial_asm(rp)
     return dict(LOAD=load, LOAD_C=load_c, N_LOAD=load_c.count("=") // 2, MMA=mma, MMA_C=mma_c, XLOAD=xload,
-                XLOAD_C=xload_c, STORE=store, STORE_C=store_c)
+                XLOAD_C=xload_c, STORE=store, STORE_C=store_c, PART=part, PART_C=part_c)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,20 +148,42 @@ def down_asm(rp: int, partial: bool, tiled: bool = False) -> dict:
                 XLOAD_C=xload_c, FOLD=fold, FOLD_C=fold_c, STORE=store, STORE_C=store_c)
 
 
+@helper
+def swiglu_of_sums(g, u, gg, gu, alpha, limit):
+    """swiglu_store_asm's epilogue in Triton, operation for operation (fp32): g * 2**8 / gg and u * 2**8 / gu
+    (correctly rounded), g = min(g, limit), u = clamp(u, -limit, limit), g * (1 / (1 + 2**(-alpha g log2 e))) *
+    (u + 1) with the hardware exp2 (ex2.approx; its flush of a subnormal result cannot change 1 + z)."""
+    g = tl.div_rn(g * 256.0, gg)
+    u = tl.div_rn(u * 256.0, gu)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    z = tl.math.exp2((alpha * g) * -1.4426950216293335)  # -log2(e) as the fp32 the PTX block uses (0xBFB8AA3B)
+    sg = tl.div_rn(tl.full(g.shape, 1.0, tl.float32), z + 1.0)
+    return (g * sg) * (u + 1.0)
+
+
 @kernel
-def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr, T, H, I,
-                    stride_xb, S, swiglu_alpha, swiglu_limit, RP: tl.constexpr, NW: tl.constexpr,
-                    STAGES: tl.constexpr, TILED: tl.constexpr, LOAD: tl.constexpr, LOAD_C: tl.constexpr,
-                    N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr, XLOAD: tl.constexpr,
-                    XLOAD_C: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
-    """grid (I / BNA, S + 1): program (j, s) -> act[s, :T, j*BNA:(j+1)*BNA]. Padding slots (slot_e = -1) exit.
-    TILED: w13 / sw13 in the MMA tile layout (LOAD is tiled_gate_up_load_asm; BNA a multiple of 16)."""
+def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr, part_ptr,
+                    count_ptr, T, H, I, stride_xb, S, swiglu_alpha, swiglu_limit, GSPLIT, RP: tl.constexpr,
+                    NW: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr, SPLITK: tl.constexpr,
+                    LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr,
+                    MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr,
+                    STORE_C: tl.constexpr, PART: tl.constexpr, PART_C: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (I / BNA, S + 1, GSPLIT): program (j, s, k) -> act[s, :T, j*BNA:(j+1)*BNA] over H / GSPLIT columns of
+    x. Padding slots (slot_e = -1) exit. SPLITK (GSPLIT > 1): each split stores its raw gate / up sums to
+    part [GSPLIT, S + 1, T, 2I] fp32 and the last arrival of the (j, s) tile (count [(S + 1) I / BNA]) sums them in
+    split order (_splitk) and applies SwiGLU-OAI (swiglu_of_sums). TILED: w13 / sw13 in the MMA tile layout (LOAD
+    is tiled_gate_up_load_asm; BNA a multiple of 16)."""
     pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BNA: tl.constexpr = 8 * RP * NW
     NACC: tl.constexpr = 4 * RP // 2
     s = tl.program_id(1)
     n0 = tl.program_id(0) * BNA
+    pid_k = tl.program_id(2)
+    k_len = H // GSPLIT
+    k_lo = pid_k * k_len
+    k_hi = k_lo + k_len
     routed = s < S
     e = tl.load(slot_e_ptr + s, mask=routed, other=0)
     if (not routed) or e >= 0:
@@ -167,15 +206,16 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         sx = zi + stride_xb
         mm = zi + (T - 1)
         x_base = x_ptr.to(tl.int64)
-        last = H - 128
+        last = k_hi - 128
         acc = (zf,) * NACC
-        xs = asm_block((zl + x_base, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-        st0 = asm_block((zl + w_row, zl + s_row, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+        xs = asm_block((zl + (x_base + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        wk, sk = step_addrs(w_row, s_row, k_lo, _NVFP4, TILED)
+        st0 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
         st1 = st0
         if STAGES == 3:
-            wk, sk = step_addrs(w_row, s_row, tl.minimum(128, last), _NVFP4, TILED)
+            wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), _NVFP4, TILED)
             st1 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
-        for k0 in range(0, H, 128):
+        for k0 in range(k_lo, k_hi, 128):
             wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), _NVFP4, TILED)
             nxt = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
             xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
@@ -183,9 +223,27 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
             acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
             xs = xn
         pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
-        act_slot = act_ptr.to(tl.int64) + s.to(tl.int64) * T * I * 2
-        asm_block(acc + (zl + act_slot, zi + n0, zi + T, zi + I, zf + gg, zf + gu, zf + swiglu_alpha,
-                         zf + swiglu_limit), False, 1, STORE, STORE_C, False)
+        if not SPLITK:
+            act_slot = act_ptr.to(tl.int64) + s.to(tl.int64) * T * I * 2
+            asm_block(acc + (zl + act_slot, zi + n0, zi + T, zi + I, zf + gg, zf + gu, zf + swiglu_alpha,
+                             zf + swiglu_limit), False, 1, STORE, STORE_C, False)
+        else:
+            tile_stride = (tl.full([], 1, tl.int64) + S) * T * (2 * I)  # one split's [S + 1, T, 2I] (S, T may be
+            # constexpr ints: Triton specializes a 1)
+            slab = part_ptr.to(tl.int64) + (pid_k.to(tl.int64) * tile_stride + s.to(tl.int64) * T * (2 * I)) * 4
+            asm_block(acc + (zl + slab, zi + n0, zi + T, zi + 2 * I, zi + I), False, 1, PART, PART_C, False)
+            counter = count_ptr + s * (I // BNA) + tl.program_id(0)
+            if take_ticket(counter, GSPLIT):
+                rt = tl.arange(0, 8)
+                rn = n0 + tl.arange(0, BNA)
+                tile = s.to(tl.int64) * T * (2 * I) + rt[:, None] * (2 * I) + rn[None, :]
+                tmask = rt[:, None] < T
+                g = ordered_sum(part_ptr, tile_stride, tile, tmask, GSPLIT)
+                u = ordered_sum(part_ptr, tile_stride, tile + I, tmask, GSPLIT)
+                a = swiglu_of_sums(g, u, gg, gu, swiglu_alpha, swiglu_limit)
+                tl.store(act_ptr + s.to(tl.int64) * T * I + rt[:, None] * I + rn[None, :], a.to(tl.bfloat16),
+                         mask=tmask)
+                release_ticket(counter)
 
 
 @helper
@@ -290,10 +348,15 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
         raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit {cfg}: {why}")
     sp = ws.slot_e.numel()
     if "g" in launches:
-        mma_moe_gate_up[(i // cfg.bna, s + 1)](
-            x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, t, h, i, x.stride(0) * 2, s, float(swiglu_alpha),
-            float(swiglu_limit), RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES, TILED=tiled,
-            **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1)
+        gs = cfg.gate_up_split(s + 1)
+        if gs > 1 and (ws.gpart.numel() < gs * (s + 1) * t * 2 * i or ws.gcount.numel() < (s + 1) * (i // cfg.bna)):
+            raise ValueError(f"ws: the gate|up split {gs} needs gpart >= {gs * (s + 1) * t * 2 * i} and gcount >= "
+                             f"{(s + 1) * (i // cfg.bna)} elements, found {ws.gpart.numel()} / {ws.gcount.numel()} "
+                             "(make_moe_workspace sizes them for the token count)")
+        mma_moe_gate_up[(i // cfg.bna, s + 1, gs)](
+            x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, ws.gpart, ws.gcount, t, h, i, x.stride(0) * 2, s,
+            float(swiglu_alpha), float(swiglu_limit), gs, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
+            TILED=tiled, SPLITK=gs > 1, **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1)
     if "d" in launches:
         kt = i // cfg.DSPLIT // STEP
         mma_moe_down[(h // cfg.dbn, cfg.DSPLIT)](
@@ -307,7 +370,30 @@ def dpart_numel(cfg: MmaMoEConfig, h: int) -> int:
     return cfg.DSPLIT * MMA_ROWS * h if cfg.DSPLIT > 1 else 1
 
 
+def gate_up_split_sizes(cfg: MmaMoEConfig, t: int, s: int, i: int) -> tuple[int, int]:
+    """(gpart, gcount) elements for t tokens over s routed slots: the gate|up split's fp32 partials and its tickets
+    (1, 1 without a split)."""
+    gs = cfg.gate_up_split(s + 1)
+    if gs == 1:
+        return 1, 1
+    return gs * (s + 1) * t * 2 * i, (s + 1) * (i // cfg.bna)
+
+
 # --- CPU execution of the same PTX (tests) ----------------------------------------------------------------
+
+
+def _swiglu_of_sums_np(g, u, gg: float, gu: float, alpha: float, limit: float):
+    """swiglu_of_sums in numpy fp32 (exp2: numpy's, within 2 ulp of the hardware's; see _ptx_emu)."""
+    import numpy as np
+
+    f32 = np.float32
+    g = (g * f32(256.0)).astype(f32) / f32(gg)
+    u = (u * f32(256.0)).astype(f32) / f32(gu)
+    g = np.minimum(g, f32(limit))
+    u = np.minimum(np.maximum(u, f32(-limit)), f32(limit))
+    z = np.exp2(((f32(alpha) * g).astype(f32) * f32(-1.4426950216293335)).astype(f32)).astype(f32)
+    sg = f32(1.0) / (z + f32(1.0)).astype(f32)
+    return ((g * sg).astype(f32) * (u + f32(1.0)).astype(f32)).astype(f32)
 
 
 def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_e, slot_w, *, s: int, cfg: MmaMoEConfig,
@@ -364,12 +450,16 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
         return w_row + k0 // 2, s_row + k0 // 16
 
     n_acc = P.acc_regs(cfg.RP)
-    # gate|up
+    # gate|up (split over K when gate_up_split says so: each split's raw sums stored by PART, then the last
+    # arrival's ordered sum and swiglu_of_sums, here in numpy fp32)
     gu = gate_up_asm(cfg.RP, tiled)
     n_load = 2 * gu["N_LOAD"]
     row_b, srow_b = h // 2, h // 16
     block_b, sblock_b = (16 * row_b, 16 * srow_b) if tiled else (row_b, srow_b)  # the kernels' sw, ss
-    steps = h // STEP
+    gsplit = cfg.gate_up_split(s + 1)
+    steps = h // STEP // gsplit
+    gpa, gpart = mem.add_view(np.full((gsplit, s + 1, t, 2 * i), np.nan, np.float32))
+    f32 = np.float32
     for sl in range(s + 1):
         routed = sl < s
         ex = e_list[sl] if routed else 0
@@ -380,20 +470,34 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
         gg, gup = (float(g13[ex, 0]), float(g13[ex, 1])) if routed else (float(sg13[0, 0]), float(sg13[0, 1]))
         for j in range(i // cfg.bna):
             n0 = j * cfg.bna
-            for warp in range(cfg.num_warps):
-                def words_at(st, n0=n0, wb=wb, sb=sb):
-                    wk, sk = step(wb + n0 * row_b, sb + n0 * srow_b, min(st, steps - 1) * STEP)
-                    return E.run_block(gu["LOAD"], warp, pair(wk, sk, block_b, sblock_b, i * row_b, i * srow_b),
-                                       n_load, mem)
+            for kk in range(gsplit):
+                k_lo = kk * steps * STEP
+                for warp in range(cfg.num_warps):
+                    def words_at(st, n0=n0, wb=wb, sb=sb, k_lo=k_lo):
+                        wk, sk = step(wb + n0 * row_b, sb + n0 * srow_b, k_lo + min(st, steps - 1) * STEP)
+                        return E.run_block(gu["LOAD"], warp, pair(wk, sk, block_b, sblock_b, i * row_b, i * srow_b),
+                                           n_load, mem)
 
-                def x_at(st):
-                    return E.run_block(gu["XLOAD"], warp, pair(xa + min(st, steps - 1) * STEP * 2, h * 2, t - 1),
-                                       P.X_REGS, mem)
+                    def x_at(st, k_lo=k_lo):
+                        return E.run_block(gu["XLOAD"], warp, pair(xa + (k_lo + min(st, steps - 1) * STEP) * 2, h * 2,
+                                                                    t - 1), P.X_REGS, mem)
 
-                acc = ring(warp, steps, cfg.STAGES - 1, words_at, x_at, gu["MMA"], n_acc,
-                           [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)])
-                E.run_block(gu["STORE"], warp, acc + pair(act_base + sl * t * i * 2, n0, t, i, gg, gup,
-                                                          float(swiglu_alpha), float(swiglu_limit)), 2, mem)
+                    acc = ring(warp, steps, cfg.STAGES - 1, words_at, x_at, gu["MMA"], n_acc,
+                               [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)])
+                    if gsplit == 1:
+                        E.run_block(gu["STORE"], warp, acc + pair(act_base + sl * t * i * 2, n0, t, i, gg, gup,
+                                                                  float(swiglu_alpha), float(swiglu_limit)), 2, mem)
+                    else:
+                        E.run_block(gu["PART"], warp, acc + pair(gpa + (kk * (s + 1) + sl) * t * 2 * i * 4, n0, t,
+                                                                 2 * i, i), 2, mem)
+            if gsplit > 1:
+                g = np.zeros((t, cfg.bna), f32)
+                u = np.zeros((t, cfg.bna), f32)
+                for kk in range(gsplit):
+                    g = (g + gpart[kk, sl, :, n0:n0 + cfg.bna]).astype(f32)
+                    u = (u + gpart[kk, sl, :, i + n0:i + n0 + cfg.bna]).astype(f32)
+                act[sl, :, n0:n0 + cfg.bna] = E._f32_to_bf16_rne(
+                    _swiglu_of_sums_np(g, u, gg, gup, swiglu_alpha, swiglu_limit)).astype(np.uint16)
     # down
     dn = down_asm(cfg.RP, cfg.DSPLIT > 1, tiled)
     n_load = 2 * dn["N_LOAD"]

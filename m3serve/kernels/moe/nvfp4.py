@@ -35,7 +35,7 @@ from m3serve.kernels.formats._e2m1_ptx import use_ptx
 from m3serve.kernels._jit import is_compiled
 from m3serve.kernels.gemm._linear import fresh_x
 from m3serve.kernels.gemm._mma_gemv import STEP
-from m3serve.kernels.moe._mma import MmaMoEConfig, launch_mma_moe
+from m3serve.kernels.moe._mma import MmaMoEConfig, gate_up_split_sizes, launch_mma_moe
 from m3serve.kernels.moe._nvfp4 import moe_down, moe_gate_up, moe_router
 from m3serve.kernels.catalog import (BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng,
                                      gemm_band, poisoned, true_fp32)
@@ -86,6 +86,8 @@ class MoEWorkspace:
     act: torch.Tensor
     dpart: torch.Tensor
     dcount: torch.Tensor
+    gpart: torch.Tensor  # the MMA step's gate|up split: fp32 partials [GSPLIT, S + 1, T, 2I] (1 element: no split)
+    gcount: torch.Tensor  # its tickets [(S + 1) I / BNA], zero between launches
 
 
 def n_slots(t: int, e: int) -> int:
@@ -97,6 +99,7 @@ def make_moe_workspace(cfg: MoEConfig | MmaMoEConfig, t: int, e: int, h: int, i:
     zero and every completed launch leaves them at zero)."""
     s = n_slots(t, e)
     sp = triton.next_power_of_2(s)
+    gp, gc = gate_up_split_sizes(cfg, t, s, i) if isinstance(cfg, MmaMoEConfig) and i % cfg.bna == 0 else (1, 1)
     return MoEWorkspace(
         rpart=torch.empty(cfg.RSPLIT * cfg.BT * e, dtype=torch.float32, device=device),
         rcount=torch.zeros(1, dtype=torch.int32, device=device),
@@ -107,6 +110,8 @@ def make_moe_workspace(cfg: MoEConfig | MmaMoEConfig, t: int, e: int, h: int, i:
         act=torch.empty(s + 1, t, i, dtype=torch.bfloat16, device=device),
         dpart=torch.empty(cfg.DSPLIT * cfg.BT * h if cfg.DSPLIT > 1 else 1, dtype=torch.float32, device=device),
         dcount=torch.zeros(max(h // cfg.dbn, 1), dtype=torch.int32, device=device),
+        gpart=torch.empty(gp, dtype=torch.float32, device=device),
+        gcount=torch.zeros(gc, dtype=torch.int32, device=device),
     )
 
 
@@ -163,7 +168,7 @@ def _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, 
         raise ValueError(f"shape (E={e}, H={h}, I={i}) does not fit config {cfg}")
     s = n_slots(t, e)
     want = make_moe_workspace(cfg, t, e, h, i, torch.device("meta"))
-    for name in ("rpart", "rcount", "ids", "tw", "slot_e", "slot_w", "act", "dpart", "dcount"):
+    for name in ("rpart", "rcount", "ids", "tw", "slot_e", "slot_w", "act", "dpart", "dcount", "gpart", "gcount"):
         got = getattr(ws, name)
         ref = getattr(want, name)
         if got.dtype != ref.dtype or got.device != dev or got.numel() < ref.numel() or not got.is_contiguous():
@@ -519,9 +524,11 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
 
 # 1-8 tokens with an NVFP4 shared expert: gate|up and down on the register-operand MMA step (_mma). I = 3072: down
 # split 8 ways (on MMA tiles, H100, bench/kernel_variants.py --moe-mma-only: 109.8 / 379.8 us at 1 / 8 tokens against
-# 116.5 / 406.1 us split 4, kernel-variants-moe-tiles-h100.json); the TP2 shard (1536) keeps its measured split
+# 116.5 / 406.1 us split 4, kernel-variants-moe-tiles-h100.json), and gate|up split over H 4 ways at 1 token, 2 at
+# 2 (MmaMoEConfig.gate_up_split: at one token the whole-K launch holds ~15 warps an SM, 72 registers allow 28);
+# the TP2 shard (1536) keeps its measured split
 MMA_MOE_ROWS = (1, 8)
-MMA_MOE = {3072: MmaMoEConfig(DSPLIT=8), 1536: MmaMoEConfig(DSPLIT=2)}
+MMA_MOE = {3072: MmaMoEConfig(DSPLIT=8, GSPLIT=4, GSPLIT_SLOTS=20), 1536: MmaMoEConfig(DSPLIT=2)}
 
 
 def _row_ranges(sb: int) -> tuple[tuple[int, int], ...]:

@@ -147,6 +147,47 @@ def _emulate_weights(case, cfg: MM.MmaMoEConfig, weights: dict, tiled: bool):
                       swiglu_limit=MOE.SWIGLU_LIMIT, tiled=tiled)
 
 
+# (tokens, I, RP, gate|up warps, STAGES, GSPLIT, GSPLIT_SLOTS): H = 256 is two MMA steps, so a 2-way split gives each
+# split one step (the ring's clamped reloads run from the first step); a second column of CTAs (I = 256, RP 1, 2
+# warps: BNA 16) has its own ticket
+SPLIT_CASES = [
+    (1, 128, 1, 4, 2, 2, 64),
+    pytest.param(3, 256, 1, 2, 3, 2, 64, marks=pytest.mark.slow),   # 53 s on 2 cores: slow tier
+    (2, 128, 2, 2, 2, 2, 64),
+]
+
+
+@pytest.mark.parametrize("tokens,i,rp,w,st,gs,slots", SPLIT_CASES)
+def test_gate_up_split_matches_the_reference(tokens, i, rp, w, st, gs, slots) -> None:
+    """The gate|up launch split over H (each split's raw sums through gate_up_partial_asm, the last arrival's
+    ordered sum and SwiGLU in swiglu_of_sums' operations) passes moe.nvfp4's compare: act starts as NaN, so a
+    tile no split finished fails. At H = 256 each split is one MMA step, whose sum starts from +0.0, so the two
+    partials added are exactly the whole-K launch's running sum: the split's act must equal the unsplit launch's
+    bit for bit, which checks the partials' places (gate / up, token rows, columns) and that the Triton epilogue
+    is swiglu_store_asm's operation for operation."""
+    cfg = MM.MmaMoEConfig(BT=16, RBE=16, RBK=64, RSPLIT=2, RP=rp, num_warps=w, STAGES=st, DSPLIT=1, down_warps=2,
+                          GSPLIT=gs, GSPLIT_SLOTS=slots)
+    s = MOE.n_slots(tokens, 16)
+    assert cfg.gate_up_split(s + 1) == gs
+    case = _case(cfg, tokens, i, 70 + tokens)
+    out, ws = _emulate(case, cfg)
+    MOE.compare(out, MOE.moe_reference(*case.args, **case.kwargs), case)
+    split_act = ws.act.clone()
+    whole = dataclasses.replace(cfg, GSPLIT=1)
+    _emulate(case, whole)
+    assert _same_bits(split_act, ws.act)
+
+
+def test_gate_up_split_is_chosen_by_the_slot_count() -> None:
+    cfg = MM.MmaMoEConfig(GSPLIT=4, GSPLIT_SLOTS=20)
+    assert [cfg.gate_up_split(n) for n in (5, 9, 13, 17, 33)] == [4, 2, 1, 1, 1]
+    assert MM.MmaMoEConfig().gate_up_split(5) == 1            # the class default: no split
+    assert MM.MmaMoEConfig(GSPLIT=3, GSPLIT_SLOTS=20).gate_up_split(5) == 3
+    with pytest.raises(ValueError, match="GSPLIT"):
+        MM.MmaMoEConfig(GSPLIT=5)
+    assert "GSPLIT" in MM.MmaMoEConfig(GSPLIT=8).fits(512, 3072)   # H / 8 = 64 is less than one MMA step
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
