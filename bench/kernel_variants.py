@@ -188,7 +188,8 @@ def select_group(r: Runner, cache, m) -> None:
 
 
 # the MMA-step MoE (moe/_mma.py, NVFP4 shared expert, 1-8 tokens):
-# (name, RP, gate|up warps, STAGES, DSPLIT, down warps, down stages[, GSPLIT, GSPLIT_SLOTS: gate|up split over H])
+# (name, RP, gate|up warps, STAGES, DSPLIT, down warps, down stages[, GSPLIT, GSPLIT_SLOTS: gate|up split over H
+#  [, maxnreg, down_maxnreg: registers per thread capped, so that more CTAs are resident]])
 MMA_MOE = (("mma_w4s2_d4w4s2", 1, 4, 2, 4, 4, 2), ("mma_w4s3_d4w4s3", 1, 4, 3, 4, 4, 3),
            ("mma_w2s2_d4w4s2", 1, 2, 2, 4, 4, 2), ("mma_w2s3_d8w4s2", 1, 2, 3, 8, 4, 2),
            ("mma_w4s2_d8w4s2", 1, 4, 2, 8, 4, 2), ("mma_w4s2_d2w4s2", 1, 4, 2, 2, 4, 2),
@@ -197,7 +198,12 @@ MMA_MOE = (("mma_w4s2_d4w4s2", 1, 4, 2, 4, 4, 2), ("mma_w4s3_d4w4s3", 1, 4, 3, 4
            ("mma_g2_d8", 1, 4, 2, 8, 4, 2, 2, 64), ("mma_g4_d8", 1, 4, 2, 8, 4, 2, 4, 64),
            ("mma_g8_d8", 1, 4, 2, 8, 4, 2, 8, 64), ("mma_g4s20_d8", 1, 4, 2, 8, 4, 2, 4, 20),
            ("mma_g4s3_d8", 1, 4, 3, 8, 4, 2, 4, 64), ("mma_g4_d6", 1, 4, 2, 6, 4, 2, 4, 20),
-           ("mma_g4_d12", 1, 4, 2, 12, 4, 2, 4, 20), ("mma_g3_d6", 1, 4, 2, 6, 4, 2, 3, 64))
+           ("mma_g4_d12", 1, 4, 2, 12, 4, 2, 4, 20), ("mma_g3_d6", 1, 4, 2, 6, 4, 2, 3, 64),
+           ("mma_g2r64_d8r80", 1, 4, 2, 8, 4, 2, 2, 64, 64, 80), ("mma_g4r64_d8r80", 1, 4, 2, 8, 4, 2, 4, 20, 64, 80),
+           ("mma_g4_d8r80", 1, 4, 2, 8, 4, 2, 4, 20, 0, 80))
+# the whole-K variants an --moe-mma-only run still times beside the split ones: the first (with its launches alone)
+# and the default before the gate|up split
+MMA_MOE_KEEP = ("mma_w4s2_d4w4s2", "mma_w4s2_d8w4s2")
 # the router launch of the MMA step (name, RBE experts per program, RSPLIT, warps): its last program sums RSPLIT
 # partials in order before the top-k, so fewer splits shorten that serial tail and lengthen each program's K loop
 ROUTER = (("rt_e16k8w4", 16, 8, 4), ("rt_e16k4w4", 16, 4, 4), ("rt_e32k4w4", 32, 4, 4), ("rt_e16k2w4", 16, 2, 4),
@@ -226,11 +232,13 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
                     configs.append((name, replace(base, DBN=dbn, DBK=dbk, DSPLIT=ds, down_stages=st, down_warps=w)))
             if not shared_bf16 and tokens <= 8:
                 for name, rp, w, st, ds, dw, dst, *split in MMA_MOE:
-                    gs, gslots = split or (1, 0)
+                    if mma_only and not split and name not in MMA_MOE_KEEP:   # measured before (H100 files)
+                        continue
+                    gs, gslots, regs, dregs = (*split, 0, 0)[:4] if split else (1, 0, 0, 0)
                     mma = MmaMoEConfig(RP=rp, num_warps=w, STAGES=st, DSPLIT=ds, down_warps=dw, down_stages=dst,
-                                       GSPLIT=gs, GSPLIT_SLOTS=gslots)
+                                       GSPLIT=gs, GSPLIT_SLOTS=gslots, maxnreg=regs, down_maxnreg=dregs)
                     configs.append((name, mma))
-                    if mma_only:
+                    if mma_only and not split:
                         configs.append((f"{name}/rows", mma))
                 if mma_only:
                     for name, rbe, rsplit, rw in ROUTER:

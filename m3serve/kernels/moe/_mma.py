@@ -72,6 +72,8 @@ class MmaMoEConfig:
     down_stages: int = 2
     GSPLIT: int = 1  # gate|up K (= H) split at most this many ways ...
     GSPLIT_SLOTS: int = 0  # ... while (touched slots + shared) x split <= this (gate_up_split)
+    maxnreg: int = 0  # gate|up registers per thread capped (ptxas maxnreg; 0: as compiled): more CTAs resident
+    down_maxnreg: int = 0  # the same for down
 
     def __post_init__(self) -> None:
         for name in ("STAGES", "down_stages"):
@@ -84,6 +86,9 @@ class MmaMoEConfig:
             raise ValueError(f"MmaMoEConfig.RP: expected 1 or 2, found {self.RP}")
         if self.DSPLIT < 1:
             raise ValueError(f"MmaMoEConfig.DSPLIT: expected >= 1, found {self.DSPLIT}")
+        for name in ("maxnreg", "down_maxnreg"):
+            if getattr(self, name) and not 24 <= getattr(self, name) <= 255:
+                raise ValueError(f"MmaMoEConfig.{name}: expected 0 or 24..255, found {getattr(self, name)}")
         if self.GSPLIT not in (1, 2, 3, 4, 6, 8):
             raise ValueError(f"MmaMoEConfig.GSPLIT: expected 1, 2, 3, 4, 6 or 8, found {self.GSPLIT}")
 
@@ -356,14 +361,15 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
         mma_moe_gate_up[(i // cfg.bna, s + 1, gs)](
             x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, ws.gpart, ws.gcount, t, h, i, x.stride(0) * 2, s,
             float(swiglu_alpha), float(swiglu_limit), gs, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
-            TILED=tiled, SPLITK=gs > 1, **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1)
+            TILED=tiled, SPLITK=gs > 1, **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if "d" in launches:
         kt = i // cfg.DSPLIT // STEP
         mma_moe_down[(h // cfg.dbn, cfg.DSPLIT)](
             ws.act, w2, s2, g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart, ws.dcount, t, h, i, s,
             out.stride(0), cfg.DSPLIT, kt, SP=sp, SPLITK=cfg.DSPLIT > 1, RP=cfg.RP, NW=cfg.down_warps,
             STAGES=cfg.down_stages, TILED=tiled, **down_asm(cfg.RP, cfg.DSPLIT > 1, tiled), num_warps=cfg.down_warps,
-            num_stages=1)
+            num_stages=1, **({"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg else {}))
 
 
 def dpart_numel(cfg: MmaMoEConfig, h: int) -> int:
