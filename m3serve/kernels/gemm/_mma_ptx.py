@@ -90,6 +90,17 @@ and.b32 c, lane, 3;
 mad.lo.u32 r0, warp, {warp_rows * rp}, g;"""
 
 
+def _token_address(e: int, m: str, rs: str, base: str, esize: int) -> str:
+    """The thread's token column t = 2c + e, pr = (t < M), and a64 = base + (t * rs + n) * esize: the address of
+    element (t, n) of a row-major output whose row stride is rs elements (n, c: the caller's registers)."""
+    return f"""shl.b32 t, c, 1;
+add.u32 t, t, {e};
+setp.lt.u32 pr, t, {m};
+mad.lo.u32 idx, t, {rs}, n;
+mul.wide.u32 o64, idx, {esize};
+add.s64 a64, {base}, o64;"""
+
+
 def scale_regs(rp: int) -> int:
     """One register of scale bits per row pair (both rows), rounded up to the pack of 2."""
     return rp + (rp % 2)
@@ -420,8 +431,7 @@ def store_asm(rp: int, mode: int, alpha: int) -> tuple[str, str]:
                 s.append(f"mul.wide.u32 o64, n, {ast};\nshl.b64 o64, o64, 2;\nadd.s64 a64, {aa}, o64;\n"
                          "ld.global.nc.f32 al, [a64];")
             for e in range(2):
-                s.append(f"shl.b32 t, c, 1;\nadd.u32 t, t, {e};\nsetp.lt.u32 pr, t, {m};\n"
-                         f"mad.lo.u32 idx, t, {rs}, n;\nmul.wide.u32 o64, idx, {esize};\nadd.s64 a64, {ya}, o64;")
+                s.append(_token_address(e, m, rs, ya, esize))
                 val = A[4 * p + 2 * h + e]
                 if mode == MODE_FINAL:
                     if alpha == 2:
@@ -465,13 +475,8 @@ def swiglu_store_asm(rp: int) -> tuple[str, str]:
     for p in range(rp):
         s.append(f"add.u32 n, {n0}, r0;\nadd.u32 n, n, {8 * p};")
         for e in range(2):
-            s.append(f"""shl.b32 t, c, 1;
-add.u32 t, t, {e};
-setp.lt.u32 pr, t, {m};
-mad.lo.u32 idx, t, {rs}, n;
-mul.wide.u32 o64, idx, 2;
-add.s64 a64, {ya}, o64;
-mul.f32 gv, {A[4 * p + e]}, {_TWO_8};
+            s.append(_token_address(e, m, rs, ya, 2))
+            s.append(f"""mul.f32 gv, {A[4 * p + e]}, {_TWO_8};
 div.rn.f32 gv, gv, {gg};
 mul.f32 uv, {A[4 * p + 2 + e]}, {_TWO_8};
 div.rn.f32 uv, uv, {gu};
@@ -510,13 +515,8 @@ def gate_up_partial_asm(rp: int) -> tuple[str, str]:
     for p in range(rp):
         s.append(f"add.u32 n, {n0}, r0;\nadd.u32 n, n, {8 * p};")
         for e in range(2):
-            s.append(f"""shl.b32 t, c, 1;
-add.u32 t, t, {e};
-setp.lt.u32 pr, t, {m};
-mad.lo.u32 idx, t, {rs}, n;
-mul.wide.u32 o64, idx, 4;
-add.s64 a64, {pa}, o64;
-@pr st.global.cg.f32 [a64], {A[4 * p + e]};
+            s.append(_token_address(e, m, rs, pa, 4))
+            s.append(f"""@pr st.global.cg.f32 [a64], {A[4 * p + e]};
 add.u32 idx, idx, {ui};
 mul.wide.u32 o64, idx, 4;
 add.s64 a64, {pa}, o64;
