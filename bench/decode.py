@@ -75,8 +75,8 @@ def route_binding(route: str) -> tuple[str, str | None, bool, bool]:
     """(route mode, weight layout, fused greedy head, gate|up split) a route runs with. target-rows: NVFP4 / MXFP8
     weights left row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens from the
     head's logits + argmax instead of the fused greedy head (head.bf16); target-gate-up-whole: the MoE's MMA-step
-    gate|up over the whole of H in every CTA (GSPLIT 1, as before the split); every other target route: the
-    defaults."""
+    gate|up over the whole of H in every CTA (GSPLIT 1: off where a cell splits it, as a tuning run sets); every
+    other target route: the defaults."""
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
             route != "target-logits-head", route != "target-gate-up-whole")
 

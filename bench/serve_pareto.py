@@ -100,7 +100,8 @@ def parse_run(text: str) -> tuple[str, str, str | None]:
 
 
 def spec_vs_plain(runs: list[dict]) -> list[dict]:
-    """Each speculative mode beside its plain counterpart (same model, quantization and suffixes), per concurrency:
+    """Each speculative mode beside its plain counterpart (same model, quantization and suffixes; a spec "-t8k" beside
+    the plain mode without it when the file has no plain "-t8k"), per concurrency:
     median tokens/s per user (output tokens/s / concurrency; and 1000 / P90 TPOT, the chart's y) and total tokens/s
     over the repeats of each, and spec / plain. `runs`: the combined
     file's runs, each with "model", "quantization", "run_mode" and its "results" rows."""
@@ -121,7 +122,12 @@ def spec_vs_plain(runs: list[dict]) -> list[dict]:
     out = []
     for (model, quant, mode), spec_runs in groups.items():
         base, suffixes = split_mode(mode)
-        plain_runs = groups.get((model, quant, "plain" + "".join(suffixes)))
+        # "-t8k" gives a speculative server the plain target's default step budget (8192 tokens on the GPU): its
+        # counterpart is the plain mode without it, unless the file ran a plain "-t8k" too
+        same = "plain" + "".join(suffixes)
+        plain_mode = same if same in {m for (md, q, m) in groups if (md, q) == (model, quant)} else \
+            "plain" + "".join(x for x in suffixes if x != STEP_SUFFIX)
+        plain_runs = groups.get((model, quant, plain_mode))
         if base == "plain" or plain_runs is None:
             continue
         sm, pm = medians(spec_runs), medians(plain_runs)
@@ -132,8 +138,8 @@ def spec_vs_plain(runs: list[dict]) -> list[dict]:
                          "spec_total": st, "plain_total": pt, "total_ratio": st / pt,
                          "spec_tpot_p90_per_user": si, "plain_tpot_p90_per_user": pi, "tpot_p90_ratio": si / pi,
                          "repeats": [sn, pn]})
-        out.append({"model": model, "quantization": quant, "spec_mode": mode,
-                    "plain_mode": "plain" + "".join(suffixes), "levels": rows})
+        out.append({"model": model, "quantization": quant, "spec_mode": mode, "plain_mode": plain_mode,
+                    "levels": rows})
     return out
 
 

@@ -55,6 +55,10 @@ def test_top_kernels_rank_by_time_per_step_with_calls_and_mean():
 
 
 def test_gate_up_whole_route_binds_the_mma_cells_without_their_split_and_back():
+    """The bench route target-gate-up-whole binds moe.nvfp4's MMA-step cells with GSPLIT 1; set_gate_up_split(True)
+    gives the catalog's configs back (here a cell given a split first, as a tuning run would)."""
+    import dataclasses
+
     from decode import route_binding, set_gate_up_split
 
     from m3serve.kernels.moe import nvfp4 as moe_nvfp4
@@ -62,12 +66,16 @@ def test_gate_up_whole_route_binds_the_mma_cells_without_their_split_and_back():
     assert route_binding("target") == ("auto", None, True, True)
     assert route_binding("target-gate-up-whole") == ("auto", None, True, False)
     mma = [c for c in moe_nvfp4.CELLS if isinstance(c.config["moe"], MmaMoEConfig)]
-    assert any(c.config["moe"].GSPLIT > 1 for c in mma)           # the default splits somewhere
-    before = [c.config["moe"] for c in moe_nvfp4.CELLS]
-    saved: dict = {}
+    assert mma
+    first = mma[0].config["moe"]
+    mma[0].config["moe"] = dataclasses.replace(first, GSPLIT=4, GSPLIT_SLOTS=20)
     try:
+        before = [c.config["moe"] for c in moe_nvfp4.CELLS]
+        saved: dict = {}
         set_gate_up_split(False, saved)
         assert all(c.config["moe"].GSPLIT == 1 for c in mma)
-    finally:
         set_gate_up_split(True, saved)
-    assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
+        assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
+        assert mma[0].config["moe"].GSPLIT == 4
+    finally:
+        mma[0].config["moe"] = first

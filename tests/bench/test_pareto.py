@@ -99,13 +99,23 @@ def test_spec_vs_plain_pairs_modes_and_takes_medians_over_repeats():
             run("plain-pg", "embedded", (110, 360), 12), run("spec-pg", "embedded", (130, 320), 30),
             run("plain-pg", "embedded", (90, 1000), 14), run("spec-pg", "embedded", (900, 340), 25),
             run("spec-always-pg", "embedded", (1, 1), 1),            # paired with plain-pg too
+            run("spec-pg-t8k", "embedded", (2, 2), 2),               # plain's own step budget: plain-pg
             run("spec", "minimax-m3:5", (50, 50), 5, "nvfp4"),       # no plain of m3:5: left out
             run("plain", "minimax-m3:5", (60, 60), 6, None)]         # other weights: not its counterpart
     cmp = {(c["model"], c["spec_mode"]): c for c in sp.spec_vs_plain(runs)}
-    assert set(cmp) == {("embedded", "spec-pg"), ("embedded", "spec-always-pg")}
+    assert set(cmp) == {("embedded", "spec-pg"), ("embedded", "spec-always-pg"), ("embedded", "spec-pg-t8k")}
+    assert cmp[("embedded", "spec-pg-t8k")]["plain_mode"] == "plain-pg"
     lv = {r["concurrency"]: r for r in cmp[("embedded", "spec-pg")]["levels"]}
     assert cmp[("embedded", "spec-pg")]["plain_mode"] == "plain-pg"
     assert lv[1]["spec_per_user"] == 150 and lv[1]["plain_per_user"] == 100 and lv[1]["per_user_ratio"] == 1.5
     assert lv[4]["spec_total"] == 320 and lv[4]["plain_total"] == 400 and lv[4]["total_ratio"] == 0.8
     assert lv[4]["spec_per_user"] == 80 and lv[4]["plain_per_user"] == 100
     assert lv[1]["tpot_p90_ratio"] == 25 / 12 and lv[1]["repeats"] == [3, 3]
+
+
+def test_spec_t8k_pairs_with_a_plain_t8k_when_the_file_ran_one():
+    sp = _serve_pareto()
+    runs = [{"model": "embedded", "quantization": None, "run_mode": m, "results": [_row(1, t, 1)]}
+            for m, t in (("plain-pg", 100), ("plain-pg-t8k", 200), ("spec-pg-t8k", 300))]
+    (cmp,) = sp.spec_vs_plain(runs)
+    assert cmp["plain_mode"] == "plain-pg-t8k" and cmp["levels"][0]["per_user_ratio"] == 1.5

@@ -11,13 +11,14 @@ have expensive references). Set ALL_ROWS = True to run every row count.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from m3serve.kernels.formats._decode import FMT_BF16, FMT_FP8, FMT_MXFP8, FMT_NVFP4
-from m3serve.kernels.catalog import all_entries, true_fp32
+from m3serve.kernels.catalog import Cell, all_entries, true_fp32
 
 pytestmark = pytest.mark.gpu
 
@@ -185,9 +186,9 @@ MOE_SLOTS_AT_ONE_TOKEN = 5  # M3's top-4 experts + the shared one
 
 def test_mma_moe_every_token_count_and_split_determinism() -> None:
     """The MMA-step MoE cells (1-8 tokens): every token count (the token columns are masked in PTX, so each
-    count is its own path through the stores), then the down split's and (at one token) the gate|up split's
-    fixed-order sums: repeated calls are bit-identical and leave the counters at zero; a split gate|up replays in a
-    CUDA graph on fresh inputs."""
+    count is its own path through the stores), then the down split's fixed-order sum: repeated calls are
+    bit-identical and leave the counters at zero; the same for the opt-in gate|up split at one token, which also
+    replays in a CUDA graph on fresh inputs."""
     from m3serve.kernels.moe._mma import MmaMoEConfig
     dev = _dev()
     e = ENTRIES["moe.nvfp4"]
@@ -208,5 +209,16 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
                 assert int(ws.dcount.abs().sum()) == 0 and int(ws.rcount.abs().sum()) == 0
                 assert int(ws.gcount.abs().sum()) == 0
             del case, out
-        if cell.config["moe"].gate_up_split(MOE_SLOTS_AT_ONE_TOKEN) > 1:   # the split's tickets inside a graph
-            _graph_check(e, cell, 1, _fresh_x)
+    # the opt-in gate|up split over H (MmaMoEConfig.GSPLIT) on the first MMA cell's shape at one token: its band,
+    # its fixed-order sum (repeat calls bit-identical), its tickets back at zero, and a replay inside a CUDA graph
+    cfg = dataclasses.replace(cells[0].config["moe"], GSPLIT=4, GSPLIT_SLOTS=4 * MOE_SLOTS_AT_ONE_TOKEN)
+    assert cfg.gate_up_split(MOE_SLOTS_AT_ONE_TOKEN) == 4
+    split = Cell(rows=(1, 1), shape=cells[0].shape, why="gate|up split 4 ways (opt-in)", config={"moe": cfg})
+    case = e.make_case(split, 1, dev, torch.Generator().manual_seed(399))
+    out = e.raw_call(*case.args, **case.kwargs).clone()
+    e.compare(out, e.reference(*case.args, **case.kwargs), case)
+    for _ in range(3):
+        assert torch.equal(e.raw_call(*case.args, **case.kwargs).view(torch.int16), out.view(torch.int16))
+    torch.cuda.synchronize()
+    assert int(case.args[-2].gcount.abs().sum()) == 0
+    _graph_check(e, split, 1, _fresh_x)

@@ -95,8 +95,9 @@ class MmaMoEConfig:
     def gate_up_split(self, slots: int) -> int:
         """The gate|up launch's K split for `slots` gate|up columns of CTAs (touched experts + the shared one): GSPLIT
         halved (rounding down) until its product with slots is <= GSPLIT_SLOTS (1: no split). Why: at one
-        token the launch is 5 x I / BNA CTAs of whole-K rows, ~15 warps an SM on an H200, too few loads in flight
-        to reach copy bandwidth; a split multiplies the warps, and more tokens touch enough experts by themselves."""
+        token the launch is 5 x I / BNA CTAs of whole-K rows, ~15 warps an SM, where 72 registers allow 28; a split
+        multiplies the warps (more tokens touch enough experts by themselves). Opt-in: on the H100 it did not pay
+        (the whole-K launch streams at ~70 % of copy bandwidth there; docs/kernels.md), the H200 is unmeasured."""
         p = self.GSPLIT
         while p > 1 and slots * p > self.GSPLIT_SLOTS:
             p //= 2

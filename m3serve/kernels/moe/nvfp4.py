@@ -524,11 +524,12 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
 
 # 1-8 tokens with an NVFP4 shared expert: gate|up and down on the register-operand MMA step (_mma). I = 3072: down
 # split 8 ways (on MMA tiles, H100, bench/kernel_variants.py --moe-mma-only: 109.8 / 379.8 us at 1 / 8 tokens against
-# 116.5 / 406.1 us split 4, kernel-variants-moe-tiles-h100.json), and gate|up split over H 4 ways at 1 token, 2 at
-# 2 (MmaMoEConfig.gate_up_split: at one token the whole-K launch holds ~15 warps an SM, 72 registers allow 28);
-# the TP2 shard (1536) keeps its measured split
+# 116.5 / 406.1 us split 4, kernel-variants-moe-tiles-h100.json); the TP2 shard (1536) keeps its measured split.
+# gate|up is not split over H (MmaMoEConfig.GSPLIT, opt-in): on the H100 the split lost at 1 and 2 tokens
+# (kernel-variants-moe-gate-up-split-h100.json: 122.2 vs 109.2 us at 1 token split 4 ways; in the decode step's graph
+# 53.1 vs 50.9 us per gate|up launch, decode-target-h100-m3_12-gate-up-split.json)
 MMA_MOE_ROWS = (1, 8)
-MMA_MOE = {3072: MmaMoEConfig(DSPLIT=8, GSPLIT=4, GSPLIT_SLOTS=20), 1536: MmaMoEConfig(DSPLIT=2)}
+MMA_MOE = {3072: MmaMoEConfig(DSPLIT=8), 1536: MmaMoEConfig(DSPLIT=2)}
 
 
 def _row_ranges(sb: int) -> tuple[tuple[int, int], ...]:
