@@ -70,6 +70,26 @@ def public_reason(detail: str) -> str:
             "its supervisor can restart it")
 
 
+# CUDA errors after which the context is unusable (every later launch fails with them too), and how many engine
+# steps in a row may fail before the engine counts as down: a step that raises fails only the requests in flight
+# (one bad request must not stop a server), but a failure that repeats on fresh requests is the engine's, not
+# theirs (e.g. the engine thread cannot create its cuBLAS handle on a card the KV cache filled), and a server that
+# reports healthy while failing every request is what a supervisor cannot see.
+STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "misaligned address",
+                      "illegal instruction", "device-side assert", "uncorrectable ECC error")
+MAX_FAILED_STEPS_IN_A_ROW = 3
+
+
+def fatal_step_error(error: BaseException, failed_in_a_row: int) -> str | None:
+    """Why a failed engine step takes the engine down (None: fail the requests in flight and go on)."""
+    text = f"{type(error).__name__}: {error}"
+    if any(s in str(error) for s in STICKY_CUDA_ERRORS):
+        return f"a CUDA error that leaves the device context unusable ({text})"
+    if failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+        return f"{failed_in_a_row} engine steps in a row failed (the last: {text})"
+    return None
+
+
 class EngineDead(RuntimeError):
     """The engine loop thread is not running."""
 
@@ -165,6 +185,7 @@ class EngineLoop:
         # A job with more candidates than the waiting queue holds can never be admitted (a 400, not a 429).
         self.max_queue: int | None = getattr(getattr(engine, "config", None), "max_queue", None)
         self.steps = 0
+        self.failed_steps_in_a_row = 0
         self.snapshot: dict[str, Any] = {"alive": 0}
 
     # ------------------------------------------------------------------ any thread
@@ -355,10 +376,17 @@ class EngineLoop:
                 self._mark_dead(fault)
                 self._fail_all(self.dead, status=503, code=ENGINE_DEAD_CODE)
                 return
+            self.failed_steps_in_a_row += 1
             log.exception("engine step failed; failing the requests in flight")
+            fatal = fatal_step_error(e, self.failed_steps_in_a_row)
+            if fatal is not None:          # the loop's _die follows: 503 from here on, then the exit
+                self._mark_dead(fatal)
+                self._fail_all(self.dead, status=503, code=ENGINE_DEAD_CODE)
+                return
             # The detail (which may name processes or paths) stays in the log.
             self._fail_all(f"internal engine error ({type(e).__name__}); the server log has the details")
             return
+        self.failed_steps_in_a_row = 0
         self.steps += 1
         now = time.monotonic()
         out: list[tuple[Job, Delta]] = []

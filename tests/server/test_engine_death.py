@@ -133,3 +133,69 @@ def test_engine_fault_while_idle_gives_503_and_a_nonzero_exit(model_dir, monkeyp
         assert not srv._thread.is_alive() and srv.exit_code == EXIT_ENGINE_DEAD
     finally:
         srv.stop()
+
+
+def test_a_step_failure_is_fatal_when_sticky_or_repeated():
+    from m3serve.server.engine_loop import MAX_FAILED_STEPS_IN_A_ROW, fatal_step_error
+    alloc = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert all(fatal_step_error(alloc, n) is None for n in range(1, MAX_FAILED_STEPS_IN_A_ROW))
+    why = fatal_step_error(alloc, MAX_FAILED_STEPS_IN_A_ROW)
+    assert f"{MAX_FAILED_STEPS_IN_A_ROW} engine steps in a row failed" in why and "CUBLAS_STATUS_ALLOC_FAILED" in why
+    sticky = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert "unusable" in fatal_step_error(sticky, 1)
+    assert fatal_step_error(ValueError("bad logits_processors"), 1) is None
+
+
+def _failing_steps(llm, monkeypatch, failures: int | None):
+    """engine.step raises a cuBLAS allocation failure `failures` times (None: always), then runs as before."""
+    real, count = llm.engine.step, [0]
+
+    def step():
+        count[0] += 1
+        if failures is None or count[0] <= failures:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return real()
+    monkeypatch.setattr(llm.engine, "step", step)
+
+
+def test_steps_that_fail_every_time_take_the_server_down(model_dir, monkeypatch):
+    """A failure that repeats on fresh requests (here every step raises) fails the first requests with a 500, then
+    marks the engine dead: 503 with the engine_dead code, /health 503, and the exit for a supervisor."""
+    from m3serve.server.app import BackgroundServer, build_app
+    from m3serve.server.engine_loop import MAX_FAILED_STEPS_IN_A_ROW
+    from m3serve.server.health import EXIT_ENGINE_DEAD
+    from tests.server.conftest import make_llm
+
+    llm = make_llm(model_dir)
+    _failing_steps(llm, monkeypatch, None)
+    srv = BackgroundServer(build_app(llm, served_model_name="m"), dead_exit_delay=EXIT_DELAY_S).start()
+    try:
+        port = srv.port
+        statuses = [_post(port, {"prompt": "hi", "max_tokens": 2})[0] for _ in range(MAX_FAILED_STEPS_IN_A_ROW)]
+        assert statuses[:-1] == [500] * (MAX_FAILED_STEPS_IN_A_ROW - 1) and statuses[-1] == 503, statuses
+        assert _get(port, "/health")[0] == 503
+        status, body = _post(port, {"prompt": "hi", "max_tokens": 2})
+        assert status == 503 and json.loads(body)["error"]["code"] == "engine_dead", body
+        srv._thread.join(EXIT_DELAY_S + 20)
+        assert not srv._thread.is_alive() and srv.exit_code == EXIT_ENGINE_DEAD
+    finally:
+        srv.stop()
+
+
+def test_a_failure_that_does_not_repeat_keeps_the_server_up(model_dir, monkeypatch):
+    """Failed steps below the limit, then a good one: the counter starts again, /health stays 200."""
+    from m3serve.server.app import BackgroundServer, build_app
+    from m3serve.server.engine_loop import MAX_FAILED_STEPS_IN_A_ROW
+    from tests.server.conftest import make_llm
+
+    llm = make_llm(model_dir)
+    _failing_steps(llm, monkeypatch, MAX_FAILED_STEPS_IN_A_ROW - 1)
+    srv = BackgroundServer(build_app(llm, served_model_name="m"), dead_exit_delay=EXIT_DELAY_S).start()
+    try:
+        port = srv.port
+        assert [_post(port, {"prompt": "hi", "max_tokens": 2})[0] for _ in range(MAX_FAILED_STEPS_IN_A_ROW)] \
+            == [500] * (MAX_FAILED_STEPS_IN_A_ROW - 1) + [200]
+        assert _get(port, "/health")[0] == 200
+        assert _post(port, {"prompt": "hi", "max_tokens": 2})[0] == 200
+    finally:
+        srv.stop()
