@@ -25,6 +25,8 @@ ends up with are the same, so only the load blocks and the step addresses differ
 gate|up (grid (I / BNA, S + 1), BNA = 8 * RP * warps activation columns): a thread's row pair is (gate row n,
 up row n) (load_asm's gate_up pairing), so its accumulators hold both inputs of SwiGLU for the same (n, token)
 and the epilogue (swiglu_store_asm) writes act directly; the whole K = H range per CTA (no partial workspace).
+Opt-in (GSPLIT > 1, at few touched slots): grid (I / BNA, S + 1, split), each CTA over H / split, raw sums to
+gpart and the last arrival's ordered sum + SwiGLU in Triton (swiglu_of_sums); not faster on the H100.
 
 down (grid (H / BN, DSPLIT), BN = 16 * RP * warps rows of H): one CTA walks the slots (touched experts in
 ascending order, then the shared one), each over its I / DSPLIT slice; the register ring runs across slot
