@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -130,6 +130,16 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+memory-round)  # issue 28's memory plan (runtime/memory_plan.py): its GPU tests (the plan holds what start-up and a full
+              # batch of 128 sampled Eagle3 requests take, embedded and minimax-m3:5 NVFP4; the sampler's bytes per
+              # logit; graphs up to 128 sequences still captured), then minimax-m3:5 NVFP4 served plain and Eagle3 at
+              # 1..128 users with max_num_seqs 128 (on the 80 GB H100 every Eagle3 request failed before the plan)
+  phase pytest-memory-plan ${T_A:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
+    tests/runtime/test_no_cliffs_gpu.py -k "memory_plan or sampler_peak or up_to_max_num_seqs"
+  phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
+    minimax-m3:5:spec-pg:nvfp4 --requests-per-user 4 --timeout 140 --out "$OUT/serve-pareto-m3_5-memory-plan-$TAG.json"
+  grep -n "memory plan\|WARNING\|ERROR\|Traceback" "$OUT/serve-pareto-m3.log" | head -20
   ;;
 moe-split-round)  # issue 30 item 2, first call: the MoE's MMA-step gate|up split over H at 1-2 tokens (GSPLIT):
                  # its GPU tests (every token count, determinism, tickets at zero, graph replay at one token, the

@@ -22,6 +22,7 @@ from m3serve.kernels._jit import COMPILE_WATCH
 from m3serve.kv.scales import apply_model_kv_scales, resolve_kv_fp8_layers, resolve_kv_rotation
 from m3serve.model.loader import load_model, resolve_config
 from m3serve.model.parallel import check_tp_shapes
+from m3serve.runtime.memory_plan import plan_working_memory
 from m3serve.server.chat_tokens import chat_encoder
 from m3serve.targets import routing
 from m3serve.tokenizer import load_tokenizer
@@ -100,7 +101,11 @@ class LLM:
         self.route = route or ("auto" if self.device.type == "cuda" else "off")
         _default_target_context(resolve_config(model), self.route, engine_kwargs)   # TP ranks get the same
         _default_step_tokens(self.device, self.route, engine_kwargs, speculative=speculative_config is not None)
+        # no graphs will be captured: the memory plan reserves none for them (runtime/memory_plan.py)
+        engine_kwargs.setdefault("enforce_eager", bool(enforce_eager) or self.route == "off")
         self.tp_context = None
+        self.warmup_report = None      # engine/warmup.py's summary (decode target on CUDA)
+        self.memory_report = None      # the memory plan against what start-up took (runner.check_memory_plan)
         self.kv_fp8_layers_source = None       # the kv_scales.json that named the FP8 layers (kv_fp8_layers="auto")
         if tensor_parallel_size != 1:
             if kv_scales not in (None, "auto"):
@@ -194,6 +199,8 @@ class LLM:
         with COMPILE_WATCH.startup():
             self.engine.enable_target(graphs=not enforce_eager, mode=self.route)
             self.warmup_report = warm_up(self.engine, seed=self.engine.config.seed)
+        # what start-up took against the plan the KV cache was sized by (a warning when the plan fell short)
+        self.memory_report = self.engine.runner.check_memory_plan()
 
     def _start_tp(self, model: str, size, seed: int, random_weights: bool, quantization, engine_kwargs: dict,
                   speculative_config: dict | None = None) -> None:
@@ -215,9 +222,17 @@ class LLM:
                         ("tp_grace_s", "grace_s")):
             if k in kw:
                 tp_kw[name] = kw.pop(k)
+        # every rank reserves the eager steps' working memory before its cache (no graphs at TP > 1)
+        k = int((speculative_config or {}).get("num_speculative_tokens", 0) or 0)
+        working = plan_working_memory(
+            resolve_config(model), max_num_seqs=kw.get("max_num_seqs", EngineConfig.max_num_seqs),
+            max_num_batched_tokens=kw["max_num_batched_tokens"], max_step_tokens=_max_step_rows(kw, speculative_config),
+            max_model_len=kw.get("max_model_len") or resolve_config(model).max_position_embeddings, graphs=False,
+            spec_k=k, quantized_experts=True)   # the ranks' expert formats are not known before they load
         spec = TPLaunchSpec(model=os.path.abspath(model) if os.path.isdir(model) else model, world_size=size,
                             device=str(self.device), dtype=self.dtype, seed=seed, random_weights=random_weights,
-                            quantization=quantization, speculative_config=spec_dict, **tp_kw)
+                            quantization=quantization, speculative_config=spec_dict,
+                            working_memory_bytes=working.total, **tp_kw)
         self.tokenizer = self._load_tokenizer(model)
         self.tp_context, self.model, self.engine = start_tp(spec, kw, self.tokenizer)
         self.device = self.model.device

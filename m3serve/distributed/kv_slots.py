@@ -7,6 +7,7 @@ import torch
 
 from m3serve.kv.layout import SlotLayout
 from m3serve.kv.spec import KVCacheSpec
+from m3serve.runtime.memory_plan import kv_budget_bytes
 
 CPU_DEFAULT_KV_BYTES = 256 << 20   # LLMEngine's budget on CPU when none is given
 
@@ -26,16 +27,16 @@ def slot_bytes(spec: KVCacheSpec) -> int:
 
 
 def local_kv_slots(spec: KVCacheSpec, device: torch.device, kv_cache_bytes: int | None,
-                   gpu_memory_utilization: float) -> int:
+                   gpu_memory_utilization: float, working_memory_bytes: int = 0) -> int:
     """Slots this rank could hold, by the rule LLMEngine applies (explicit bytes, else the CPU default, else
-    the fraction of GPU memory left after the weights)."""
+    the fraction of GPU memory left after the weights and the steps' planned working memory:
+    runtime/memory_plan.py)."""
     if kv_cache_bytes is not None or device.type != "cuda":
         budget = kv_cache_bytes if kv_cache_bytes is not None else CPU_DEFAULT_KV_BYTES
     else:
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization: expected a fraction in (0, 1], found {gpu_memory_utilization}")
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(gpu_memory_utilization * total) - (total - free)
+        budget = kv_budget_bytes(free, total, gpu_memory_utilization, working_memory_bytes)
     slots = int(budget) // slot_bytes(spec)
     if slots < 1:
         raise ValueError(f"KV cache budget {budget} B on {device} does not hold one {spec.page_size}-token slot "

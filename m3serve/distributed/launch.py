@@ -48,6 +48,7 @@ class TPLaunchSpec:
     load_timeout_s: float = 3600.0      # loading a shard and start-up handshakes
     grace_s: float = 60.0               # rank 0 stuck in a step after a worker died: exit after this long
     speculative_config: dict | None = None   # Eagle3 speculation: every rank builds the same (replicated) drafter
+    working_memory_bytes: int = 0       # the steps' working memory each rank keeps free of its KV cache
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):

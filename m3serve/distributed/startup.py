@@ -38,7 +38,8 @@ def start_tp(spec: TPLaunchSpec, engine_kwargs: dict, tokenizer) -> tuple[TPCont
             drafter = build_drafter(SpecConfig.from_dict(spec.speculative_config), model)
         kv_spec = rank_kv_spec(model, spec.kv_cache_dtype, spec.index_k_dtype,
                                None if drafter is None else drafter.cfg.num_key_value_heads)
-        own = local_kv_slots(kv_spec, ctx.device, spec.kv_cache_bytes, spec.gpu_memory_utilization)
+        own = local_kv_slots(kv_spec, ctx.device, spec.kv_cache_bytes, spec.gpu_memory_utilization,
+                                 spec.working_memory_bytes)
         others = ctx.wait_followers("slots", spec.load_timeout_s)
         slots = min([own] + [int(v) for v in others.values()])
         ctx.store.set("go", str(slots))

@@ -77,7 +77,8 @@ def serve_follower(ctx: TPContext, spec: TPLaunchSpec) -> int:
         kv_spec = rank_kv_spec(model, spec.kv_cache_dtype, spec.index_k_dtype,
                                None if runner is None else runner.drafter.cfg.num_key_value_heads)
         ctx.store.set(f"slots/{ctx.rank}",
-                      str(local_kv_slots(kv_spec, ctx.device, spec.kv_cache_bytes, spec.gpu_memory_utilization)))
+                      str(local_kv_slots(kv_spec, ctx.device, spec.kv_cache_bytes, spec.gpu_memory_utilization,
+                                              spec.working_memory_bytes)))
         kv = PagedKVCache(kv_spec, int(ctx.wait_driver("go")), ctx.device)
         return follow(ctx, model, kv, runner)
     except BaseException:

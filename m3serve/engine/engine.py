@@ -60,6 +60,9 @@ class EngineConfig:
     # served TTFT at one user from 10.6 to 3.7 ms (embedded model) and from 16.3 to 12.8 ms (minimax-m3:5 NVFP4)
     # (bench/results/serve/serve-pareto-*prefill-graphs-h200.json); eager steps and CPU runs ignore it.
     prefill_graph_tokens: int = 1024
+    # No CUDA graphs will be captured (LLM's enforce_eager, or route "off"): the memory plan reserves none
+    # (runtime/memory_plan.py), so the KV cache gets that memory.
+    enforce_eager: bool = False
     seed: int = 0
 
 

@@ -106,7 +106,8 @@ def spec_runner_config(config: EngineConfig, spec: SpecConfig, drafter: Eagle3Dr
     every slot, all the replicated drafter's heads on every rank) and block tables sized for verify steps (K more
     tokens per sequence)."""
     return {"draft_kv_heads": drafter.cfg.num_key_value_heads,
-            "max_step_tokens": step_token_capacity(config, spec.num_speculative_tokens)}
+            "max_step_tokens": step_token_capacity(config, spec.num_speculative_tokens),
+            "spec_k": spec.num_speculative_tokens}
 
 
 def prepare_drafter(spec: SpecConfig, model: M3ForCausalLM, drafter: Eagle3Drafter | None = None) -> Eagle3Drafter:

@@ -32,6 +32,7 @@ from m3serve.kv.rotation import DEFAULT_ROTATION_SEED
 from m3serve.kv.spec import KVCacheSpec
 from m3serve.model.m3 import ForwardBatch, SeqSpan
 from m3serve.runtime.decode_graphs import DecodeGraphs, Launched
+from m3serve.runtime.memory_plan import WorkingMemory, experts_quantized, kv_budget_bytes, plan_working_memory
 from m3serve.runtime.prefill_graphs import PrefillGraphs, seq_buckets, token_buckets
 from m3serve.runtime.step_inputs import (LogitsProcessing, PagedPlan, paged_meta, paged_step,
                                          sparse_tiles_per_block)
@@ -80,23 +81,27 @@ class ModelRunner:
     # runner that cannot says False here, and the engine refuses such requests).
     processes_logits = True
 
-    def __init__(self, model, config, *, draft_kv_heads: int | None = None, max_step_tokens: int | None = None):
+    def __init__(self, model, config, *, draft_kv_heads: int | None = None, max_step_tokens: int | None = None,
+                 spec_k: int = 0):
         """config: the engine's EngineConfig (cache dtype and budget, max_num_batched_tokens). draft_kv_heads:
         adds the shared Eagle3 draft layer to the cache. max_step_tokens: tokens one step may pack (a verify step
-        holds K drafts per sequence more than the scheduler's budget)."""
+        holds K drafts per sequence more than the scheduler's budget). spec_k: the speculative tokens per step
+        (the memory plan reserves the speculative graphs' rows)."""
         self.model, self.config = model, config
         n = config.prefill_graph_tokens
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"prefill_graph_tokens: expected an int >= 0 (0: off), found {n!r}")
         dev = model.device
         spec = cache_spec(model, config, draft_kv_heads)
+        self.max_step_tokens = max_step_tokens if max_step_tokens is not None else config.max_num_batched_tokens
+        self.working_memory: WorkingMemory | None = None   # the plan the cache was sized by (GPU budget only)
+        self._used_after_cache: int | None = None          # device bytes in use once the cache was allocated
         if config.kv_cache_bytes is not None or dev.type != "cuda":
             budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else 256 << 20
             self.kv = PagedKVCache.from_budget(spec, device=dev, budget_bytes=budget)
         else:
-            self.kv = PagedKVCache.from_budget(spec, device=dev, gpu_memory_utilization=config.gpu_memory_utilization)
+            self.kv = self._cache_from_memory_plan(spec, spec_k)
         self.sparse_tiles = sparse_tiles_per_block(spec)   # split_plan's key tiles per MSA block (fixed per cache)
-        self.max_step_tokens = max_step_tokens if max_step_tokens is not None else config.max_num_batched_tokens
         self.tables: DeviceBlockTables | None = None   # bind_tables
         self.view = None                 # the draft layer's DraftKVView (bind_tables, with a draft layer)
         self.target_attention = False    # attention through the paged-cache kernels (enable_target)
@@ -105,6 +110,49 @@ class ModelRunner:
         self.prefill_graphs = None       # PrefillGraphs (enable_target, config.prefill_graph_tokens > 0)
         self.prefill_capture_layers = ()  # residual streams its programs keep (a speculative engine's drafter's)
         log.info("KV cache: %s", self.kv.describe())
+
+    def _cache_from_memory_plan(self, spec: KVCacheSpec, spec_k: int) -> PagedKVCache:
+        """The cache takes the utilization's share of the card less what is in use and less the planned working
+        memory of the steps, graphs and engine state (runtime/memory_plan.py)."""
+        model, config, dev = self.model, self.config, self.model.device
+        cfg = model.cfg
+        graphs = (not getattr(config, "enforce_eager", False) and model.dtype == torch.bfloat16
+                  and model.tp.size == 1)
+        self.working_memory = plan_working_memory(
+            cfg, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_step_tokens=self.max_step_tokens,
+            max_model_len=min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings),
+            graphs=graphs, prefill_graph_tokens=config.prefill_graph_tokens if graphs else 0, spec_k=spec_k,
+            quantized_experts=experts_quantized(model))
+        torch.cuda.empty_cache()      # blocks the loader left cached would count as in use and shrink the cache
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = kv_budget_bytes(free, total, config.gpu_memory_utilization, self.working_memory)
+        kv = PagedKVCache.from_budget(spec, device=dev, budget_bytes=budget)
+        free, _ = torch.cuda.mem_get_info(dev)
+        self._used_after_cache = total - free
+        log.info("memory plan: working memory %s reserved before the KV cache", self.working_memory.describe())
+        return kv
+
+    def measured_working_bytes(self) -> int | None:
+        """Device bytes taken since the cache was allocated (graph pools, engine state, the steps' cached
+        activations, cuBLAS workspaces): after start-up, what the plan stood for; None without a plan."""
+        if self._used_after_cache is None:
+            return None
+        free, total = torch.cuda.mem_get_info(self.model.device)
+        return total - free - self._used_after_cache
+
+    def check_memory_plan(self) -> dict | None:
+        """After start-up (graphs captured, warm-up run): the plan against what was taken, logged (a warning when
+        the plan fell short); {"planned_working_bytes", "measured_working_bytes"} or None without a plan."""
+        measured = self.measured_working_bytes()
+        if measured is None:
+            return None
+        planned = self.working_memory.total
+        (log.warning if measured > planned else log.info)(
+            "memory plan: working memory planned %.2f GiB, taken after start-up %.2f GiB%s", planned / 2**30,
+            measured / 2**30, " (above the plan: lower gpu_memory_utilization if steps run out of memory)"
+            if measured > planned else "")
+        return {"planned_working_bytes": planned, "measured_working_bytes": measured}
 
     @property
     def graphs(self) -> DecodeGraphs | None:

@@ -46,6 +46,12 @@ def graph_memory_lines(engine) -> list[str]:
              for name, g in sets.items()]
     total = sum(g.memory_bytes for g in sets.values())
     lines.append(f"CUDA graphs in all: {total / 2**20:.0f} MiB" if sets else "no CUDA graphs captured")
+    runner = engine.runner
+    if getattr(runner, "working_memory", None) is not None:
+        lines.append(f"memory plan (reserved before the KV cache): {runner.working_memory.describe()}")
+        measured = runner.measured_working_bytes()
+        lines.append(f"taken since the KV cache was allocated: {measured / 2**30:.2f} GiB "
+                     f"({'within' if measured <= runner.working_memory.total else 'ABOVE'} the plan)")
     return lines
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from tests.runtime.test_decode_target_gpu import _greedy, _need_cuda, _release
 
@@ -120,3 +121,56 @@ def test_no_kernel_variant_is_built_after_the_warm_up(spec):
             eng.release(r)
     assert COMPILE_WATCH.count == before, COMPILE_WATCH.compiled[before:]
     _release(llm)
+
+
+@pytest.mark.parametrize("model,quant", [("embedded", None), ("minimax-m3:5", "nvfp4")])
+def test_memory_plan_holds_what_start_up_and_a_full_batch_take(model, quant):
+    """Eagle3 (K = 3) at max_num_seqs = 128 with the default gpu_memory_utilization: the cache is sized after the
+    planned working memory (runtime/memory_plan.py). Start-up (every graph captured, the warm-up run) and then
+    128 sampled requests at once take no more than the plan, and every request completes (on the 80 GB H100,
+    minimax-m3:5 failed every request here before the plan: graph capture ran out of memory, then cuBLAS)."""
+    _need_cuda()
+    import os
+
+    from m3serve import LLM, SamplingParams
+    from m3serve.llm import default_model
+    embedded = model == "embedded"
+    spec = {"method": "eagle3", "model": os.path.join(default_model(), "eagle3") if embedded else None,
+            "num_speculative_tokens": 3}
+    llm = LLM(**({"dtype": "bfloat16"} if embedded else {"model": model, "random_weights": True,
+                                                        "quantization": quant, "max_model_len": 8192}),
+              max_num_seqs=128, speculative_config=spec)
+    report = llm.memory_report
+    assert report is not None and report["measured_working_bytes"] <= report["planned_working_bytes"], report
+    steps = llm.engine.speculation.spec_steps
+    assert not steps.blocked and not llm.engine.runner.graphs.blocked, (steps.blocked, llm.engine.runner.graphs.blocked)
+    vocab = llm.model.cfg.vocab_size
+    prompts = [{"prompt_token_ids": [(11 + 7 * i + 13 * j) % vocab for j in range(24 + i % 40)]} for i in range(128)]
+    sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1, ignore_eos=True)
+    out = llm.generate(prompts, sp, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [16] * 128
+    after = llm.engine.runner.measured_working_bytes()
+    assert after <= report["planned_working_bytes"], (after, report)
+    _release(llm)
+
+
+def test_sampler_peak_stays_within_its_planned_bytes_per_logit():
+    """memory_plan.SAMPLER_BYTES_PER_LOGIT against the graph form of the sampler (top-k by a full sort, top-p,
+    the noise race) at minimax-m3's vocabulary, measured by the caching allocator's peak beyond the logits."""
+    _need_cuda()
+    from m3serve.engine.sampler import sample_rows
+    from m3serve.runtime.memory_plan import SAMPLER_BYTES_PER_LOGIT
+    rows, vocab, dev = 64, 200064, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=dev, generator=g)
+    params = (torch.full((rows,), 0.7, device=dev), torch.full((rows,), 40, dtype=torch.int64, device=dev),
+              torch.full((rows,), 0.9, device=dev), torch.zeros(rows, dtype=torch.bool, device=dev),
+              torch.arange(rows, dtype=torch.int64, device=dev), torch.arange(rows, dtype=torch.int64, device=dev))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    tokens = sample_rows(logits, *params)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base + logits.numel() * 4     # the logits count in the plan too
+    assert tokens.shape == (rows,) and int(tokens.max()) < vocab
+    assert peak <= rows * vocab * SAMPLER_BYTES_PER_LOGIT, peak / (rows * vocab)
