@@ -32,8 +32,9 @@ from m3serve.runtime.step_inputs import buckets_up_to
 
 # bytes per [row, vocab] element while a sampled row is processed: the fp32 logits, the temperature-scaled copy,
 # the top-k sort (fp32 values + int64 indices), softmax, the top-p sort (values + int64 order) and its cumsum,
-# masks and the noise race (counted from engine.sampler.sample_rows; the GPU test measures it below this)
-SAMPLER_BYTES_PER_LOGIT = 48
+# masks and the noise race: engine.sampler.sample_rows peaked at 56 B per logit on the H200 (64 rows of minimax-m3's
+# vocabulary, top-k and top-p on; tests/runtime/test_no_cliffs_gpu.py holds it below this)
+SAMPLER_BYTES_PER_LOGIT = 64
 # the decode-once band's expert scratch (kernels/moe/grouped.py: EXPERT_GROUP experts' gate|up in bf16) is used
 # from this many rows of one step (DECODE_ONCE_ROWS there), for quantized experts only
 DECODE_ONCE_ROWS = 4096
