@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -140,6 +140,13 @@ memory-round)  # issue 28's memory plan (runtime/memory_plan.py): its GPU tests 
   phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
     minimax-m3:5:spec-pg:nvfp4 --requests-per-user 4 --timeout 140 --out "$OUT/serve-pareto-m3_5-memory-plan-$TAG.json"
   grep -n "memory plan\|WARNING\|ERROR\|Traceback" "$OUT/serve-pareto-m3.log" | head -20
+  ;;
+memory-check)  # the memory plan's GPU tests again (after the sampler's measured bytes per logit), then issue 28's plain
+              # vs Eagle3 per user with the same 8192-token step budget for both (-t8k), two interleaved repeats
+  phase pytest-memory-plan ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 180 -rfE \
+    tests/runtime/test_no_cliffs_gpu.py -k "memory_plan or sampler_peak"
+  phase serve-pareto ${T_SERVE:-300} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg-t8k \
+    --repeats 2 --requests-per-user ${RPU:-8} --timeout 70 --out "$OUT/serve-pareto-policy-t8k-repeats-$TAG.json"
   ;;
 moe-split-round)  # issue 30 item 2, first call: the MoE's MMA-step gate|up split over H at 1-2 tokens (GSPLIT):
                  # its GPU tests (every token count, determinism, tickets at zero, graph replay at one token, the
