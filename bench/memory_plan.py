@@ -15,7 +15,8 @@ Nothing here is typed in by hand:
   workspaces  the stock path's largest transient buffers for a prefill chunk of B tokens over a context of C
               keys (formulas in `stock_workspace`), per-call weight dequantization, the sampler's logits.
   reserve     CUDA context, NCCL buffers and allocator slack: RESERVE_BYTES, an assumption (not computed).
-The KV budget follows LLMEngine's rule: utilization x GPU bytes minus what is resident after loading.
+The KV budget follows LLMEngine's rule: utilization x GPU bytes minus what is resident after loading (the weights and
+the reserve) minus the steps' planned working memory (m3serve/runtime/memory_plan.py; no graphs at TP > 1).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from m3serve.model.checkpoint import _linear_format  # noqa: E402
 from m3serve.model.layers import Linear  # noqa: E402
 from m3serve.model.m3 import M3ForCausalLM  # noqa: E402
 from m3serve.model.parallel import TPGroup  # noqa: E402
+from m3serve.runtime.memory_plan import plan_working_memory  # noqa: E402
 
 GB = 1e9
 GIB = 2 ** 30
@@ -169,12 +171,15 @@ def plan(cfg: M3Config, tp: int, quantization: str | None = "nvfp4", *, gpu_byte
     w = weight_bytes(cfg, tp, quantization)
     kv = kv_page_bytes(cfg, tp, kv_cache_dtype, index_k_dtype, num_draft_layers)
     ws = stock_workspace(cfg, tp, quantization, tokens=tokens, context=context, seqs=seqs)
-    kv_budget = int(utilization * gpu_bytes) - w["total"] - RESERVE_BYTES
+    working = plan_working_memory(cfg, max_num_seqs=seqs, max_num_batched_tokens=tokens, max_step_tokens=tokens,
+                                  max_model_len=context, graphs=tp == 1, quantized_experts=quantization is not None)
+    kv_budget = int(utilization * gpu_bytes) - w["total"] - RESERVE_BYTES - working.total
     pages = max(0, kv_budget // kv["page_bytes"])
     headroom = gpu_bytes - (w["total"] + RESERVE_BYTES + pages * kv["page_bytes"])
     return {
         "tp": tp, "layers": cfg.num_hidden_layers, "quantization": quantization, "gpu_bytes": gpu_bytes,
-        "utilization": utilization, "weights": w, "reserve": RESERVE_BYTES, "kv": kv, "kv_budget": kv_budget,
+        "utilization": utilization, "weights": w, "reserve": RESERVE_BYTES,
+        "working_memory": working.total, "kv": kv, "kv_budget": kv_budget,
         "kv_pages": pages, "kv_tokens": pages * kv["page_tokens"],
         "workspace": ws, "workspace_headroom": headroom, "workspace_fits": ws["total"] <= headroom,
         "load_transient_checkpoint": load_transient(cfg, tp, quantization, False),
