@@ -645,6 +645,28 @@ def render_generate_main_job(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_memory_plan_startup(files: list[ResultFile]) -> str:
+    """bench/memory_plan_startup.py: the working memory planned before the KV cache against what start-up took."""
+    blocks = []
+    for rf in files:
+        table = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            graphs = need(r, "graph_memory_bytes", w, "dict")
+            table.append([need(r, "model", w, "str"), need(r, "mode", w, "str"), need(r, "quantization", w, "str"),
+                          count(need(r, "max_num_seqs", w, "int")), need(r, "plan", w, "str"),
+                          f"{need(r, 'measured_working_bytes', w) / 2**30:.2f}",
+                          f"{need(r, 'measured_over_planned', w):.2f}",
+                          ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(graphs.items())),
+                          count(need(r, "kv_pages", w, "int"))])
+        caveat = opt(rf.data, "caveat", rf.name, "str")   # a note added to the file by hand after its run
+        blocks.append(file_block("Memory plan: working memory planned before the KV cache vs taken by start-up (GiB)",
+                                 md_table(["model", "mode", "weights", "max_num_seqs", "planned", "taken",
+                                           "taken / planned", "graph pools", "KV pages"], table), rf)
+                      + (f"\n\n**Caveat:** {caveat}" if caveat else ""))
+    return "\n\n".join(blocks)
+
+
 def render_prefill_attention_variants(files: list[ResultFile]) -> str:
     """bench/prefill_attention_variants.py: attn.prefill tile configs, each checked against the entry's band, then
     timed on one chunk (and torch's SDPA on the same problem as a yardstick)."""
@@ -1153,6 +1175,8 @@ KINDS = (
          render_prefill_interference),
     Kind("prefill_attention_variants", "attn.prefill tile configs", ("prefill_attention_variants",), (),
          lambda d: False, render_prefill_attention_variants),
+    Kind("memory_plan_startup", "Memory plan at start-up", ("memory_plan_startup",), ("memory-plan-startup-*.json",),
+         lambda d: _row_keys(d, "planned_working_bytes", "measured_working_bytes"), render_memory_plan_startup),
     Kind("generate_main_job", "The main job", ("generate_main_job",), ("generate-*.json",),
          lambda d: isinstance(d.get("runs"), list) and "generate_args" in d, render_generate_main_job),
     Kind("prefill", "Prefill", ("prefill",), ("prefill-*.json",),

@@ -622,3 +622,17 @@ def test_decode_gpu_idle_between_kernels(report, tmp_path):
     assert headers_of(out, "model")[6:8] == ["GPU busy ms", "GPU idle between kernels ms"]
     rows = table_rows(out, "model")
     assert [r[7] for r in rows] == ["—", "—", "0.420", "—", "—", "—"]
+
+
+def test_memory_plan_startup(report, tmp_path):
+    """The plan against what start-up took, one row per configuration, with the hand-added caveat shown."""
+    row = {"model": "minimax-m3:5", "mode": "spec", "quantization": "nvfp4", "max_num_seqs": 128, "k": 3,
+           "planned_working_bytes": 16 << 30, "measured_working_bytes": 9 << 30, "measured_over_planned": 9 / 16,
+           "plan": "16.00 GiB (eager step 3.00, spec graphs 8.00, driver 1.00)",
+           "graph_memory_bytes": {"speculative": 7 << 30, "decode": 1 << 30}, "kv_pages": 56516}
+    write(tmp_path, "memory_plan_startup/memory-plan-startup-h200.json", {**PROVENANCE, "bench": "memory_plan_startup",
+          "command": "x", "caveat": "by hand", "results": [row]})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "model") == [["minimax-m3:5", "spec", "nvfp4", "128", row["plan"], "9.00", "0.56",
+                                         "decode 1.00, speculative 7.00", "56516"]]
+    assert "**Caveat:** by hand" in out and "unrecognised" not in out
