@@ -374,9 +374,7 @@ def render_decode(files: list[ResultFile]) -> str:
             caption += ", sampled: " + ", ".join(f"{k} {v}" for k, v in sampling.items() if k != "seed")
         else:
             caption += ", greedy"
-        caveat = opt(rf.data, "caveat", rf.name, "str")   # a note added to the file by hand after its run
-        blocks.append(file_block(caption, md_table(headers, table), rf, copy_bw_note(rf))
-                      + (f"\n\n**Caveat:** {caveat}" if caveat else ""))
+        blocks.append(file_block(caption, md_table(headers, table), rf, copy_bw_note(rf)) + caveat_note(rf))
     return "\n\n".join(blocks)
 
 
@@ -645,6 +643,12 @@ def render_generate_main_job(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def caveat_note(rf: ResultFile) -> str:
+    """The file's `caveat` (a note added by hand after its run, saying so) as a paragraph, or nothing."""
+    caveat = opt(rf.data, "caveat", rf.name, "str")
+    return f"\n\n**Caveat:** {caveat}" if caveat else ""
+
+
 def render_memory_plan_startup(files: list[ResultFile]) -> str:
     """bench/memory_plan_startup.py: the working memory planned before the KV cache against what start-up took."""
     blocks = []
@@ -659,11 +663,10 @@ def render_memory_plan_startup(files: list[ResultFile]) -> str:
                           f"{need(r, 'measured_over_planned', w):.2f}",
                           ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(graphs.items())),
                           count(need(r, "kv_pages", w, "int"))])
-        caveat = opt(rf.data, "caveat", rf.name, "str")   # a note added to the file by hand after its run
         blocks.append(file_block("Memory plan: working memory planned before the KV cache vs taken by start-up (GiB)",
                                  md_table(["model", "mode", "weights", "max_num_seqs", "planned", "taken",
                                            "taken / planned", "graph pools", "KV pages"], table), rf)
-                      + (f"\n\n**Caveat:** {caveat}" if caveat else ""))
+                      + caveat_note(rf))
     return "\n\n".join(blocks)
 
 
@@ -882,7 +885,7 @@ def render_serve_pareto(files: list[ResultFile]) -> str:
                    "ITL p50 / p90 ms", "tok/s per user (1000 / P90 ITL)", "tok/s per user (1000 / P90 TPOT)"]
         block = file_block("Serving sweeps (Pareto front file)", md_table(headers, table), rf)
         versus = _spec_vs_plain_table(rf)
-        blocks.append(block + ("\n\n" + versus if versus else ""))
+        blocks.append(block + ("\n\n" + versus if versus else "") + caveat_note(rf))
     return "\n\n".join(blocks)
 
 
