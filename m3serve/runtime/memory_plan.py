@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from m3serve.kernels.moe.grouped import DECODE_ONCE_ROWS, GroupedConfig
 from m3serve.runtime.step_inputs import buckets_up_to
 
 # bytes per [row, vocab] element while a sampled row is processed: the fp32 logits, the temperature-scaled copy,
@@ -35,10 +36,9 @@ from m3serve.runtime.step_inputs import buckets_up_to
 # masks and the noise race: engine.sampler.sample_rows peaked at 56 B per logit on the H200 (64 rows of minimax-m3's
 # vocabulary, top-k and top-p on; tests/runtime/test_no_cliffs_gpu.py holds it below this)
 SAMPLER_BYTES_PER_LOGIT = 64
-# the decode-once band's expert scratch (kernels/moe/grouped.py: EXPERT_GROUP experts' gate|up in bf16) is used
-# from this many rows of one step (DECODE_ONCE_ROWS there), for quantized experts only
-DECODE_ONCE_ROWS = 4096
-DECODE_ONCE_EXPERTS = 32
+# the decode-once band's expert scratch (EXPERT_GROUP experts' gate|up in bf16) is used from DECODE_ONCE_ROWS rows
+# of one step, for quantized experts only (kernels/moe/grouped.py)
+DECODE_ONCE_EXPERTS = GroupedConfig.EXPERT_GROUP
 # cuBLAS / cuBLASLt handles and workspaces per launching thread (the engine thread, the loader's), the CUDA
 # graphs' own bookkeeping and the caching allocator's fragmentation
 DRIVER_RESERVE_BYTES = 1 << 30
