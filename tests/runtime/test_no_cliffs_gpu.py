@@ -132,7 +132,7 @@ def test_memory_plan_holds_what_start_up_and_a_full_batch_take(model, quant):
     _need_cuda()
     import os
 
-    from m3serve import LLM, SamplingParams
+    from m3serve import LLM
     from m3serve.llm import default_model
     embedded = model == "embedded"
     spec = {"method": "eagle3", "model": os.path.join(default_model(), "eagle3") if embedded else None,
@@ -140,20 +140,28 @@ def test_memory_plan_holds_what_start_up_and_a_full_batch_take(model, quant):
     llm = LLM(**({"dtype": "bfloat16"} if embedded else {"model": model, "random_weights": True,
                                                         "quantization": quant, "max_model_len": 8192}),
               max_num_seqs=128, speculative_config=spec)
-    report = llm.memory_report
+    try:
+        report, after, blocked = _start_up_and_full_batch(llm)
+    finally:
+        llm.shutdown()
+        del llm              # the next case sizes its cache from what is free: drop the engine even on a failure
+        _release()
     assert report is not None and report["measured_working_bytes"] <= report["planned_working_bytes"], report
-    steps = llm.engine.speculation.spec_steps
-    assert not steps.blocked and not llm.engine.runner.graphs.blocked, (steps.blocked, llm.engine.runner.graphs.blocked)
+    assert blocked == ({}, {}), blocked
+    assert after <= report["planned_working_bytes"], (after, report)
+
+
+def _start_up_and_full_batch(llm):
+    """(the start-up memory report, bytes taken after 128 sampled requests at once, the buckets left eager:
+    speculative and plain); every request must complete its 16 tokens."""
+    from m3serve import SamplingParams
     vocab = llm.model.cfg.vocab_size
     prompts = [{"prompt_token_ids": [(11 + 7 * i + 13 * j) % vocab for j in range(24 + i % 40)]} for i in range(128)]
     sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1, ignore_eos=True)
     out = llm.generate(prompts, sp, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [16] * 128
-    after = llm.engine.runner.measured_working_bytes()
-    llm.shutdown()
-    del llm, steps, out          # the next case sizes its cache from what is free: drop every reference first
-    _release()
-    assert after <= report["planned_working_bytes"], (after, report)
+    blocked = (dict(llm.engine.speculation.spec_steps.blocked), dict(llm.engine.runner.graphs.blocked))
+    return llm.memory_report, llm.engine.runner.measured_working_bytes(), blocked
 
 
 def test_sampler_peak_stays_within_its_planned_bytes_per_logit():
