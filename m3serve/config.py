@@ -137,6 +137,11 @@ class M3Config:
                 total += 3 * h * self.shared_intermediate_size
         return total
 
+    def context_limit(self, requested: int | None) -> int:
+        """The longest context an engine serves: `requested` (max_model_len; None = the model's), at most the
+        model's max_position_embeddings."""
+        return min(requested or self.max_position_embeddings, self.max_position_embeddings)
+
     def truncated(self, num_layers: int) -> "M3Config":
         if not 0 < num_layers <= self.num_hidden_layers:
             raise ConfigError(f"cannot keep {num_layers} layers of a {self.num_hidden_layers}-layer model")

@@ -224,10 +224,11 @@ class LLM:
                 tp_kw[name] = kw.pop(k)
         # every rank reserves the eager steps' working memory before its cache (no graphs at TP > 1)
         k = int((speculative_config or {}).get("num_speculative_tokens", 0) or 0)
+        cfg = resolve_config(model)
         working = plan_working_memory(
-            resolve_config(model), max_num_seqs=kw.get("max_num_seqs", EngineConfig.max_num_seqs),
+            cfg, max_num_seqs=kw.get("max_num_seqs", EngineConfig.max_num_seqs),
             max_num_batched_tokens=kw["max_num_batched_tokens"], max_step_tokens=_max_step_rows(kw, speculative_config),
-            max_model_len=kw.get("max_model_len") or resolve_config(model).max_position_embeddings, graphs=False,
+            max_model_len=cfg.context_limit(kw.get("max_model_len")), graphs=False,
             spec_k=k, quantized_experts=True)   # the ranks' expert formats are not known before they load
         spec = TPLaunchSpec(model=os.path.abspath(model) if os.path.isdir(model) else model, world_size=size,
                             device=str(self.device), dtype=self.dtype, seed=seed, random_weights=random_weights,

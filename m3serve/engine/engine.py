@@ -91,7 +91,7 @@ class LLMEngine:
         # Structured output: allowed-token masks per penalty-state row (device), their grammars (host, made on
         # the first constrained request: m3serve.engine.structured).
         self.token_masks = TokenMaskRows(config.max_num_seqs, cfg.vocab_size, dev)
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = cfg.context_limit(config.max_model_len)
         self.max_blocks_per_seq = -(-self.max_model_len // page)
         self._make_tables(self.max_blocks_per_seq)
         self.capacity_tokens = self.runner.kv.num_slots * page

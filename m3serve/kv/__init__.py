@@ -3,7 +3,7 @@
 Typical wiring (engine side):
 
     spec = KVCacheSpec.from_model_config(cfg, tp_size=4, kv_cache_dtype="nvfp4", num_draft_layers=1)
-    cache = PagedKVCache.from_budget(spec, device="cuda", gpu_memory_utilization=0.9)
+    cache = PagedKVCache.from_budget(spec, device="cuda", budget_bytes=budget)   # runtime/memory_plan.py
     log(cache.describe())
     mgr = BlockManager(cache.num_slots, cache.page_size, max_seqs, max_blocks_per_seq)
     dense = DeviceBlockTables(mgr, "cuda", cache.uniform_index_scale(spec.dense_layers))

@@ -85,32 +85,18 @@ class PagedKVCache:
 
     # --- construction from a memory budget ---------------------------------------------------
     @classmethod
-    def from_budget(cls, spec: KVCacheSpec, *, device: torch.device | str, budget_bytes: int | None = None,
-                    gpu_memory_utilization: float | None = None, **kwargs) -> PagedKVCache:
-        """As many slots as fit in the budget, at the true hybrid bytes per slot (data + scales).
-
-        budget_bytes: an explicit byte budget (required on CPU). gpu_memory_utilization: the
-        fraction of the GPU's total memory this process may use; the KV cache gets what is left
-        of it after the memory already in use (weights, activations, other processes).
-        """
+    def from_budget(cls, spec: KVCacheSpec, *, device: torch.device | str, budget_bytes: int,
+                    **kwargs) -> PagedKVCache:
+        """As many slots as fit in `budget_bytes`, at the true hybrid bytes per slot (data + scales). On a GPU the
+        runner's memory plan gives the bytes (runtime/memory_plan.kv_budget_bytes: the utilization's share of the
+        card less what is in use and the steps' working memory)."""
         device = torch.device(device)
-        if (budget_bytes is None) == (gpu_memory_utilization is None):
-            raise ValueError("from_budget: pass exactly one of budget_bytes or gpu_memory_utilization, "
-                             f"found budget_bytes={budget_bytes!r}, gpu_memory_utilization={gpu_memory_utilization!r}")
-        if gpu_memory_utilization is not None:
-            if device.type != "cuda":
-                raise ValueError(f"gpu_memory_utilization: needs a CUDA device, found {device}; pass budget_bytes")
-            if not 0.0 < gpu_memory_utilization <= 1.0:
-                raise ValueError("gpu_memory_utilization: expected a fraction in (0, 1], "
-                                 f"found {gpu_memory_utilization}")
-            free, total = torch.cuda.mem_get_info(device)
-            budget_bytes = int(gpu_memory_utilization * total) - (total - free)
         layout = SlotLayout(spec)
         per_slot = layout.slot_bytes + layout.scale_slot_bytes
         num_slots = int(budget_bytes) // per_slot
         if num_slots < 1:
             raise ValueError(f"budget_bytes: {budget_bytes} B does not hold one {spec.page_size}-token slot "
-                             f"({per_slot} B); raise the budget or gpu_memory_utilization")
+                             f"({per_slot} B); raise the budget (kv_cache_bytes or gpu_memory_utilization)")
         return cls(spec, num_slots, device, **kwargs)
 
     def describe(self) -> str:

@@ -116,12 +116,11 @@ class ModelRunner:
         memory of the steps, graphs and engine state (runtime/memory_plan.py)."""
         model, config, dev = self.model, self.config, self.model.device
         cfg = model.cfg
-        graphs = (not getattr(config, "enforce_eager", False) and model.dtype == torch.bfloat16
-                  and model.tp.size == 1)
+        graphs = not config.enforce_eager and self.target_possible()
         self.working_memory = plan_working_memory(
             cfg, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_step_tokens=self.max_step_tokens,
-            max_model_len=min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings),
+            max_model_len=cfg.context_limit(config.max_model_len),
             graphs=graphs, prefill_graph_tokens=config.prefill_graph_tokens if graphs else 0, spec_k=spec_k,
             quantized_experts=experts_quantized(model))
         torch.cuda.empty_cache()      # blocks the loader left cached would count as in use and shrink the cache
@@ -191,10 +190,15 @@ class ModelRunner:
         return widths[0] if widths else need
 
     # ------------------------------------------------------------------ the decode target
+    def target_possible(self) -> bool:
+        """The decode target (and so its CUDA graphs) needs a bf16 model on CUDA at TP 1."""
+        m = self.model
+        return m.device.type == "cuda" and m.dtype == torch.bfloat16 and m.tp.size == 1
+
     def check_target(self) -> None:
         """The decode target needs a bf16 model on CUDA at TP 1 (ValueError naming what differs)."""
         m = self.model
-        if m.device.type != "cuda" or m.dtype != torch.bfloat16 or m.tp.size != 1:
+        if not self.target_possible():
             raise ValueError(f"decode target: needs a bf16 model on CUDA at TP 1, found {m.dtype} on {m.device} "
                              f"at TP {m.tp.size}")
 

@@ -122,6 +122,7 @@ def test_runner_sizes_its_cache_by_the_plan_and_measures_what_start_up_took(monk
                                 device=torch.device("cuda"), modules=lambda: [experts])
         config = EngineConfig(max_num_seqs=128, max_num_batched_tokens=8192, enforce_eager=eager)
         runner = SimpleNamespace(model=model, config=config, max_step_tokens=8192 + 128 * 3, _used_after_cache=None)
+        runner.target_possible = lambda: ModelRunner.target_possible(runner)
         fake.used = 12 << 30
         ModelRunner._cache_from_memory_plan(runner, None, 3)
         plan = runner.working_memory
