@@ -7,7 +7,8 @@ its own server), combined into one Pareto file and one chart (`m3serve bench par
 A run is MODEL:MODE[:QUANT]; MODEL "embedded" is the embedded model (its trained Eagle3 drafter for spec);
 a preset takes random weights and, for spec, a random drafter with forced acceptance (--forced-al) and
 token-id prompts. MODE is plain, spec (the server's default batch-size policy), spec-auto (the measured
-policy, `--speculative-disable-by-batch-size auto`) or spec-always (no policy: every step speculates,
+policy, `--speculative-disable-by-batch-size auto`), spec-auto2 (the measured policy up to 2 requests in the engine,
+plain above: `auto:2`) or spec-always (no policy: every step speculates,
 `--speculative-disable-by-batch-size none`); a "-pg" suffix (plain-pg, spec-always-pg, ...) also replays eager steps of
 up to 1024 tokens as prefill graphs (`--prefill-graph-tokens 1024`), and "-aw" (after it, if both) holds arrivals
 back up to 4 ms while requests decode so that several share a prefill step (`--admission-wait-ms 4`), and "-t8k" sets
@@ -39,8 +40,8 @@ sys.path.insert(0, ROOT)
 from m3serve.benchmeta import run_metadata  # noqa: E402
 
 
-MODES = ("plain", "spec", "spec-auto", "spec-always")
-POLICY = {"spec-auto": "auto", "spec-always": "none"}     # mode -> the server's --speculative-disable-by-batch-size
+MODES = ("plain", "spec", "spec-auto", "spec-auto2", "spec-always")
+POLICY = {"spec-auto": "auto", "spec-auto2": "auto:2", "spec-always": "none"}     # mode -> the server's --speculative-disable-by-batch-size
 
 
 PG_SUFFIX, PG_TOKENS = "-pg", 1024

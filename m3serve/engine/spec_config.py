@@ -1,5 +1,5 @@
 """`speculative_config` (vLLM's shape): {"method": "eagle3", "model": dir | None, "num_speculative_tokens": K,
-"forced_acceptance": AL | None, "draft_seed": int, "disable_by_batch_size": N | None | "auto"}, parsed and validated once."""
+"forced_acceptance": AL | None, "draft_seed": int, "disable_by_batch_size": N | None | "auto" | "auto:N"}, parsed and validated once."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ class SpecConfig:
     draft_seed: int = 0                   # random drafter weights
     # vLLM's name and meaning: above this many requests in the engine (running + waiting) steps run without
     # speculation; None: always speculate;
-    # "auto": per batch bucket, whichever kind of step measured faster per sequence (engine/spec_policy.py)
+    # "auto": per batch bucket, whichever kind of step measured faster per sequence (engine/spec_policy.py);
+    # "auto:N": that measured choice while at most N requests are in the engine, plain steps above
     disable_by_batch_size: int | str | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
@@ -45,10 +46,7 @@ class SpecConfig:
         if fa is not None and (not isinstance(fa, (int, float)) or not 1.0 <= fa <= k + 1):
             raise ValueError(f"speculative_config.forced_acceptance: expected a mean acceptance length in "
                              f"[1, {k + 1}] (num_speculative_tokens + 1), found {fa!r}")
-        n = cfg.disable_by_batch_size
-        if n is not None and n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ValueError(f"speculative_config.disable_by_batch_size: expected an int >= 1, None (never "
-                             f"disable) or 'auto' (measured per batch bucket: engine/spec_policy.py), found {n!r}")
+        policy_form(cfg.disable_by_batch_size)
         if cfg.model is not None and not isinstance(cfg.model, str):
             raise TypeError(f"speculative_config.model: expected a directory path or None, found "
                             f"{type(cfg.model).__name__}")
@@ -58,4 +56,20 @@ class SpecConfig:
         return dataclasses.asdict(self)
 
 
-__all__ = ["SpecConfig", "DEFAULT_DISABLE_BY_BATCH_SIZE"]
+def policy_form(n) -> tuple[bool, int | None]:
+    """disable_by_batch_size -> (measured, load limit): N -> (False, N), None -> (False, None), "auto" -> (True,
+    None), "auto:N" -> (True, N). Anything else is a ValueError naming the field."""
+    if n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        return False, n
+    if isinstance(n, str) and (n == "auto" or n.startswith("auto:")):
+        if n == "auto":
+            return True, None
+        limit = n[len("auto:"):]
+        if limit.isdigit() and int(limit) >= 1:
+            return True, int(limit)
+    raise ValueError(f"speculative_config.disable_by_batch_size: expected an int >= 1, None (never disable), "
+                     f"'auto' (measured per batch bucket: engine/spec_policy.py) or 'auto:N' (measured while at most "
+                     f"N requests are in the engine), found {n!r}")
+
+
+__all__ = ["SpecConfig", "DEFAULT_DISABLE_BY_BATCH_SIZE", "policy_form"]

@@ -28,6 +28,14 @@ Measured (H200, embedded model, `bench/serve_pareto.py ... embedded:spec-auto`):
 fixed threshold at one user (1.33x plain per user) and loses to it from 4 users up, because it times steady decode
 steps only: the prefill steps that arrivals add (an eager step per arrival, dearer when it speculates) are outside
 both estimates.
+
+"auto:N" joins the two: the fixed threshold's bound on the load (above N requests every step is plain, where the
+arrivals' prefill steps decided the served sweeps) and the measured choice below it, which the fixed rule lacks
+where speculation loses even at one sequence: minimax-m3:5 NVFP4 served at one user with a forced acceptance of
+2.78 ran 0.91x plain (bench/results/serve/serve-pareto-m3_5-memory-plan-h200.json), because each of its K = 3 draft
+passes reads the target's 2.46 GB LM head (the published drafters share it), so a speculative step cost about 3x a
+plain one. Not yet measured served (bench/serve_pareto.py mode spec-auto2); the default stays the fixed threshold
+until it is.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from m3serve.engine.spec_config import policy_form
 from m3serve.runtime.step_inputs import DEFAULT_BUCKETS, bucket_for
 
 SPEC, PLAIN = "spec", "plain"
@@ -69,6 +78,7 @@ class MeasuredPolicy:
     explore_steps: int = 5               # consecutive steps of an exploration (3 samples: the first pays the
                                          # switch, the last's period ends in the other kind)
     prior_acceptance: float = 1.0        # AL before any speculative step has been read back
+    limit: int | None = None             # above this many requests in the engine every step is plain ("auto:N")
     clock: Callable[[], float] = time.perf_counter
     period: dict = field(default_factory=dict)          # (kind, bucket) -> EMA seconds per step
     acceptance: float | None = None                     # EMA tokens per sequence per speculative step
@@ -91,8 +101,11 @@ class MeasuredPolicy:
         return SPEC if al / spec > 1.0 / plain else PLAIN
 
     def speculate(self, decoding: int, load: int) -> bool:
-        """Per bucket of the step's decoding rows (load unused); a step of prefill chunks only speculates (its
-        drafter pass is what the next speculative step needs)."""
+        """Per bucket of the step's decoding rows, while the load (requests running or waiting) is within `limit`;
+        a step of prefill chunks only speculates there (its drafter pass is what the next speculative step
+        needs)."""
+        if self.limit is not None and load > self.limit:
+            return False
         if decoding == 0:
             return True
         b = self._bucket(decoding)
@@ -131,16 +144,16 @@ class MeasuredPolicy:
 
     def describe(self) -> dict:
         """For stats(): the estimates behind the choices."""
-        return {"policy_acceptance": self.acceptance,
+        return {"policy_limit": self.limit, "policy_acceptance": self.acceptance,
                 "policy_choice": {b: self.choice(b) for b in sorted({b for _, b in self.period})},
                 "policy_period_ms": {f"{k}@{b}": round(v * 1e3, 4) for (k, b), v in sorted(self.period.items())}}
 
 
 def make_policy(disable_by_batch_size: int | str | None, buckets: tuple[int, ...] = DEFAULT_BUCKETS):
-    """speculative_config.disable_by_batch_size -> its policy: "auto" measures, an int or None is fixed."""
-    if disable_by_batch_size == "auto":
-        return MeasuredPolicy(buckets=buckets)
-    return FixedThreshold(disable_by_batch_size)
+    """speculative_config.disable_by_batch_size -> its policy: "auto" / "auto:N" measure (the latter up to N
+    requests), an int or None is fixed."""
+    measured, limit = policy_form(disable_by_batch_size)
+    return MeasuredPolicy(buckets=buckets, limit=limit) if measured else FixedThreshold(limit)
 
 
 __all__ = ["FixedThreshold", "MeasuredPolicy", "PLAIN", "SPEC", "make_policy"]

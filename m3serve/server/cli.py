@@ -72,11 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s flag: e.g. \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\' '
                         '("model": null = a random drafter, with "forced_acceptance" for benchmarks)')
-    p.add_argument("--speculative-disable-by-batch-size", default=None, metavar="N|none|auto",
+    p.add_argument("--speculative-disable-by-batch-size", default=None, metavar="N|none|auto|auto:N",
                    help="vLLM's flag: steps with more than N decoding requests run without speculation; 'none' "
                         "speculates at every batch size; 'auto' (experimental: served, it measured slower than the "
                         "default from 4 users up) runs, per batch bucket, the kind of step measured faster per "
-                        "sequence while serving (default: speculative_config's, 2 at TP 1, none under --tp)")
+                        "sequence while serving; 'auto:N' that measured choice up to N requests, plain above "
+                        "(default: speculative_config's, 2 at TP 1, none under --tp)")
     p.add_argument("--route", choices=["off", "auto", "require"], default=None,
                    help="kernel routing: off = stock PyTorch, auto = certified Triton entries where they serve "
                         "(stock elsewhere), require = raise outside them (default: auto on CUDA, off on CPU)")
@@ -90,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from m3serve.engine.spec_config import policy_form
     from m3serve.llm import LLM, default_model
     from m3serve.server.app import build_app, model_name, serve
 
@@ -138,10 +140,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         raw = args.speculative_disable_by_batch_size
         try:
-            limit = None if raw.lower() == "none" else "auto" if raw.lower() == "auto" else int(raw)
+            limit = None if raw.lower() == "none" else raw.lower() if raw.lower().startswith("auto") else int(raw)
+            policy_form(limit)
         except ValueError:
-            print(f"m3serve serve: --speculative-disable-by-batch-size: expected an int >= 1, 'none' or 'auto', "
-                  f"found {raw!r}", file=sys.stderr)
+            print(f"m3serve serve: --speculative-disable-by-batch-size: expected an int >= 1, 'none', 'auto' or "
+                  f"'auto:N', found {raw!r}", file=sys.stderr)
             return 2
         if spec.get("disable_by_batch_size", limit) != limit:
             print(f"m3serve serve: --speculative-disable-by-batch-size {raw} and --speculative-config's "

@@ -58,6 +58,8 @@ def test_serve_pareto_modes_ask_the_server_for_their_policy():
     assert extra[i + 1] == "auto" and json.loads(extra[extra.index("--speculative-config") + 1])["forced_acceptance"] == 2.78
     _, extra = sp.server_args("embedded", "spec-auto", None, args)
     assert "--speculative-tokens" in extra and "auto" in extra
+    _, bounded = sp.server_args("minimax-m3:5", "spec-auto2-pg", "nvfp4", args)
+    assert bounded[bounded.index("--speculative-disable-by-batch-size") + 1] == "auto:2"
     _, plain = sp.server_args("embedded", "plain", None, args)
     assert "--speculative-tokens" not in plain and "--speculative-disable-by-batch-size" not in plain
     _, spec = sp.server_args("embedded", "spec", None, args)

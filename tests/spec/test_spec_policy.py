@@ -213,7 +213,11 @@ def test_tensor_parallel_default_is_off_and_a_value_is_refused():
     (["--speculative-config", '{"method": "eagle3", "disable_by_batch_size": 8}',
       "--speculative-disable-by-batch-size", "4"], "disagree"),
     (["--speculative-config", '{"method": "eagle3"}', "--speculative-disable-by-batch-size", "four"],
-     "expected an int >= 1, 'none' or 'auto'"),
+     "expected an int >= 1, 'none', 'auto' or 'auto:N'"),
+    (["--speculative-config", '{"method": "eagle3"}', "--speculative-disable-by-batch-size", "auto:0"],
+     "expected an int >= 1, 'none', 'auto' or 'auto:N', found 'auto:0'"),
+    (["--speculative-config", '{"method": "eagle3", "disable_by_batch_size": "auto"}',
+      "--speculative-disable-by-batch-size", "auto:2"], "disagree"),
 ])
 def test_serve_flag_errors(argv, err, capsys):
     import argparse

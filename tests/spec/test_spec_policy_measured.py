@@ -96,12 +96,33 @@ def test_acceptance_is_a_moving_average_over_steps():
 
 def test_config_and_factory():
     assert SpecConfig.from_dict({"disable_by_batch_size": "auto"}).disable_by_batch_size == "auto"
-    assert isinstance(make_policy("auto"), MeasuredPolicy)
+    assert isinstance(make_policy("auto"), MeasuredPolicy) and make_policy("auto").limit is None
+    bounded = make_policy("auto:3")
+    assert isinstance(bounded, MeasuredPolicy) and bounded.limit == 3
+    assert SpecConfig.from_dict({"disable_by_batch_size": "auto:3"}).disable_by_batch_size == "auto:3"
     fixed = make_policy(2)
     assert isinstance(fixed, FixedThreshold) and fixed.speculate(9, 2) and not fixed.speculate(1, 3)
     assert make_policy(None).speculate(10_000, 10_000)
-    with pytest.raises(ValueError, match="'auto'"):
-        SpecConfig.from_dict({"disable_by_batch_size": "fast"})
+    for bad in ("fast", "auto:", "auto:0", "auto:-1", "auto:2.5", "auto2", 0, True):
+        with pytest.raises(ValueError, match="disable_by_batch_size.*'auto:N'"):
+            SpecConfig.from_dict({"disable_by_batch_size": bad})
+
+
+def test_bounded_measured_policy_is_plain_above_its_limit_and_measured_within():
+    """"auto:N": above N requests in the engine every step is plain, whatever the estimates (the fixed threshold's
+    rule), and those plain steps still feed the plain estimate; within it the measured choice decides, so a model
+    whose speculative step loses even at one sequence runs plain there."""
+    p, clock = measured(limit=2)
+    assert not p.speculate(1, 3) and not p.speculate(0, 3)    # over the limit: plain, prefill-only steps too
+    assert p.speculate(1, 2)                                 # within it, nothing measured yet: speculation first
+    run_steps(p, clock, SPEC, 3.0, 3)
+    p.observe_acceptance(5, 2)                               # AL 2.5
+    run_steps(p, clock, PLAIN, 1.0, 3)
+    p.observe_step(PLAIN, 1, True)
+    assert p.choice(1) == PLAIN and not p.speculate(1, 1)    # 2.5 tokens / 3 s < 1 token / 1 s
+    p.period[(SPEC, 1)] = 2.0                                # now 2.5 / 2 > 1 / 1
+    assert p.speculate(1, 1) and not p.speculate(1, 5)       # ... but never above the limit
+    assert p.describe()["policy_limit"] == 2 and make_policy("auto").describe()["policy_limit"] is None
 
 
 @pytest.fixture(scope="module")
