@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -130,6 +130,17 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+policy-auto2)  # issue 28: the bounded measured policy ("auto:2": measured choice up to 2 requests, plain above) beside
+              # plain and the fixed threshold, minimax-m3:5 NVFP4 (forced acceptance 2.78: the fixed rule lost at one
+              # user there) and the embedded model, interleaved twice; then the 128-sequence memory plan on this card
+  phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
+    minimax-m3:5:spec-pg:nvfp4 minimax-m3:5:spec-auto2-pg:nvfp4 --repeats 2 --requests-per-user 4 --timeout 100 \
+    --out "$OUT/serve-pareto-m3_5-policy-auto2-$TAG.json"
+  phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
+    embedded:spec-auto2-pg --repeats 2 --requests-per-user ${RPU:-8} --timeout 60 \
+    --out "$OUT/serve-pareto-policy-auto2-$TAG.json"
+  phase memory-startup ${T_MEM:-90} python3 bench/memory_plan_startup.py --out "$OUT/memory-plan-startup-$TAG.json"
   ;;
 memory-round)  # issue 28's memory plan (runtime/memory_plan.py): its GPU tests (the plan holds what start-up and a full
               # batch of 128 sampled Eagle3 requests take, embedded and minimax-m3:5 NVFP4; the sampler's bytes per
