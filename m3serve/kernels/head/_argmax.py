@@ -20,8 +20,9 @@ index of the max) per row. Pass 2 (grid M) reduces the P partials in
 increasing program order, keeping the earlier one on ties, so ties go to the smallest index,
 as torch.argmax does. Only 8 bytes per (row, program) ever reach memory.
 
-Head12 decode (m3serve.quant.head12): code 0 -> exponent 0, 1..14 -> tile_base + code,
-15 (escape) -> the element is 0 in the dense tile, and its exact value is added afterwards:
+Head12 decode (m3serve.quant.head12): code 0 -> exponent 0, 1..14 -> tile_base + code; an escape
+(code 15 in the format) has sign/mantissa and code zeroed in the kernel's planes (prepare_head12), so
+it is +0 in the dense tile, and its exact value is added afterwards:
 for each escape in the program's rows, logits[:, row] += x[:, col] * value. So the result equals
 the bf16 head up to fp32 summation order.
 """
@@ -36,23 +37,19 @@ from m3serve.kernels._pdl import pdl_release, pdl_wait
 
 @helper
 def _head12_tile(sm_ptr, code_ptr, tb_ptr, n0, k0, K, BN: tl.constexpr, BK: tl.constexpr):
-    """[BN, BK] bf16 weights of rows [n0, n0 + BN) (BN % 16 == 0, n0 16-aligned), columns
-    [k0, k0 + BK) (BK % 128 == 0, k0 128-aligned), escapes decoded as 0."""
+    """[BN, BK] bf16 weights of rows [n0, n0 + BN) (BN % 16 == 0, n0 16-aligned), columns [k0, k0 + BK) (BK == 128,
+    k0 128-aligned: one tile column, so each row has one tile base), from the planes as prepare_head12 lays them out
+    for this kernel: escaped slots hold sign/mantissa 0 and code 0, so they decode to +0 with no escape test here.
+    The tile base is loaded per row as a [BN] vector and broadcast along K (no [BN/16, 16, BK/128, 128] reshape)."""
     rn = n0 + tl.arange(0, BN)
-    rn2 = rn[:, None]
     kk = k0 + tl.arange(0, BK)
-    sm = tl.load(sm_ptr + rn2 * K + kk[None, :]).to(tl.int32)
+    sm = tl.load(sm_ptr + rn[:, None] * K + kk[None, :]).to(tl.int32)
     kb = k0 // 2 + tl.arange(0, BK // 2)
-    b = tl.load(code_ptr + rn2 * (K // 2) + kb[None, :]).to(tl.int32)
+    b = tl.load(code_ptr + rn[:, None] * (K // 2) + kb[None, :]).to(tl.int32)
     code = tl.join(b & 15, b >> 4).reshape(BN, BK)
-    tr = n0 // 16 + tl.arange(0, BN // 16)
-    tc = k0 // 128 + tl.arange(0, BK // 128)
-    tb = tl.load(tb_ptr + tr[:, None] * (K // 128) + tc[None, :]).to(tl.int32)
-    c4 = code.reshape(BN // 16, 16, BK // 128, 128)
-    e4 = tl.where((c4 == 0) | (c4 == 15), 0, tb[:, None, :, None] + c4)
-    e = e4.reshape(BN, BK)
+    tb = tl.load(tb_ptr + (rn // 16) * (K // 128) + k0 // 128).to(tl.int32)
+    e = tl.where(code == 0, 0, tb[:, None] + code)
     bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
-    bits = tl.where(code == 15, 0, bits)
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 

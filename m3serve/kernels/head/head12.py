@@ -30,7 +30,10 @@ ENABLED = True  # the one switch: False sends head.head12 calls down the BF16 he
 
 @dataclass
 class Head12Device:
-    """A Head12 with its escape list turned into the kernel's per-row CSR (built once at load)."""
+    """A Head12 laid out for the kernel (built once at load): its escape list as a per-row CSR, and the planes with
+    every escaped slot's sign/mantissa byte and code nibble zeroed, so that the kernel decodes those slots to +0
+    without testing for code 15 (the exact values come from the escape list; decode_head12 of these planes with
+    that list is the same weight)."""
 
     sign_mantissa: torch.Tensor
     exp_codes: torch.Tensor
@@ -56,8 +59,14 @@ def prepare_head12(h: Head12) -> Head12Device:
     counts = torch.bincount(rows, minlength=v)
     ptr = torch.zeros(v + 1, dtype=torch.int64, device=idx.device)
     ptr[1:] = torch.cumsum(counts, 0)
+    sm, codes = h.sign_mantissa.contiguous().clone(), h.exp_codes.contiguous().clone()
+    sm.view(-1)[idx] = 0
+    flat = codes.view(-1)  # flat index i's code: byte i // 2 (K is even), the low nibble for even i
+    lo, hi = idx[idx % 2 == 0] // 2, idx[idx % 2 == 1] // 2   # each set names a byte at most once
+    flat[lo] = flat[lo] & 0xF0
+    flat[hi] = flat[hi] & 0x0F
     return Head12Device(
-        sign_mantissa=h.sign_mantissa.contiguous(), exp_codes=h.exp_codes.contiguous(), tile_base=h.tile_base.contiguous(),
+        sign_mantissa=sm, exp_codes=codes, tile_base=h.tile_base.contiguous(),
         esc_ptr=ptr.to(torch.int32), esc_row=rows.to(torch.int32), esc_col=(idx % k).to(torch.int32),
         esc_val=h.escape_value.float().contiguous(), shape=(v, k),
     )
@@ -89,8 +98,9 @@ def head12_argmax(x: torch.Tensor, sign_mantissa: torch.Tensor, exp_codes: torch
                   config: HB.HeadConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw call. Writes and returns (ids, best)."""
     v, k = _check_planes(sign_mantissa, exp_codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, x.device)
-    if config.BN % TILE_ROWS or config.BK % TILE_COLS:
-        raise ValueError(f"config: head12 needs BN % {TILE_ROWS} == 0 and BK % {TILE_COLS} == 0, found {config}")
+    if config.BN % TILE_ROWS or config.BK != TILE_COLS:
+        raise ValueError(f"config: head12 needs BN % {TILE_ROWS} == 0 and BK == {TILE_COLS} (one tile base per row "
+                         f"and K step), found {config}")
     return HB.launch_head(x, sign_mantissa, exp_codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, ids, best,
                           workspace, index_offset, head12=True, v=v, k=k, cfg=config)
 
