@@ -3,7 +3,7 @@
 Shape legend:
     x          [M, K]          bf16 final hidden states (M = 1..48 tokens)
     W          [V, K]          bf16 (HEAD12=False) or the Head12 planes (HEAD12=True):
-      sm         [V, K]          uint8 sign << 7 | mantissa
+      sm         [V, K]          uint8 sign << 7 | mantissa (passed to the kernel as int16 [V, K/2]: column pairs)
       codes      [V, K/2]        uint8 exponent codes, column 2j in the low nibble
       tile_base  [V/16, K/128]   uint8
       esc_ptr    [V + 1]         int32 CSR row pointers into the escape list (sorted by row)
@@ -36,21 +36,27 @@ from m3serve.kernels._pdl import pdl_release, pdl_wait
 
 
 @helper
-def _head12_tile(sm_ptr, code_ptr, tb_ptr, n0, k0, K, BN: tl.constexpr, BK: tl.constexpr):
-    """[BN, BK] bf16 weights of rows [n0, n0 + BN) (BN % 16 == 0, n0 16-aligned), columns [k0, k0 + BK) (BK == 128,
-    k0 128-aligned: one tile column, so each row has one tile base), from the planes as prepare_head12 lays them out
-    for this kernel: escaped slots hold sign/mantissa 0 and code 0, so they decode to +0 with no escape test here.
-    The tile base is loaded per row as a [BN] vector and broadcast along K (no [BN/16, 16, BK/128, 128] reshape)."""
+def _head12_pairs(sm2_ptr, code_ptr, tb_ptr, n0, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """The [BN, BK] bf16 weights of rows [n0, n0 + BN) (BN % 16 == 0, n0 16-aligned), columns [k0, k0 + BK) (BK ==
+    128, k0 128-aligned: one tile column, so each row has one tile base), as two [BN, BK/2] halves: the even
+    columns and the odd ones. Decoded two at a time in one int32: the sign/mantissa bytes of columns 2j and 2j+1 are
+    one int16 (sm2 = the sign/mantissa plane viewed as int16, little-endian) and their codes one byte, so each
+    operation below builds both bf16 of a pair, one per 16-bit lane, with no per-column unpacking (no join /
+    reshape). Escaped slots hold sign/mantissa 0 and code 0 in these planes (prepare_head12): they decode to +0."""
     rn = n0 + tl.arange(0, BN)
-    kk = k0 + tl.arange(0, BK)
-    sm = tl.load(sm_ptr + rn[:, None] * K + kk[None, :]).to(tl.int32)
     kb = k0 // 2 + tl.arange(0, BK // 2)
-    b = tl.load(code_ptr + rn[:, None] * (K // 2) + kb[None, :]).to(tl.int32)
-    code = tl.join(b & 15, b >> 4).reshape(BN, BK)
+    off = rn[:, None] * (K // 2) + kb[None, :]
+    s = tl.load(sm2_ptr + off).to(tl.int32) & 0xFFFF
+    c = tl.load(code_ptr + off).to(tl.int32)
     tb = tl.load(tb_ptr + (rn // 16) * (K // 128) + k0 // 128).to(tl.int32)
-    e = tl.where(code == 0, 0, tb[:, None] + code)
-    bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    t = (s & 0xFF) | ((s & 0xFF00) << 8)  # sign/mantissa of column 2j in bits 0-7, of 2j+1 in bits 16-23
+    cl = (c & 0xF) | ((c & 0xF0) << 12)  # their codes in bits 0-3 and 16-19
+    live = ((cl + 0x000F000F) >> 4) & 0x00010001  # 1 in each lane whose code is not 0 (c + 15 >= 16)
+    e = ((cl + tb[:, None] * 0x00010001) & (live * 0xFF)) << 7  # tile_base + code, or 0; at most 254: no carry
+    bits = ((t & 0x00800080) << 8) | e | (t & 0x007F007F)
+    even = (bits & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    odd = ((bits >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return even, odd
 
 
 @helper
@@ -74,15 +80,25 @@ def head_partial_argmax(x_ptr, w_ptr, code_ptr, tb_ptr, esc_ptr, esc_row_ptr, es
     acc = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, K, BK):
         if HEAD12:
-            w = _head12_tile(w_ptr, code_ptr, tb_ptr, pid * BN, k0, K, BN, BK)
+            # the even and the odd columns of the step as two K/2 dots (w_ptr: the sign/mantissa plane as int16)
+            w_even, w_odd = _head12_pairs(w_ptr, code_ptr, tb_ptr, pid * BN, k0, K, BN, BK)
+            ke = k0 + 2 * tl.arange(0, BK // 2)
+            x_even = tl.load(x_ptr + rm[None, :] * stride_xm + ke[:, None], mask=mmask, other=0.0)
+            x_odd = tl.load(x_ptr + rm[None, :] * stride_xm + (ke + 1)[:, None], mask=mmask, other=0.0)
+            if CUDA:
+                acc = tl.dot(w_even, x_even, acc)
+                acc = tl.dot(w_odd, x_odd, acc)
+            else:
+                acc = tl.dot(w_even.to(tl.float32), x_even.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(w_odd.to(tl.float32), x_odd.to(tl.float32), acc, input_precision="ieee")
         else:
             w = tl.load(w_ptr + rn[:, None] * K + (k0 + tl.arange(0, BK))[None, :])
-        kk = k0 + tl.arange(0, BK)
-        xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
-        if CUDA:
-            acc = tl.dot(w, xt, acc)
-        else:
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            kk = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mmask, other=0.0)
+            if CUDA:
+                acc = tl.dot(w, xt, acc)
+            else:
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     if HEAD12:
         e_lo = tl.load(esc_ptr + pid * BN)

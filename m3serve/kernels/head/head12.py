@@ -101,8 +101,8 @@ def head12_argmax(x: torch.Tensor, sign_mantissa: torch.Tensor, exp_codes: torch
     if config.BN % TILE_ROWS or config.BK != TILE_COLS:
         raise ValueError(f"config: head12 needs BN % {TILE_ROWS} == 0 and BK == {TILE_COLS} (one tile base per row "
                          f"and K step), found {config}")
-    return HB.launch_head(x, sign_mantissa, exp_codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, ids, best,
-                          workspace, index_offset, head12=True, v=v, k=k, cfg=config)
+    return HB.launch_head(x, sign_mantissa.view(torch.int16), exp_codes, tile_base, esc_ptr, esc_row, esc_col, esc_val,
+                          ids, best, workspace, index_offset, head12=True, v=v, k=k, cfg=config)
 
 
 def head12_weight(sm, codes, tb, esc_row, esc_col, esc_val) -> torch.Tensor:
