@@ -4,7 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
-#   ... policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -130,6 +130,14 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+head12-round)  # issue 30 item 3: the 12-bit head's pair decode (10.8 SASS instructions a weight at one row, from 16.2)
+              # certified on the card (its cells, the agreement with the BF16 head), then its tiles beside the BF16
+              # head at 1 and 8 rows (bench/kernel_variants.py --only head), then the catalog's head rows
+  phase pytest-head12 ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+    tests/kernels/test_gpu.py -k "head"
+  phase head-variants ${T_B:-150} python3 bench/kernel_variants.py --only head --iters 30 \
+    --name kernel-variants-head12-pairs-$TAG.json --out-dir "$OUT"
   ;;
 policy-auto2)  # issue 28: the bounded measured policy ("auto:2": measured choice up to 2 requests, plain above) beside
               # plain and the fixed threshold, minimax-m3:5 NVFP4 (forced acceptance 2.78: the fixed rule lost at one

@@ -8,6 +8,8 @@ graph replay, 256 MB L2 flush before each replay, median of --iters; fraction of
              (the indexer over bf16 index-K) at the same contexts: warps per block
     moe      moe.nvfp4 at 1 / 4 / 16 tokens, NVFP4 and BF16 shared expert: gate|up tile (BN, BK, stages),
              down tile (DBN, DBK, DSPLIT, stages)
+    head     the 12-bit head (head.head12) at 1 and 8 rows: program tile BN, warps, stages, beside head.bf16's
+             default on the same M3 head weight (200064 x 6144); each checked by the entries' argmax band
 Checks: every attention / select variant's output is compared with its group default's (attention:
 max |diff| <= 2**-6 * max |out| + 1e-3, the two differ by summation order and one bf16 rounding;
 selection: identical); every MoE variant's output goes through moe.nvfp4's certified compare against the
@@ -15,7 +17,7 @@ fp32 reference. A failed check is recorded ("ok": false) and the run continues.
 
     moe MMA  the MMA-step MoE (gate|up warps / ring depth, down DSPLIT / warps / ring depth, RP) at 1-8 tokens,
              beside the default and the certified cells it replaces (--moe-mma-only)
-    python3 bench/kernel_variants.py [--only attn,select,moe] [--moe-tokens 1,4,16] [--moe-mma-only]
+    python3 bench/kernel_variants.py [--only attn,select,moe,head] [--moe-tokens 1,4,16] [--moe-mma-only]
                                      [--iters 30] [--name FILE] [--out-dir DIR]   (GPU)
 Writes bench/results/kernel_variants/FILE (default kernel-variants-h200.json; and a copy under --out-dir).
 """
@@ -45,7 +47,7 @@ from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
 from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan  # noqa: E402
 from m3serve.quant.nvfp4 import untile_nvfp4  # noqa: E402
 
-GROUPS = ("attn", "select", "moe")
+GROUPS = ("attn", "select", "moe", "head")
 
 
 def _load(name: str):
@@ -73,6 +75,10 @@ GATE_UP = (("gu64x128s3", 64, 128, 3, 4), ("gu64x256s3", 64, 256, 3, 4), ("gu64x
 DOWN = (("d64x128k4s3", 64, 128, 4, 3, 4), ("d64x256k12s2", 64, 256, 12, 2, 4), ("d64x128k8s3", 64, 128, 8, 3, 4),
         ("d64x256k6s3", 64, 256, 6, 3, 4), ("d64x512k6s2", 64, 512, 6, 2, 4), ("d16x256k4s3", 16, 256, 4, 3, 4),
         ("d128x128k8s3w8", 128, 128, 8, 3, 8))
+
+# head.head12 program tiles: (name, BN, num_warps, num_stages); the first is the catalog's HeadConfig default
+HEAD12_TILES = (("n64w4s3", 64, 4, 3), ("n64w8s3", 64, 8, 3), ("n128w8s3", 128, 8, 3), ("n128w4s3", 128, 4, 3),
+                ("n64w4s4", 64, 4, 4), ("n64w4s2", 64, 4, 2), ("n32w4s4", 32, 4, 4))
 
 
 class Runner:
@@ -296,6 +302,46 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
             torch.cuda.empty_cache()
 
 
+def head_group(r: Runner, row_counts=(1, 8), shape: tuple[int, int] | None = None) -> None:
+    """head.head12's tiles beside head.bf16's default, the same weight (N(0, 0.02) with outliers: escapes) and
+    activations; every variant's ids and best values through the entries' argmax band against the fp32 logits."""
+    from m3serve.kernels.catalog import true_fp32
+    from m3serve.kernels.gemm._linear import bm_for, fresh_x
+    from m3serve.kernels.head import bf16 as HB, head12 as H12
+    from m3serve.quant.head12 import encode_head12
+    gen = torch.Generator(device=r.dev).manual_seed(0)
+    v, k = shape or (HB.VOCAB_TP1, 6144)
+    w = HB.random_head_weight(v, k, r.dev, gen)
+    h = H12.prepare_head12(encode_head12(w))
+    h12_bytes = v * k * 3 // 2 + h.esc_row.numel() * 12
+    for rows in row_counts:
+        x = fresh_x(rows, k, r.dev, gen)
+        with true_fp32():
+            logits, absprod = x.float() @ w.float().T, x.float().abs() @ w.float().abs().T
+        what = f"head T{rows}"
+        variants = [("bf16", HB.HeadConfig(BM=bm_for(rows)), False)]
+        variants += [(f"h12/{name}", HB.HeadConfig(BM=bm_for(rows), BN=bn, num_warps=nw, num_stages=st), True)
+                     for name, bn, nw, st in HEAD12_TILES]
+        for name, cfg, coded in variants:
+            ids, best, ws = HB.head_case_io(cfg, rows, v, r.dev)
+            if coded:
+                fn = lambda ids=ids, best=best, ws=ws, cfg=cfg: H12.head12_argmax(x, *h.args(), ids, best, ws, 0, cfg)  # noqa: E731
+            else:
+                fn = lambda ids=ids, best=best, ws=ws, cfg=cfg: HB.head_bf16_argmax(x, w, ids, best, ws, 0, cfg)  # noqa: E731
+
+            def check(ids=ids, best=best, name=name) -> tuple[bool, str]:
+                try:
+                    HB.compare_argmax(name, (ids, best), logits, absprod, k, 0)
+                    return True, ""
+                except AssertionError as exc:
+                    return False, str(exc)[:300]
+
+            r.add("head", what, name, fn, h12_bytes if coded else v * k * 2, check, rows=rows, config=cfg.__dict__,
+                  default=(name == "bf16"))
+    del w, h
+    torch.cuda.empty_cache()
+
+
 def _row_major_moe(case: Case) -> Case:
     """The same MoE case with its NVFP4 experts (and NVFP4 shared expert) row-major, as checkpoints hold them."""
     if not case.kwargs.get("tiled"):
@@ -339,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if "moe" in groups:
         moe_group(r, tuple(int(v) for v in a.moe_tokens.split(",")), a.moe_mma_only)
+    if "head" in groups:
+        head_group(r)
     meta = run_metadata()
     doc = {**{k: meta[k] for k in ("commit", "gpu", "command", "date", "torch")},
            "triton": __import__("triton").__version__, "copy_bandwidth_Bps": r.bw, "iters": a.iters,
