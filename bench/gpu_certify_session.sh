@@ -132,23 +132,24 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
   ;;
 head12-round)  # issue 30 item 3: the 12-bit head's pair decode (10.8 SASS instructions a weight at one row, from 16.2)
-              # certified on the card (its cells, the agreement with the BF16 head), then its tiles beside the BF16
-              # head at 1 and 8 rows (bench/kernel_variants.py --only head), then the catalog's head rows
-  phase pytest-head12 ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+              # certified on the card (its cells, the agreement with the BF16 head), then its tiles (the catalog's
+              # n64w4s3 among them) beside the BF16 head at 1 and 8 rows (bench/kernel_variants.py --only head);
+              # then issue 28's 128-sequence memory plan on this card (start-up of a cold card took > 140 s)
+  phase pytest-head12 ${T_A:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
     tests/kernels/test_gpu.py -k "head"
   phase head-variants ${T_B:-150} python3 bench/kernel_variants.py --only head --iters 30 \
     --name kernel-variants-head12-pairs-$TAG.json --out-dir "$OUT"
+  phase memory-startup ${T_MEM:-280} python3 bench/memory_plan_startup.py --out "$OUT/memory-plan-startup-$TAG.json"
   ;;
 policy-auto2)  # issue 28: the bounded measured policy ("auto:2": measured choice up to 2 requests, plain above) beside
               # plain and the fixed threshold, minimax-m3:5 NVFP4 (forced acceptance 2.78: the fixed rule lost at one
-              # user there) and the embedded model, interleaved twice; then the 128-sequence memory plan on this card
+              # user there) and the embedded model, interleaved twice (phases sum to 500 s of the 600 s call)
   phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
     minimax-m3:5:spec-pg:nvfp4 minimax-m3:5:spec-auto2-pg:nvfp4 --repeats 2 --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-m3_5-policy-auto2-$TAG.json"
   phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
     embedded:spec-auto2-pg --repeats 2 --requests-per-user ${RPU:-8} --timeout 60 \
     --out "$OUT/serve-pareto-policy-auto2-$TAG.json"
-  phase memory-startup ${T_MEM:-90} python3 bench/memory_plan_startup.py --out "$OUT/memory-plan-startup-$TAG.json"
   ;;
 memory-round)  # issue 28's memory plan (runtime/memory_plan.py): its GPU tests (the plan holds what start-up and a full
               # batch of 128 sampled Eagle3 requests take, embedded and minimax-m3:5 NVFP4; the sampler's bytes per
