@@ -4,6 +4,7 @@
 #   bash bench/gpu_certify_session.sh suite          the whole `pytest -m gpu`, sharded over parallel processes
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
+#   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
 #   ... head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
@@ -31,7 +32,8 @@ phase() {  # name, seconds, command...
   echo "[$name: rc $? in $(( $(date +%s) - s )) s]" | tee -a "$OUT/phases.txt"
   tail -5 "$OUT/$name.log"
 }
-case "${1:-suite}" in
+for MODE in "${@:-suite}"; do  # several modes run in turn in one call
+case "$MODE" in
 suite)   # the whole `pytest -m gpu`, in parallel: the 700 kernel cells of tests/kernels/test_gpu.py in $SHARDS shards,
          # the other kernel / cache files in one process, the model-building paths (runtime, spec, model, train, TP)
          # in one process (they hold real-dims weights), each process under the same time limit
@@ -139,15 +141,16 @@ head12-round)  # issue 30 item 3: the 12-bit head's pair decode (10.8 SASS instr
     tests/kernels/test_gpu.py -k "head"
   phase head-variants ${T_B:-150} python3 bench/kernel_variants.py --only head --iters 30 \
     --name kernel-variants-head12-pairs-$TAG.json --out-dir "$OUT"
-  phase memory-startup ${T_MEM:-280} python3 bench/memory_plan_startup.py --out "$OUT/memory-plan-startup-$TAG.json"
+  [ -n "${NO_MEM:-}" ] || phase memory-startup ${T_MEM:-280} python3 bench/memory_plan_startup.py \
+    --out "$OUT/memory-plan-startup-$TAG.json"
   ;;
 policy-auto2)  # issue 28: the bounded measured policy ("auto:2": measured choice up to 2 requests, plain above) beside
               # plain and the fixed threshold, minimax-m3:5 NVFP4 (forced acceptance 2.78: the fixed rule lost at one
               # user there) and the embedded model, interleaved twice (phases sum to 500 s of the 600 s call)
-  phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
+  [ -n "${NO_M3:-}" ] || phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
     minimax-m3:5:spec-pg:nvfp4 minimax-m3:5:spec-auto2-pg:nvfp4 --repeats 2 --requests-per-user 4 --timeout 100 \
     --out "$OUT/serve-pareto-m3_5-policy-auto2-$TAG.json"
-  phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
+  [ -n "${NO_EMB:-}" ] || phase serve-pareto ${T_SERVE:-200} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:spec-pg \
     embedded:spec-auto2-pg --repeats 2 --requests-per-user ${RPU:-8} --timeout 60 \
     --out "$OUT/serve-pareto-policy-auto2-$TAG.json"
   ;;
@@ -157,7 +160,7 @@ memory-round)  # issue 28's memory plan (runtime/memory_plan.py): its GPU tests 
               # 1..128 users with max_num_seqs 128 (on the 80 GB H100 every Eagle3 request failed before the plan)
   phase pytest-memory-plan ${T_A:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
     tests/runtime/test_no_cliffs_gpu.py -k "memory_plan or sampler_peak or up_to_max_num_seqs"
-  phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
+  [ -n "${NO_M3:-}" ] || phase serve-pareto-m3 ${T_SERVE_M3:-300} python3 bench/serve_pareto.py --runs minimax-m3:5:plain-pg:nvfp4 \
     minimax-m3:5:spec-pg:nvfp4 --requests-per-user 4 --timeout 140 --out "$OUT/serve-pareto-m3_5-memory-plan-$TAG.json"
   grep -n "memory plan\|WARNING\|ERROR\|Traceback" "$OUT/serve-pareto-m3.log" | head -20
   ;;
@@ -315,3 +318,4 @@ backlog)  # last round's unrun GPU checks, each test file alone (parallel runs s
     --steps 20 --routes target --quantization nvfp4 --out "$OUT/decode-target-h200-m3_24.json"
   ;;
 esac
+done
