@@ -77,31 +77,41 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 
 
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
-                 profile_dir: str | None = None, graph_tokens: int = 0, weight_layout: str | None = None):
+                 profile_dir: str | None = None, graph_tokens: int = 0, weight_layout: str | None = None,
+                 sparse_prefill: tuple[str, ...] = ("on",)):
+    """One LLM; per prompt length, one row per sparse_prefill setting ("on": MSA layers' prefill rows take
+    attn.prefill_sparse, "off": attn.paged, as before it existed), timed side by side on the same engine."""
     from m3serve import LLM, SamplingParams
+    from m3serve.kernels.attention import prefill as attn_prefill
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens,
               weight_layout=weight_layout)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in tokens:
-        times = []
-        for r in range(repeat + 1):
-            ids = prompt(llm.model.cfg.vocab_size, n, r)
-            _sync()
-            t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-            _sync()
-            if r:
-                times.append(time.perf_counter() - t0)
-        ttft = statistics.median(times)
-        rows.append({"engine": "m3serve", "model": model, "quantization": quant or "none", "tokens": n,
-                     "chunk": chunk, "ttft_s": ttft, "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
-                     "prefill_graph_tokens": graph_tokens, "weight_layout": weight_layout or "mma_tile"})
-        print(json.dumps(rows[-1]), flush=True)
-        if profile_dir:
-            profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}"
-                                                     f"{'-rows' if weight_layout == 'rows' else ''}.txt"))
+        for mode in sparse_prefill:
+            attn_prefill.SPARSE_ENABLED = mode == "on"
+            times = []
+            for r in range(repeat + 1):
+                ids = prompt(llm.model.cfg.vocab_size, n, r)
+                _sync()
+                t0 = time.perf_counter()
+                llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+                _sync()
+                if r:
+                    times.append(time.perf_counter() - t0)
+            ttft = statistics.median(times)
+            rows.append({"engine": "m3serve", "model": model, "quantization": quant or "none", "tokens": n,
+                         "chunk": chunk, "ttft_s": ttft,
+                         "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
+                         "prefill_graph_tokens": graph_tokens, "weight_layout": weight_layout or "mma_tile",
+                         "sparse_prefill": mode})
+            print(json.dumps(rows[-1]), flush=True)
+            if profile_dir:
+                profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}"
+                                                         f"{'-rows' if weight_layout == 'rows' else ''}"
+                                                         f"{'-sparse-off' if mode == 'off' else ''}.txt"))
+    attn_prefill.SPARSE_ENABLED = True
     cfg = llm.model.cfg
     llm.shutdown()
     del llm
@@ -165,7 +175,13 @@ def main() -> int:
                     help="comma list: m3serve rows per NVFP4 / MXFP8 weight layout (default = mma_tile, or rows)")
     ap.add_argument("--prefill-graph-tokens", default="0",
                     help="comma list: m3serve rows per value of EngineConfig.prefill_graph_tokens (0: eager steps)")
+    ap.add_argument("--sparse-prefill", default="on",
+                    help="comma list of on|off: MSA layers' prefill rows through attn.prefill_sparse (on) or "
+                         "attn.paged (off), rows side by side on one engine")
     args = ap.parse_args()
+    sparse_modes = tuple(args.sparse_prefill.split(","))
+    if not set(sparse_modes) <= {"on", "off"}:
+        ap.error(f"--sparse-prefill: expected a comma list of on|off, found {args.sparse_prefill!r}")
     tokens = [int(t) for t in args.tokens.split(",")]
     meta = run_metadata()
     results, cfg = [], None
@@ -173,7 +189,8 @@ def main() -> int:
         for g in (int(v) for v in args.prefill_graph_tokens.split(",")):
             for lay in args.weight_layouts.split(","):
                 rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
-                                         args.device, args.profile_dir, g, None if lay == "default" else lay)
+                                         args.device, args.profile_dir, g, None if lay == "default" else lay,
+                                         sparse_modes)
                 results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)

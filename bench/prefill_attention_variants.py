@@ -9,6 +9,13 @@ on the same problem as a yardstick. The p.v split (two MMAs) vs one bf16 MMA is 
 
     python3 bench/prefill_attention_variants.py [--n 8192] [--ctx 0] [--iters 20] [--kv 16,8] [--out-dir DIR]
 
+--sparse-topk K (16 for M3) times an MSA layer's prefill instead: the same chunk with a top-K selection of 128-key
+blocks as msa.select makes one (each query's own block and random earlier ones), once drawn per token ("random":
+the tokens of a tile share few blocks, the worst case) and once per 128-token query block ("shared": they share
+all, the best case), through attn.prefill_sparse (default tiles, plus --variants if given) against the dense
+attn.prefill on the same chunk and attn.paged (the decode kernel sparse prefill rows took before, at the split
+count the target would use) on the same selection. TFLOP/s count the selected visible pairs for the sparse rows.
+
 (saved as bench/results/prefill_attention_variants/<name>.json, rendered by bench/report.py)
 """
 
@@ -57,6 +64,67 @@ def time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def sparse_flops(sel: torch.Tensor, pos: torch.Tensor, block_size: int, hq: int, d: int) -> int:
+    """4 * D * Hq / Hk * (visible keys of the selected blocks, summed over (query, KV head)): sel [n, Hk, K]."""
+    first = sel.long() * block_size
+    keys = torch.clamp(pos.view(-1, 1, 1) - first + 1, min=0, max=block_size).masked_fill(sel < 0, 0)
+    return 4 * d * (hq // sel.shape[1]) * int(keys.sum())
+
+
+def time_sparse(a, chosen_sparse: list, dev: torch.device) -> list[dict]:
+    """--sparse-topk: attn.prefill_sparse vs dense attn.prefill vs attn.paged on one chunk (module docstring)."""
+    from m3serve.kernels.attention.paged import make_workspace, paged_attention
+    from m3serve.runtime.step_inputs import split_plan
+
+    hq, hk, d, p, bs, topk = 64, 4, 128, 128, 128, a.sparse_topk
+    rows = []
+    dense_flops = pa.causal_flops([a.n], [a.ctx + a.n], hq, d)
+    pos = (a.ctx + torch.arange(a.n, device=dev))
+    for bits in (int(b) for b in a.kv.split(",")):
+        shape = (hq, hk, d, p, bits)
+        big = pa.make_step_case(shape, [a.n], [a.ctx], dev, torch.Generator().manual_seed(0))
+        args, kw = big.args, dict(big.kwargs)
+        ms = time_ms(lambda: pa.prefill_attention(*args, **kw), a.iters)
+        rows.append({"kv_bits": bits, "tiles": "dense attn.prefill (default tiles)", "ms": ms,
+                     "tflops": dense_flops / ms / 1e9})
+        print(f"kv{bits:2d} dense attn.prefill  {ms:8.3f} ms  {rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
+        fmt = "bf16" if bits == 16 else "fp8"
+        _, splits = split_plan(a.n, big.args[3].shape[1], hk, topk)
+        ws = make_workspace(a.n, hq, d, splits, dev)
+        for shared in (False, True):
+            flavour = "shared" if shared else "random"
+            sel = pa.make_selection([a.n], [a.ctx + a.n], hk, bs, topk, dev, torch.Generator().manual_seed(1),
+                                    shared=shared)
+            flops = sparse_flops(sel, pos, bs, hq, d)
+            for tiles in chosen_sparse:
+                if tiles is not None and tiles.f16 and bits != 8:
+                    continue
+                small = pa.make_sparse_case(pa.Cell(rows=(1, 1), shape=(*shape, bs, topk), why="check",
+                                                    config={"tiles": tiles}), 700, dev,
+                                            torch.Generator().manual_seed(2))
+                try:
+                    out = pa.prefill_attention(*small.args, **small.kwargs)
+                    pa.compare(out, pa.prefill_attention_reference(*small.args, **small.kwargs), small)
+                    ok = "ok"
+                except AssertionError as exc:
+                    ok = f"FAIL {str(exc)[:160]}"
+                skw = dict(kw, tiles=tiles, sel=sel, block_size=bs)
+                ms = time_ms(lambda: pa.prefill_attention(*args, **skw), a.iters)
+                name = f"sparse top-{topk} ({flavour}): attn.prefill_sparse {tiles or 'default tiles'}"
+                rows.append({"kv_bits": bits, "tiles": name, "ms": ms, "tflops": flops / ms / 1e9, "check": ok})
+                print(f"kv{bits:2d} {name}  {ms:8.3f} ms  {rows[-1]['tflops']:6.1f} TFLOP/s  {ok}", flush=True)
+            q, kp, vp, table, lens, qs, out = args
+            ms = time_ms(lambda: paged_attention(q, kp, vp, None, None, None, table, lens, qs, sel, out, ws, fmt=fmt,
+                                                 sm_scale=kw["sm_scale"], max_query_len=a.n, num_splits=splits),
+                         a.iters)
+            name = f"sparse top-{topk} ({flavour}): attn.paged ({splits} splits)"
+            rows.append({"kv_bits": bits, "tiles": name, "ms": ms, "tflops": flops / ms / 1e9})
+            print(f"kv{bits:2d} {name}  {ms:8.3f} ms  {rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
+        del big, args, kw, ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=8192)
@@ -65,13 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=None, help="comma-separated indices into VARIANTS")
     ap.add_argument("--kv", default="16,8", help="page dtypes by bits: 16 (bf16), 8 (fp8)")
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--sparse-topk", type=int, default=0,
+                    help="time an MSA layer's prefill at this top-k instead (module docstring); 0: the dense sweep")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     chosen = VARIANTS if a.variants is None else [VARIANTS[int(i)] for i in a.variants.split(",")]
     rows = []
     hq, hk, d, p = 64, 4, 128, 128
     flops = pa.causal_flops([a.n], [a.ctx + a.n], hq, d)
-    for bits in (int(b) for b in a.kv.split(",")):
+    if a.sparse_topk:
+        rows = time_sparse(a, [None] + ([] if a.variants is None else chosen), dev)
+    for bits in (int(b) for b in a.kv.split(",")) if not a.sparse_topk else ():
         shape = (hq, hk, d, p, bits)
         big = pa.make_step_case(shape, [a.n], [a.ctx], dev, torch.Generator().manual_seed(0))
         for tiles in chosen:
@@ -92,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kv{bits:2d} {tiles}  {ms:8.3f} ms  {rec['tflops']:6.1f} TFLOP/s  {ok}", flush=True)
         del big
         torch.cuda.empty_cache()
-    if a.ctx == 0 and a.variants is None:
+    if a.ctx == 0 and a.variants is None and not a.sparse_topk:
         # yardstick: torch SDPA (flash) on contiguous bf16 K/V, no paging (its causal mask is top-left
         # aligned, so only a first chunk compares)
         g = torch.Generator(device=dev).manual_seed(2)
@@ -104,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"kv_bits": 16, "tiles": "torch sdpa", "ms": ms, "tflops": flops / ms / 1e9})
         print(f"torch SDPA causal GQA bf16: {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s")
     doc = {"bench": "prefill_attention_variants", **run_metadata(), "n": a.n, "ctx": a.ctx, "flops": flops,
-           "results": rows}
+           **({"sparse_topk": a.sparse_topk} if a.sparse_topk else {}), "results": rows}
     if a.out_dir:
         Path(a.out_dir).mkdir(parents=True, exist_ok=True)
         Path(a.out_dir, "prefill_attention_variants.json").write_text(json.dumps(doc, indent=1))

@@ -10,9 +10,11 @@ can be captured in a CUDA graph):
                          rotated first, m3serve.kv.rotation)
     msa.scores           sparse layers: the lightning indexer's max-pooled block scores     [T, Hk, B]
     msa.select           sparse layers: top-k blocks per (token, KV group), the stock rules [T, Hk, topk]
-    attn.paged           decode / verify / sparse rows (split-KV, ordered combine; rotated layers: q rotated
-                         in the prologue, the output un-rotated before the split store)
+    attn.paged           decode / verify rows, and sparse rows on NVFP4 pages (split-KV, ordered combine;
+                         rotated layers: q rotated in the prologue, the output un-rotated before the split store)
       or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence
+      or attn.prefill_sparse  sparse layers with more than DECODE_MAX_QUERY query tokens per sequence on bf16 /
+                         FP8 pages (the tiled kernel over each query's selected blocks; prefill.SPARSE_ENABLED)
 
 Shape legend
   T  query tokens of the step (packed)   S  sequences   B  max pages per sequence
@@ -27,13 +29,16 @@ from torch import Tensor
 from m3serve.kernels.attention.kv_write import write_layer
 from m3serve.kernels.attention.msa_index import msa_block_scores, msa_select
 from m3serve.kernels.attention.paged import make_workspace, paged_attention
+from m3serve.kernels.attention import prefill
 from m3serve.kernels.attention.prefill import prefill_attention
 from m3serve.model.attention_backend import StockAttention
 from m3serve.runtime.step_inputs import PagedStep
 
 # attn.paged reads each query row's pages itself: right for decode / verify (1-48 rows per sequence), wasteful
-# for long prompts, which the tiled attn.prefill handles on dense layers.
+# for long prompts, which the tiled attn.prefill handles on dense layers and, over the selected blocks, on sparse
+# layers whose pages it reads.
 DECODE_MAX_QUERY = 48
+PREFILL_FORMATS = ("bf16", "fp8")  # the page formats attn.prefill reads (not nvfp4, not fp32)
 
 
 def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,
@@ -75,6 +80,11 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
         msa_select(scores, step.seq_lens, step.query_start, sel, max_query_len=step.max_query_len, topk=topk,
                    block_size=cfg.index_block_size, local_blocks=cfg.index_local_blocks,
                    init_blocks=cfg.index_init_blocks)
+        if (step.max_query_len > DECODE_MAX_QUERY and fmt in PREFILL_FORMATS and not kv.spec.is_rotated(layer)
+                and prefill.SPARSE_ENTRY.enabled()):
+            prefill_attention(q, kp, vp, step.slot_table, step.seq_lens, step.query_start, out, sm_scale=scale,
+                              max_query_len=step.max_query_len, sel=sel, block_size=cfg.index_block_size)
+            return out
     scales = (kv.pages(layer, "k_scale"), kv.pages(layer, "v_scale")) if fmt == "nvfp4" else (None, None)
     splits = step.num_splits_sparse if sparse else step.num_splits
     ws = step.scratch(("attn.paged", t, hq, d, splits), lambda: make_workspace(t, hq, d, splits, q.device))

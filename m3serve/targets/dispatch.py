@@ -46,6 +46,7 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "msa.select": (((1, 8192), "msa.select"),),
     "attn.paged": (((1, 48), "attn.paged"),),
     "attn.prefill": (((1, 16384), "attn.prefill"),),
+    "attn.prefill_sparse": (((1, 16384), "attn.prefill_sparse"),),
     # fused elementwise steps of the decode target (rows = tokens of the step)
     "norm.rms": (((1, 16384), "norm.rms"),),
     "attn.qk_prep": (((1, 16384), "attn.qk_prep"),),

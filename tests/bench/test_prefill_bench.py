@@ -27,15 +27,24 @@ def test_flops_grow_quadratically_on_dense_layers_only():
 def test_bench_writes_both_engines(tmp_path):
     out = tmp_path / "prefill.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "prefill.py"), "--model", "tiny", "--tokens",
-                        "40", "--quant", "none", "--repeat", "1", "--device", "cpu", "--out", str(out)],
+                        "40", "--quant", "none", "--repeat", "1", "--device", "cpu", "--sparse-prefill", "on,off",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     engines = {row["engine"] for row in doc["results"]}
     assert engines == {"m3serve", "transformers"}
+    # one engine, both MSA prefill paths side by side
+    assert [row["sparse_prefill"] for row in doc["results"] if row["engine"] == "m3serve"] == ["on", "off"]
     for row in doc["results"]:
         assert row["tokens"] == 40 and row["ttft_s"] > 0 and row["frac_bf16_peak"] > 0
     assert doc["commit"] and "command" in doc
+
+
+def test_bench_refuses_an_unknown_sparse_prefill_mode(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "prefill.py"), "--sparse-prefill", "on,maybe",
+                        "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "--sparse-prefill" in r.stderr and "'on,maybe'" in r.stderr
 
 
 def test_interference_bench_rows(tmp_path):

@@ -10,11 +10,13 @@ from m3serve.kernels import aot_check
 from m3serve.kernels.catalog import all_entries
 
 ENTRIES = all_entries()
-# one real cell per kernel family: split-K GEMM per weight format, both heads, the norm, the MoE
+# one real cell per kernel family: split-K GEMM per weight format, both heads, the norm, the MoE (attn.prefill_sparse:
+# its FP8 cell, the tightest on registers)
 PICK = {"linear.nvfp4": 0, "linear.mxfp8": 0, "linear.fp8": 0, "linear.nvfp4.tiled": 1, "linear.mxfp8.tiled": 1,
         "linear.fp8.tiled": 1, "head.bf16": 0, "head.head12": 0,
         "norm.add_rms": 0, "moe.nvfp4": 0, "moe.grouped": None, "kv.write": 0, "msa.scores": 0, "msa.select": 0,
-        "attn.paged": 4, "attn.prefill": 0, "norm.rms": 0, "attn.qk_prep": 0, "mlp.swiglu_oai": 0, "moe.route_small": 0}
+        "attn.paged": 4, "attn.prefill": 0, "attn.prefill_sparse": 1, "norm.rms": 0, "attn.qk_prep": 0,
+        "mlp.swiglu_oai": 0, "moe.route_small": 0}
 
 
 @pytest.mark.parametrize("name", sorted(PICK))
@@ -122,3 +124,16 @@ def test_prefill_attention_fp8_default_compiles_for_sm90_without_spills(tmp_path
         assert r.regs > 0 and r.stack == 0 and r.local == 0, r
         loops = aot_check.innermost_loops(r.sass)
         assert loops and all("F2F" not in loop.mix for loop in loops), [loop.mix for loop in loops]
+
+
+@pytest.mark.parametrize("i", range(len(ENTRIES["attn.prefill_sparse"].cells)),
+                         ids=[str(c.shape) for c in ENTRIES["attn.prefill_sparse"].cells])
+def test_prefill_sparse_cells_compile_for_sm90_without_spills(i: int) -> None:
+    """attn.prefill_sparse at every certified cell (M3 TP1/TP2 and the embedded model, bf16 and FP8 pages): the
+    selection walk (a counted loop over the selected blocks' key tiles) builds for sm_90 with the cell's tiles and
+    no spills; the FP8 tiles (128 rows, 8 warps) are the tight ones."""
+    e = ENTRIES["attn.prefill_sparse"]
+    results = aot_check.run([type(e)(**{**e.__dict__, "cells": (e.cells[i],)})], arch=90)
+    assert results
+    for _, _, r in results:
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.regs} regs, {r.stack} B stack"

@@ -22,7 +22,7 @@ def test_entries_are_complete() -> None:
     assert set(ENTRIES) == {"linear.nvfp4", "linear.mxfp8", "linear.fp8", "qkv.nvfp4", "qkv.mxfp8", "qkv.fp8",
                             "linear.nvfp4.tiled", "linear.mxfp8.tiled", "linear.fp8.tiled",
                             "norm.add_rms", "head.bf16", "head.head12", "moe.nvfp4", "moe.grouped",
-                            "kv.write", "msa.scores", "msa.select", "attn.paged", "attn.prefill",
+                            "kv.write", "msa.scores", "msa.select", "attn.paged", "attn.prefill", "attn.prefill_sparse",
                             "norm.rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small",
                             "attn.rope", "mlp.silu_mul", "spec.inputs", "spec.accept", "spec.commit"}
     for name, e in ENTRIES.items():
@@ -32,7 +32,8 @@ def test_entries_are_complete() -> None:
             assert c.why.strip(), f"{name}: a cell without a reason"
             # kv.write rows = tokens in the step, msa.* rows = query rows per sequence: both have prefill cells
             top = 8192 if e.kind in ("kv.write", "msa.scores", "msa.select") else 48
-            top = 16384 if e.kind == "attn.prefill" else top  # rows = query tokens per sequence (prefill chunks)
+            # rows = query tokens per sequence (prefill chunks)
+            top = 16384 if e.kind in ("attn.prefill", "attn.prefill_sparse") else top
             # row-parallel elementwise entries and the speculative bookkeeping serve every decode graph bucket
             top = catalog.ROW_CELLS_MAX if e.kind in ROW_PARALLEL else top
             top = 256 if e.kind.startswith("spec.") else top

@@ -59,3 +59,119 @@ def test_split_plan_counts_key_tiles_on_msa_layers():
     assert sparse_tiles_per_block(bf16) == 1   # whole 128-key pages
     with pytest.raises(ValueError, match="max_blocks"):
         split_plan(1, 0, 4, 16, 2)
+
+
+# --- long prefill steps on MSA layers: attn.prefill_sparse ------------------------------------------------------
+
+# a 49-token first chunk and a 20-token chunk after 37 tokens of context (tiny preset: 16-key blocks = pages, top-2)
+MSA_QUERY, MSA_CONTEXT = [49, 20], [0, 37]
+
+
+def _msa_layer_step(kv_dtype: str, query_lens: list[int], context_lens: list[int], sparse: bool = True):
+    """A tiny-preset attention layer (the first sparse one, or the first dense one), a PagedKVCache holding each
+    sequence's context (written as the stock path writes it), and the step's tokens: (attn, cache, step,
+    slot_mapping, q, k, v, iq, ik, per-sequence slots)."""
+    from m3serve.config import preset
+    from m3serve.kv.cache import PagedKVCache
+    from m3serve.kv.spec import KVCacheSpec
+    from m3serve.model.m3 import Attention
+    from m3serve.runtime.step_inputs import PagedStep
+
+    cfg = preset("tiny")
+    attn = Attention(cfg, cfg.layer_types.index("sparse" if sparse else "full"))
+    spec = KVCacheSpec.from_model_config(cfg, kv_cache_dtype=kv_dtype)
+    p, hk, hq, d, di = spec.page_size, attn.hk, attn.hq, cfg.head_dim, cfg.index_head_dim
+    cache = PagedKVCache(spec, num_slots=16, device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    lens = [n + c for n, c in zip(query_lens, context_lens)]
+    perm = (torch.randperm(15, generator=gen) + 1).tolist()
+    slots, table = [], torch.zeros(len(lens), 8, dtype=torch.int32)
+    for s, L in enumerate(lens):
+        slots.append(torch.tensor([perm.pop() for _ in range(-(-L // p))]))
+        table[s, :len(slots[-1])] = slots[-1].to(torch.int32)
+
+    def mapping(s: int, pos: torch.Tensor) -> torch.Tensor:
+        return slots[s][pos // p] * p + pos % p
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    for s, c in enumerate(context_lens):
+        if c:
+            cache.write(attn.layer, mapping(s, torch.arange(c)), rand(c, hk, d), rand(c, hk, d),
+                        rand(c, di) if sparse else None)
+    t = sum(query_lens)
+    slot_mapping = torch.cat([mapping(s, c + torch.arange(n)) for s, (n, c) in enumerate(zip(query_lens,
+                                                                                           context_lens))])
+    q, k, v = 2 * rand(t, hq, d), rand(t, hk, d), rand(t, hk, d)
+    iq, ik = (rand(t, hk, di), rand(t, di)) if sparse else (None, None)
+    step = PagedStep(slot_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                     query_start=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+                     max_query_len=max(query_lens), num_splits=1, num_splits_sparse=1)
+    return attn, cache, step, slot_mapping, q, k, v, iq, ik, slots
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_long_prefill_on_an_msa_layer_runs_attn_prefill_sparse(kv, monkeypatch):
+    """A step with more than DECODE_MAX_QUERY query tokens on an MSA layer whose pages attn.prefill reads: one
+    attn.prefill_sparse launch over msa.select's selection (attn.paged not called), matching the stock model's
+    attention (Attention.core: the indexer's block scores, select_blocks, attend with the selection mask) over
+    the same cache."""
+    from m3serve.model import msa
+    from m3serve.targets import attention as target
+
+    attn, cache, step, slot_mapping, q, k, v, iq, ik, slots = _msa_layer_step(kv, MSA_QUERY, MSA_CONTEXT)
+    calls = []
+    real = target.prefill_attention
+    monkeypatch.setattr(target, "prefill_attention", lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
+    monkeypatch.setattr(target, "paged_attention", lambda *a, **kw: pytest.fail("attn.paged on a long MSA prefill"))
+    out = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
+    assert len(calls) == 1 and calls[0]["block_size"] == attn.cfg.index_block_size
+    sel = calls[0]["sel"]
+    c = attn.cfg
+    q0 = 0
+    for s, (n, ctx) in enumerate(zip(MSA_QUERY, MSA_CONTEXT)):
+        L, rows = n + ctx, slice(q0, q0 + n)
+        keys, values, index_keys = cache.read(attn.layer, slots[s], L, torch.bfloat16)
+        pos = (L - n + torch.arange(n))[None]
+        stock = attn.core(q[rows][None], keys[None], values[None], iq[rows][None], index_keys[None], pos)[0]
+        picked = msa.select_blocks(msa.block_scores(iq[rows][None], index_keys[None], pos, c.index_block_size), pos,
+                                   c.index_block_size, c.index_topk_blocks, c.index_local_blocks, c.index_init_blocks)
+        assert torch.equal(sel[rows].permute(1, 0, 2), picked[0].to(torch.int32))
+        torch.testing.assert_close(out[rows].float(), stock, rtol=2**-7, atol=1e-6)
+        q0 += n
+    visible = (torch.cat([torch.arange(n) + ctx for n, ctx in zip(MSA_QUERY, MSA_CONTEXT)]) // 16 + 1)[:, None]
+    assert bool(((sel >= 0).sum(-1) < visible).any()), "the selection must drop some visible blocks"
+
+
+def _routed(monkeypatch, kv: str, query_lens: list[int], sparse: bool = True) -> list[tuple[str, dict]]:
+    """Which attention kernel a layer's step goes to (the kernels themselves stubbed out: routing only)."""
+    from m3serve.targets import attention as target
+
+    attn, cache, step, slot_mapping, q, k, v, iq, ik, _ = _msa_layer_step(kv, query_lens, [0] * len(query_lens),
+                                                                          sparse)
+    calls = []
+    for name in ("write_layer", "msa_block_scores", "msa_select"):
+        monkeypatch.setattr(target, name, lambda *a, **kw: None)
+    monkeypatch.setattr(target, "prefill_attention", lambda *a, **kw: calls.append(("prefill", kw)))
+    monkeypatch.setattr(target, "paged_attention", lambda *a, **kw: calls.append(("paged", kw)))
+    target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
+    return calls
+
+
+@pytest.mark.parametrize("kv,query_lens,sparse,enabled,want", [
+    ("bf16", [49, 3], True, True, "prefill_sparse"),
+    ("fp8", [60], True, True, "prefill_sparse"),
+    ("bf16", [48, 48], True, True, "paged"),       # decode / verify / short chunks: attn.paged
+    ("nvfp4", [60], True, True, "paged"),          # attn.prefill reads no NVFP4 pages
+    ("bf16", [60], True, False, "paged"),          # prefill.SPARSE_ENABLED off: back to attn.paged
+    ("bf16", [60], False, False, "prefill"),       # dense layers: attn.prefill, whatever the sparse switch
+])
+def test_msa_layer_routing(monkeypatch, kv, query_lens, sparse, enabled, want):
+    from m3serve.kernels.attention import prefill
+    monkeypatch.setattr(prefill, "SPARSE_ENABLED", enabled)
+    calls = _routed(monkeypatch, kv, query_lens, sparse)
+    assert len(calls) == 1
+    kind, kw = calls[0]
+    got = "prefill_sparse" if kind == "prefill" and kw.get("sel") is not None else kind
+    assert got == want, calls

@@ -1,4 +1,5 @@
-"""Catalog entry attn.prefill: varlen causal flash attention over the paged KV cache (dense layers).
+"""Catalog entries attn.prefill: varlen causal flash attention over the paged KV cache (dense layers), and
+attn.prefill_sparse: the same kernel restricted to each query's MSA block selection (sparse layers).
 
 Every query token of every sequence in the step attends the keys at positions <= its own of its
 sequence: the context already in the cache (chunked prefill) and this chunk's own keys, written to
@@ -14,6 +15,10 @@ Shape legend:
     query_start  [S+1]   int32          sequence s owns rows query_start[s] .. query_start[s+1]-1;
                                         its i-th query sits at position L - n + i (n = its count)
     out          [T, Hq, D]             bf16; rows owned by no sequence are not written
+    sel          [T, Hk, K]  int32      sparse form only: per query token and KV head the selected block ids
+                                        (msa.select: ascending, -1 padded; any order, repeats or out-of-range
+                                        ids are read as the set of valid ids they name); a block is block_size
+                                        consecutive key positions (the index block, 128 = P for M3)
     G = Hq / Hk (GQA group); a program's BLOCK_M tile rows are BLOCK_M/HEADS query tokens x HEADS heads
     of one group; each inner step takes BLOCK_N (<= P) keys of one page
 
@@ -23,6 +28,15 @@ the same K/V pages from L2 (with HEADS > 1 they also share each loaded and decod
 blocks are issued last-first because the causal diagonal makes the last blocks the longest (they
 start first, the short ones fill the tail). Keys before the block's first query position are
 visible to every row and take the unmasked loop; only the diagonal band is masked.
+
+Sparse form (SPARSE; m3serve.model.msa's semantics): row (token t, head h) attends key j iff j <= its position
+and block j // block_size is in sel[t, h // G]. All rows of a program share one KV head, so a program loads its
+tile's selection rows once ([BLOCK_M, K], the HEADS rows of a token alike) and walks only the blocks some row
+selected, in ascending order, each once (per block, block_size / BLOCK_N key tiles); every visited key tile is
+loaded once for all rows and masked per row (selected, causal, < L). For the chunk of a long prompt the
+tokens of a tile share most of their blocks (their own and the indexer's picks), where attn.paged reads each
+row's top-k blocks for that row alone. A row may see no key in a visited tile, or none at all: _block_step's
+guard keeps its running max from making NaN, and a row that saw no key stores 0 (as msa.attend does).
 
 Numerics (per program, online softmax in fp32, scores in the exp2 domain):
     s = q . k        bf16 MMA operands (q is bf16; K decodes exactly: E4M3 is a subset of bf16),
@@ -46,7 +60,7 @@ See `compare` for the tolerance this certifies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -58,9 +72,11 @@ from m3serve.kernels._jit import helper, is_compiled, kernel_unspecialized
 from m3serve.kernels.catalog import (
     BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng, poisoned, true_fp32,
 )
-from m3serve.model.msa import attend
+from m3serve.model.msa import attend, select_blocks, selection_mask
 
 ENABLED = True  # the one switch: False sends attn.prefill calls down the stock path
+# the sparse form's own switch under it: False sends MSA layers' prefill rows back to attn.paged (targets.attention)
+SPARSE_ENABLED = True
 
 LOG2E = 1.4426950408889634
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -101,10 +117,12 @@ def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
 
 @helper
 def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr, PV_SPLIT: tl.constexpr,
-               CUDA: tl.constexpr, F16: tl.constexpr):
+               CUDA: tl.constexpr, F16: tl.constexpr, GUARD: tl.constexpr):
     """One key block of online softmax: acc [BM, D], m_i/l_i [BM] fp32; q [BM, D], k/v [BN, D] MMA
     operands (bf16 compiled, fp16 with F16, fp32 interpreted); qk_scale a scalar, or [BM, 1] per row (F16);
-    allowed [BM, BN] bool when MASKED."""
+    allowed [BM, BN] bool when MASKED. GUARD (sparse mode): a row may have seen no key yet after this block
+    (m_new = -inf); it subtracts 0 instead of -inf, so its alpha and p stay 0 (not exp2(-inf + inf) = NaN)
+    and acc, l stay 0. Dense rows always see a key in their first block: no guard, the same instructions."""
     if CUDA:
         s = tl.dot(q, tl.trans(k))
     else:
@@ -113,11 +131,15 @@ def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr,
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    if F16:
-        p = tl.exp2(s - (m_new[:, None] - P_SHIFT))  # p * 2**14: fp16 hi + lo keep 2**-22 of it
+    if GUARD:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        p = tl.exp2(s - m_new[:, None])
+        m_sub = m_new
+    alpha = tl.exp2(m_i - m_sub)
+    if F16:
+        p = tl.exp2(s - (m_sub[:, None] - P_SHIFT))  # p * 2**14: fp16 hi + lo keep 2**-22 of it
+    else:
+        p = tl.exp2(s - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if F16:
@@ -160,10 +182,12 @@ def _load_keys(ptr, slot, head, stride_slot, stride_head, toks, d, key_ok, D: tl
 @kernel_unspecialized(unaligned=("seq_lens_ptr", "qstart_ptr"))
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, qstart_ptr,
                               stride_qt, stride_qh, stride_ot, stride_oh, stride_k_slot, stride_k_head,
-                              stride_v_slot, stride_v_head, stride_table, qk_scale,
+                              stride_v_slot, stride_v_head, stride_table, qk_scale, sel_ptr, stride_sel_t,
+                              stride_sel_h,
                               GROUP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, HEADS: tl.constexpr, KV_FP8: tl.constexpr,
-                              PV_SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr):
+                              PV_SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr,
+                              SPARSE: tl.constexpr, SEL_K: tl.constexpr, TOPK: tl.constexpr, BS: tl.constexpr):
     head0 = tl.program_id(0) * HEADS
     m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2)
@@ -203,27 +227,70 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D], tl.float32)
-            for kb in range(0, full_blocks):
-                slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
-                toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
-                k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, toks, D, KV_FP8, CUDA,
-                               False, F16)
-                v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, toks, D, KV_FP8, CUDA,
-                               False, F16)
-                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, None, False, PV_SPLIT, CUDA, F16)
-            for kb in range(full_blocks, end_blocks):
-                slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
-                toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
-                keys = kb * BLOCK_N + in_blk
-                key_ok = keys < L
-                k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8, CUDA,
-                               True, F16)
-                v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8, CUDA,
-                               True, F16)
-                allowed = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-                acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16)
-            # every row sees at least its own key, so l_i >= 1 on the rows that are stored
-            o = acc / l_i[:, None]
+            if SPARSE:
+                # The tile's selection rows: the HEADS rows of a token share its (token, KV head) list; rows past
+                # the sequence and the padding columns up to TOPK read -1, which matches no block.
+                kk = tl.arange(0, TOPK)
+                sel_tile = tl.load(sel_ptr + tok[:, None] * stride_sel_t + kv_head * stride_sel_h + kk[None, :],
+                                   mask=row_ok[:, None] & (kk < SEL_K)[None, :], other=-1)  # [BM, TOPK]
+                # Visit only the key tiles of the blocks some row of the tile selected, each block once, in
+                # ascending order: from block b the walk goes to the smallest selected id above b; ids at or past
+                # `stop` (the first block wholly after the tile's last query) end it, and -1 never leads anywhere.
+                # A first walk (scalar, no loads) counts the key tiles, so the main loop is a counted loop: an `if`
+                # skipping unselected tiles inside a loop over all of them, or a `while` around the MMAs, spills
+                # registers on the FP8 tiles (128 rows, 8 warps) where this does not (aot_check).
+                SUB: tl.constexpr = BS // BLOCK_N  # key tiles per block (BS % BLOCK_N == 0)
+                stop = (end_blocks - 1) // SUB + 1
+                first = tl.min(tl.where(sel_tile >= 0, sel_tile, stop))
+                n_tiles = end_blocks * 0
+                b = first
+                while b < stop:
+                    n_tiles += tl.minimum(SUB, end_blocks - b * SUB)  # the last block may end past end_blocks
+                    b = tl.min(tl.where(sel_tile > b, sel_tile, stop))
+                kb = first * SUB
+                for _ in range(0, n_tiles):
+                    blk = kb // SUB
+                    hit = tl.max((sel_tile == blk).to(tl.int32), 1)  # [BM] 1 where the row selected the block
+                    slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
+                    toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
+                    keys = kb * BLOCK_N + in_blk
+                    key_ok = keys < L
+                    k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8,
+                                   CUDA, True, F16)
+                    v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8,
+                                   CUDA, True, F16)
+                    allowed = (hit[:, None] > 0) & (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+                    acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16,
+                                                True)
+                    # after the block's last key tile, on to the next selected block (branch-free: see above)
+                    nxt = tl.min(tl.where(sel_tile > blk, sel_tile, stop)) * SUB
+                    kb = tl.where((kb + 1) % SUB == 0, nxt, kb + 1)
+                # a row that selected no visible key keeps acc = 0, l = 0: it stores 0 (msa.attend's empty row)
+                o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            else:
+                for kb in range(0, full_blocks):
+                    slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
+                    toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
+                    k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, toks, D, KV_FP8,
+                                   CUDA, False, F16)
+                    v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, toks, D, KV_FP8,
+                                   CUDA, False, F16)
+                    acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, None, False, PV_SPLIT, CUDA, F16,
+                                                False)
+                for kb in range(full_blocks, end_blocks):
+                    slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
+                    toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
+                    keys = kb * BLOCK_N + in_blk
+                    key_ok = keys < L
+                    k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8,
+                                   CUDA, True, F16)
+                    v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8,
+                                   CUDA, True, F16)
+                    allowed = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+                    acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16,
+                                                False)
+                # every row sees at least its own key, so l_i >= 1 on the rows that are stored
+                o = acc / l_i[:, None]
             tl.store(o_ptrs, to_bf16(o, CUDA), mask=row_ok[:, None])
 
 
@@ -252,9 +319,12 @@ def _check_meta(name: str, t: torch.Tensor, dim: int, device: torch.device) -> N
 
 def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slot_table: torch.Tensor,
                       seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, sm_scale: float,
-                      max_query_len: int, tiles: PrefillTiles | None = None) -> torch.Tensor:
+                      max_query_len: int, tiles: PrefillTiles | None = None, sel: torch.Tensor | None = None,
+                      block_size: int | None = None) -> torch.Tensor:
     """Raw call. Writes and returns `out`. max_query_len (a host int) must be >= every sequence's
-    query count: it sizes the grid; rows past it would be left unwritten."""
+    query count: it sizes the grid; rows past it would be left unwritten. sel [T, Hk, K] int32 with
+    block_size (a host int, a multiple of the key tile): the sparse form (attn.prefill_sparse, module
+    docstring); both None: dense causal attention."""
     check_tensor("q", q, torch.bfloat16)
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q: expected [T, Hq, D] with unit stride along D, found shape {tuple(q.shape)} "
@@ -296,6 +366,18 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     if cfg.heads < 1 or (hq // hk) % cfg.heads or cfg.block_m % cfg.heads:
         raise ValueError(f"tiles.heads: expected a divisor of the GQA group {hq // hk} and of block_m {cfg.block_m}, "
                          f"found {cfg.heads}")
+    if (sel is None) != (block_size is None):
+        raise ValueError(f"sel/block_size: expected both (sparse) or neither (dense), found sel "
+                         f"{'None' if sel is None else 'a tensor'} and block_size {block_size!r}")
+    if sel is not None:
+        check_tensor("sel", sel, torch.int32, device=dev)
+        if sel.dim() != 3 or tuple(sel.shape[:2]) != (t, hk) or sel.shape[2] < 1 or sel.stride(2) != 1:
+            raise ValueError(f"sel: expected int32 [T, Hk, K] = [{t}, {hk}, K >= 1] (T = q's tokens, Hk = k_pages' "
+                             f"heads) with unit last stride, found shape {tuple(sel.shape)} strides "
+                             f"{tuple(sel.stride())}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size % block_n:
+            raise ValueError(f"block_size: expected a positive multiple of the key tile BLOCK_N = {block_n}, "
+                             f"found {block_size!r}")
     if s > 65535 or triton.cdiv(max_query_len, cfg.block_m // cfg.heads) > 65535:
         raise ValueError(f"slot_table/max_query_len: grid y and z hold at most 65535 query blocks / sequences, "
                          f"found {s} sequences and max_query_len {max_query_len}")
@@ -305,12 +387,16 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     kp = k_pages.view(torch.uint8) if fp8 else k_pages
     vp = v_pages.view(torch.uint8) if fp8 else v_pages
     grid = (hq // cfg.heads, triton.cdiv(max_query_len, cfg.block_m // cfg.heads), s)
+    sparse = sel is not None
+    sel_k = sel.shape[2] if sparse else 1
     _prefill_attention_kernel[grid](
         q, kp, vp, out, slot_table, seq_lens, query_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1),
         v_pages.stride(0), v_pages.stride(1), slot_table.stride(0), float(sm_scale) * LOG2E,
+        sel if sparse else slot_table, sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
         GROUP=hq // hk, D=d, P=p, BLOCK_M=cfg.block_m, BLOCK_N=block_n, HEADS=cfg.heads, KV_FP8=fp8,
         PV_SPLIT=cfg.pv_split, CUDA=is_compiled(q), F16=fp8 and cfg.f16 and is_compiled(q),
+        SPARSE=sparse, SEL_K=sel_k, TOPK=triton.next_power_of_2(sel_k), BS=block_size if sparse else block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -348,9 +434,21 @@ def gather_keys(pages: torch.Tensor, slots: torch.Tensor, length: int) -> torch.
     return sel.permute(0, 2, 1, 3).reshape(nb * p, hk, d)[:length].float()
 
 
+def selected_keys(sel_rows: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """sel rows [n, Hk, K] of one sequence -> bool [Hk, n, L]: key j is in a block the row selected
+    (msa.selection_mask; ids outside 0 .. ceil(L / block_size) - 1, the -1 padding among them, select nothing)."""
+    nb = triton.cdiv(length, block_size)
+    ids = sel_rows.long()
+    ids = ids.masked_fill((ids < 0) | (ids >= nb), -1)
+    return selection_mask(ids.permute(1, 0, 2)[None], length, block_size)[0]
+
+
 def prefill_attention_reference(q, k_pages, v_pages, slot_table, seq_lens, query_start, out=None, *, sm_scale,
-                                max_query_len, tiles=None, query_chunk: int = 256) -> PrefillReference:
-    """True fp32 causal GQA attention per sequence, queries in chunks (memory O(chunk * L), never L x L)."""
+                                max_query_len, tiles=None, sel=None, block_size=None,
+                                query_chunk: int = 256) -> PrefillReference:
+    """True fp32 causal GQA attention per sequence, queries in chunks (memory O(chunk * L), never L x L).
+    With sel / block_size (the sparse form) a row sees only the keys of the blocks it selected; a row that
+    selected no visible key gets 0 (as msa.attend gives)."""
     t, hq, d = q.shape
     hk = k_pages.shape[1]
     g = hq // hk
@@ -380,8 +478,12 @@ def prefill_attention_reference(q, k_pages, v_pages, slot_table, seq_lens, query
                 qc = q[q0 + c0:q0 + c1].float().view(c1 - c0, hk, g, d)
                 pos = L - n + torch.arange(c0, c1, device=dev)
                 visible = (key_pos.view(1, 1, 1, L) <= pos.view(1, 1, -1, 1))  # [1, 1, c, L]
+                if sel is not None:  # [Hk, 1, c, L]
+                    visible = visible & selected_keys(sel[q0 + c0:q0 + c1], L, block_size)[:, None]
                 sc = torch.einsum("chgd,lhd->hgcl", qc, k) * sm_scale
                 w = torch.softmax(sc.masked_fill(~visible, float("-inf")), dim=-1)
+                if sel is not None:
+                    w = torch.nan_to_num(w, nan=0.0)  # a row with no visible key
                 o = torch.einsum("hgcl,lhd->chgd", w, v)
                 ref[q0 + c0:q0 + c1] = o.reshape(c1 - c0, hq, d)
                 wabs[q0 + c0:q0 + c1] = torch.einsum("hgcl,lhd->chgd", w, v.abs()).reshape(c1 - c0, hq, d)
@@ -391,8 +493,9 @@ def prefill_attention_reference(q, k_pages, v_pages, slot_table, seq_lens, query
 
 
 def prefill_attention_stock(q, k_pages, v_pages, slot_table, seq_lens, query_start, out, *, sm_scale,
-                            max_query_len, tiles=None) -> torch.Tensor:
-    """The model's stock path: per sequence, gather K/V and run m3serve.model.msa.attend (fp32)."""
+                            max_query_len, tiles=None, sel=None, block_size=None) -> torch.Tensor:
+    """The model's stock path: per sequence, gather K/V and run m3serve.model.msa.attend (fp32); with sel,
+    restricted to the selected blocks through its key_mask, as the model's MSA layers do."""
     p = k_pages.shape[2]
     for s, (q0, n, L) in enumerate(_spans(seq_lens, query_start)):
         if n == 0:
@@ -404,7 +507,8 @@ def prefill_attention_stock(q, k_pages, v_pages, slot_table, seq_lens, query_sta
         k = gather_keys(k_pages, slots, L).to(torch.bfloat16)
         v = gather_keys(v_pages, slots, L).to(torch.bfloat16)
         pos = (L - n + torch.arange(n, device=q.device)).view(1, n)
-        out[q0:q0 + n] = attend(q[None, q0:q0 + n], k[None], v[None], pos, sm_scale)[0].to(torch.bfloat16)
+        mask = None if sel is None else selected_keys(sel[q0:q0 + n], L, block_size)[None]  # [1, Hk, n, L]
+        out[q0:q0 + n] = attend(q[None, q0:q0 + n], k[None], v[None], pos, sm_scale, mask)[0].to(torch.bfloat16)
     return out
 
 
@@ -428,6 +532,8 @@ def band(ref: PrefillReference, d: int, p_rel: float = P_REL_SPLIT) -> torch.Ten
     * p.v operand: p's relative error p_rel (see P_REL_SPLIT) moves the output by <= 2 p_rel A.
     * summation order of the L-term sums acc and l (kernel with truncation and the per-page rescales,
       and the reference): <= (6 L + 16) u A.
+    The sparse form sums over the selected keys only: fewer than L terms, so the same band holds (the
+    reference's weights, A and score_abs are taken over the selected keys).
     """
     u = FP32_U
     score_err = (4 * d + 8) * u * ref.score_abs[..., None] + 2.0**-20
@@ -442,7 +548,8 @@ def compare(out: torch.Tensor, ref: PrefillReference, case: Case) -> None:
     d = out.shape[-1]
     tiles = case.kwargs.get("tiles")
     p_rel = P_REL_SPLIT if tiles is None or tiles.pv_split else P_REL_SINGLE
-    assert_band("attn.prefill", out[owned], ref.out[owned], band(ref, d, p_rel)[owned])
+    name = "attn.prefill" if case.kwargs.get("sel") is None else "attn.prefill_sparse"
+    assert_band(name, out[owned], ref.out[owned], band(ref, d, p_rel)[owned])
 
 
 # --- cases and cells -------------------------------------------------------------------------------
@@ -567,13 +674,109 @@ INTERP_CELLS = (
 )
 
 
-def warmup(device: torch.device) -> None:
-    """One launch per cell compiles every variant: query counts and lengths are runtime values."""
-    for c in CELLS:
-        case = make_case(c, min(c.rows[1], 256), device, None)
-        prefill_attention(*case.args, **case.kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _warmup(cells: tuple[Cell, ...], make) -> Callable[[torch.device], None]:
+    def warmup(device: torch.device) -> None:
+        """One launch per cell compiles every variant: query counts and lengths are runtime values."""
+        for c in cells:
+            case = make(c, min(c.rows[1], 256), device, None)
+            prefill_attention(*case.args, **case.kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return warmup
+
+
+warmup = _warmup(CELLS, make_case)
+
+
+# --- the sparse form: attn.prefill_sparse ----------------------------------------------------------
+
+
+def make_selection(query_lens: list[int], seq_lens: list[int], hk: int, block_size: int, topk: int,
+                   device: torch.device, gen: torch.Generator | None, shared: bool = False) -> torch.Tensor:
+    """A selection as msa.select picks one: msa.select_blocks over random block scores, so per (query token,
+    KV head) its own block (forced), then random distinct earlier blocks up to topk, ascending, -1 padded
+    (early tokens, with fewer than topk visible blocks, keep fewer). -> int32 [T, Hk, topk]; rows of padding
+    sequences -1. shared: one score row per (KV head, the query's block), so the tokens of a block select
+    alike (an indexer's picks for neighbouring tokens are correlated: the best case for shared tiles).
+    gen None: every score 0, ties to the smaller index (own block + the first blocks; warm-up)."""
+    out = torch.full((sum(query_lens), hk, topk), -1, dtype=torch.int32)
+    q0 = 0
+    for n, L in zip(query_lens, seq_lens):
+        if n and L:
+            nb = triton.cdiv(L, block_size)
+            pos = L - n + torch.arange(n)
+            own = pos // block_size
+            if gen is None:
+                scores = torch.zeros(hk, n, nb)
+            elif shared:
+                rel = own - own[0]  # the chunk's query blocks, from its first
+                scores = torch.rand(hk, int(rel[-1]) + 1, nb, generator=gen)[:, rel]
+            else:
+                scores = torch.rand(hk, n, nb, generator=gen)
+            scores = scores.masked_fill(torch.arange(nb).view(1, 1, nb) > own.view(1, n, 1), float("-inf"))
+            picked = select_blocks(scores[None], pos[None], block_size, topk)[0]  # [Hk, n, min(topk, nb)]
+            out[q0:q0 + n, :, :picked.shape[-1]] = picked.permute(1, 0, 2).to(torch.int32)
+        q0 += n
+    return out.to(device)
+
+
+def selected_kv_bytes(sel: torch.Tensor, query_lens: list[int], seq_lens: list[int], block_size: int, d: int,
+                      bits: int) -> int:
+    """K + V bytes of the distinct blocks each (sequence, KV head) selected: what a call reads at least."""
+    total, q0 = 0, 0
+    for n, L in zip(query_lens, seq_lens):
+        if n and L:
+            ids = sel[q0:q0 + n].long().cpu()
+            for h in range(ids.shape[1]):
+                blocks = ids[:, h][ids[:, h] >= 0].unique()
+                total += int(torch.clamp(L - blocks * block_size, max=block_size).sum())
+        q0 += n
+    return total * 2 * d * bits // 8
+
+
+def make_sparse_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
+    """make_case's step (shape (Hq, Hk, D, P, kv bits, block size, topk)) with a selection from make_selection."""
+    hq, hk, d, p, bits, bs, topk = cell.shape
+    query_lens, context_lens = _step_shape(rows, p)
+    case = make_step_case(cell.shape[:5], query_lens, context_lens, device, gen, cell.config.get("tiles"), rows)
+    lens = [0 if c < 0 else c + n for n, c in zip(query_lens, context_lens)]
+    sel = make_selection(query_lens, lens, hk, bs, topk, torch.device("cpu"), None if device.type == "meta" else gen)
+    kv_bytes = selected_kv_bytes(sel, query_lens, lens, bs, d, bits)
+    return Case(args=case.args, kwargs={**case.kwargs, "sel": sel.to(device), "block_size": bs},
+                bytes_moved=kv_bytes + 2 * case.args[0].numel() * 2)
+
+
+def _sparse_cell(hq: int, hk: int, d: int, p: int, kv: torch.dtype, bs: int, topk: int, rows: tuple[int, int],
+                 why: str) -> Cell:
+    return Cell(rows=rows, shape=(hq, hk, d, p, _KV_BITS[kv], bs, topk), why=why,
+                config={"tiles": default_tiles(d, p, kv)})
+
+
+# (Hq, Hk, D, P, kv bits, block size, topk); the nvfp4 hybrid cache keeps MSA layers in NVFP4: attn.paged reads them
+SPARSE_CELLS = (
+    _sparse_cell(64, 4, 128, 128, torch.bfloat16, 128, 16, (1, 16384), "M3 TP1 MSA layer (top-16 of 128-key blocks), "
+                 "bf16 cache"),
+    _sparse_cell(64, 4, 128, 128, torch.float8_e4m3fn, 128, 16, (1, 16384), "M3 TP1 MSA layer (top-16 of 128-key "
+                 "blocks), FP8 cache"),
+    _sparse_cell(32, 2, 128, 128, torch.bfloat16, 128, 16, (1, 16384), "M3 TP2 MSA layer (top-16 of 128-key blocks), "
+                 "bf16 cache"),
+    _sparse_cell(32, 2, 128, 128, torch.float8_e4m3fn, 128, 16, (1, 16384), "M3 TP2 MSA layer (top-16 of 128-key "
+                 "blocks), FP8 cache"),
+    _sparse_cell(4, 2, 64, 32, torch.bfloat16, 32, 8, (1, 4096), "embedded model MSA layer (top-8 of 32-key blocks), "
+                 "bf16 cache"),
+    _sparse_cell(4, 2, 64, 32, torch.float8_e4m3fn, 32, 8, (1, 4096), "embedded model MSA layer (top-8 of 32-key "
+                 "blocks), FP8 cache"),
+)
+
+SPARSE_INTERP_CELLS = (
+    Cell(rows=(21, 21), shape=(4, 2, 32, 16, 16, 16, 2), config={"tiles": _INTERP_TILES},
+         why="interpreter: bf16 pages, top-2 of 16-key blocks, two query blocks, skipped key tiles"),
+    Cell(rows=(9, 9), shape=(4, 2, 32, 16, 8, 16, 3), config={"tiles": _INTERP_TILES},
+         why="interpreter: FP8 pages, top-3 (loaded as 4 columns, the 4th masked to -1)"),
+    Cell(rows=(30, 30), shape=(4, 2, 32, 16, 16, 32, 2),
+         config={"tiles": PrefillTiles(block_m=32, block_n=16, num_warps=4, num_stages=1, heads=2)},
+         why="interpreter: 32-key blocks over 16-key pages and key tiles (BLOCK_N < block size), 2 heads a program"),
+)
 
 
 ENTRY = Entry(
@@ -581,5 +784,11 @@ ENTRY = Entry(
     compare=compare, make_case=make_case, cells=CELLS, interp_cells=INTERP_CELLS, warmup=warmup,
     enabled=lambda: ENABLED, stock=prefill_attention_stock,
 )
-ENTRIES = (ENTRY,)
+SPARSE_ENTRY = Entry(
+    name="attn.prefill_sparse", kind="attn.prefill_sparse", raw_call=prefill_attention,
+    reference=prefill_attention_reference, compare=compare, make_case=make_sparse_case, cells=SPARSE_CELLS,
+    interp_cells=SPARSE_INTERP_CELLS, warmup=_warmup(SPARSE_CELLS, make_sparse_case),
+    enabled=lambda: ENABLED and SPARSE_ENABLED, stock=prefill_attention_stock,
+)
+ENTRIES = (ENTRY, SPARSE_ENTRY)
 
