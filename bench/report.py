@@ -607,6 +607,10 @@ def render_spec_decode(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+# bench/prefill.py --sparse-prefill: the path of MSA layers' prefill rows
+SPARSE_PREFILL = {"on": "MSA prefill through attn.prefill_sparse", "off": "MSA prefill through attn.paged"}
+
+
 def render_prefill(files: list[ResultFile]) -> str:
     """bench/prefill.py: time to first token per engine, weight format and prompt length, one run per file."""
     blocks = []
@@ -616,7 +620,9 @@ def render_prefill(files: list[ResultFile]) -> str:
             w = f"{rf.name}.results[{i}]"
             ttft, frac = opt(r, "ttft_s", w), opt(r, "frac_bf16_peak", w)
             graphs = opt(r, "prefill_graph_tokens", w, "int")
-            engine = need(r, "engine", w, "str") + (f" (prefill graphs to {graphs} tokens)" if graphs else "")
+            sparse = opt(r, "sparse_prefill", w, "str")
+            engine = (need(r, "engine", w, "str") + (f" (prefill graphs to {graphs} tokens)" if graphs else "")
+                      + (f", {SPARSE_PREFILL.get(sparse, 'sparse_prefill ' + sparse)}" if sparse else ""))
             table.append([engine, need(r, "model", w, "str"), need(r, "quantization", w, "str"),
                           count(need(r, "tokens", w, "int")), count(need(r, "chunk", w, "int")),
                           or_dash(ttft, ms) if ttft is not None else (opt(r, "skipped", w, "str") or DASH),
@@ -690,8 +696,11 @@ def render_prefill_attention_variants(files: list[ResultFile]) -> str:
             table.append(["FP8" if need(r, "kv_bits", w, "int") == 8 else "BF16", name, f"{need(r, 'ms', w):.3f}",
                           sig(need(r, "tflops", w)), opt(r, "check", w, "str") or DASH])
         n, ctx = need(rf.data, "n", rf.name, "int"), need(rf.data, "ctx", rf.name, "int")
+        topk = opt(rf.data, "sparse_topk", rf.name, "int")
+        layer = (f"M3 TP1 MSA layer, top-{topk} blocks: attn.prefill_sparse vs dense attn.prefill vs attn.paged"
+                 if topk else "M3 TP1 dense layer")
         blocks.append(file_block(f"attn.prefill tile configs: one {count(n)}-token chunk after {count(ctx)} keys of "
-                                 "context (M3 TP1 dense layer)",
+                                 f"context ({layer})",
                                  md_table(["pages", "tiles", "ms", "TFLOP/s", "check"], table), rf))
     return "\n\n".join(blocks)
 
@@ -1294,9 +1303,11 @@ def _prefill_summary(rf: ResultFile) -> list[list[str]]:
         q = need(r, "quantization", w, "str")
         graphs = opt(r, "prefill_graph_tokens", w, "int")
         layout = opt(r, "weight_layout", w, "str")
+        sparse = opt(r, "sparse_prefill", w, "str")
         rows.append([f"prefill TTFT, {count(n)} tokens, {'BF16' if q == 'none' else q.upper()} weights"
                      + (f" ({'MMA tile' if layout == 'mma_tile' else 'row-major'} layout)" if layout else "")
-                     + (", prefill graphs" if graphs else ""),
+                     + (", prefill graphs" if graphs else "")
+                     + (f", {SPARSE_PREFILL.get(sparse, 'sparse_prefill ' + sparse)}" if sparse else ""),
                      need(r, "model", w, "str"), f"{ms(ttft)} ms{vs}", code(rf.name)])
     return rows
 

@@ -586,6 +586,26 @@ def test_prefill_attention_variants(report, tmp_path):
     assert "8192-token chunk after 122880 keys" in out and "unrecognised" not in out
 
 
+def test_prefill_rows_name_the_msa_prefill_path(report, tmp_path):
+    """bench/prefill.py --sparse-prefill on,off: each row says which kernel served MSA layers' prefill rows, in the
+    prefill table and the summary; a sparse-top-k variants file says it is an MSA layer."""
+    rows = [{"engine": "m3serve", "model": "minimax-m3:24", "quantization": "nvfp4", "tokens": 8192, "chunk": 8192,
+             "ttft_s": t, "frac_bf16_peak": 0.4, "sparse_prefill": mode} for t, mode in ((0.5, "on"), (0.574, "off"))]
+    write(tmp_path, "prefill/prefill-m3_24-8k-sparse-prefill-h200.json",
+          {**PROVENANCE, "bench": "prefill", "command": "x", "results": rows})
+    write(tmp_path, "prefill_attention_variants/prefill-attention-variants-sparse-h200.json",
+          {**PROVENANCE, "bench": "prefill_attention_variants", "command": "x", "n": 8192, "ctx": 0, "flops": 1,
+           "sparse_topk": 16, "results": [{"kv_bits": 16, "tiles": "sparse top-16 (random): attn.paged (4 splits)",
+                                           "ms": 5.2, "tflops": 80.0}]})
+    out = report.render_report(tmp_path)
+    assert [r[0] for r in table_rows(out, "engine")] == ["m3serve, MSA prefill through attn.prefill_sparse",
+                                                         "m3serve, MSA prefill through attn.paged"]
+    assert "M3 TP1 MSA layer, top-16 blocks" in out and "unrecognised" not in out
+    summary = table_rows(report.render_summary(tmp_path), "figure")
+    assert ["prefill TTFT, 8192 tokens, NVFP4 weights, MSA prefill through attn.paged", "minimax-m3:24", "574 ms",
+            "`prefill/prefill-m3_24-8k-sparse-prefill-h200.json`"] in summary
+
+
 def test_serve_pareto_repeats_and_spec_vs_plain(report, tmp_path):
     """A file of interleaved repeats: each run's rows name their repeat, and the spec-vs-plain medians get a table."""
     point = {"concurrency": 4, "failed": 0, "total_tokens_per_s_per_gpu": 20000.0, "ttft_ms": {"p50": 3.1, "p90": 4.2},
