@@ -179,6 +179,21 @@ def _load_keys(ptr, slot, head, stride_slot, stride_head, toks, d, key_ok, D: tl
     return x
 
 
+@helper
+def _masked_tile(k_ptr, v_ptr, table, kb, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                 in_blk, d, pos, L, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                 CUDA: tl.constexpr, F16: tl.constexpr):
+    """Key tile kb (BLOCK_N keys of one page) of a masked step: K and V [BN, D] MMA operands, keys past L loaded
+    as 0, and allowed [BM, BN] = causal (key <= the row's position) and key < L."""
+    slot = tl.load(table + kb // (P // BLOCK_N)).to(tl.int64)
+    toks = (kb % (P // BLOCK_N)) * BLOCK_N + in_blk
+    keys = kb * BLOCK_N + in_blk
+    key_ok = keys < L
+    k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8, CUDA, True, F16)
+    v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8, CUDA, True, F16)
+    return k, v, (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+
+
 @kernel_unspecialized(unaligned=("seq_lens_ptr", "qstart_ptr"))
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_ptr, qstart_ptr,
                               stride_qt, stride_qh, stride_ot, stride_oh, stride_k_slot, stride_k_head,
@@ -251,15 +266,10 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                 for _ in range(0, n_tiles):
                     blk = kb // SUB
                     hit = tl.max((sel_tile == blk).to(tl.int32), 1)  # [BM] 1 where the row selected the block
-                    slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
-                    toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
-                    keys = kb * BLOCK_N + in_blk
-                    key_ok = keys < L
-                    k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8,
-                                   CUDA, True, F16)
-                    v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8,
-                                   CUDA, True, F16)
-                    allowed = (hit[:, None] > 0) & (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+                    k, v, allowed = _masked_tile(k_ptr, v_ptr, table, kb, kv_head, stride_k_slot, stride_k_head,
+                                                 stride_v_slot, stride_v_head, in_blk, d, pos, L, D, P, BLOCK_N,
+                                                 KV_FP8, CUDA, F16)
+                    allowed = allowed & (hit[:, None] > 0)
                     acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16,
                                                 True)
                     # after the block's last key tile, on to the next selected block (branch-free: see above)
@@ -278,15 +288,9 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                     acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, None, False, PV_SPLIT, CUDA, F16,
                                                 False)
                 for kb in range(full_blocks, end_blocks):
-                    slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
-                    toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
-                    keys = kb * BLOCK_N + in_blk
-                    key_ok = keys < L
-                    k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, key_ok, D, KV_FP8,
-                                   CUDA, True, F16)
-                    v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, key_ok, D, KV_FP8,
-                                   CUDA, True, F16)
-                    allowed = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+                    k, v, allowed = _masked_tile(k_ptr, v_ptr, table, kb, kv_head, stride_k_slot, stride_k_head,
+                                                 stride_v_slot, stride_v_head, in_blk, d, pos, L, D, P, BLOCK_N,
+                                                 KV_FP8, CUDA, F16)
                     acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16,
                                                 False)
                 # every row sees at least its own key, so l_i >= 1 on the rows that are stored
