@@ -750,27 +750,17 @@ def make_sparse_case(cell: Cell, rows: int, device: torch.device, gen: torch.Gen
                 bytes_moved=kv_bytes + 2 * case.args[0].numel() * 2)
 
 
-def _sparse_cell(hq: int, hk: int, d: int, p: int, kv: torch.dtype, bs: int, topk: int, rows: tuple[int, int],
-                 why: str) -> Cell:
-    return Cell(rows=rows, shape=(hq, hk, d, p, _KV_BITS[kv], bs, topk), why=why,
-                config={"tiles": default_tiles(d, p, kv)})
+def _sparse_of(c: Cell, topk: int) -> Cell:
+    """The MSA-layer cell of a dense cell: its shape and tiles, blocks of one page (the cache sizes pages from the
+    index block), top-k blocks per (query token, KV head)."""
+    p = c.shape[3]
+    return Cell(rows=c.rows, shape=(*c.shape, p, topk), config=dict(c.config),
+                why=f"{c.why.replace('dense layer', 'MSA layer')}, top-{topk} of {p}-key blocks")
 
 
-# (Hq, Hk, D, P, kv bits, block size, topk); the nvfp4 hybrid cache keeps MSA layers in NVFP4: attn.paged reads them
-SPARSE_CELLS = (
-    _sparse_cell(64, 4, 128, 128, torch.bfloat16, 128, 16, (1, 16384), "M3 TP1 MSA layer (top-16 of 128-key blocks), "
-                 "bf16 cache"),
-    _sparse_cell(64, 4, 128, 128, torch.float8_e4m3fn, 128, 16, (1, 16384), "M3 TP1 MSA layer (top-16 of 128-key "
-                 "blocks), FP8 cache"),
-    _sparse_cell(32, 2, 128, 128, torch.bfloat16, 128, 16, (1, 16384), "M3 TP2 MSA layer (top-16 of 128-key blocks), "
-                 "bf16 cache"),
-    _sparse_cell(32, 2, 128, 128, torch.float8_e4m3fn, 128, 16, (1, 16384), "M3 TP2 MSA layer (top-16 of 128-key "
-                 "blocks), FP8 cache"),
-    _sparse_cell(4, 2, 64, 32, torch.bfloat16, 32, 8, (1, 4096), "embedded model MSA layer (top-8 of 32-key blocks), "
-                 "bf16 cache"),
-    _sparse_cell(4, 2, 64, 32, torch.float8_e4m3fn, 32, 8, (1, 4096), "embedded model MSA layer (top-8 of 32-key "
-                 "blocks), FP8 cache"),
-)
+# (Hq, Hk, D, P, kv bits, block size, topk): the dense cells' layers with M3's top-16 (the embedded model's top-8);
+# the nvfp4 hybrid cache keeps MSA layers in NVFP4, which attn.paged reads
+SPARSE_CELLS = tuple(_sparse_of(c, 16 if c.shape[3] == 128 else 8) for c in CELLS)
 
 SPARSE_INTERP_CELLS = (
     Cell(rows=(21, 21), shape=(4, 2, 32, 16, 16, 16, 2), config={"tiles": _INTERP_TILES},
