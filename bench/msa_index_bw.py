@@ -1,10 +1,19 @@
 """Bandwidth of msa.scores (index-K bytes read per second) at 128k context, plus msa.select and kv.write times.
 
     python3 bench/msa_index_bw.py [--out FILE.json]
+    python3 bench/msa_index_bw.py --prefill-chunk 16384 --prefill-ctx 114688 [--out FILE.json]
 
 Ceiling: a device-to-device copy of 1 GiB (bytes read + written over time). Every timing is the
 median of CUDA-graph replays of 16 launches that rotate over distinct page pools (at least 8 x the
 50 MB L2 in all), so no launch reads index-K another launch left in the cache.
+
+--prefill-chunk N: instead, msa.scores of ONE sequence prefilling an N-token chunk after --prefill-ctx tokens
+already cached (M3 TP1: Hk 4, Di 128, P 128, top-16; the table exactly the sequence's blocks), bf16 and fp8 index
+pages: the decode tiling, the prefill (query-stationary) tiling's default tile, and prefill tile variants (BQ x
+warps x stages, block splits), each first checked against the reference at a small step (compare_scores) and then
+timed (median of CUDA-event timings of eager launches: each is milliseconds). TFLOP/s = 2 * Di * Hk * visible
+(row, key) pairs / time. Also msa.select at the same shape. A variant that fails to build or check records its
+error and the rest go on.
 """
 
 from __future__ import annotations
@@ -72,11 +81,151 @@ def scores_setup(hk: int, di: int, p: int, fmt: str, batch: int, rows: int, cont
     return calls, read
 
 
+# --- prefill: one long chunk ------------------------------------------------------------------------
+
+PF_GEOM = {"hk": 4, "di": 128, "p": 128, "topk": 16}      # M3 TP1
+
+
+def event_time(fn, reps: int) -> float:
+    """Median seconds of `reps` eager calls, each timed by CUDA events (after two warm-up calls)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return sorted(times)[len(times) // 2]
+
+
+def prefill_variants() -> list[tuple[str, str, mi.PrefillScoresTile | None]]:
+    """(name, tiling, prefill tile) in the order they are timed: the two defaults first."""
+    hk = PF_GEOM["hk"]
+    default = mi.prefill_scores_tile(16384, hk)
+    out = [("decode", "decode", None), ("prefill-default", "prefill", None)]
+    for bq in (16, 32, 64):
+        for warps in (4, 8):
+            for stages in (2, 3):
+                t = mi.PrefillScoresTile(bq=bq, split_blocks=default.split_blocks, num_warps=warps, num_stages=stages)
+                # 256 dot rows on 4 warps: a 256-register accumulator per thread, spills at sm_90 (aot_compile)
+                if t != default and bq * hk <= 32 * warps:
+                    out.append((f"prefill-bq{bq}-w{warps}-s{stages}", "prefill", t))
+    for split in (128, 1024):
+        out.append((f"prefill-split{split}", "prefill", default._replace(split_blocks=split)))
+    return out
+
+
+def check_variant(fmt: str, tiling: str, tile) -> None:
+    """compare_scores at a small step of the same geometry: a 1024-row chunk after 7168 keys, a shorter scored
+    sequence, a padding one, over a 96-block table (-inf tail, splits past the context)."""
+    g = PF_GEOM
+    case = mi.build_scores_case(g["hk"], g["di"], g["p"], fmt, g["topk"], 1024, [8192, 3000, 0], 96, DEV,
+                                torch.Generator().manual_seed(5))
+    out = mi.msa_block_scores(*case.args, **case.kwargs, tiling=tiling, prefill_tile=tile)
+    torch.cuda.synchronize()
+    mi.compare_scores(out, mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
+
+
+def prefill_bench(chunk: int, ctx: int, reps: int) -> dict:
+    g = PF_GEOM
+    hk, di, p, topk = g["hk"], g["di"], g["p"], g["topk"]
+    seq_len = ctx + chunk
+    b = triton.cdiv(seq_len, p)
+    pairs = chunk * ctx + chunk * (chunk + 1) // 2          # visible (row, key) pairs
+    flops = 2 * di * hk * pairs
+    res = {"chunk": chunk, "context": ctx, "seq_len": seq_len, "blocks": b, **g, "flops": flops,
+           "default_tile": mi.prefill_scores_tile(chunk, hk)._asdict(), "scores": [], "select": []}
+    print(f"prefill: one sequence, {chunk}-token chunk after {ctx} keys (L {seq_len}, {b} blocks), Hk {hk} Di {di} "
+          f"P {p}: {flops / 1e12:.2f} TFLOP per call", flush=True)
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=DEV)
+    qs = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
+    table = torch.randperm(b, device=DEV).int().view(1, b)
+    q = torch.randn(chunk, hk, di, device=DEV).to(torch.bfloat16)
+    scores = torch.empty(chunk, hk, b, device=DEV)
+    for fmt in ("bf16", "fp8"):
+        try:
+            pages = torch.randn(b + 1, p, di, device=DEV).to(torch.bfloat16)
+            if fmt == "fp8":
+                pages = pages.to(torch.float8_e4m3fn)
+        except Exception as e:  # noqa: BLE001 (a bench: record and go on)
+            res["scores"].append({"fmt": fmt, "error": f"setup: {type(e).__name__}: {e}"})
+            continue
+        base = None
+        for name, tiling, tile in prefill_variants():
+            rec = {"fmt": fmt, "variant": name, "tiling": tiling,
+                   "tile": (tile or mi.prefill_scores_tile(chunk, hk))._asdict() if tiling == "prefill" else
+                   dict(zip(("bq", "qchunks"), mi.scores_tile(chunk, hk)))}
+            try:
+                check_variant(fmt, tiling, tile)
+                rec["check"] = "ok"
+
+                def call(tiling=tiling, tile=tile):
+                    mi.msa_block_scores(q, pages, table, lens, qs, scores, max_query_len=chunk, topk=topk,
+                                        tiling=tiling, prefill_tile=tile)
+                t = event_time(call, reps)
+                rec.update(ms=t * 1e3, tflops=flops / t / 1e12)
+                if base is None:
+                    base = scores.clone()
+                    rec["vs_decode"] = "is the baseline"
+                else:
+                    fin = torch.isfinite(base)
+                    same_inf = bool(torch.equal(torch.isfinite(scores), fin))
+                    rec["vs_decode"] = ("bit-identical" if torch.equal(scores, base) else
+                                        f"finite max |diff| {float((scores - base)[fin].abs().max()):.3g}, "
+                                        f"non-finite positions {'equal' if same_inf else 'DIFFER'}")
+                print(f"  scores {fmt:4s} {name:24s} {t * 1e3:9.2f} ms {flops / t / 1e12:7.1f} TFLOP/s  "
+                      f"({rec['vs_decode']})", flush=True)
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"  scores {fmt:4s} {name:24s} FAILED: {rec['error'][:300]}", flush=True)
+            res["scores"].append(rec)
+        del pages
+        torch.cuda.empty_cache()
+    # msa.select at the same shape: the default warps (select_warps, tuned for one decode row's latency) and each
+    # warp count, since a prefill chunk's 65k (row, head) programs are a throughput problem; select is exact, so every
+    # variant must equal the default's output
+    sc = torch.randn(chunk, hk, b, device=DEV)
+    base = None
+    for warps in (None, 1, 2, 4, 8):
+        rec = {"rows": chunk, "blocks": b, "num_warps": warps or mi.select_warps(triton.next_power_of_2(b)),
+               "default": warps is None}
+        try:
+            sel = torch.full((chunk, hk, topk), mi.SEL_POISON, dtype=torch.int32, device=DEV)
+            fn = lambda: mi.msa_select(sc, lens, qs, sel, max_query_len=chunk, topk=topk, block_size=p,  # noqa: E731
+                                       local_blocks=1, init_blocks=0, num_warps=warps)
+            fn()
+            if base is None:
+                base = sel.clone()
+            rec["same_as_default"] = bool(torch.equal(sel, base))
+            t = event_time(fn, reps)
+            rec["ms"] = t * 1e3
+            print(f"  select Hk {hk} B {b} rows {chunk} warps {rec['num_warps']}: {t * 1e3:9.2f} ms "
+                  f"(same as default: {rec['same_as_default']})", flush=True)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        res["select"].append(rec)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="time one sequence's prefill chunk of this many tokens instead (see the module doc)")
+    ap.add_argument("--prefill-ctx", type=int, default=114688, help="tokens cached before the prefill chunk")
+    ap.add_argument("--prefill-reps", type=int, default=5, help="timed calls per prefill variant (median)")
     a = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__}
+    if a.prefill_chunk:
+        res["prefill"] = prefill_bench(a.prefill_chunk, a.prefill_ctx, a.prefill_reps)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({**run_metadata(), **res}, f, indent=1)
+        return
     copy_bw = copy_bandwidth()
     res["copy_GBps"] = copy_bw / 1e9
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")

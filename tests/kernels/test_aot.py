@@ -34,6 +34,19 @@ def test_kernels_compile_for_sm90_without_spills(name: str) -> None:
         assert r.stack == 0 and r.local == 0, f"{name}/{r.name}: spills ({r.stack} B stack) at {cell.why}"
 
 
+@pytest.mark.parametrize("ifmt", ["bf16", "fp8"])
+def test_msa_scores_prefill_tiling_compiles_for_sm90_without_spills(ifmt: str) -> None:
+    """msa.scores' prefill-chunk cell at M3 TP1 (Hk 4, Di 128, P 128) launches the query-stationary kernel (a
+    128-row index-q tile held across the block walk) and it builds without spills for both index-K formats."""
+    from m3serve.kernels.attention import msa_index as mi
+    e = ENTRIES["msa.scores"]
+    cell = next(c for c in e.cells if c.shape == (4, 128, 128, mi.IFMT_CODE[ifmt], 16) and c.rows[0] > 48)
+    one = type(e)(**{**e.__dict__, "cells": (cell,)})
+    assert {kern.__name__ for _, _, kern, _, _ in aot_check.collect([one]).values()} == {"_block_scores_prefill_kernel"}
+    for _, _, r in aot_check.run([one], arch=90):
+        assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.regs} regs, {r.stack} B stack"
+
+
 @pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiled"])
 def test_mma_moe_layouts_compile_for_sm90_without_spills(monkeypatch, tiled: bool) -> None:
     """moe.nvfp4's MMA step (1-8 tokens) with its weights row-major and in the MMA tile layout (moe/_mma.py,

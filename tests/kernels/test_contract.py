@@ -79,9 +79,10 @@ def test_step_metadata_pointers_are_not_specialised_on_alignment():
     while serving (seen on the H200: msa.scores compiled after the warm-up when a step's count moved the lengths
     onto an aligned address)."""
     from m3serve.kernels.attention._paged import paged_attn_split
-    from m3serve.kernels.attention.msa_index import _block_scores_kernel, _select_kernel
+    from m3serve.kernels.attention.msa_index import _block_scores_kernel, _block_scores_prefill_kernel, _select_kernel
     from m3serve.kernels.attention.prefill import _prefill_attention_kernel
     for k, names in ((paged_attn_split, ("len_ptr", "qs_ptr")), (_block_scores_kernel, ("lens_ptr", "qs_ptr")),
+                     (_block_scores_prefill_kernel, ("lens_ptr", "qs_ptr")),
                      (_select_kernel, ("lens_ptr", "qs_ptr")),
                      (_prefill_attention_kernel, ("seq_lens_ptr", "qstart_ptr"))):
         params = {p.name: p for p in k.gpu.params}

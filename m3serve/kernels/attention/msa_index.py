@@ -25,12 +25,26 @@ Shape legend:
     sel          [T, Hk, K]    int32 out
 
 Grids depend on S, B, Hk and max_query_len (a host int, >= every n) only. Bandwidth design of the
-scorer: one program per (sequence, block, query tile) loads the block's index-K [P, Di] once and
-scores every row of its tile and every index head against it ([rows*Hk, Di] x [Di, P] on the tensor
-cores), so decode reads each index-K byte once; keys no row of the tile can see are not read.
+scorer: two tilings of the same entry, chosen by max_query_len (scores_tiling):
+    decode  (<= DECODE_MAX_QUERY rows per sequence) one program per (sequence, block, query tile of up to
+            128 rows) loads the block's index-K [P, Di] once and scores every row of its tile and every
+            index head against it ([rows*Hk, Di] x [Di, P] on the tensor cores), so decode reads each
+            index-K byte once; keys no row of the tile can see are not read.
+    prefill (query-stationary) at thousands of rows the decode grid is bound by its queries, not its keys:
+            every (block, tile) program reloads 128 KB of index-q for one 32 KB page (M3 TP1), ~100 TFLOP/s
+            on the H200 at a 16k-token chunk. Instead one program per (sequence, query tile of BQ tokens x
+            Hk heads, range of at most split_blocks blocks) loads its index-q once, keeps it in registers
+            and walks the blocks the tile can see, one (pipelined) page per step: first those every row
+            sees whole (no mask), then the causal diagonal; the blocks past the tile's last position are
+            written -inf without being read. A page is read once per query tile, mostly from L2 (a
+            sequence's tiles walk the same pages together); the block-range split keeps the SMs busy when
+            a step has few tiles (a short chunk over a wide table).
+Both compute each score as one fp32 tensor-core dot of bf16 operands and the same NaN-propagating max.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,6 +63,8 @@ IFMT_CODE = {"bf16": 1, "fp8": 3}
 _IFMT_NAME = {c: n for n, c in IFMT_CODE.items()}
 _INDEX_DTYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
 _MAX_GRID_YZ = 65535
+# query rows per sequence up to which msa.scores uses the decode tiling (the cells' decode / verify band)
+DECODE_MAX_QUERY = 48
 NEG_INF = float("-inf")
 _NEG_INF = tl.constexpr(float("-inf"))  # the same, readable inside kernels
 # Monotone int32 key of fp32 -inf (bits ^ 0x7FFFFFFF of 0xFF800000) and of "not a candidate".
@@ -63,6 +79,30 @@ SEL_POISON = -99  # int32 output poison: never a block id (>= 0) nor the padding
 def _max_nan(a, b):
     """max that propagates NaN, as torch's amax does (tl.max returns the non-NaN operand)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@helper
+def _row_max_nan(x, CUDA: tl.constexpr):
+    """NaN-propagating max over axis 1 of [M, P]. The interpreter calls a tl.reduce combine function once per
+    element pair from Python (minutes for a prefill test), so there a NaN flag beside tl.max gives the same value."""
+    if CUDA:
+        return tl.reduce(x, 1, _max_nan)
+    else:
+        return tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), tl.max(x, 1))
+
+
+@helper
+def _index_k_operand(kt, IK_FP8: tl.constexpr, CUDA: tl.constexpr):
+    """[P, Di] index-K page as loaded -> the dot's operand: bf16 (fp8 e4m3 widened exactly) compiled, fp32 in the
+    interpreter (it mis-computes bf16 dots)."""
+    if IK_FP8:
+        if CUDA:
+            kt = kt.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        else:
+            kt = e4m3_to_f32(kt, CUDA)
+    elif not CUDA:
+        kt = kt.to(tl.float32)
+    return kt
 
 
 @kernel_unspecialized(unaligned=("lens_ptr", "qs_ptr"))
@@ -88,14 +128,7 @@ def _block_scores_kernel(q_ptr, ik_ptr, table_ptr, lens_ptr, qs_ptr, out_ptr, to
         slot = tl.load(table_ptr + s.to(tl.int64) * stride_tab + b).to(tl.int64)
         kmask = (first_key + j <= last_pos)[:, None]
         kt = tl.load(ik_ptr + slot * ik_slot + j[:, None] * ik_tok + d[None, :], mask=kmask, other=0)
-        if IK_FP8:
-            if CUDA:
-                kt = kt.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            else:
-                kt = e4m3_to_f32(kt, CUDA)
-        elif not CUDA:
-            kt = kt.to(tl.float32)  # the interpreter mis-computes bf16 dots
-        kt = tl.trans(kt)
+        kt = tl.trans(_index_k_operand(kt, IK_FP8, CUDA))
         M: tl.constexpr = BQ * HKP
         m = tl.arange(0, M)
         g = m % HKP
@@ -118,6 +151,61 @@ def _block_scores_kernel(q_ptr, ik_ptr, table_ptr, lens_ptr, qs_ptr, out_ptr, to
                 tl.store(out_ptr + t * stride_ot + g * stride_oh + b, tl.full([M], _NEG_INF, tl.float32), mask=live)
 
 
+@kernel_unspecialized("B", "split_blocks", unaligned=("lens_ptr", "qs_ptr"))
+def _block_scores_prefill_kernel(q_ptr, ik_ptr, table_ptr, lens_ptr, qs_ptr, out_ptr, topk, B, split_blocks,
+                                 stride_qt, stride_qh, ik_slot, ik_tok, stride_tab, stride_ot, stride_oh,
+                                 HK: tl.constexpr, HKP: tl.constexpr, DI: tl.constexpr, P: tl.constexpr,
+                                 BQ: tl.constexpr, INF_COLS: tl.constexpr, IK_FP8: tl.constexpr, CUDA: tl.constexpr):
+    """Query-stationary scorer (prefill rows): one program per (sequence, query tile, range of split_blocks
+    blocks) holds its BQ tokens x HKP heads of index-q in registers and walks the blocks of its range that the
+    tile can see, one index-K page per step; blocks past the tile's last position are written -inf unread."""
+    s = tl.program_id(0)
+    # heaviest tiles first (a causal tile's last rows see the most blocks): the tail of the launch is short tiles
+    row0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BQ
+    b_lo = tl.program_id(2) * split_blocks
+    seq_len = tl.load(lens_ptr + s)
+    q0 = tl.load(qs_ptr + s)
+    n = tl.load(qs_ptr + s + 1) - q0
+    nb = (seq_len + P - 1) // P
+    if (nb > topk) & (row0 < n):
+        b_hi = tl.minimum(b_lo + split_blocks, B)
+        M: tl.constexpr = BQ * HKP
+        m = tl.arange(0, M)
+        g = m % HKP
+        r = row0 + m // HKP
+        live = (r < n) & (g < HK)
+        t = (q0 + r).to(tl.int64)
+        pos = seq_len - n + r
+        first_pos = seq_len - n + row0
+        last_pos = seq_len - n + tl.minimum(row0 + BQ, n) - 1
+        # [b_lo, full_end): every row sees every key (no mask); [full_end, vis_end): the diagonal; then -inf
+        full_end = tl.maximum(tl.minimum((first_pos + 1) // P, b_hi), b_lo)
+        vis_end = tl.maximum(tl.minimum(last_pos // P + 1, b_hi), b_lo)
+        j = tl.arange(0, P)
+        d = tl.arange(0, DI)
+        q = tl.load(q_ptr + t[:, None] * stride_qt + g[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0)
+        if not CUDA:
+            q = q.to(tl.float32)
+        tab = table_ptr + s.to(tl.int64) * stride_tab
+        out = out_ptr + t * stride_ot + g * stride_oh
+        kofs = j[:, None] * ik_tok + d[None, :]
+        for b in range(b_lo, full_end):
+            slot = tl.load(tab + b).to(tl.int64)
+            kt = _index_k_operand(tl.load(ik_ptr + slot * ik_slot + kofs), IK_FP8, CUDA)
+            tl.store(out + b, _row_max_nan(tl.dot(q, tl.trans(kt)), CUDA), mask=live)
+        for b in range(full_end, vis_end):
+            slot = tl.load(tab + b).to(tl.int64)
+            key = b * P + j
+            kt = tl.load(ik_ptr + slot * ik_slot + kofs, mask=(key <= last_pos)[:, None], other=0)
+            kt = _index_k_operand(kt, IK_FP8, CUDA)
+            dots = tl.where(key[None, :] <= pos[:, None], tl.dot(q, tl.trans(kt)), _NEG_INF)
+            tl.store(out + b, _row_max_nan(dots, CUDA), mask=live)
+        c = tl.arange(0, INF_COLS)
+        for b in range(vis_end, b_hi, INF_COLS):
+            tl.store(out[:, None] + (b + c)[None, :], tl.full([M, INF_COLS], _NEG_INF, tl.float32),
+                     mask=live[:, None] & (b + c < b_hi)[None, :])
+
+
 _check, _check_shape = check_operand, check_shape
 
 
@@ -136,7 +224,7 @@ def _check_step(seq_lens, query_start, device) -> int:
 
 
 def scores_tile(max_query_len: int, hk: int) -> tuple[int, int]:
-    """(BQ query rows per dot, QCHUNKS dots per program): a dot of BQ*Hk >= 16 rows (the MMA
+    """(BQ query rows per dot, QCHUNKS dots per program) of the decode tiling: a dot of BQ*Hk >= 16 rows (the MMA
     minimum) and at most 64 (accumulator registers); a program covers up to 128 rows, and only as
     many dots as max_query_len needs (48 verify rows: 3 dots of 16 rows x 4 heads, not 4)."""
     hkp = triton.next_power_of_2(hk)
@@ -144,11 +232,62 @@ def scores_tile(max_query_len: int, hk: int) -> tuple[int, int]:
     return bq, triton.cdiv(min(max_query_len, 128), bq)
 
 
+class PrefillScoresTile(NamedTuple):
+    """The query-stationary (prefill) tiling's launch: BQ tokens x next_power_of_2(Hk) heads of index-q per program,
+    at most split_blocks blocks per program (the block range is split over grid z), warps and pipeline depth."""
+    bq: int
+    split_blocks: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_scores_tile(max_query_len: int, hk: int) -> PrefillScoresTile:
+    """A first guess, to be measured on the H200 (bench/msa_index_bw.py --prefill-chunk): 128 dot rows (32 tokens
+    x 4 heads at M3 TP1; 100 registers, 97 KB of shared memory for 3 page stages at sm_90, so 2 programs per SM),
+    each page then feeds a [128, 128] x [128, 128] dot; 256 dot rows (BQ 64) would halve the page reads but hold
+    one program per SM. 256 blocks per program: a 16k-token chunk over 1024 blocks is 512 tiles x 4 = 2048
+    programs, and a short chunk over an 8192-block table still spreads over the SMs. Depends on no row count past
+    the prefill threshold, so one compiled variant serves every prefill chunk (the warm-up reaches it with any
+    chunk of > 48 rows)."""
+    del max_query_len  # the same tile for every prefill chunk (see above)
+    hkp = triton.next_power_of_2(hk)
+    return PrefillScoresTile(bq=max(1, 128 // hkp), split_blocks=256, num_warps=8, num_stages=3)
+
+
+def scores_tiling(max_query_len: int) -> str:
+    """'decode' (grid over blocks, each index-K page read once per 128-row tile) up to DECODE_MAX_QUERY rows per
+    sequence, 'prefill' (query-stationary) past it."""
+    return "decode" if max_query_len <= DECODE_MAX_QUERY else "prefill"
+
+
+def scores_variant(max_query_len: int, hk: int) -> tuple:
+    """What a call's compiled variant depends on besides the geometry: its tiling and that tiling's tile."""
+    if scores_tiling(max_query_len) == "decode":
+        return ("decode", scores_tile(max_query_len, hk))
+    return ("prefill", prefill_scores_tile(max_query_len, hk))
+
+
+def _check_prefill_tile(tile, hk: int) -> PrefillScoresTile:
+    if not isinstance(tile, PrefillScoresTile):
+        raise TypeError(f"prefill_tile: expected a PrefillScoresTile, found {type(tile).__name__}")
+    m = tile.bq * triton.next_power_of_2(hk)
+    if tile.bq < 1 or tile.bq & (tile.bq - 1) or not 16 <= m <= 256:
+        raise ValueError(f"prefill_tile.bq: expected a power of two with 16 <= BQ*next_power_of_2(Hk) <= 256 (the "
+                         f"tensor-core minimum; the accumulator in registers), found BQ {tile.bq} at Hk {hk}")
+    _check_int("prefill_tile.split_blocks", tile.split_blocks, 1)
+    _check_int("prefill_tile.num_warps", tile.num_warps, 1, 16)
+    _check_int("prefill_tile.num_stages", tile.num_stages, 1, 8)
+    return tile
+
+
 def msa_block_scores(index_q: torch.Tensor, index_pages: torch.Tensor, slot_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start: torch.Tensor, scores: torch.Tensor, *,
-                     max_query_len: int, topk: int, num_warps: int = 4) -> torch.Tensor:
+                     max_query_len: int, topk: int, num_warps: int | None = None, tiling: str | None = None,
+                     prefill_tile: PrefillScoresTile | None = None) -> torch.Tensor:
     """Raw call: block scores of every row of every sequence with ceil(L/P) > topk; returns `scores`.
-    num_warps: per program (one block's index-K page; tile sweeps)."""
+    num_warps: per program (tile sweeps; default 4, or the prefill tile's). tiling: None chooses by max_query_len
+    (scores_tiling); "decode" / "prefill" force one, for tests and benches (both are exact in the same sense).
+    prefill_tile: overrides prefill_scores_tile() (benches)."""
     dev = index_q.device if isinstance(index_q, torch.Tensor) else None
     _check("index_q", index_q, (torch.bfloat16,), 3, dev)
     t, hk, di = index_q.shape
@@ -164,23 +303,43 @@ def msa_block_scores(index_q: torch.Tensor, index_pages: torch.Tensor, slot_tabl
     _check_shape("slot_table", slot_table, (s, b), "[S, B]")
     _check("scores", scores, (torch.float32,), 3, dev)
     _check_shape("scores", scores, (t, hk, b), "[T, Hk, B]")
+    if scores.stride(2) != 1:
+        raise ValueError(f"scores: expected unit stride over blocks, found strides {tuple(scores.stride())}")
     _check_int("max_query_len", max_query_len, 1)
     _check_int("topk", topk, 1)
-    bq, chunks = scores_tile(max_query_len, hk)
-    tiles = triton.cdiv(max_query_len, bq * chunks)
-    if b > _MAX_GRID_YZ or tiles > _MAX_GRID_YZ:
-        raise ValueError(f"slot_table/max_query_len: grid ({s}, {b}, {tiles}) exceeds {_MAX_GRID_YZ} in y or z")
+    if tiling not in (None, "decode", "prefill"):
+        raise ValueError(f"tiling: expected None, 'decode' or 'prefill', found {tiling!r}")
+    if num_warps is not None:
+        _check_int("num_warps", num_warps, 1, 16)
+    tiling = tiling or scores_tiling(max_query_len)
+    hkp = triton.next_power_of_2(hk)
+    if tiling == "prefill":
+        tile = _check_prefill_tile(prefill_tile or prefill_scores_tile(max_query_len, hk), hk)
+        grid = (s, triton.cdiv(max_query_len, tile.bq), triton.cdiv(b, tile.split_blocks))
+    else:
+        bq, chunks = scores_tile(max_query_len, hk)
+        grid = (s, b, triton.cdiv(max_query_len, bq * chunks))
+    if grid[1] > _MAX_GRID_YZ or grid[2] > _MAX_GRID_YZ:
+        raise ValueError(f"slot_table/max_query_len: {tiling} grid {grid} exceeds {_MAX_GRID_YZ} in y or z")
     if s == 0 or t == 0 or b == 0:
         return scores
     fp8 = index_pages.dtype == torch.float8_e4m3fn
     pages = index_pages.view(torch.uint8) if fp8 else index_pages  # the interpreter has no fp8 type
-    _block_scores_kernel[(s, b, tiles)](
-        index_q, pages, slot_table, seq_lens, query_start, scores, topk,
-        index_q.stride(0), index_q.stride(1), pages.stride(0), pages.stride(1), slot_table.stride(0),
-        scores.stride(0), scores.stride(1),
-        HK=hk, HKP=triton.next_power_of_2(hk), DI=di, P=p, BQ=bq, QCHUNKS=chunks, IK_FP8=fp8,
-        CUDA=is_compiled(index_q), num_warps=num_warps,
-    )
+    common = (index_q, pages, slot_table, seq_lens, query_start, scores, topk)
+    strides = (index_q.stride(0), index_q.stride(1), pages.stride(0), pages.stride(1), slot_table.stride(0),
+               scores.stride(0), scores.stride(1))
+    if tiling == "prefill":
+        _block_scores_prefill_kernel[grid](
+            *common, b, tile.split_blocks, *strides,
+            HK=hk, HKP=hkp, DI=di, P=p, BQ=tile.bq, INF_COLS=32, IK_FP8=fp8, CUDA=is_compiled(index_q),
+            num_warps=num_warps or tile.num_warps, num_stages=tile.num_stages,
+        )
+    else:
+        _block_scores_kernel[grid](
+            *common, *strides,
+            HK=hk, HKP=hkp, DI=di, P=p, BQ=bq, QCHUNKS=chunks, IK_FP8=fp8,
+            CUDA=is_compiled(index_q), num_warps=num_warps or 4,
+        )
     return scores
 
 
@@ -346,11 +505,11 @@ def msa_block_scores_stock(index_q, index_pages, slot_table, seq_lens, query_sta
 
 
 def warmup_scores(device: torch.device) -> None:
-    """Compile every tile config a cell's row counts reach (the only compile-time dependence on rows)."""
+    """Compile every tiling and tile config a cell's row counts reach (the only compile-time dependence on rows)."""
     for c in SCORES_CELLS:
         first_rows = {}
         for r in c.row_counts():
-            first_rows.setdefault(scores_tile(r, c.shape[0]), r)
+            first_rows.setdefault(scores_variant(r, c.shape[0]), r)
         for rows in first_rows.values():
             case = make_scores_case(c, rows, device, None)
             msa_block_scores(*case.args, **case.kwargs)
@@ -541,7 +700,8 @@ def warmup_select(device: torch.device) -> None:
 
 # --- cells and entries --------------------------------------------------------------------------
 
-_ROWS = (((1, 48), "decode / speculative verify (query rows per sequence)"), ((49, 8192), "prefill chunk"))
+_ROWS = (((1, DECODE_MAX_QUERY), "decode / speculative verify (query rows per sequence)"),
+         ((DECODE_MAX_QUERY + 1, 8192), "prefill chunk"))
 # (Hk, Di, P, topk, name)
 _GEOMS = ((4, 128, 128, 16, "M3 TP1"), (2, 128, 128, 16, "M3 TP2"), (2, 64, 32, 8, "embedded m3-tiny-verse"))
 
@@ -558,7 +718,9 @@ def _rows_upto(rows: tuple[int, int], name: str, p: int) -> tuple[int, int]:
 
 SCORES_CELLS = tuple(
     Cell(rows=_rows_upto(rows, name, p), shape=(hk, di, p, IFMT_CODE[ifmt], topk),
-         why=f"{name}, {ifmt} index-K: {rwhy}; grid (sequence, block, query tile), index-K read once per tile")
+         why=f"{name}, {ifmt} index-K: {rwhy}; " + (
+             "grid (sequence, block, query tile), index-K read once per tile" if rows[1] <= DECODE_MAX_QUERY else
+             "query-stationary: grid (sequence, query tile, block range), index-q loaded once per program"))
     for hk, di, p, topk, name in _GEOMS for ifmt in ("bf16", "fp8") for rows, rwhy in _ROWS
 )
 SCORES_INTERP_CELLS = (
@@ -567,7 +729,7 @@ SCORES_INTERP_CELLS = (
     Cell(rows=(1, 5), shape=(3, 16, 16, IFMT_CODE["fp8"], 2), config={"batch": 4, "blocks": 6},
          why="interpreter: fp8 index-K, 3 heads (masked), identity / padding / partial sequences"),
     Cell(rows=(130, 130), shape=(2, 16, 16, IFMT_CODE["bf16"], 2), config={"batch": 1, "blocks": 12},
-         why="interpreter: prefill rows over two query tiles"),
+         why="interpreter: prefill rows over three query tiles of the query-stationary tiling"),
 )
 SELECT_CELLS = tuple(
     Cell(rows=_rows_upto(rows, name, p), shape=(hk, p, topk, b),

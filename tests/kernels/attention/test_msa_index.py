@@ -40,11 +40,102 @@ def test_scores_match_block_scores(hk, di, p, fmt, topk, rows, contexts, blocks)
     _scores(mi.build_scores_case(hk, di, p, fmt, topk, rows, contexts, blocks, CPU, gen))
 
 
-def test_prefill_rows_over_several_tiles_and_causal_skips() -> None:
-    """300 query rows (3 tiles of 128) with a context that starts inside the chunk: blocks before
-    the chunk, blocks no row of a tile can see (written -inf without loading K), blocks past L."""
+@pytest.mark.parametrize("tiling", [None, "decode"])
+def test_prefill_rows_over_several_tiles_and_causal_skips(tiling) -> None:
+    """300 query rows (several query tiles of either tiling) with a context that starts inside the chunk: blocks
+    before the chunk, blocks no row of a tile can see (written -inf without loading K), blocks past L."""
     gen = torch.Generator().manual_seed(12)
-    _scores(mi.build_scores_case(2, 16, 16, "bf16", 2, 300, [330], 24, CPU, gen))
+    case = mi.build_scores_case(2, 16, 16, "bf16", 2, 300, [330], 24, CPU, gen)
+    out = mi.msa_block_scores(*case.args, **case.kwargs, tiling=tiling)
+    mi.compare_scores(out, mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
+
+
+# --- scores: the query-stationary (prefill) tiling, past DECODE_MAX_QUERY rows ----------------------
+
+def _tile(bq: int, split_blocks: int) -> mi.PrefillScoresTile:
+    return mi.PrefillScoresTile(bq=bq, split_blocks=split_blocks, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("hk,di,p,fmt,topk,rows,contexts,blocks,tile", [
+    (1, 16, 16, "bf16", 1, 49, [49, 100, 300], 20, None),          # a fresh prompt; chunks after a context
+    (2, 16, 16, "fp8", 2, 130, [130, 333, 0], 24, None),           # fp8 index-K, L % P != 0, a padding sequence
+    (3, 16, 16, "bf16", 4, 60, [60, 517, 1000, 0], 64, None),      # 3 heads (padded to 4), an identity sequence
+    (4, 32, 16, "fp8", 3, 300, [1000, 300, 47 * 16 + 5], 70, None),  # M3's 4 heads, Di 32, several tiles
+    (4, 16, 32, "bf16", 2, 97, [97, 64 * 32, 1111], 64, None),     # P 32; every block of the table visible
+    (2, 16, 16, "bf16", 2, 90, [93, 300, 0, 29 * 16], 30, _tile(8, 4)),    # 16-row dots, 4-block splits
+    (4, 16, 16, "fp8", 3, 150, [150, 700, 0], 50, _tile(64, 7)),   # 256-row dots, splits across the diagonal
+    (3, 16, 16, "bf16", 1, 49, [49, 300], 21, _tile(16, 1)),       # one block per program
+])
+def test_prefill_tiling_matches_block_scores(hk, di, p, fmt, topk, rows, contexts, blocks, tile) -> None:
+    """Fresh random inputs and poisoned outputs; rows > DECODE_MAX_QUERY choose the prefill tiling by themselves."""
+    assert mi.scores_tiling(rows) == "prefill"
+    gen = torch.Generator().manual_seed(rows * 13 + hk * 5 + blocks)
+    case = mi.build_scores_case(hk, di, p, fmt, topk, rows, contexts, blocks, CPU, gen)
+    out = mi.msa_block_scores(*case.args, **case.kwargs, prefill_tile=tile)
+    mi.compare_scores(out, mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_the_two_tilings_agree_bit_for_bit_on_exact_dots(fmt) -> None:
+    """Both tilings over the same > 48-row step. With small-integer index vectors every dot is exact in fp32 whatever
+    the summation order, so the outputs must be equal bit for bit (-inf, NaN and unwritten rows included). On random
+    vectors the tilings' fp32 sums may be ordered differently (a 64-row dot against a 128-row one, another MMA
+    shape on the GPU), so there each is compared against the reference instead."""
+    gen = torch.Generator().manual_seed(31 if fmt == "bf16" else 32)
+    hk, di, p, topk, rows, contexts, blocks = 3, 16, 16, 2, 50, [50, 200, 0, 130], 14
+    for exact in (True, False):
+        case = mi.build_scores_case(hk, di, p, fmt, topk, rows, contexts, blocks, CPU, gen)
+        index_q, pages = case.args[0], case.args[1]
+        if exact:
+            index_q.copy_(torch.randint(-3, 4, index_q.shape, generator=gen).to(torch.bfloat16))
+            ints = torch.randint(-3, 4, pages.shape, generator=gen).to(torch.bfloat16)
+            pages.copy_(ints.to(pages.dtype))
+            if fmt == "bf16":  # (the interpreter's e4m3 decode has no NaN: on the CPU fp8 NaN keys are untested)
+                pages[int(case.args[2][1, 7]), 3, 5] = float("nan")   # a NaN key in sequence 1, block 7
+        outs = {}
+        for tiling in ("decode", "prefill"):
+            scores = case.args[5].clone()
+            outs[tiling] = mi.msa_block_scores(*case.args[:5], scores, **case.kwargs, tiling=tiling)
+            mi.compare_scores(outs[tiling], mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
+        if exact:
+            a, b = outs["decode"], outs["prefill"]
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
+            assert fmt != "bf16" or bool(torch.isnan(b[rows:2 * rows, :, 7]).all())
+
+
+def test_prefill_tiling_nan_key_visible_and_invisible() -> None:
+    """A NaN key in a block every row of the tile sees whole (the unmasked walk) makes the block NaN for every row;
+    one in the diagonal block only for the rows that see it; NaN garbage past L is never read."""
+    gen = torch.Generator().manual_seed(5)
+    rows, ctx = 60, 100                                  # positions 40 .. 99, P 16: blocks 0, 1 whole, 2 .. 6 diagonal
+    for tile in (None, _tile(16, 3)):
+        case = mi.build_scores_case(2, 16, 16, "bf16", 1, rows, [ctx], 8, CPU, gen)
+        pages, table = case.args[1], case.args[2]
+        pages[int(table[0, 1]), 5, 3] = float("nan")     # key 21: visible to every row
+        pages[int(table[0, 5]), 15, 0] = float("nan")    # key 95: visible to rows 55 .. 59 only
+        pages[int(table[0, 6]), 4:, :] = float("nan")    # keys 100 .. 111: past L
+        out = mi.msa_block_scores(*case.args, **case.kwargs, prefill_tile=tile)
+        mi.compare_scores(out, mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
+        assert bool(torch.isnan(out[:, :, 1]).all())
+        assert bool(torch.isnan(out[55:, :, 5]).all()) and not bool(torch.isnan(out[:55, :, 5]).any())
+        assert not bool(torch.isnan(out[:, :, 6]).any()) and bool(torch.isfinite(out[-4:, :, 6]).all())
+        assert bool((out[:, :, 7] == float("-inf")).all())
+
+
+def test_scores_tiling_is_chosen_by_rows_and_validated() -> None:
+    assert [mi.scores_tiling(n) for n in (1, 48, 49, 16384)] == ["decode", "decode", "prefill", "prefill"]
+    assert mi.scores_variant(49, 4) == mi.scores_variant(8192, 4)   # one compiled prefill variant per geometry
+    t = mi.prefill_scores_tile(16384, 4)
+    assert t.bq * 4 == 128 and t.split_blocks >= 1
+    args, kwargs = _score_args()
+    with pytest.raises(ValueError, match="tiling"):
+        mi.msa_block_scores(*args, **kwargs, tiling="stationary")
+    with pytest.raises(ValueError, match="prefill_tile.bq"):
+        mi.msa_block_scores(*args, **kwargs, tiling="prefill", prefill_tile=_tile(4, 8))   # 4 x 2 heads < 16 rows
+    with pytest.raises(ValueError, match="split_blocks"):
+        mi.msa_block_scores(*args, **kwargs, tiling="prefill", prefill_tile=_tile(8, 0))
+    with pytest.raises(ValueError, match="grid"):
+        mi.msa_block_scores(*args, **{**kwargs, "max_query_len": 70000 * 64}, tiling="prefill")
 
 
 def test_nan_key_gives_a_nan_block_and_invisible_nan_is_ignored() -> None:
@@ -255,6 +346,23 @@ def test_scores_cells_on_the_gpu(i: int) -> None:
         case = mi.build_scores_case(hk, di, p, mi._IFMT_NAME[ifmt], topk, rows, contexts, b, dev,
                                     torch.Generator().manual_seed(rows + i))
         out = mi.msa_block_scores(*case.args, **case.kwargs)
+        torch.cuda.synchronize()
+        mi.compare_scores(out, mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
+        del case, out
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_scores_prefill_tiling_on_the_gpu(fmt: str) -> None:
+    """M3 TP1 (Hk 4, Di 128, P 128, top-16): an 8192-row chunk after an 8k context over a 1024-block table (the
+    -inf tail and block splits past the context), beside a shorter chunk and a padding sequence; both tilings
+    against the reference (their fp32 sums may be ordered differently, see the CPU test)."""
+    dev = _dev()
+    for tiling in ("prefill", "decode"):
+        case = mi.build_scores_case(4, 128, 128, fmt, 16, 8192, [16384, 8192 + 3000, 0], 1024, dev,
+                                    torch.Generator().manual_seed(77))
+        out = mi.msa_block_scores(*case.args, **case.kwargs, tiling=tiling)
         torch.cuda.synchronize()
         mi.compare_scores(out, mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
         del case, out
