@@ -22,7 +22,7 @@ import time
 from m3serve.engine.sampling_params import SamplingParams
 from m3serve.kernels._jit import COMPILE_WATCH
 from m3serve.kernels.attention._paged_call import tile_config
-from m3serve.kernels.attention.msa_index import scores_tile
+from m3serve.kernels.attention.msa_index import scores_variant
 from m3serve.runtime.step_inputs import split_plan
 
 log = logging.getLogger("m3serve")
@@ -35,7 +35,8 @@ def shape_class(n: int) -> str:
 
 def variant_lengths(engine, limit: int) -> list[int]:
     """The shortest prompt length of each attention-kernel variant a prompt prefilled alone selects by its length:
-    msa.scores' query tile (BQ, QCHUNKS: one more dot per 16 query rows up to 128), whether attn.paged splits the
+    msa.scores' tiling and tile (decode: BQ, QCHUNKS, one more dot per 16 query rows up to 48; past 48 rows the
+    one query-stationary prefill tile), whether attn.paged splits the
     keys (its split count is a runtime value; one split writes the output directly) and the dense rows' query
     stacking (QB). A serving step of another length reuses one of them: the kernels specialise on no count
     (kernel_unspecialized)."""
@@ -43,7 +44,7 @@ def variant_lengths(engine, limit: int) -> list[int]:
     g = max(1, cfg.num_attention_heads // max(1, cfg.num_key_value_heads))
     seen, out = set(), []
     for n in range(1, limit + 1):
-        key = (scores_tile(n, cfg.index_n_heads),
+        key = (scores_variant(n, cfg.index_n_heads),
                tuple(splits > 1 for splits in split_plan(n, engine.runner.tables.max_blocks, hk, cfg.index_topk_blocks,
                                                          engine.runner.sparse_tiles)),
                tile_config(g, engine.kv.page_size, n, False).QB)
@@ -54,7 +55,7 @@ def variant_lengths(engine, limit: int) -> list[int]:
 
 
 def scored_tails(engine) -> list[int]:
-    """Chunk lengths n, one per msa.scores query tile (BQ, QCHUNKS), to run at a position past the indexer's top-k
+    """Chunk lengths n, one per msa.scores variant (tiling and tile), to run at a position past the indexer's top-k
     blocks: only such sequences are scored, so a short prompt of the same length never builds the variant (seen on
     the H200: a 65-96-row chunk beside a long sequence compiled while serving). `scored_prefix` says where."""
     cfg = engine.model.cfg
@@ -62,7 +63,7 @@ def scored_tails(engine) -> list[int]:
         return []
     seen, out = set(), []
     for n in range(1, min(128, engine.config.max_num_batched_tokens) + 1):
-        key = scores_tile(n, cfg.index_n_heads)
+        key = scores_variant(n, cfg.index_n_heads)
         if key not in seen:
             seen.add(key)
             out.append(n)

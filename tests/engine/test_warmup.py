@@ -10,7 +10,7 @@ import pytest
 from m3serve import LLM, SamplingParams
 from m3serve.engine.warmup import shape_class, warm_up, warmup_prompt_lengths
 from m3serve.kernels._jit import CompileWatch
-from m3serve.kernels.attention.msa_index import scores_tile
+from m3serve.kernels.attention.msa_index import scores_variant
 from m3serve.runtime.step_inputs import split_plan
 
 
@@ -62,7 +62,7 @@ def test_warm_up_reaches_every_sequence_and_token_count_class(limits):
             longest.add(chunks[0].num_tokens)
         # msa.scores runs only for sequences past the indexer's top-k blocks, with a tile set by the longest chunk
         if any(c.request.num_computed + c.num_tokens > cfg.index_topk_blocks * cfg.index_block_size for c in chunks):
-            scored.add(scores_tile(max(c.num_tokens for c in chunks), cfg.index_n_heads))
+            scored.add(scores_variant(max(c.num_tokens for c in chunks), cfg.index_n_heads))
         return build(chunks)
 
     eng.runner.build_batch = recording
@@ -75,14 +75,14 @@ def test_warm_up_reaches_every_sequence_and_token_count_class(limits):
     hk = eng.kv.spec.num_kv_heads
 
     def variant(n):
-        return (scores_tile(n, cfg.index_n_heads),
+        return (scores_variant(n, cfg.index_n_heads),
                 tuple(splits > 1 for splits in split_plan(n, eng.runner.tables.max_blocks, hk, cfg.index_topk_blocks,
                                                           eng.runner.sparse_tiles)))
 
     if limits["max_num_batched_tokens"] == 64:       # prompts alone up to the budget (the context bounds larger ones)
         missing = {variant(n) for n in range(1, 65)} - {variant(n) for n in longest}
         assert not missing, f"attention variants never run alone by the warm-up: {sorted(missing)}"
-    unscored = {scores_tile(n, cfg.index_n_heads) for n in range(1, 65)} - scored
+    unscored = {scores_variant(n, cfg.index_n_heads) for n in range(1, 65)} - scored
     assert not unscored, f"msa.scores tiles never run on a scored sequence by the warm-up: {sorted(unscored)}"
 
 
