@@ -309,7 +309,7 @@ def head_group(r: Runner, row_counts=(1, 8), shape: tuple[int, int] | None = Non
     from m3serve.kernels.gemm._linear import bm_for, fresh_x
     from m3serve.kernels.head import bf16 as HB, head12 as H12
     from m3serve.quant.head12 import encode_head12
-    gen = torch.Generator(device=r.dev).manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # CPU: device_rng seeds the card's generator from it
     v, k = shape or (HB.VOCAB_TP1, 6144)
     w = HB.random_head_weight(v, k, r.dev, gen)
     h = H12.prepare_head12(encode_head12(w))
