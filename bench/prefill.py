@@ -82,7 +82,8 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
     """One LLM; per prompt length, one row per sparse_prefill setting ("on": MSA layers' prefill rows take
     attn.prefill_sparse, "off": attn.paged, as before it existed), timed side by side on the same engine."""
     from m3serve import LLM, SamplingParams
-    from m3serve.kernels.attention import prefill as attn_prefill
+    from m3serve.targets import attention as target_attention
+    routed_default = target_attention.MSA_PREFILL_TILED
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens,
               weight_layout=weight_layout)
@@ -90,7 +91,7 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
     rows = []
     for n in tokens:
         for mode in sparse_prefill:
-            attn_prefill.SPARSE_ENABLED = mode == "on"
+            target_attention.MSA_PREFILL_TILED = mode == "on"
             times = []
             for r in range(repeat + 1):
                 ids = prompt(llm.model.cfg.vocab_size, n, r)
@@ -111,7 +112,7 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                 profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}"
                                                          f"{'-rows' if weight_layout == 'rows' else ''}"
                                                          f"{'-sparse-off' if mode == 'off' else ''}.txt"))
-    attn_prefill.SPARSE_ENABLED = True
+    target_attention.MSA_PREFILL_TILED = routed_default
     cfg = llm.model.cfg
     llm.shutdown()
     del llm
@@ -175,9 +176,10 @@ def main() -> int:
                     help="comma list: m3serve rows per NVFP4 / MXFP8 weight layout (default = mma_tile, or rows)")
     ap.add_argument("--prefill-graph-tokens", default="0",
                     help="comma list: m3serve rows per value of EngineConfig.prefill_graph_tokens (0: eager steps)")
-    ap.add_argument("--sparse-prefill", default="on",
+    ap.add_argument("--sparse-prefill", default="off",
                     help="comma list of on|off: MSA layers' prefill rows through attn.prefill_sparse (on) or "
-                         "attn.paged (off), rows side by side on one engine")
+                         "attn.paged (off, the engine's default: targets.attention.MSA_PREFILL_TILED), rows side by side on "
+                         "one engine")
     args = ap.parse_args()
     sparse_modes = tuple(args.sparse_prefill.split(","))
     if not set(sparse_modes) <= {"on", "off"}:

@@ -705,6 +705,39 @@ def render_prefill_attention_variants(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_msa_scores_prefill(files: list[ResultFile]) -> str:
+    """bench/msa_index_bw.py --prefill-chunk: msa.scores' two tilings (and the prefill tiling's tile variants), each
+    checked against the reference first, on one long chunk; then msa.select per warp count on the same rows."""
+    blocks = []
+    for rf in files:
+        d = need(rf.data, "prefill", rf.name, "dict")
+        table = []
+        for i, r in enumerate(need(d, "scores", f"{rf.name}.prefill", "list")):
+            w = f"{rf.name}.prefill.scores[{i}]"
+            t = need(r, "tile", w, "dict")
+            tile = ", ".join(f"{k} {v}" for k, v in t.items())
+            if "error" in r:
+                table.append([need(r, "fmt", w, "str"), need(r, "variant", w, "str"), tile, DASH, DASH,
+                              "failed: " + str(r["error"])[:80]])
+                continue
+            table.append([need(r, "fmt", w, "str"), need(r, "variant", w, "str"), tile, f"{need(r, 'ms', w):.3f}",
+                          sig(need(r, "tflops", w)), f"{need(r, 'check', w, 'str')}; {need(r, 'vs_decode', w, 'str')}"])
+        sel = []
+        for i, r in enumerate(need(d, "select", f"{rf.name}.prefill", "list")):
+            w = f"{rf.name}.prefill.select[{i}]"
+            if "ms" in r:
+                sel.append(f"{need(r, 'num_warps', w, 'int')} warps{' (default)' if r.get('default') else ''}: "
+                           f"{need(r, 'ms', w):.2f} ms")
+        title = (f"msa.scores on one {count(need(d, 'chunk', rf.name, 'int'))}-token chunk after "
+                 f"{count(need(d, 'context', rf.name, 'int'))} tokens of context ({need(d, 'blocks', rf.name, 'int')} "
+                 f"blocks, Hk {need(d, 'hk', rf.name, 'int')}, top-{need(d, 'topk', rf.name, 'int')})")
+        body = md_table(["index-K", "variant", "tile", "ms", "TFLOP/s", "check; vs the decode tiling"], table)
+        if sel:
+            body += "\n\nmsa.select on the same rows: " + "; ".join(sel)
+        blocks.append(file_block(title, body, rf))
+    return "\n\n".join(blocks)
+
+
 def render_prefill_interference(files: list[ResultFile]) -> str:
     """bench/prefill_interference.py: per step budget, a long prompt's TTFT and the ITL of the streams beside it."""
     blocks = []
@@ -1187,6 +1220,8 @@ KINDS = (
          render_prefill_interference),
     Kind("prefill_attention_variants", "attn.prefill tile configs", ("prefill_attention_variants",), (),
          lambda d: False, render_prefill_attention_variants),
+    Kind("msa_scores_prefill", "MSA indexer at a long prefill chunk", ("msa_index_bw",), ("msa-scores-prefill-*.json",),
+         lambda d: isinstance(d.get("prefill"), dict) and "scores" in d["prefill"], render_msa_scores_prefill),
     Kind("memory_plan_startup", "Memory plan at start-up", ("memory_plan_startup",), ("memory-plan-startup-*.json",),
          lambda d: _row_keys(d, "planned_working_bytes", "measured_working_bytes"), render_memory_plan_startup),
     Kind("generate_main_job", "The main job", ("generate_main_job",), ("generate-*.json",),

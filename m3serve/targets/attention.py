@@ -14,7 +14,8 @@ can be captured in a CUDA graph):
                          rotated layers: q rotated in the prologue, the output un-rotated before the split store)
       or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence
       or attn.prefill_sparse  sparse layers with more than DECODE_MAX_QUERY query tokens per sequence on bf16 /
-                         FP8 pages (the tiled kernel over each query's selected blocks; prefill.SPARSE_ENABLED)
+                         FP8 pages, when MSA_PREFILL_TILED (the tiled kernel over each query's selected blocks;
+                         off by default: measured no faster, see MSA_PREFILL_TILED)
 
 Shape legend
   T  query tokens of the step (packed)   S  sequences   B  max pages per sequence
@@ -39,6 +40,14 @@ from m3serve.runtime.step_inputs import PagedStep
 # layers whose pages it reads.
 DECODE_MAX_QUERY = 48
 PREFILL_FORMATS = ("bf16", "fp8")  # the page formats attn.prefill reads (not nvfp4, not fp32)
+# Whether MSA layers' prefill rows take attn.prefill_sparse (certified, on for `require`) instead of attn.paged.
+# Off: a tile of 128 query rows walks the union of its rows' selected blocks, and where the tokens of a tile pick
+# different blocks that union is most of the context. Measured on the H100 with random weights (bench/prefill.py
+# --sparse-prefill on,off; bench/results/prefill/*-sparse-prefill-h100.json): minimax-m3:12 at 8k 0.290 s vs
+# 0.291 s (4.7 ms per sparse layer vs 5.4 in attn.paged: no step-level gain), minimax-m3:5 at 131k 6.02 s vs
+# 4.32 s (1.39x slower). Real indexers pick neighbouring blocks for neighbouring tokens, which is where the tiled
+# walk pays; turn it on after measuring on a trained model's selections.
+MSA_PREFILL_TILED = False
 
 
 def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,
@@ -80,8 +89,8 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
         msa_select(scores, step.seq_lens, step.query_start, sel, max_query_len=step.max_query_len, topk=topk,
                    block_size=cfg.index_block_size, local_blocks=cfg.index_local_blocks,
                    init_blocks=cfg.index_init_blocks)
-        if (step.max_query_len > DECODE_MAX_QUERY and fmt in PREFILL_FORMATS and not kv.spec.is_rotated(layer)
-                and prefill.SPARSE_ENTRY.enabled()):
+        if (MSA_PREFILL_TILED and step.max_query_len > DECODE_MAX_QUERY and fmt in PREFILL_FORMATS
+                and not kv.spec.is_rotated(layer) and prefill.SPARSE_ENTRY.enabled()):
             prefill_attention(q, kp, vp, step.slot_table, step.seq_lens, step.query_start, out, sm_scale=scale,
                               max_query_len=step.max_query_len, sel=sel, block_size=cfg.index_block_size)
             return out

@@ -113,12 +113,14 @@ def _msa_layer_step(kv_dtype: str, query_lens: list[int], context_lens: list[int
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_long_prefill_on_an_msa_layer_runs_attn_prefill_sparse(kv, monkeypatch):
-    """A step with more than DECODE_MAX_QUERY query tokens on an MSA layer whose pages attn.prefill reads: one
-    attn.prefill_sparse launch over msa.select's selection (attn.paged not called), matching the stock model's
-    attention (Attention.core: the indexer's block scores, select_blocks, attend with the selection mask) over
-    the same cache."""
+    """With MSA_PREFILL_TILED on (off by default), a step with more than DECODE_MAX_QUERY query tokens on an MSA
+    layer whose pages attn.prefill reads: one attn.prefill_sparse launch over msa.select's selection (attn.paged not
+    called), matching the stock model's attention (Attention.core: the indexer's block scores, select_blocks,
+    attend with the selection mask) over the same cache."""
     from m3serve.model import msa
     from m3serve.targets import attention as target
+
+    monkeypatch.setattr(target, "MSA_PREFILL_TILED", True)
 
     attn, cache, step, slot_mapping, q, k, v, iq, ik, slots = _msa_layer_step(kv, MSA_QUERY, MSA_CONTEXT)
     calls = []
@@ -159,17 +161,21 @@ def _routed(monkeypatch, kv: str, query_lens: list[int], sparse: bool = True) ->
     return calls
 
 
-@pytest.mark.parametrize("kv,query_lens,sparse,enabled,want", [
-    ("bf16", [49, 3], True, True, "prefill_sparse"),
-    ("fp8", [60], True, True, "prefill_sparse"),
-    ("bf16", [48, 48], True, True, "paged"),       # decode / verify / short chunks: attn.paged
-    ("nvfp4", [60], True, True, "paged"),          # attn.prefill reads no NVFP4 pages
-    ("bf16", [60], True, False, "paged"),          # prefill.SPARSE_ENABLED off: back to attn.paged
-    ("bf16", [60], False, False, "prefill"),       # dense layers: attn.prefill, whatever the sparse switch
+@pytest.mark.parametrize("kv,query_lens,sparse,tiled,enabled,want", [
+    ("bf16", [49, 3], True, True, True, "prefill_sparse"),
+    ("fp8", [60], True, True, True, "prefill_sparse"),
+    ("bf16", [48, 48], True, True, True, "paged"),       # decode / verify / short chunks: attn.paged
+    ("nvfp4", [60], True, True, True, "paged"),          # attn.prefill reads no NVFP4 pages
+    ("bf16", [60], True, True, False, "paged"),          # prefill.SPARSE_ENABLED off: back to attn.paged
+    ("bf16", [60], True, False, True, "paged"),          # the default: MSA prefill rows on attn.paged
+    ("bf16", [60], False, False, False, "prefill"),      # dense layers: attn.prefill, whatever the sparse switches
+    ("fp8", [60], False, True, True, "prefill"),
 ])
-def test_msa_layer_routing(monkeypatch, kv, query_lens, sparse, enabled, want):
+def test_msa_layer_routing(monkeypatch, kv, query_lens, sparse, tiled, enabled, want):
     from m3serve.kernels.attention import prefill
+    from m3serve.targets import attention as target
     monkeypatch.setattr(prefill, "SPARSE_ENABLED", enabled)
+    monkeypatch.setattr(target, "MSA_PREFILL_TILED", tiled)
     calls = _routed(monkeypatch, kv, query_lens, sparse)
     assert len(calls) == 1
     kind, kw = calls[0]

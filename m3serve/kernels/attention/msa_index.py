@@ -30,15 +30,15 @@ scorer: two tilings of the same entry, chosen by max_query_len (scores_tiling):
             128 rows) loads the block's index-K [P, Di] once and scores every row of its tile and every
             index head against it ([rows*Hk, Di] x [Di, P] on the tensor cores), so decode reads each
             index-K byte once; keys no row of the tile can see are not read.
-    prefill (query-stationary) at thousands of rows the decode grid is bound by its queries, not its keys:
-            every (block, tile) program reloads 128 KB of index-q for one 32 KB page (M3 TP1), ~100 TFLOP/s
-            on the H200 at a 16k-token chunk. Instead one program per (sequence, query tile of BQ tokens x
-            Hk heads, range of at most split_blocks blocks) loads its index-q once, keeps it in registers
-            and walks the blocks the tile can see, one (pipelined) page per step: first those every row
-            sees whole (no mask), then the causal diagonal; the blocks past the tile's last position are
-            written -inf without being read. A page is read once per query tile, mostly from L2 (a
-            sequence's tiles walk the same pages together); the block-range split keeps the SMs busy when
-            a step has few tiles (a short chunk over a wide table).
+    prefill (query-stationary) at thousands of rows the decode grid's programs each reload a 128-row index-q
+            tile (128 KB at M3 TP1) for one 32 KB page and relaunch per block. Instead one program per
+            (sequence, query tile of BQ tokens x Hk heads, range of at most split_blocks blocks) loads its
+            index-q once, keeps it in registers and walks the blocks the tile can see, one (pipelined) page
+            per step: first those every row sees whole (no mask), then the causal diagonal; the blocks past
+            the tile's last position are written -inf without being read. A page is read once per query tile,
+            mostly from L2 (a sequence's tiles walk the same pages together); the block-range split keeps the
+            SMs busy when a step has few tiles (a short chunk over a wide table). Measured at a 16k-token chunk
+            after 112k of context (prefill_scores_tile): 1.39x the decode tiling on bf16 index-K, 1.04x on fp8.
 Both compute each score as one fp32 tensor-core dot of bf16 operands and the same NaN-propagating max.
 """
 
@@ -242,16 +242,17 @@ class PrefillScoresTile(NamedTuple):
 
 
 def prefill_scores_tile(max_query_len: int, hk: int) -> PrefillScoresTile:
-    """A first guess, to be measured on the H200 (bench/msa_index_bw.py --prefill-chunk): 128 dot rows (32 tokens
-    x 4 heads at M3 TP1; 100 registers, 97 KB of shared memory for 3 page stages at sm_90, so 2 programs per SM),
-    each page then feeds a [128, 128] x [128, 128] dot; 256 dot rows (BQ 64) would halve the page reads but hold
-    one program per SM. 256 blocks per program: a 16k-token chunk over 1024 blocks is 512 tiles x 4 = 2048
-    programs, and a short chunk over an 8192-block table still spreads over the SMs. Depends on no row count past
-    the prefill threshold, so one compiled variant serves every prefill chunk (the warm-up reaches it with any
-    chunk of > 48 rows)."""
+    """128 dot rows (32 tokens x 4 heads at M3 TP1), 256 blocks per program, 8 warps, 2 page stages: the fastest
+    tile of bench/msa_index_bw.py --prefill-chunk 16384 --prefill-ctx 114688 on the H100
+    (bench/results/msa_index_bw/msa-scores-prefill-h100.json; each variant checked against the reference, every one
+    bit-identical to the decode tiling): bf16 index-K 3.71 ms (556 TFLOP/s) vs the decode tiling's 5.17 ms (399),
+    fp8 5.22 ms vs 5.43 (fp8's per-page widening dominates there). 3 stages cost 9 % on bf16; BQ 16 (64 rows)
+    re-reads each page twice as often and BQ 64 (256 rows) holds one program per SM: both 30-40 % slower; 128- and
+    1024-block splits within 2 % of 256. Depends on no row count past the prefill threshold, so one compiled variant
+    serves every prefill chunk (the warm-up reaches it with any chunk of > 48 rows)."""
     del max_query_len  # the same tile for every prefill chunk (see above)
     hkp = triton.next_power_of_2(hk)
-    return PrefillScoresTile(bq=max(1, 128 // hkp), split_blocks=256, num_warps=8, num_stages=3)
+    return PrefillScoresTile(bq=max(1, 128 // hkp), split_blocks=256, num_warps=8, num_stages=2)
 
 
 def scores_tiling(max_query_len: int) -> str:
