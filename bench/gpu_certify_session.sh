@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... prefill-round3 | sparse-prefill-round | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -132,22 +132,6 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
-  ;;
-sparse-prefill-round)  # issue 29: attn.prefill_sparse (MSA layers' prefill rows through the tiled kernel over each
-              # query's selected blocks, where attn.paged read every row's blocks for that row alone): its GPU cells
-              # and tests, its timing beside dense attn.prefill and attn.paged on one selection, then the 8k prefill
-              # of the deepest model the card holds and minimax-m3:5 at 131k, sparse path on and off on one engine
-  phase pytest-prefill-sparse ${T_A:-100} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
-    tests/kernels/attention/test_prefill_sparse.py tests/kernels/test_gpu.py -k "prefill_sparse"
-  phase attn-sparse-variants ${T_B:-80} python3 bench/prefill_attention_variants.py --sparse-topk 16 --iters 10 \
-    --out-dir "$OUT"
-  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase prefill-deep-8k ${T_C:-200} python3 bench/prefill.py --model $deep --tokens 8192 --quant nvfp4 --chunk 8192 \
-    --repeat 2 --no-transformers --sparse-prefill on,off --profile-dir "$OUT" \
-    --out "$OUT/prefill-${deep/minimax-m3:/m3_}-8k-sparse-prefill-$TAG.json"
-  phase prefill-131k ${T_D:-120} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 --quant nvfp4 \
-    --chunk 16384 --repeat 1 --no-transformers --sparse-prefill on,off \
-    --out "$OUT/prefill-nvfp4-128k-c16k-sparse-prefill-$TAG.json"
   ;;
 prefill-round3)  # issue 29, one call: the GPU tests of the two new prefill paths (attn.prefill_sparse; msa.scores'
               # query-stationary tiling), then the deepest model at 8k and minimax-m3:5 at 131k with the MSA prefill

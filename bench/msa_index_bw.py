@@ -27,6 +27,7 @@ import triton
 from m3serve.benchmeta import run_metadata
 from m3serve.kernels.attention import kv_write as kw
 from m3serve.kernels.attention import msa_index as mi
+from prefill_attention_variants import time_ms  # bench/: the script's folder is on sys.path
 
 DEV = torch.device("cuda")
 K128 = 128 * 1024
@@ -87,19 +88,8 @@ PF_GEOM = {"hk": 4, "di": 128, "p": 128, "topk": 16}      # M3 TP1
 
 
 def event_time(fn, reps: int) -> float:
-    """Median seconds of `reps` eager calls, each timed by CUDA events (after two warm-up calls)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of `reps` eager calls timed by CUDA events (after a warm-up call)."""
+    return time_ms(fn, reps) * 1e-3
 
 
 def prefill_variants() -> list[tuple[str, str, mi.PrefillScoresTile | None]]:
