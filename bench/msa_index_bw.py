@@ -87,11 +87,6 @@ def scores_setup(hk: int, di: int, p: int, fmt: str, batch: int, rows: int, cont
 PF_GEOM = {"hk": 4, "di": 128, "p": 128, "topk": 16}      # M3 TP1
 
 
-def event_time(fn, reps: int) -> float:
-    """Median seconds of `reps` eager calls timed by CUDA events (after a warm-up call)."""
-    return time_ms(fn, reps) * 1e-3
-
-
 def prefill_variants() -> list[tuple[str, str, mi.PrefillScoresTile | None]]:
     """(name, tiling, prefill tile) in the order they are timed: the two defaults first."""
     hk = PF_GEOM["hk"]
@@ -156,7 +151,7 @@ def prefill_bench(chunk: int, ctx: int, reps: int) -> dict:
                 def call(tiling=tiling, tile=tile):
                     mi.msa_block_scores(q, pages, table, lens, qs, scores, max_query_len=chunk, topk=topk,
                                         tiling=tiling, prefill_tile=tile)
-                t = event_time(call, reps)
+                t = time_ms(call, reps) * 1e-3
                 rec.update(ms=t * 1e3, tflops=flops / t / 1e12)
                 if base is None:
                     base = scores.clone()
@@ -191,7 +186,7 @@ def prefill_bench(chunk: int, ctx: int, reps: int) -> dict:
             if base is None:
                 base = sel.clone()
             rec["same_as_default"] = bool(torch.equal(sel, base))
-            t = event_time(fn, reps)
+            t = time_ms(fn, reps) * 1e-3
             rec["ms"] = t * 1e3
             print(f"  select Hk {hk} B {b} rows {chunk} warps {rec['num_warps']}: {t * 1e3:9.2f} ms "
                   f"(same as default: {rec['same_as_default']})", flush=True)

@@ -28,17 +28,16 @@ import torch
 from torch import Tensor
 
 from m3serve.kernels.attention.kv_write import write_layer
-from m3serve.kernels.attention.msa_index import msa_block_scores, msa_select
+from m3serve.kernels.attention.msa_index import DECODE_MAX_QUERY, msa_block_scores, msa_select
 from m3serve.kernels.attention.paged import make_workspace, paged_attention
 from m3serve.kernels.attention import prefill
 from m3serve.kernels.attention.prefill import prefill_attention
 from m3serve.model.attention_backend import StockAttention
 from m3serve.runtime.step_inputs import PagedStep
 
-# attn.paged reads each query row's pages itself: right for decode / verify (1-48 rows per sequence), wasteful
-# for long prompts, which the tiled attn.prefill handles on dense layers and, over the selected blocks, on sparse
-# layers whose pages it reads.
-DECODE_MAX_QUERY = 48
+# attn.paged reads each query row's pages itself: right for decode / verify (up to DECODE_MAX_QUERY = 48 rows per
+# sequence, the same band where msa.scores switches tiling), wasteful for long prompts, which the tiled attn.prefill
+# handles on dense layers.
 PREFILL_FORMATS = ("bf16", "fp8")  # the page formats attn.prefill reads (not nvfp4, not fp32)
 # Whether MSA layers' prefill rows take attn.prefill_sparse (certified, on for `require`) instead of attn.paged.
 # Off: a tile of 128 query rows walks the union of its rows' selected blocks, and where the tokens of a tile pick

@@ -586,6 +586,30 @@ def test_prefill_attention_variants(report, tmp_path):
     assert "8192-token chunk after 122880 keys" in out and "unrecognised" not in out
 
 
+def test_msa_scores_prefill(report, tmp_path):
+    """bench/msa_index_bw.py --prefill-chunk: one row per tiling / tile (a failed variant shows its error), then the
+    select timings per warp count."""
+    tile = {"bq": 32, "split_blocks": 256, "num_warps": 8, "num_stages": 2}
+    write(tmp_path, "msa_index_bw/msa-scores-prefill-h100.json",
+          {**PROVENANCE, "command": "x", "prefill": {
+              "chunk": 16384, "context": 114688, "seq_len": 131072, "blocks": 1024, "hk": 4, "di": 128, "p": 128,
+              "topk": 16, "flops": 1, "default_tile": tile,
+              "scores": [{"fmt": "bf16", "variant": "decode", "tiling": "decode", "tile": {"bq": 16, "qchunks": 8},
+                          "check": "ok", "ms": 5.17, "tflops": 398.6, "vs_decode": "is the baseline"},
+                         {"fmt": "fp8", "variant": "prefill-default", "tiling": "prefill", "tile": tile,
+                          "error": "OutOfResources: shared memory"}],
+              "select": [{"rows": 16384, "blocks": 1024, "num_warps": 4, "default": True, "ms": 0.86},
+                         {"rows": 16384, "blocks": 1024, "num_warps": 1, "default": False, "error": "x"}]}})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "index-K") == [
+        ["bf16", "decode", "bq 16, qchunks 8", "5.170", "399", "ok; is the baseline"],
+        ["fp8", "prefill-default", "bq 32, split_blocks 256, num_warps 8, num_stages 2", "—", "—",
+         "failed: OutOfResources: shared memory"]]
+    assert "msa.select on the same rows: 4 warps (default): 0.86 ms\n" in out
+    assert "16384-token chunk after 114688 tokens of context (1024 blocks, Hk 4, top-16)" in out
+    assert "unrecognised" not in out
+
+
 def test_prefill_rows_name_the_msa_prefill_path(report, tmp_path):
     """bench/prefill.py --sparse-prefill on,off: each row says which kernel served MSA layers' prefill rows, in the
     prefill table and the summary; a sparse-top-k variants file says it is an MSA layer."""
