@@ -115,7 +115,7 @@ def check_variant(fmt: str, tiling: str, tile) -> None:
     mi.compare_scores(out, mi.msa_block_scores_reference(*case.args, **case.kwargs), case)
 
 
-def prefill_bench(chunk: int, ctx: int, reps: int) -> dict:
+def prefill_bench(chunk: int, ctx: int, reps: int, scores_variants: bool = True) -> dict:
     g = PF_GEOM
     hk, di, p, topk = g["hk"], g["di"], g["p"], g["topk"]
     seq_len = ctx + chunk
@@ -131,7 +131,7 @@ def prefill_bench(chunk: int, ctx: int, reps: int) -> dict:
     table = torch.randperm(b, device=DEV).int().view(1, b)
     q = torch.randn(chunk, hk, di, device=DEV).to(torch.bfloat16)
     scores = torch.empty(chunk, hk, b, device=DEV)
-    for fmt in ("bf16", "fp8"):
+    for fmt in ("bf16", "fp8") if scores_variants else ():
         try:
             pages = torch.randn(b + 1, p, di, device=DEV).to(torch.bfloat16)
             if fmt == "fp8":
@@ -193,6 +193,28 @@ def prefill_bench(chunk: int, ctx: int, reps: int) -> dict:
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
         res["select"].append(rec)
+    # the same rows in a wider table, as the engine holds them (slot_table width = ceil(max_model_len / P): one more
+    # block than the context at max_model_len = L + 16, 8192 blocks at M3's 1M tokens): the columns past each row's
+    # blocks are never read, so the selection must equal the default's and the time should not grow with the width
+    for width in (b + 1, 8192):
+        if width <= b or base is None:
+            continue
+        rec = {"rows": chunk, "blocks": b, "table_width": width,
+               "num_warps": mi.select_warps(triton.next_power_of_2(width)), "default": True}
+        try:
+            wide = torch.cat([sc, torch.randn(chunk, hk, width - b, device=DEV)], dim=2)
+            sel = torch.full((chunk, hk, topk), mi.SEL_POISON, dtype=torch.int32, device=DEV)
+            fn = lambda: mi.msa_select(wide, lens, qs, sel, max_query_len=chunk, topk=topk, block_size=p,  # noqa: E731
+                                       local_blocks=1, init_blocks=0)
+            fn()
+            rec["same_as_default"] = bool(torch.equal(sel, base))
+            rec["ms"] = time_ms(fn, reps)
+            print(f"  select Hk {hk} B {b} in a {width}-block table rows {chunk}: {rec['ms']:9.2f} ms "
+                  f"(same as default: {rec['same_as_default']})", flush=True)
+            del wide
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        res["select"].append(rec)
     return res
 
 
@@ -203,10 +225,11 @@ def main() -> None:
                     help="time one sequence's prefill chunk of this many tokens instead (see the module doc)")
     ap.add_argument("--prefill-ctx", type=int, default=114688, help="tokens cached before the prefill chunk")
     ap.add_argument("--prefill-reps", type=int, default=5, help="timed calls per prefill variant (median)")
+    ap.add_argument("--select-only", action="store_true", help="prefill: msa.select only, no msa.scores variants")
     a = ap.parse_args()
     res = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__}
     if a.prefill_chunk:
-        res["prefill"] = prefill_bench(a.prefill_chunk, a.prefill_ctx, a.prefill_reps)
+        res["prefill"] = prefill_bench(a.prefill_chunk, a.prefill_ctx, a.prefill_reps, not a.select_only)
         if a.out:
             with open(a.out, "w") as f:
                 json.dump({**run_metadata(), **res}, f, indent=1)

@@ -78,20 +78,23 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
                  profile_dir: str | None = None, graph_tokens: int = 0, weight_layout: str | None = None,
-                 sparse_prefill: tuple[str, ...] = ("on",)):
-    """One LLM; per prompt length, one row per sparse_prefill setting ("on": MSA layers' prefill rows take
-    attn.prefill_sparse, "off": attn.paged, as before it existed), timed side by side on the same engine."""
+                 sparse_prefill: tuple[str, ...] = ("on",), fp8_context: tuple[str, ...] = ("bf16",)):
+    """One LLM; per prompt length, one row per (sparse_prefill, fp8_context) setting, timed side by side on the same
+    engine. sparse_prefill "on": MSA layers' prefill rows take attn.prefill_sparse, "off": attn.paged; fp8_context
+    "bf16": dense layers' FP8 pages decoded to bf16 once per long prefill step (targets.attention.FP8_CONTEXT_AS_BF16),
+    "direct": attn.prefill reads the FP8 pages."""
     from m3serve import LLM, SamplingParams
     from m3serve.targets import attention as target_attention
-    routed_default = target_attention.MSA_PREFILL_TILED
+    routed_default = target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens,
               weight_layout=weight_layout)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in tokens:
-        for mode in sparse_prefill:
+        for mode, ctx in ((m, c) for m in sparse_prefill for c in fp8_context):
             target_attention.MSA_PREFILL_TILED = mode == "on"
+            target_attention.FP8_CONTEXT_AS_BF16 = ctx == "bf16"
             times = []
             for r in range(repeat + 1):
                 ids = prompt(llm.model.cfg.vocab_size, n, r)
@@ -106,13 +109,14 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                          "chunk": chunk, "ttft_s": ttft,
                          "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
                          "prefill_graph_tokens": graph_tokens, "weight_layout": weight_layout or "mma_tile",
-                         "sparse_prefill": mode})
+                         "sparse_prefill": mode, "fp8_context": ctx})
             print(json.dumps(rows[-1]), flush=True)
             if profile_dir:
                 profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}"
                                                          f"{'-rows' if weight_layout == 'rows' else ''}"
-                                                         f"{'-sparse-off' if mode == 'off' else ''}.txt"))
-    target_attention.MSA_PREFILL_TILED = routed_default
+                                                         f"{'-sparse-off' if mode == 'off' else ''}"
+                                                         f"{'-fp8-direct' if ctx == 'direct' else ''}.txt"))
+    target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16 = routed_default
     cfg = llm.model.cfg
     llm.shutdown()
     del llm
@@ -180,10 +184,17 @@ def main() -> int:
                     help="comma list of on|off: MSA layers' prefill rows through attn.prefill_sparse (on) or "
                          "attn.paged (off, the engine's default: targets.attention.MSA_PREFILL_TILED), rows side by side on "
                          "one engine")
+    ap.add_argument("--fp8-context", default="bf16",
+                    help="comma list of bf16|direct: dense layers' FP8 pages in long prefill steps decoded to bf16 once "
+                         "per layer (bf16, the default: targets.attention.FP8_CONTEXT_AS_BF16) or read as FP8 by "
+                         "attn.prefill (direct), rows side by side on one engine")
     args = ap.parse_args()
     sparse_modes = tuple(args.sparse_prefill.split(","))
     if not set(sparse_modes) <= {"on", "off"}:
         ap.error(f"--sparse-prefill: expected a comma list of on|off, found {args.sparse_prefill!r}")
+    ctx_modes = tuple(args.fp8_context.split(","))
+    if not set(ctx_modes) <= {"bf16", "direct"}:
+        ap.error(f"--fp8-context: expected a comma list of bf16|direct, found {args.fp8_context!r}")
     tokens = [int(t) for t in args.tokens.split(",")]
     meta = run_metadata()
     results, cfg = [], None
@@ -192,7 +203,7 @@ def main() -> int:
             for lay in args.weight_layouts.split(","):
                 rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
                                          args.device, args.profile_dir, g, None if lay == "default" else lay,
-                                         sparse_modes)
+                                         sparse_modes, ctx_modes)
                 results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)

@@ -609,6 +609,13 @@ def render_spec_decode(files: list[ResultFile]) -> str:
 
 # bench/prefill.py --sparse-prefill: the path of MSA layers' prefill rows
 SPARSE_PREFILL = {"on": "MSA prefill through attn.prefill_sparse", "off": "MSA prefill through attn.paged"}
+# bench/prefill.py --fp8-context: how attn.prefill reads dense layers' FP8 pages in long prefill steps
+FP8_CONTEXT = {"bf16": "FP8 pages decoded to bf16 per step", "direct": "FP8 pages read directly"}
+
+
+def _fp8_context(r: dict, w: str) -> str:
+    ctx = opt(r, "fp8_context", w, "str")
+    return f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx else ""
 
 
 def render_prefill(files: list[ResultFile]) -> str:
@@ -622,7 +629,8 @@ def render_prefill(files: list[ResultFile]) -> str:
             graphs = opt(r, "prefill_graph_tokens", w, "int")
             sparse = opt(r, "sparse_prefill", w, "str")
             engine = (need(r, "engine", w, "str") + (f" (prefill graphs to {graphs} tokens)" if graphs else "")
-                      + (f", {SPARSE_PREFILL.get(sparse, 'sparse_prefill ' + sparse)}" if sparse else ""))
+                      + (f", {SPARSE_PREFILL.get(sparse, 'sparse_prefill ' + sparse)}" if sparse else "")
+                      + _fp8_context(r, w))
             table.append([engine, need(r, "model", w, "str"), need(r, "quantization", w, "str"),
                           count(need(r, "tokens", w, "int")), count(need(r, "chunk", w, "int")),
                           or_dash(ttft, ms) if ttft is not None else (opt(r, "skipped", w, "str") or DASH),
@@ -726,12 +734,16 @@ def render_msa_scores_prefill(files: list[ResultFile]) -> str:
         for i, r in enumerate(need(d, "select", f"{rf.name}.prefill", "list")):
             w = f"{rf.name}.prefill.select[{i}]"
             if "ms" in r:
-                sel.append(f"{need(r, 'num_warps', w, 'int')} warps{' (default)' if r.get('default') else ''}: "
-                           f"{need(r, 'ms', w):.2f} ms")
+                width = opt(r, "table_width", w, "int")
+                sel.append((f"in a {width}-block table, " if width else "")
+                           + f"{need(r, 'num_warps', w, 'int')} warps{' (default)' if r.get('default') else ''}: "
+                           f"{need(r, 'ms', w):.2f} ms"
+                           + ("" if r.get("same_as_default", True) else " (SELECTION DIFFERS)"))
         title = (f"msa.scores on one {count(need(d, 'chunk', rf.name, 'int'))}-token chunk after "
                  f"{count(need(d, 'context', rf.name, 'int'))} tokens of context ({need(d, 'blocks', rf.name, 'int')} "
                  f"blocks, Hk {need(d, 'hk', rf.name, 'int')}, top-{need(d, 'topk', rf.name, 'int')})")
-        body = md_table(["index-K", "variant", "tile", "ms", "TFLOP/s", "check; vs the decode tiling"], table)
+        body = md_table(["index-K", "variant", "tile", "ms", "TFLOP/s", "check; vs the decode tiling"], table) \
+            if table else "(msa.select only: `--select-only`)"
         if sel:
             body += "\n\nmsa.select on the same rows: " + "; ".join(sel)
         blocks.append(file_block(title, body, rf))
@@ -1342,7 +1354,8 @@ def _prefill_summary(rf: ResultFile) -> list[list[str]]:
         rows.append([f"prefill TTFT, {count(n)} tokens, {'BF16' if q == 'none' else q.upper()} weights"
                      + (f" ({'MMA tile' if layout == 'mma_tile' else 'row-major'} layout)" if layout else "")
                      + (", prefill graphs" if graphs else "")
-                     + (f", {SPARSE_PREFILL.get(sparse, 'sparse_prefill ' + sparse)}" if sparse else ""),
+                     + (f", {SPARSE_PREFILL.get(sparse, 'sparse_prefill ' + sparse)}" if sparse else "")
+                     + _fp8_context(r, w),
                      need(r, "model", w, "str"), f"{ms(ttft)} ms{vs}", code(rf.name)])
     return rows
 

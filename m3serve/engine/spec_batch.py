@@ -57,7 +57,7 @@ def pack_spans(tables: DeviceBlockTables, kv, seq_ids: list[int], pos0: np.ndarr
     staged = raw[:off].long()
     step, spans = None, []
     if paged is not None:
-        step = paged_step(slot_table, raw[off:], counts, tables.max_blocks, paged)
+        step = paged_step(slot_table, raw[off:], counts, tables.max_blocks, paged, lengths)
     else:
         pages = -(-lengths // tables.manager.page_size)
         spans = [SeqSpan(int(a), int(n), int(length), slot_table[i, :int(p)].long())

@@ -264,7 +264,7 @@ class ModelRunner:
         slot_table, _, slot_mapping = self.tables.prepare([r.request_id for r in reqs], seq_of_token, positions,
                                                           extra=extra)
         step = None if plan is None else paged_step(slot_table, self.tables.last_extra, n, self.tables.max_blocks,
-                                                    plan)
+                                                    plan, lengths)
         spans = [] if step is not None else [
             SeqSpan(int(starts[i]), int(n[i]), int(lengths[i]), slot_table[i, :-(-int(lengths[i]) // page)].long())
             for i in range(len(chunks))]

@@ -92,6 +92,9 @@ class PagedStep:
     num_splits: int         # split-KV factor of attn.paged on dense layers (host int fixed per call site)
     num_splits_sparse: int  # ... on MSA layers (each query visits at most top-k blocks)
     workspaces: dict = field(default_factory=dict)  # per (kind, shape): preallocated kernel scratch
+    # the sequences' lengths on the host, eager steps only (None in a captured graph, whose lengths change per
+    # replay): host-sized work such as decoding the visible FP8 pages of a long prefill (targets.attention)
+    host_seq_lens: np.ndarray | None = None
 
     def scratch(self, key, make):
         """A buffer made once per step object (and so once per captured graph), reused by every layer."""
@@ -115,12 +118,15 @@ def paged_meta(counts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts), lengths)).astype(np.int64)
 
 
-def paged_step(slot_table: Tensor, meta: Tensor, counts: np.ndarray, max_blocks: int, plan: PagedPlan) -> PagedStep:
-    """The PagedStep of an eager step of S = len(counts) sequences: `meta` is the device copy of paged_meta."""
+def paged_step(slot_table: Tensor, meta: Tensor, counts: np.ndarray, max_blocks: int, plan: PagedPlan,
+               lengths: np.ndarray | None = None) -> PagedStep:
+    """The PagedStep of an eager step of S = len(counts) sequences: `meta` is the device copy of paged_meta,
+    `lengths` its sequence lengths on the host."""
     s = len(counts)
     dense, sparse = split_plan(int(counts.sum()), max_blocks, plan.kv_heads, plan.topk, plan.sparse_tiles)
     return PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:2 * s + 1], query_start=meta[:s + 1],
-                     max_query_len=int(counts.max()), num_splits=dense, num_splits_sparse=sparse)
+                     max_query_len=int(counts.max()), num_splits=dense, num_splits_sparse=sparse,
+                     host_seq_lens=None if lengths is None else np.asarray(lengths, dtype=np.int64))
 
 
 class LogitsProcessing(NamedTuple):

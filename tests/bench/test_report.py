@@ -599,13 +599,18 @@ def test_msa_scores_prefill(report, tmp_path):
                          {"fmt": "fp8", "variant": "prefill-default", "tiling": "prefill", "tile": tile,
                           "error": "OutOfResources: shared memory"}],
               "select": [{"rows": 16384, "blocks": 1024, "num_warps": 4, "default": True, "ms": 0.86},
-                         {"rows": 16384, "blocks": 1024, "num_warps": 1, "default": False, "error": "x"}]}})
+                         {"rows": 16384, "blocks": 1024, "num_warps": 1, "default": False, "error": "x"},
+                         {"rows": 16384, "blocks": 1024, "table_width": 1025, "num_warps": 4, "default": True,
+                          "same_as_default": True, "ms": 0.9},
+                         {"rows": 16384, "blocks": 1024, "table_width": 8192, "num_warps": 8, "default": True,
+                          "same_as_default": False, "ms": 1.2}]}})
     out = report.render_report(tmp_path)
     assert table_rows(out, "index-K") == [
         ["bf16", "decode", "bq 16, qchunks 8", "5.170", "399", "ok; is the baseline"],
         ["fp8", "prefill-default", "bq 32, split_blocks 256, num_warps 8, num_stages 2", "—", "—",
          "failed: OutOfResources: shared memory"]]
-    assert "msa.select on the same rows: 4 warps (default): 0.86 ms\n" in out
+    assert ("msa.select on the same rows: 4 warps (default): 0.86 ms; in a 1025-block table, 4 warps (default): "
+            "0.90 ms; in a 8192-block table, 8 warps (default): 1.20 ms (SELECTION DIFFERS)\n") in out
     assert "16384-token chunk after 114688 tokens of context (1024 blocks, Hk 4, top-16)" in out
     assert "unrecognised" not in out
 
@@ -628,6 +633,22 @@ def test_prefill_rows_name_the_msa_prefill_path(report, tmp_path):
     summary = table_rows(report.render_summary(tmp_path), "figure")
     assert ["prefill TTFT, 8192 tokens, NVFP4 weights, MSA prefill through attn.paged", "minimax-m3:24", "574 ms",
             "`prefill/prefill-m3_24-8k-sparse-prefill-h200.json`"] in summary
+
+
+def test_prefill_rows_name_the_fp8_context_path(report, tmp_path):
+    """bench/prefill.py --fp8-context bf16,direct: each row says how dense layers' FP8 pages were read."""
+    rows = [{"engine": "m3serve", "model": "minimax-m3:5", "quantization": "nvfp4", "tokens": 131072, "chunk": 16384,
+             "ttft_s": t, "frac_bf16_peak": 0.4, "sparse_prefill": "off", "fp8_context": ctx}
+            for t, ctx in ((3.9, "bf16"), (4.3, "direct"))]
+    write(tmp_path, "prefill/prefill-nvfp4-128k-fp8-context-h200.json",
+          {**PROVENANCE, "bench": "prefill", "command": "x", "results": rows})
+    out = report.render_report(tmp_path)
+    assert [r[0] for r in table_rows(out, "engine")] == [
+        "m3serve, MSA prefill through attn.paged, FP8 pages decoded to bf16 per step",
+        "m3serve, MSA prefill through attn.paged, FP8 pages read directly"]
+    summary = table_rows(report.render_summary(tmp_path), "figure")
+    assert ["prefill TTFT, 131072 tokens, NVFP4 weights, MSA prefill through attn.paged, FP8 pages read directly",
+            "minimax-m3:5", "4300 ms", "`prefill/prefill-nvfp4-128k-fp8-context-h200.json`"] in summary
 
 
 def test_serve_pareto_repeats_and_spec_vs_plain(report, tmp_path):

@@ -67,7 +67,8 @@ def test_split_plan_counts_key_tiles_on_msa_layers():
 MSA_QUERY, MSA_CONTEXT = [49, 20], [0, 37]
 
 
-def _msa_layer_step(kv_dtype: str, query_lens: list[int], context_lens: list[int], sparse: bool = True):
+def _msa_layer_step(kv_dtype: str, query_lens: list[int], context_lens: list[int], sparse: bool = True,
+                    device: str = "cpu"):
     """A tiny-preset attention layer (the first sparse one, or the first dense one), a PagedKVCache holding each
     sequence's context (written as the stock path writes it), and the step's tokens: (attn, cache, step,
     slot_mapping, q, k, v, iq, ik, per-sequence slots)."""
@@ -81,7 +82,7 @@ def _msa_layer_step(kv_dtype: str, query_lens: list[int], context_lens: list[int
     attn = Attention(cfg, cfg.layer_types.index("sparse" if sparse else "full"))
     spec = KVCacheSpec.from_model_config(cfg, kv_cache_dtype=kv_dtype)
     p, hk, hq, d, di = spec.page_size, attn.hk, attn.hq, cfg.head_dim, cfg.index_head_dim
-    cache = PagedKVCache(spec, num_slots=16, device="cpu")
+    cache = PagedKVCache(spec, num_slots=16, device=device)
     gen = torch.Generator().manual_seed(3)
     lens = [n + c for n, c in zip(query_lens, context_lens)]
     perm = (torch.randperm(15, generator=gen) + 1).tolist()
@@ -94,21 +95,22 @@ def _msa_layer_step(kv_dtype: str, query_lens: list[int], context_lens: list[int
         return slots[s][pos // p] * p + pos % p
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
 
     for s, c in enumerate(context_lens):
         if c:
-            cache.write(attn.layer, mapping(s, torch.arange(c)), rand(c, hk, d), rand(c, hk, d),
+            cache.write(attn.layer, mapping(s, torch.arange(c)).to(device), rand(c, hk, d), rand(c, hk, d),
                         rand(c, di) if sparse else None)
     t = sum(query_lens)
     slot_mapping = torch.cat([mapping(s, c + torch.arange(n)) for s, (n, c) in enumerate(zip(query_lens,
-                                                                                           context_lens))])
+                                                                                           context_lens))]).to(device)
     q, k, v = 2 * rand(t, hq, d), rand(t, hk, d), rand(t, hk, d)
     iq, ik = (rand(t, hk, di), rand(t, di)) if sparse else (None, None)
-    step = PagedStep(slot_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32),
-                     query_start=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+    step = PagedStep(slot_table=table.to(device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                     query_start=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                              device=device),
                      max_query_len=max(query_lens), num_splits=1, num_splits_sparse=1)
-    return attn, cache, step, slot_mapping, q, k, v, iq, ik, slots
+    return attn.to(device), cache, step, slot_mapping, q, k, v, iq, ik, [sl.to(device) for sl in slots]
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
@@ -181,3 +183,56 @@ def test_msa_layer_routing(monkeypatch, kv, query_lens, sparse, tiled, enabled, 
     kind, kw = calls[0]
     got = "prefill_sparse" if kind == "prefill" and kw.get("sel") is not None else kind
     assert got == want, calls
+
+
+# --- long prefill steps on dense FP8 layers: the visible pages decoded to bf16 once ----------------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_long_fp8_prefill_reads_its_pages_decoded_to_bf16(monkeypatch, device):
+    """A dense layer on FP8 pages, an eager step over FP8_CONTEXT_MIN_ROWS rows: decode_context copies each
+    sequence's visible pages, exactly, to bf16 pages in the held scratch (poisoned before), attn.prefill reads them
+    through the compact table, and the output is the direct FP8-page call's (the same exact operands through the
+    same tiles at this head dim) and the stock attention's."""
+    from m3serve.targets import attention as target
+
+    attn, cache, step, slot_mapping, q, k, v, iq, ik, slots = _msa_layer_step("fp8", MSA_QUERY, MSA_CONTEXT,
+                                                                              sparse=False, device=device)
+    kp, vp = cache.pages(attn.layer, "k"), cache.pages(attn.layer, "v")
+    scratch = torch.full((4 * 16 * kp[0].numel(),), float("nan"), dtype=torch.bfloat16, device=device)
+    monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: scratch[:n] if n <= scratch.numel() else None)
+    monkeypatch.setattr(target, "FP8_CONTEXT_MIN_ROWS", 48)
+    direct = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)   # host lengths unknown
+
+    calls = []
+    real = target.prefill_attention
+    monkeypatch.setattr(target, "prefill_attention", lambda *a, **kw: (calls.append(a), real(*a, **kw))[1])
+    step.host_seq_lens = step.seq_lens.cpu().numpy().astype("int64")
+    out = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
+    (_, kd, vd, table, *_), = calls
+    assert kd.dtype == vd.dtype == torch.bfloat16 and kd.shape[1:] == kp.shape[1:]
+    start = 0
+    for s, sl in enumerate(slots):
+        n = len(sl)
+        assert table[s, :n].tolist() == list(range(start, start + n))
+        assert torch.equal(kd[start:start + n], kp[sl].to(torch.bfloat16))
+        assert torch.equal(vd[start:start + n], vp[sl].to(torch.bfloat16))
+        start += n
+    assert kd.shape[0] == start and int(table.max()) == start - 1
+    assert torch.equal(out, direct)   # the same exact operands, the same tiles, the same order
+    q0 = 0
+    for s, (n, ctx) in enumerate(zip(MSA_QUERY, MSA_CONTEXT)):
+        L, rows = n + ctx, slice(q0, q0 + n)
+        keys, values, _ = cache.read(attn.layer, slots[s], L, torch.bfloat16)
+        pos = (L - n + torch.arange(n, device=device))[None]
+        stock = attn.core(q[rows][None], keys[None], values[None], None, None, pos)[0]
+        torch.testing.assert_close(out[rows].float(), stock.float(), rtol=2**-7, atol=1e-6)
+        q0 += n
+
+    # a scratch too small for the step's pages, or a step at or under the row threshold: FP8 pages read directly
+    calls.clear()
+    monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: None)
+    target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
+    monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: scratch[:n])
+    monkeypatch.setattr(target, "FP8_CONTEXT_MIN_ROWS", 49)
+    target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
+    assert [a[1].dtype for a in calls] == [torch.float8_e4m3fn] * 2

@@ -520,9 +520,47 @@ def warmup_scores(device: torch.device) -> None:
 
 # --- msa.select -------------------------------------------------------------------------------
 
+@helper
+def _emit(row, chosen, b, TOPK: tl.constexpr, TOPKP: tl.constexpr):
+    """Store the chosen block ids of one (row, head) ascending, then -1 up to TOPK."""
+    taken = chosen.to(tl.int32)
+    count = tl.sum(taken, axis=0)
+    rank = tl.cumsum(taken, axis=0) - 1
+    tl.store(row + rank, b, mask=chosen)
+    k = tl.arange(0, TOPKP)
+    tl.store(row + k, tl.full([TOPKP], -1, tl.int32), mask=(k >= count) & (k < TOPK))
+
+
+@helper
+def _select_over(srow, row, lim, own, W: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr,
+                 LOCAL: tl.constexpr, INIT: tl.constexpr):
+    """Top-TOPK of the blocks 0 .. lim-1 (lim <= W) of one (row, head), forced blocks first, ties to the smaller
+    block: TOPK rounds of a max and an argmin over W lanes."""
+    b = tl.arange(0, W)
+    cand = b < lim
+    sc = tl.load(srow + b, mask=cand, other=_NEG_INF)
+    sc = tl.where(sc != sc, -1e30, sc)
+    forced = (b <= own) & (b > own - LOCAL)
+    if INIT > 0:
+        forced = forced | ((b < INIT) & (b <= own))
+    sc = tl.where(forced, float("inf"), sc)
+    sc = tl.where(sc == 0.0, 0.0, sc)  # -0 == +0: equal scores tie on the block index
+    bits = sc.to(tl.int32, bitcast=True)
+    # order-preserving int32 key: equal keys <=> equal scores
+    key = tl.where(cand, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), _NO_KEY)
+    chosen = b < 0
+    for _ in range(TOPK):
+        top = tl.max(key, axis=0)
+        pick = b == tl.min(tl.where(key == top, b, W), axis=0)
+        chosen = chosen | (pick & (top > _NEG_INF_KEY))  # a -inf pick is no block
+        key = tl.where(pick, _NO_KEY, key)
+    _emit(row, chosen, b, TOPK, TOPKP)
+
+
 @kernel_unspecialized(unaligned=("lens_ptr", "qs_ptr"))
 def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_sh, stride_ot, stride_oh,
-                   HK: tl.constexpr, BP: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr, P: tl.constexpr,
+                   HK: tl.constexpr, BP: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+                   W4: tl.constexpr, TOPK: tl.constexpr, TOPKP: tl.constexpr, P: tl.constexpr,
                    LOCAL: tl.constexpr, INIT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
@@ -537,34 +575,31 @@ def _select_kernel(scores_ptr, lens_ptr, qs_ptr, sel_ptr, B, stride_st, stride_s
         pos = seq_len - n + i
         nb = (seq_len + P - 1) // P
         own = tl.where(pos >= 0, pos, 0) // P  # pos < 0 only for padding (L = 0): nothing is visible
-        b = tl.arange(0, BP)
-        if nb > TOPK:
-            cand = (b < nb) & (b < B)
-            sc = tl.load(scores_ptr + t * stride_st + g * stride_sh + b, mask=cand, other=_NEG_INF)
-            sc = tl.where(sc != sc, -1e30, sc)
-            forced = (b <= own) & (b > own - LOCAL)
-            if INIT > 0:
-                forced = forced | ((b < INIT) & (b <= own))
-            sc = tl.where(forced, float("inf"), sc)
-            sc = tl.where(sc == 0.0, 0.0, sc)  # -0 == +0: equal scores tie on the block index
-            bits = sc.to(tl.int32, bitcast=True)
-            # order-preserving int32 key: equal keys <=> equal scores
-            key = tl.where(cand, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), _NO_KEY)
-            chosen = b < 0
-            for _ in range(TOPK):
-                top = tl.max(key, axis=0)
-                pick = b == tl.min(tl.where(key == top, b, BP), axis=0)
-                chosen = chosen | (pick & (top > _NEG_INF_KEY))  # a -inf pick is no block
-                key = tl.where(pick, _NO_KEY, key)
-        else:
-            chosen = (b <= own) & (pos >= 0)
-        taken = chosen.to(tl.int32)
-        count = tl.sum(taken, axis=0)
-        rank = tl.cumsum(taken, axis=0) - 1
         row = sel_ptr + t * stride_ot + g * stride_oh
-        tl.store(row + rank, b, mask=chosen)
-        k = tl.arange(0, TOPKP)
-        tl.store(row + k, tl.full([TOPKP], -1, tl.int32), mask=(k >= count) & (k < TOPK))
+        if nb > TOPK:
+            srow = scores_ptr + t * stride_st + g * stride_sh
+            lim = tl.minimum(nb, B)
+            # the narrowest lane width that holds the row's blocks (W4 <= W3 <= W2 <= W1 <= BP): a row's rounds
+            # cost its own context, not the table's width (max_model_len)
+            if lim <= W4:
+                _select_over(srow, row, lim, own, W4, TOPK, TOPKP, LOCAL, INIT)
+            elif lim <= W3:
+                _select_over(srow, row, lim, own, W3, TOPK, TOPKP, LOCAL, INIT)
+            elif lim <= W2:
+                _select_over(srow, row, lim, own, W2, TOPK, TOPKP, LOCAL, INIT)
+            elif lim <= W1:
+                _select_over(srow, row, lim, own, W1, TOPK, TOPKP, LOCAL, INIT)
+            else:
+                _select_over(srow, row, lim, own, BP, TOPK, TOPKP, LOCAL, INIT)
+        else:
+            b = tl.arange(0, TOPKP)  # nb <= TOPK: every visible block, 0 .. own
+            _emit(row, (b <= own) & (pos >= 0), b, TOPK, TOPKP)
+
+
+def select_widths(bp: int, topk: int) -> tuple[int, int, int, int]:
+    """The kernel's lane widths below bp: bp/2 .. bp/16, none under the padded top-k (nor 16 lanes)."""
+    floor = max(16, 2 * triton.next_power_of_2(topk))
+    return tuple(max(min(bp, floor), bp >> k) for k in (1, 2, 3, 4))
 
 
 def select_warps(bp: int) -> int:
@@ -598,7 +633,8 @@ def msa_select(scores: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.
     bp = triton.next_power_of_2(b)
     _select_kernel[(s, max_query_len, hk)](
         scores, seq_lens, query_start, sel, b, scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1),
-        HK=hk, BP=bp, TOPK=topk, TOPKP=triton.next_power_of_2(topk), P=block_size, LOCAL=local_blocks,
+        HK=hk, BP=bp, **dict(zip(("W1", "W2", "W3", "W4"), select_widths(bp, topk))), TOPK=topk,
+        TOPKP=triton.next_power_of_2(topk), P=block_size, LOCAL=local_blocks,
         INIT=init_blocks, num_warps=num_warps or select_warps(bp),
     )
     return sel

@@ -146,6 +146,13 @@ def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tens
     return buf[:numel]
 
 
+def held_scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+    """The first `numel` elements of the scratch already allocated, or None when it is smaller (nothing is
+    allocated: for callers that may use it only within what start-up reserved)."""
+    buf = _SCRATCH.get((device, dtype))
+    return buf[:numel] if buf is not None and buf.numel() >= numel else None
+
+
 def _dequant_mm(x, w, s, alpha, alpha_stride, out, *, fmt, alpha_mode, gs, n, k, cfg, tiled) -> torch.Tensor:
     m, compiled = x.shape[0], is_compiled(x)
     bn, bk = 64, 128 if k % 128 == 0 else cfg.BK

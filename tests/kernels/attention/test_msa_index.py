@@ -175,6 +175,8 @@ def test_compare_rejects_wrong_scores() -> None:
     (3, 2, 5, 32, 2, [64, 9, 50, 0], 1, 2),
     (2, 8, 2, 9, 4, [72, 40, 16], 3, 0),                  # local + init > topk: forced blocks compete
     (2, 2, 5, 16, 16, [16, 32], 1, 0),                    # prefill rows: early rows pick -inf blocks (-1)
+    # B 200 (BP 256): rows of 10, 30, 50, 100 and 200 blocks take each lane width of the ladder (16 .. 256)
+    (2, 2, 4, 200, 2, [20, 60, 100, 200, 400], 1, 1),
 ])
 def test_select_equals_select_blocks(hk, p, topk, blocks, rows, contexts, local, init) -> None:
     gen = torch.Generator().manual_seed(p * 100 + topk)
@@ -185,6 +187,14 @@ def test_select_equals_select_blocks(hk, p, topk, blocks, rows, contexts, local,
     mi.compare_select(out, ref, case)
     # the case must exercise the ranking: some non-identity rows with ties among picked scores
     assert any(-(-c // p) > topk for c in contexts)
+
+
+def test_select_widths_ladder() -> None:
+    """Each row scans the narrowest power of two holding its blocks: halvings of the padded table, floored."""
+    assert mi.select_widths(256, 4) == (128, 64, 32, 16)
+    assert mi.select_widths(2048, 16) == (1024, 512, 256, 128)
+    assert mi.select_widths(64, 16) == (32, 32, 32, 32)
+    assert mi.select_widths(16, 4) == (16, 16, 16, 16)
 
 
 def test_select_ties_between_plus_and_minus_zero() -> None:
