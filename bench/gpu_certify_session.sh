@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... prefill-round4 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... prefill-round5 | prefill-round4 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -132,6 +132,15 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+prefill-round5)  # issue 29, second call: minimax-m3:5 at 131k in 32k-token chunks (half the decode-once passes of the
+              # MoE and linears per prompt), and on the hybrid NVFP4 / FP8 cache with its dense layers' FP8 pages
+              # decoded to bf16 per step vs read directly (the default BF16 cache has no FP8 pages), profiled
+  phase prefill-131k-c32k ${T_A:-200} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 --quant nvfp4 \
+    --chunk 32768 --repeat 2 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-nvfp4-8k-128k-c32k-$TAG.json"
+  phase prefill-131k-kv-nvfp4 ${T_B:-220} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 \
+    --quant nvfp4 --chunk 16384 --repeat 1 --no-transformers --kv-cache-dtype nvfp4 --fp8-context bf16,direct \
+    --profile-dir "$OUT" --out "$OUT/prefill-nvfp4-8k-128k-c16k-kv-nvfp4-fp8-context-$TAG.json"
   ;;
 prefill-round4)  # issue 29's 131k goal, one call: the GPU tests of msa.select's lane-width ladder and of the dense
               # layers' FP8 pages decoded to bf16 per long prefill step; msa.select at a 16k chunk in the engine's

@@ -78,7 +78,8 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
                  profile_dir: str | None = None, graph_tokens: int = 0, weight_layout: str | None = None,
-                 sparse_prefill: tuple[str, ...] = ("on",), fp8_context: tuple[str, ...] = ("bf16",)):
+                 sparse_prefill: tuple[str, ...] = ("on",), fp8_context: tuple[str, ...] = ("bf16",),
+                 kv_cache_dtype: str = "auto"):
     """One LLM; per prompt length, one row per (sparse_prefill, fp8_context) setting, timed side by side on the same
     engine. sparse_prefill "on": MSA layers' prefill rows take attn.prefill_sparse, "off": attn.paged; fp8_context
     "bf16": dense layers' FP8 pages decoded to bf16 once per long prefill step (targets.attention.FP8_CONTEXT_AS_BF16),
@@ -88,7 +89,7 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
     routed_default = target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens,
-              weight_layout=weight_layout)
+              weight_layout=weight_layout, kv_cache_dtype=kv_cache_dtype)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in tokens:
@@ -109,11 +110,12 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                          "chunk": chunk, "ttft_s": ttft,
                          "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
                          "prefill_graph_tokens": graph_tokens, "weight_layout": weight_layout or "mma_tile",
-                         "sparse_prefill": mode, "fp8_context": ctx})
+                         "sparse_prefill": mode, "fp8_context": ctx, "kv_cache_dtype": kv_cache_dtype})
             print(json.dumps(rows[-1]), flush=True)
             if profile_dir:
                 profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}"
                                                          f"{'-rows' if weight_layout == 'rows' else ''}"
+                                                         f"{'' if kv_cache_dtype == 'auto' else '-kv-' + kv_cache_dtype}"
                                                          f"{'-sparse-off' if mode == 'off' else ''}"
                                                          f"{'-fp8-direct' if ctx == 'direct' else ''}.txt"))
     target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16 = routed_default
@@ -188,6 +190,9 @@ def main() -> int:
                     help="comma list of bf16|direct: dense layers' FP8 pages in long prefill steps decoded to bf16 once "
                          "per layer (bf16, the default: targets.attention.FP8_CONTEXT_AS_BF16) or read as FP8 by "
                          "attn.prefill (direct), rows side by side on one engine")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="EngineConfig.kv_cache_dtype of the m3serve rows: auto (the model dtype) | bf16 | fp8 | nvfp4 "
+                         "(the hybrid cache: NVFP4 sparse layers, FP8 dense)")
     args = ap.parse_args()
     sparse_modes = tuple(args.sparse_prefill.split(","))
     if not set(sparse_modes) <= {"on", "off"}:
@@ -203,7 +208,7 @@ def main() -> int:
             for lay in args.weight_layouts.split(","):
                 rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
                                          args.device, args.profile_dir, g, None if lay == "default" else lay,
-                                         sparse_modes, ctx_modes)
+                                         sparse_modes, ctx_modes, args.kv_cache_dtype)
                 results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)

@@ -611,11 +611,15 @@ def render_spec_decode(files: list[ResultFile]) -> str:
 SPARSE_PREFILL = {"on": "MSA prefill through attn.prefill_sparse", "off": "MSA prefill through attn.paged"}
 # bench/prefill.py --fp8-context: how attn.prefill reads dense layers' FP8 pages in long prefill steps
 FP8_CONTEXT = {"bf16": "FP8 pages decoded to bf16 per step", "direct": "FP8 pages read directly"}
+KV_CACHE = {"nvfp4": "hybrid NVFP4 / FP8", "fp8": "FP8", "bf16": "BF16"}
 
 
 def _fp8_context(r: dict, w: str) -> str:
-    ctx = opt(r, "fp8_context", w, "str")
-    return f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx else ""
+    """The KV cache (when not the model dtype) and how attn.prefill read its FP8 pages (only where it has some)."""
+    kv = opt(r, "kv_cache_dtype", w, "str") or "auto"
+    ctx = opt(r, "fp8_context", w, "str") if kv in ("fp8", "nvfp4") else None
+    return ((f", {KV_CACHE.get(kv, kv)} KV cache" if kv != "auto" else "")
+            + (f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx else ""))
 
 
 def render_prefill(files: list[ResultFile]) -> str:
