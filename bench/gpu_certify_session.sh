@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... prefill-round5 | prefill-round4 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... prefill-round6 | prefill-round5 | prefill-round4 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -132,6 +132,19 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+prefill-round6)  # issue 29's 131k goal: attn.prefill's conditional rescale (PrefillTiles.lazy): its GPU tests, the tiles
+              # at the engine's 16k chunk after 112k of context and at an 8k first chunk, then minimax-m3:5 at 8k and
+              # 131k with it off and on, side by side on one engine, profiled
+  phase pytest-lazy ${T_A:-90} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 80 -rfE \
+    tests/kernels/attention/test_prefill_attention.py -k "lazy or 8k"
+  phase attn-variants-16k ${T_B:-120} python3 bench/prefill_attention_variants.py --n 16384 --ctx 114688 --kv 16 \
+    --iters 3 --variants 0,4,23,24,25,26,27 --out-dir "$OUT/ctx112k"
+  phase attn-variants-8k ${T_C:-60} python3 bench/prefill_attention_variants.py --n 8192 --ctx 0 --kv 16 \
+    --iters 5 --variants 0,23,24 --out-dir "$OUT/first8k"
+  phase prefill-131k-lazy ${T_D:-220} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 --quant nvfp4 \
+    --chunk 16384 --repeat 2 --no-transformers --lazy-rescale off,on --profile-dir "$OUT" \
+    --out "$OUT/prefill-nvfp4-8k-128k-c16k-lazy-rescale-$TAG.json"
   ;;
 prefill-round5)  # issue 29, second call: minimax-m3:5 at 131k in 32k-token chunks (half the decode-once passes of the
               # MoE and linears per prompt), and on the hybrid NVFP4 / FP8 cache with its dense layers' FP8 pages

@@ -79,23 +79,27 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
                  profile_dir: str | None = None, graph_tokens: int = 0, weight_layout: str | None = None,
                  sparse_prefill: tuple[str, ...] = ("on",), fp8_context: tuple[str, ...] = ("bf16",),
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", lazy_rescale: tuple[str, ...] = ("off",)):
     """One LLM; per prompt length, one row per (sparse_prefill, fp8_context) setting, timed side by side on the same
     engine. sparse_prefill "on": MSA layers' prefill rows take attn.prefill_sparse, "off": attn.paged; fp8_context
     "bf16": dense layers' FP8 pages decoded to bf16 once per long prefill step (targets.attention.FP8_CONTEXT_AS_BF16),
-    "direct": attn.prefill reads the FP8 pages."""
+    "direct": attn.prefill reads the FP8 pages; lazy_rescale "on": attn.prefill's bf16 tiles rescale acc only when a
+    row's max grows by more than 2**8 (kernels.attention.prefill.LAZY_RESCALE)."""
     from m3serve import LLM, SamplingParams
+    from m3serve.kernels.attention import prefill as prefill_kernel
     from m3serve.targets import attention as target_attention
-    routed_default = target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16
+    routed_default = (target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16,
+                      prefill_kernel.LAZY_RESCALE)
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens,
               weight_layout=weight_layout, kv_cache_dtype=kv_cache_dtype)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in tokens:
-        for mode, ctx in ((m, c) for m in sparse_prefill for c in fp8_context):
+        for mode, ctx, lazy in ((m, c, z) for m in sparse_prefill for c in fp8_context for z in lazy_rescale):
             target_attention.MSA_PREFILL_TILED = mode == "on"
             target_attention.FP8_CONTEXT_AS_BF16 = ctx == "bf16"
+            prefill_kernel.LAZY_RESCALE = lazy == "on"
             times = []
             for r in range(repeat + 1):
                 ids = prompt(llm.model.cfg.vocab_size, n, r)
@@ -110,15 +114,18 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                          "chunk": chunk, "ttft_s": ttft,
                          "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
                          "prefill_graph_tokens": graph_tokens, "weight_layout": weight_layout or "mma_tile",
-                         "sparse_prefill": mode, "fp8_context": ctx, "kv_cache_dtype": kv_cache_dtype})
+                         "sparse_prefill": mode, "fp8_context": ctx, "kv_cache_dtype": kv_cache_dtype,
+                         "lazy_rescale": lazy})
             print(json.dumps(rows[-1]), flush=True)
             if profile_dir:
-                profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{quant or 'none'}-{n}"
+                profile_prefill(llm, sp, n, os.path.join(profile_dir, f"prefill-profile-{model.replace('minimax-m3:', 'm3_')}-{quant or 'none'}-{n}"
                                                          f"{'-rows' if weight_layout == 'rows' else ''}"
                                                          f"{'' if kv_cache_dtype == 'auto' else '-kv-' + kv_cache_dtype}"
                                                          f"{'-sparse-off' if mode == 'off' else ''}"
-                                                         f"{'-fp8-direct' if ctx == 'direct' else ''}.txt"))
-    target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16 = routed_default
+                                                         f"{'-fp8-direct' if ctx == 'direct' else ''}"
+                                                         f"{'-lazy' if lazy == 'on' else ''}.txt"))
+    (target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16,
+     prefill_kernel.LAZY_RESCALE) = routed_default
     cfg = llm.model.cfg
     llm.shutdown()
     del llm
@@ -193,10 +200,18 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="EngineConfig.kv_cache_dtype of the m3serve rows: auto (the model dtype) | bf16 | fp8 | nvfp4 "
                          "(the hybrid cache: NVFP4 sparse layers, FP8 dense)")
+    ap.add_argument("--lazy-rescale", default="default",
+                    help="comma list of on|off: attn.prefill's bf16 tiles with the conditional rescale or without, "
+                         "rows side by side on one engine (default: the module's LAZY_RESCALE)")
     args = ap.parse_args()
     sparse_modes = tuple(args.sparse_prefill.split(","))
     if not set(sparse_modes) <= {"on", "off"}:
         ap.error(f"--sparse-prefill: expected a comma list of on|off, found {args.sparse_prefill!r}")
+    from m3serve.kernels.attention import prefill as prefill_kernel
+    lazy_modes = (("on" if prefill_kernel.LAZY_RESCALE else "off",) if args.lazy_rescale == "default"
+                  else tuple(args.lazy_rescale.split(",")))
+    if not set(lazy_modes) <= {"on", "off"}:
+        ap.error(f"--lazy-rescale: expected a comma list of on|off, found {args.lazy_rescale!r}")
     ctx_modes = tuple(args.fp8_context.split(","))
     if not set(ctx_modes) <= {"bf16", "direct"}:
         ap.error(f"--fp8-context: expected a comma list of bf16|direct, found {args.fp8_context!r}")
@@ -208,7 +223,7 @@ def main() -> int:
             for lay in args.weight_layouts.split(","):
                 rows, cfg = time_m3serve(args.model, None if q == "none" else q, tokens, args.chunk, args.repeat,
                                          args.device, args.profile_dir, g, None if lay == "default" else lay,
-                                         sparse_modes, ctx_modes, args.kv_cache_dtype)
+                                         sparse_modes, ctx_modes, args.kv_cache_dtype, lazy_modes)
                 results += rows
     if not args.no_transformers and cfg is not None:
         results += time_transformers(cfg, args.model, tokens, args.repeat, args.device)

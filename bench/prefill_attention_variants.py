@@ -47,6 +47,10 @@ VARIANTS = [
     # conversion's (479 vs 594 at 128 x 64, two heads: m3serve.kernels.aot_check's loop count)
     T(128, 64, 8, 1, heads=2, f16=True), T(128, 64, 8, 2, heads=2, f16=True), T(64, 64, 4, 3, f16=True),
     T(64, 64, 4, 3, heads=2, f16=True), T(128, 64, 8, 1, heads=4, f16=True), T(128, 128, 8, 1, heads=2, f16=True),
+    # bf16 operands with the conditional rescale (lazy: acc / l rescaled only when a row's max grows by > 2**8;
+    # no spills at sm_90 for these, aot-compiled on the CPU; 128 x 128 spills 64 B)
+    T(64, 64, 4, 3, lazy=True), T(64, 64, 4, 3, heads=2, lazy=True), T(128, 64, 8, 2, heads=2, lazy=True),
+    T(64, 64, 4, 4, lazy=True), T(64, 32, 4, 3, lazy=True), T(128, 64, 8, 1, heads=2, lazy=True),
 ]
 
 

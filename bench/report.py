@@ -619,7 +619,8 @@ def _fp8_context(r: dict, w: str) -> str:
     kv = opt(r, "kv_cache_dtype", w, "str") or "auto"
     ctx = opt(r, "fp8_context", w, "str") if kv in ("fp8", "nvfp4") else None
     return ((f", {KV_CACHE.get(kv, kv)} KV cache" if kv != "auto" else "")
-            + (f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx else ""))
+            + (f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx else "")
+            + (", attn.prefill lazy rescale" if opt(r, "lazy_rescale", w, "str") == "on" else ""))
 
 
 def render_prefill(files: list[ResultFile]) -> str:
@@ -702,7 +703,8 @@ def render_prefill_attention_variants(files: list[ResultFile]) -> str:
                 name = (f"{t['block_m']} x {t['block_n']}, {t['num_warps']} warps, {t['num_stages']} stages"
                         + (f", {t['heads']} heads" if t.get("heads", 1) > 1 else "")
                         + ("" if t.get("pv_split", True) else ", one bf16 p.v MMA")
-                        + (", fp16 operands" if t.get("f16") else ""))
+                        + (", fp16 operands" if t.get("f16") else "")
+                        + (", lazy rescale" if t.get("lazy") else ""))
             else:
                 name = need(r, "tiles", w, "str")
             table.append(["FP8" if need(r, "kv_bits", w, "int") == 8 else "BF16", name, f"{need(r, 'ms', w):.3f}",

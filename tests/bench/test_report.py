@@ -638,15 +638,18 @@ def test_prefill_rows_name_the_msa_prefill_path(report, tmp_path):
 def test_prefill_rows_name_the_fp8_context_path(report, tmp_path):
     """bench/prefill.py --fp8-context bf16,direct: each row says how dense layers' FP8 pages were read."""
     rows = [{"engine": "m3serve", "model": "minimax-m3:5", "quantization": "nvfp4", "tokens": 131072, "chunk": 16384,
-             "ttft_s": t, "frac_bf16_peak": 0.4, "sparse_prefill": "off", "fp8_context": ctx, "kv_cache_dtype": kv}
-            for t, ctx, kv in ((3.9, "bf16", "nvfp4"), (4.3, "direct", "nvfp4"), (4.1, "direct", "auto"))]
+             "ttft_s": t, "frac_bf16_peak": 0.4, "sparse_prefill": "off", "fp8_context": ctx, "kv_cache_dtype": kv,
+             "lazy_rescale": lazy}
+            for t, ctx, kv, lazy in ((3.9, "bf16", "nvfp4", "off"), (4.3, "direct", "nvfp4", "off"),
+                                     (4.1, "direct", "auto", "off"), (3.8, "bf16", "auto", "on"))]
     write(tmp_path, "prefill/prefill-nvfp4-128k-fp8-context-h200.json",
           {**PROVENANCE, "bench": "prefill", "command": "x", "results": rows})
     out = report.render_report(tmp_path)
     assert [r[0] for r in table_rows(out, "engine")] == [
         "m3serve, MSA prefill through attn.paged, hybrid NVFP4 / FP8 KV cache, FP8 pages decoded to bf16 per step",
         "m3serve, MSA prefill through attn.paged, hybrid NVFP4 / FP8 KV cache, FP8 pages read directly",
-        "m3serve, MSA prefill through attn.paged"]   # a BF16 cache has no FP8 pages: the setting is not shown
+        "m3serve, MSA prefill through attn.paged",   # a BF16 cache has no FP8 pages: the setting is not shown
+        "m3serve, MSA prefill through attn.paged, attn.prefill lazy rescale"]
     summary = table_rows(report.render_summary(tmp_path), "figure")
     assert ["prefill TTFT, 131072 tokens, NVFP4 weights, MSA prefill through attn.paged, hybrid NVFP4 / FP8 KV cache, "
             "FP8 pages read directly", "minimax-m3:5", "4300 ms",

@@ -77,8 +77,11 @@ from m3serve.model.msa import attend, select_blocks, selection_mask
 ENABLED = True  # the one switch: False sends attn.prefill calls down the stock path
 # the sparse form's own switch under it: False sends MSA layers' prefill rows back to attn.paged (targets.attention)
 SPARSE_ENABLED = True
+# the bf16-operand default tiles' conditional rescale (PrefillTiles.lazy), read at each call without explicit tiles
+LAZY_RESCALE = False
 
 LOG2E = 1.4426950408889634
+LAZY_TAU = tl.constexpr(8.0)  # PrefillTiles.lazy: p may reach 2**8 before acc / l are rescaled (FA4's threshold)
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 _KV_BITS = {torch.bfloat16: 16, torch.float8_e4m3fn: 8}
 _BITS_KV = {16: torch.bfloat16, 8: torch.float8_e4m3fn}
@@ -93,6 +96,7 @@ class PrefillTiles:
     pv_split: bool = True  # p.v as bf16 hi + lo (two MMAs); False: one bf16 MMA (bench only)
     heads: int = 1  # query heads of one KV group per program: block_m rows = block_m/heads tokens x heads
     f16: bool = False  # FP8 pages, compiled: fp16 MMA operands (module docstring); other pages ignore it
+    lazy: bool = False  # rescale acc / l only when a row's running max grows by more than LAZY_TAU (not with f16)
 
 
 def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
@@ -112,17 +116,21 @@ def default_tiles(d: int, p: int, kv_dtype: torch.dtype) -> PrefillTiles:
     Keys per step never exceed a page; 16 <= BLOCK_N keeps the MMA's N side legal."""
     if d >= 128 and kv_dtype == torch.float8_e4m3fn:
         return PrefillTiles(block_m=128, block_n=min(128, p), num_warps=8, num_stages=1, heads=2, f16=True)
-    return PrefillTiles(block_m=64, block_n=min(64, p), num_warps=4, num_stages=3)
+    return PrefillTiles(block_m=64, block_n=min(64, p), num_warps=4, num_stages=3, lazy=LAZY_RESCALE)
 
 
 @helper
 def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr, PV_SPLIT: tl.constexpr,
-               CUDA: tl.constexpr, F16: tl.constexpr, GUARD: tl.constexpr):
+               CUDA: tl.constexpr, F16: tl.constexpr, GUARD: tl.constexpr, LAZY: tl.constexpr = False):
     """One key block of online softmax: acc [BM, D], m_i/l_i [BM] fp32; q [BM, D], k/v [BN, D] MMA
     operands (bf16 compiled, fp16 with F16, fp32 interpreted); qk_scale a scalar, or [BM, 1] per row (F16);
     allowed [BM, BN] bool when MASKED. GUARD (sparse mode): a row may have seen no key yet after this block
     (m_new = -inf); it subtracts 0 instead of -inf, so its alpha and p stay 0 (not exp2(-inf + inf) = NaN)
-    and acc, l stay 0. Dense rows always see a key in their first block: no guard, the same instructions."""
+    and acc, l stay 0. Dense rows always see a key in their first block: no guard, the same instructions.
+    LAZY (dense, bf16 operands): the reference max m_i moves only when some row's block max exceeds it by more than
+    LAZY_TAU (the first block always: m_i = -inf); otherwise p = exp2(s - m_i) <= 2**LAZY_TAU and acc, l are not
+    rescaled (2 multiplies per score element saved). out = acc / l is the same quotient; p's hi + lo split keeps
+    2**-18 of p at any magnitude and l, acc are fp32 sums of terms up to 2**LAZY_TAU, so the band is unchanged."""
     if CUDA:
         s = tl.dot(q, tl.trans(k))
     else:
@@ -131,6 +139,24 @@ def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr,
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LAZY:
+        if tl.max(m_new - m_i, 0) > LAZY_TAU:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        p_hi = to_bf16(p, CUDA)
+        if CUDA:
+            acc = tl.dot(p_hi, v, acc)
+            if PV_SPLIT:
+                acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA), v, acc)
+        else:
+            acc = tl.dot(p_hi.to(tl.float32), v, acc, input_precision="ieee")
+            if PV_SPLIT:
+                acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA).to(tl.float32), v, acc, input_precision="ieee")
+        return acc, m_i, l_i
     if GUARD:
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -202,7 +228,8 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                               GROUP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, HEADS: tl.constexpr, KV_FP8: tl.constexpr,
                               PV_SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr,
-                              SPARSE: tl.constexpr, SEL_K: tl.constexpr, TOPK: tl.constexpr, BS: tl.constexpr):
+                              SPARSE: tl.constexpr, SEL_K: tl.constexpr, TOPK: tl.constexpr, BS: tl.constexpr,
+                              LAZY: tl.constexpr = False):
     head0 = tl.program_id(0) * HEADS
     m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2)
@@ -286,13 +313,13 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                     v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, toks, D, KV_FP8,
                                    CUDA, False, F16)
                     acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, None, False, PV_SPLIT, CUDA, F16,
-                                                False)
+                                                False, LAZY)
                 for kb in range(full_blocks, end_blocks):
                     k, v, allowed = _masked_tile(k_ptr, v_ptr, table, kb, kv_head, stride_k_slot, stride_k_head,
                                                  stride_v_slot, stride_v_head, in_blk, d, pos, L, D, P, BLOCK_N,
                                                  KV_FP8, CUDA, F16)
                     acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16,
-                                                False)
+                                                False, LAZY)
                 # every row sees at least its own key, so l_i >= 1 on the rows that are stored
                 o = acc / l_i[:, None]
             tl.store(o_ptrs, to_bf16(o, CUDA), mask=row_ok[:, None])
@@ -393,15 +420,16 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     grid = (hq // cfg.heads, triton.cdiv(max_query_len, cfg.block_m // cfg.heads), s)
     sparse = sel is not None
     sel_k = sel.shape[2] if sparse else 1
+    f16 = fp8 and cfg.f16 and is_compiled(q)
     _prefill_attention_kernel[grid](
         q, kp, vp, out, slot_table, seq_lens, query_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1),
         v_pages.stride(0), v_pages.stride(1), slot_table.stride(0), float(sm_scale) * LOG2E,
         sel if sparse else slot_table, sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
         GROUP=hq // hk, D=d, P=p, BLOCK_M=cfg.block_m, BLOCK_N=block_n, HEADS=cfg.heads, KV_FP8=fp8,
-        PV_SPLIT=cfg.pv_split, CUDA=is_compiled(q), F16=fp8 and cfg.f16 and is_compiled(q),
+        PV_SPLIT=cfg.pv_split, CUDA=is_compiled(q), F16=f16,
         SPARSE=sparse, SEL_K=sel_k, TOPK=triton.next_power_of_2(sel_k), BS=block_size if sparse else block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        LAZY=cfg.lazy and not f16 and not sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

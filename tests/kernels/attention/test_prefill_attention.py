@@ -42,6 +42,22 @@ def test_several_sequences_with_context_and_padding(bits: int, p: int, block_n: 
     assert torch.equal(out[25:27], torch.zeros_like(out[25:27])), "padding rows must be zeros"
 
 
+@pytest.mark.parametrize("bits", [16, 8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("q_gain", [1.0, 12.0, 100.0], ids=["scores-near", "scores-spread", "scores-past-fp32-range"])
+def test_lazy_rescale_is_within_the_band(bits: int, q_gain: float) -> None:
+    """tiles.lazy: acc / l rescaled only when a row's max grows by more than LAZY_TAU. q scaled up spreads the
+    scores over hundreds of log2 units, so later blocks both raise the max past the threshold (rescale) and
+    stay under it (no rescale, p up to 2**8); the output stays in the entry's band either way. At x100 a block's
+    max exceeds the first block's by more than 128 log2 units: a kernel that never rescaled would overflow p."""
+    tiles = pa.PrefillTiles(block_m=16, block_n=16, num_warps=4, num_stages=1, lazy=True)
+    gen = torch.Generator().manual_seed(bits + int(q_gain))
+    case = pa.make_step_case((4, 2, 32, 16, bits), [23, 9, 1], [0, 61, 40], CPU, gen, tiles)
+    case.args[0].mul_(q_gain)
+    out, ref = _run(case)
+    pa.compare(out, ref, case)
+    assert bool(torch.isfinite(out).all())
+
+
 def test_single_bf16_p_is_within_its_own_band() -> None:
     tiles = pa.PrefillTiles(block_m=16, block_n=16, num_warps=4, num_stages=1, pv_split=False)
     case = pa.make_step_case((2, 1, 16, 16, 16), [17], [9], CPU, torch.Generator().manual_seed(3), tiles)
@@ -200,6 +216,19 @@ def test_gpu_8k_chunk_after_context(bits: int) -> None:
     cell = next(c for c in pa.CELLS if c.shape == (64, 4, 128, 128, bits))
     case = pa.make_step_case(cell.shape, [8192], [4096 + 77], dev, torch.Generator().manual_seed(bits),
                              cell.config["tiles"])
+    out, ref = _run(case)
+    pa.compare(out, ref, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [16, 8], ids=["bf16", "fp8-bf16-operands"])
+def test_gpu_lazy_rescale_8k_chunk_after_context(bits: int) -> None:
+    """tiles.lazy at M3 TP1 (64 x 64 tiles, bf16 operands): an 8k chunk after a context, q spread x4."""
+    dev = _cuda()
+    tiles = pa.PrefillTiles(block_m=64, block_n=64, num_warps=4, num_stages=3, lazy=True)
+    case = pa.make_step_case((64, 4, 128, 128, bits), [8192], [4096 + 77], dev,
+                             torch.Generator().manual_seed(bits + 1), tiles)
+    case.args[0].mul_(4.0)
     out, ref = _run(case)
     pa.compare(out, ref, case)
 
