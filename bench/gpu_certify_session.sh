@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... prefill-round6 | prefill-round5 | prefill-round4 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -133,6 +133,21 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
   ;;
+prefill-round7)  # issue 29's 131k goal: attn.prefill's context-copy form (K/V by TMA from a head-major bf16 copy of a long
+              # step's pages): its GPU tests, then minimax-m3:5 at 8k and 131k, on the default cache and on the hybrid
+              # NVFP4 / FP8 one, and the deepest model at 8k, each with the copy on and off on one engine, profiled
+  phase pytest-ctx ${T_A:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 -rfE \
+    tests/kernels/attention/test_prefill_attention.py tests/targets/test_attention_target_cpu.py -k "context_copy"
+  phase prefill-131k-ctx ${T_B:-190} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 --quant nvfp4 \
+    --chunk 16384 --repeat 2 --no-transformers --context-copy on,off --profile-dir "$OUT" \
+    --out "$OUT/prefill-nvfp4-8k-128k-c16k-context-copy-$TAG.json"
+  phase prefill-131k-ctx-kv-nvfp4 ${T_C:-130} python3 bench/prefill.py --model minimax-m3:5 --tokens 131072 \
+    --quant nvfp4 --chunk 16384 --repeat 1 --no-transformers --kv-cache-dtype nvfp4 --context-copy on,off \
+    --out "$OUT/prefill-nvfp4-128k-c16k-kv-nvfp4-context-copy-$TAG.json"
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase prefill-deep-8k-ctx ${T_D:-150} python3 bench/prefill.py --model $deep --tokens 8192 --quant nvfp4 --chunk 8192 \
+    --repeat 2 --no-transformers --context-copy on,off --out "$OUT/prefill-${deep/minimax-m3:/m3_}-8k-context-copy-$TAG.json"
+  ;;
 prefill-round6)  # issue 29's 131k goal: attn.prefill's conditional rescale (PrefillTiles.lazy): its GPU tests, the tiles
               # at the engine's 16k chunk after 112k of context and at an 8k first chunk, then minimax-m3:5 at 8k and
               # 131k with it off and on, side by side on one engine, profiled
@@ -145,31 +160,6 @@ prefill-round6)  # issue 29's 131k goal: attn.prefill's conditional rescale (Pre
   phase prefill-131k-lazy ${T_D:-220} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 --quant nvfp4 \
     --chunk 16384 --repeat 2 --no-transformers --lazy-rescale off,on --profile-dir "$OUT" \
     --out "$OUT/prefill-nvfp4-8k-128k-c16k-lazy-rescale-$TAG.json"
-  ;;
-prefill-round5)  # issue 29, second call: minimax-m3:5 at 131k in 32k-token chunks (half the decode-once passes of the
-              # MoE and linears per prompt), and on the hybrid NVFP4 / FP8 cache with its dense layers' FP8 pages
-              # decoded to bf16 per step vs read directly (the default BF16 cache has no FP8 pages), profiled
-  phase prefill-131k-c32k ${T_A:-200} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 --quant nvfp4 \
-    --chunk 32768 --repeat 2 --no-transformers --profile-dir "$OUT" --out "$OUT/prefill-nvfp4-8k-128k-c32k-$TAG.json"
-  phase prefill-131k-kv-nvfp4 ${T_B:-220} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 \
-    --quant nvfp4 --chunk 16384 --repeat 1 --no-transformers --kv-cache-dtype nvfp4 --fp8-context bf16,direct \
-    --profile-dir "$OUT" --out "$OUT/prefill-nvfp4-8k-128k-c16k-kv-nvfp4-fp8-context-$TAG.json"
-  ;;
-prefill-round4)  # issue 29's 131k goal, one call: the GPU tests of msa.select's lane-width ladder and of the dense
-              # layers' FP8 pages decoded to bf16 per long prefill step; msa.select at a 16k chunk in the engine's
-              # table widths; minimax-m3:5 at 8k and 131k and the deepest model at 8k, FP8 context decoded vs direct
-              # on one engine, profiled
-  phase pytest-prefill4 ${T_A:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 90 -rfE \
-    tests/kernels/attention/test_msa_index.py tests/targets/test_attention_target_cpu.py -k "select or fp8_prefill"
-  phase msa-select-ladder ${T_B:-60} python3 bench/msa_index_bw.py --prefill-chunk 16384 --prefill-ctx 114688 \
-    --select-only --out "$OUT/msa-scores-prefill-select-ladder-$TAG.json"
-  phase prefill-131k ${T_C:-200} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192,131072 --quant nvfp4 \
-    --chunk 16384 --repeat 2 --no-transformers --fp8-context bf16,direct --profile-dir "$OUT" \
-    --out "$OUT/prefill-nvfp4-8k-128k-c16k-fp8-context-$TAG.json"
-  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase prefill-deep-8k ${T_D:-170} python3 bench/prefill.py --model $deep --tokens 8192 --quant nvfp4 --chunk 8192 \
-    --repeat 2 --no-transformers --fp8-context bf16,direct \
-    --out "$OUT/prefill-${deep/minimax-m3:/m3_}-8k-fp8-context-$TAG.json"
   ;;
 prefill-round3)  # issue 29, one call: the GPU tests of the two new prefill paths (attn.prefill_sparse; msa.scores'
               # query-stationary tiling), then the deepest model at 8k and minimax-m3:5 at 131k with the MSA prefill

@@ -78,17 +78,17 @@ def profile_prefill(llm, sp, n: int, path: str) -> None:
 
 def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, repeat: int, device: str,
                  profile_dir: str | None = None, graph_tokens: int = 0, weight_layout: str | None = None,
-                 sparse_prefill: tuple[str, ...] = ("on",), fp8_context: tuple[str, ...] = ("bf16",),
+                 sparse_prefill: tuple[str, ...] = ("on",), context_copy: tuple[str, ...] = ("on",),
                  kv_cache_dtype: str = "auto", lazy_rescale: tuple[str, ...] = ("off",)):
-    """One LLM; per prompt length, one row per (sparse_prefill, fp8_context) setting, timed side by side on the same
-    engine. sparse_prefill "on": MSA layers' prefill rows take attn.prefill_sparse, "off": attn.paged; fp8_context
-    "bf16": dense layers' FP8 pages decoded to bf16 once per long prefill step (targets.attention.FP8_CONTEXT_AS_BF16),
-    "direct": attn.prefill reads the FP8 pages; lazy_rescale "on": attn.prefill's bf16 tiles rescale acc only when a
+    """One LLM; per prompt length, one row per (sparse_prefill, context_copy, lazy_rescale) setting, timed side by
+    side on the same engine. sparse_prefill "on": MSA layers' prefill rows take attn.prefill_sparse, "off":
+    attn.paged; context_copy "on": dense layers' visible pages copied head-major as bf16 once per long prefill step
+    and read by TMA (targets.attention.CONTEXT_COPY), "off": attn.prefill reads the pages; lazy_rescale "on": attn.prefill's bf16 tiles rescale acc only when a
     row's max grows by more than 2**8 (kernels.attention.prefill.LAZY_RESCALE)."""
     from m3serve import LLM, SamplingParams
     from m3serve.kernels.attention import prefill as prefill_kernel
     from m3serve.targets import attention as target_attention
-    routed_default = (target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16,
+    routed_default = (target_attention.MSA_PREFILL_TILED, target_attention.CONTEXT_COPY,
                       prefill_kernel.LAZY_RESCALE)
     llm = LLM(model, random_weights=True, quantization=quant, max_num_batched_tokens=chunk, device=device,
               max_model_len=max(tokens) + 16, max_num_seqs=8, prefill_graph_tokens=graph_tokens,
@@ -96,9 +96,9 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in tokens:
-        for mode, ctx, lazy in ((m, c, z) for m in sparse_prefill for c in fp8_context for z in lazy_rescale):
+        for mode, ctx, lazy in ((m, c, z) for m in sparse_prefill for c in context_copy for z in lazy_rescale):
             target_attention.MSA_PREFILL_TILED = mode == "on"
-            target_attention.FP8_CONTEXT_AS_BF16 = ctx == "bf16"
+            target_attention.CONTEXT_COPY = ctx == "on"
             prefill_kernel.LAZY_RESCALE = lazy == "on"
             times = []
             for r in range(repeat + 1):
@@ -114,7 +114,7 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                          "chunk": chunk, "ttft_s": ttft,
                          "frac_bf16_peak": prefill_flops(llm.model.cfg, n) / ttft / BF16_PEAK,
                          "prefill_graph_tokens": graph_tokens, "weight_layout": weight_layout or "mma_tile",
-                         "sparse_prefill": mode, "fp8_context": ctx, "kv_cache_dtype": kv_cache_dtype,
+                         "sparse_prefill": mode, "context_copy": ctx, "kv_cache_dtype": kv_cache_dtype,
                          "lazy_rescale": lazy})
             print(json.dumps(rows[-1]), flush=True)
             if profile_dir:
@@ -122,9 +122,9 @@ def time_m3serve(model: str, quant: str | None, tokens: list[int], chunk: int, r
                                                          f"{'-rows' if weight_layout == 'rows' else ''}"
                                                          f"{'' if kv_cache_dtype == 'auto' else '-kv-' + kv_cache_dtype}"
                                                          f"{'-sparse-off' if mode == 'off' else ''}"
-                                                         f"{'-fp8-direct' if ctx == 'direct' else ''}"
+                                                         f"{'-no-ctx-copy' if ctx == 'off' else ''}"
                                                          f"{'-lazy' if lazy == 'on' else ''}.txt"))
-    (target_attention.MSA_PREFILL_TILED, target_attention.FP8_CONTEXT_AS_BF16,
+    (target_attention.MSA_PREFILL_TILED, target_attention.CONTEXT_COPY,
      prefill_kernel.LAZY_RESCALE) = routed_default
     cfg = llm.model.cfg
     llm.shutdown()
@@ -193,10 +193,10 @@ def main() -> int:
                     help="comma list of on|off: MSA layers' prefill rows through attn.prefill_sparse (on) or "
                          "attn.paged (off, the engine's default: targets.attention.MSA_PREFILL_TILED), rows side by side on "
                          "one engine")
-    ap.add_argument("--fp8-context", default="bf16",
-                    help="comma list of bf16|direct: dense layers' FP8 pages in long prefill steps decoded to bf16 once "
-                         "per layer (bf16, the default: targets.attention.FP8_CONTEXT_AS_BF16) or read as FP8 by "
-                         "attn.prefill (direct), rows side by side on one engine")
+    ap.add_argument("--context-copy", default="on",
+                    help="comma list of on|off: dense layers' pages in long prefill steps copied head-major as bf16 once "
+                         "per layer and read by TMA (on, the default: targets.attention.CONTEXT_COPY) or read from the "
+                         "pages by attn.prefill (off), rows side by side on one engine")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="EngineConfig.kv_cache_dtype of the m3serve rows: auto (the model dtype) | bf16 | fp8 | nvfp4 "
                          "(the hybrid cache: NVFP4 sparse layers, FP8 dense)")
@@ -212,9 +212,9 @@ def main() -> int:
                   else tuple(args.lazy_rescale.split(",")))
     if not set(lazy_modes) <= {"on", "off"}:
         ap.error(f"--lazy-rescale: expected a comma list of on|off, found {args.lazy_rescale!r}")
-    ctx_modes = tuple(args.fp8_context.split(","))
-    if not set(ctx_modes) <= {"bf16", "direct"}:
-        ap.error(f"--fp8-context: expected a comma list of bf16|direct, found {args.fp8_context!r}")
+    ctx_modes = tuple(args.context_copy.split(","))
+    if not set(ctx_modes) <= {"on", "off"}:
+        ap.error(f"--context-copy: expected a comma list of on|off, found {args.context_copy!r}")
     tokens = [int(t) for t in args.tokens.split(",")]
     meta = run_metadata()
     results, cfg = [], None

@@ -612,14 +612,18 @@ SPARSE_PREFILL = {"on": "MSA prefill through attn.prefill_sparse", "off": "MSA p
 # bench/prefill.py --fp8-context: how attn.prefill reads dense layers' FP8 pages in long prefill steps
 FP8_CONTEXT = {"bf16": "FP8 pages decoded to bf16 per step", "direct": "FP8 pages read directly"}
 KV_CACHE = {"nvfp4": "hybrid NVFP4 / FP8", "fp8": "FP8", "bf16": "BF16"}
+CONTEXT_COPY = {"on": "context copy read by TMA", "off": "pages read directly"}
 
 
 def _fp8_context(r: dict, w: str) -> str:
-    """The KV cache (when not the model dtype) and how attn.prefill read its FP8 pages (only where it has some)."""
+    """The KV cache (when not the model dtype), how attn.prefill read the pages of long steps (context_copy; the
+    earlier fp8_context only where the cache has FP8 pages) and its rescale."""
     kv = opt(r, "kv_cache_dtype", w, "str") or "auto"
     ctx = opt(r, "fp8_context", w, "str") if kv in ("fp8", "nvfp4") else None
+    copy = opt(r, "context_copy", w, "str")
     return ((f", {KV_CACHE.get(kv, kv)} KV cache" if kv != "auto" else "")
             + (f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx else "")
+            + (f", {CONTEXT_COPY.get(copy, 'context_copy ' + copy)}" if copy else "")
             + (", attn.prefill lazy rescale" if opt(r, "lazy_rescale", w, "str") == "on" else ""))
 
 

@@ -12,8 +12,8 @@ can be captured in a CUDA graph):
     msa.select           sparse layers: top-k blocks per (token, KV group), the stock rules [T, Hk, topk]
     attn.paged           decode / verify rows, and sparse rows on NVFP4 pages (split-KV, ordered combine;
                          rotated layers: q rotated in the prologue, the output un-rotated before the split store)
-      or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence (FP8 pages of an
-                         eager step over FP8_CONTEXT_MIN_ROWS rows: read as bf16 pages decoded once per layer)
+      or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence (an eager step over
+                         CONTEXT_COPY_MIN_ROWS rows: K/V by TMA from a head-major bf16 copy of its pages, CONTEXT_COPY)
       or attn.prefill_sparse  sparse layers with more than DECODE_MAX_QUERY query tokens per sequence on bf16 /
                          FP8 pages, when MSA_PREFILL_TILED (the tiled kernel over each query's selected blocks;
                          off by default: measured no faster, see MSA_PREFILL_TILED)
@@ -32,7 +32,7 @@ from m3serve.kernels.attention.kv_write import write_layer
 from m3serve.kernels.attention.msa_index import DECODE_MAX_QUERY, msa_block_scores, msa_select
 from m3serve.kernels.attention.paged import make_workspace, paged_attention
 from m3serve.kernels.attention import prefill
-from m3serve.kernels.attention.prefill import prefill_attention
+from m3serve.kernels.attention.prefill import copy_context, prefill_attention
 from m3serve.kernels.gemm._tiled import held_scratch
 from m3serve.model.attention_backend import StockAttention
 from m3serve.runtime.step_inputs import PagedStep
@@ -49,15 +49,14 @@ PREFILL_FORMATS = ("bf16", "fp8")  # the page formats attn.prefill reads (not nv
 # 4.32 s (1.39x slower). Real indexers pick neighbouring blocks for neighbouring tokens, which is where the tiled
 # walk pays; turn it on after measuring on a trained model's selections.
 MSA_PREFILL_TILED = False
-# Dense layers on FP8 pages, eager prefill steps of more than FP8_CONTEXT_MIN_ROWS rows per sequence: the visible
-# pages are decoded to bf16 once per layer (exact: E4M3 is a subset of bf16) into the process-wide bf16 scratch and
-# attn.prefill reads them as bf16 pages, where the FP8-page tiles convert every K/V tile once per program (the 16
-# query heads of a KV group re-convert the same tile). Its cost is the visible context once (~5 bytes a value),
-# the attention's is rows x context: from a thousand rows on the decode is under 1 % of the attention. Only within
-# the scratch start-up reserved (the MoE / linears' decode-once band); a step whose pages do not fit reads its FP8
-# pages directly. Both forms are attn.prefill's certified cells (bf16 pages, and FP8 pages), within its band.
-FP8_CONTEXT_AS_BF16 = True
-FP8_CONTEXT_MIN_ROWS = 1024  # above the largest prefill graph: eager steps, whose lengths the host knows
+# Dense layers, eager prefill steps of more than CONTEXT_COPY_MIN_ROWS rows per sequence: the visible pages are
+# copied once per layer, head-major and as bf16 (FP8 pages decoded exactly), into the process-wide bf16 scratch, and
+# attn.prefill reads K/V from the copy by TMA (its `ctx` form: one 2-D box a tile, no slot lookups; bf16 operands,
+# where FP8-page tiles convert every K/V tile in every program). The copy costs the visible context once (~5 bytes a
+# value), the attention rows x context: from a thousand rows on it is under 1 % of the attention. Only within the
+# scratch start-up reserved (the MoE / linears' decode-once band); a step whose pages do not fit reads the pages.
+CONTEXT_COPY = True
+CONTEXT_COPY_MIN_ROWS = 1024  # above the largest prefill graph: eager steps, whose lengths the host knows
 
 
 def attention_forward(attn, q: Tensor, k: Tensor, v: Tensor, iq: Tensor | None, ik: Tensor | None,
@@ -82,13 +81,9 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
     kp, vp = kv.pages(layer, "k"), kv.pages(layer, "v")
     out = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
     if not sparse and step.max_query_len > DECODE_MAX_QUERY:
-        table = step.slot_table
-        if fmt == "fp8" and FP8_CONTEXT_AS_BF16 and step.max_query_len > FP8_CONTEXT_MIN_ROWS:
-            decoded = decode_context(kp, vp, step, kv.page_size)
-            if decoded is not None:
-                kp, vp, table = decoded
-        prefill_attention(q, kp, vp, table, step.seq_lens, step.query_start, out,
-                          sm_scale=scale, max_query_len=step.max_query_len)
+        ctx = context_copy(kp, vp, step) if CONTEXT_COPY and step.max_query_len > CONTEXT_COPY_MIN_ROWS else None
+        prefill_attention(q, kp, vp, step.slot_table, step.seq_lens, step.query_start, out,
+                          sm_scale=scale, max_query_len=step.max_query_len, ctx=ctx)
         return out
     sel = None
     if sparse:
@@ -119,38 +114,17 @@ def paged_layer_attention(layer: int, scale: float, q: Tensor, k: Tensor, v: Ten
     return out
 
 
-def decode_context(k_pages: Tensor, v_pages: Tensor, step: PagedStep, page_size: int
-                   ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The step's visible pages of one layer decoded to bf16: (k, v [N, Hk, P, D] bf16, table [S, B] int32 into
-    them), N = the pages of all sequences (sequence s's at start_s .. start_s + nb_s - 1, in table order). None
-    when the host does not know the lengths (a graph) or the held bf16 scratch is too small. The page index is
-    made once per step (device ops sized by host ints: no sync) and shared by the step's dense layers."""
+def context_copy(k_pages: Tensor, v_pages: Tensor, step: PagedStep) -> tuple[Tensor, Tensor, Tensor] | None:
+    """attn.prefill's `ctx` for this step's dense layer (prefill.copy_context into the held bf16 scratch), or None
+    when the host does not know the lengths (a graph) or the scratch start-up reserved is too small."""
     if step.host_seq_lens is None:
         return None
-    n = int((-(-step.host_seq_lens // page_size)).sum())
-    page_numel = k_pages[0].numel()
-    buf = held_scratch(k_pages.device, torch.bfloat16, 2 * n * page_numel)
-    if buf is None or n == 0:
+    _, hk, p, d = k_pages.shape
+    n = int((-(-step.host_seq_lens // p)).sum())
+    buf = held_scratch(k_pages.device, torch.bfloat16, 2 * hk * n * p * d) if n else None
+    if buf is None:
         return None
-    src, table = step.scratch(("fp8-context", n), lambda: _context_index(step, page_size, n))
-    k = buf[:n * page_numel].view(n, *k_pages.shape[1:])
-    v = buf[n * page_numel:].view(n, *v_pages.shape[1:])
-    k.copy_(k_pages.index_select(0, src))
-    v.copy_(v_pages.index_select(0, src))
-    return k, v, table
-
-
-def _context_index(step: PagedStep, page_size: int, n: int) -> tuple[Tensor, Tensor]:
-    """(src [n] int64: the slot of each visible page, sequences in order; table [S, B] int32: sequence s's page j
-    at start_s + j, clamped to n - 1 past its own pages, which the kernel never reads)."""
-    dev = step.slot_table.device
-    s, b = step.slot_table.shape
-    nb = (step.seq_lens.long() + page_size - 1) // page_size
-    start = torch.cumsum(nb, 0) - nb
-    seq = torch.repeat_interleave(torch.arange(s, device=dev), nb, output_size=n)
-    src = step.slot_table[seq, torch.arange(n, device=dev) - start[seq]].long()
-    table = (start[:, None] + torch.arange(b, device=dev)[None, :]).clamp_(max=n - 1).int()
-    return src, table
+    return copy_context(k_pages, v_pages, step.slot_table, step.seq_lens, n, buf)
 
 
 class PagedKernelAttention(StockAttention):

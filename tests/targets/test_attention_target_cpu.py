@@ -185,40 +185,35 @@ def test_msa_layer_routing(monkeypatch, kv, query_lens, sparse, tiled, enabled, 
     assert got == want, calls
 
 
-# --- long prefill steps on dense FP8 layers: the visible pages decoded to bf16 once ----------------------------
+# --- long prefill steps on dense layers: the context copy ------------------------------------------------------
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_long_fp8_prefill_reads_its_pages_decoded_to_bf16(monkeypatch, device):
-    """A dense layer on FP8 pages, an eager step over FP8_CONTEXT_MIN_ROWS rows: decode_context copies each
-    sequence's visible pages, exactly, to bf16 pages in the held scratch (poisoned before), attn.prefill reads them
-    through the compact table, and the output is the direct FP8-page call's (the same exact operands through the
-    same tiles at this head dim) and the stock attention's."""
+def test_long_prefill_reads_a_context_copy(monkeypatch, kv, device):
+    """A dense layer, an eager step over CONTEXT_COPY_MIN_ROWS rows: attn.prefill gets `ctx`, the step's visible pages
+    copied head-major as bf16 into the held scratch (poisoned before), and its output is the page form's (the same
+    operand values through the same tiles at this head dim) and the stock attention's. Without host lengths (a
+    graph), without room in the scratch, or at the row threshold, the pages are read directly."""
     from m3serve.targets import attention as target
 
-    attn, cache, step, slot_mapping, q, k, v, iq, ik, slots = _msa_layer_step("fp8", MSA_QUERY, MSA_CONTEXT,
+    attn, cache, step, slot_mapping, q, k, v, iq, ik, slots = _msa_layer_step(kv, MSA_QUERY, MSA_CONTEXT,
                                                                               sparse=False, device=device)
-    kp, vp = cache.pages(attn.layer, "k"), cache.pages(attn.layer, "v")
+    kp = cache.pages(attn.layer, "k")
     scratch = torch.full((4 * 16 * kp[0].numel(),), float("nan"), dtype=torch.bfloat16, device=device)
     monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: scratch[:n] if n <= scratch.numel() else None)
-    monkeypatch.setattr(target, "FP8_CONTEXT_MIN_ROWS", 48)
-    direct = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)   # host lengths unknown
-
+    monkeypatch.setattr(target, "CONTEXT_COPY_MIN_ROWS", 48)
     calls = []
     real = target.prefill_attention
-    monkeypatch.setattr(target, "prefill_attention", lambda *a, **kw: (calls.append(a), real(*a, **kw))[1])
+    monkeypatch.setattr(target, "prefill_attention", lambda *a, **kw: (calls.append(kw.get("ctx")), real(*a, **kw))[1])
+    direct = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)   # host lengths unknown
     step.host_seq_lens = step.seq_lens.cpu().numpy().astype("int64")
     out = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
-    (_, kd, vd, table, *_), = calls
-    assert kd.dtype == vd.dtype == torch.bfloat16 and kd.shape[1:] == kp.shape[1:]
-    start = 0
-    for s, sl in enumerate(slots):
-        n = len(sl)
-        assert table[s, :n].tolist() == list(range(start, start + n))
-        assert torch.equal(kd[start:start + n], kp[sl].to(torch.bfloat16))
-        assert torch.equal(vd[start:start + n], vp[sl].to(torch.bfloat16))
-        start += n
-    assert kd.shape[0] == start and int(table.max()) == start - 1
-    assert torch.equal(out, direct)   # the same exact operands, the same tiles, the same order
+    assert calls[0] is None and calls[1] is not None
+    k_ctx, v_ctx, key_start = calls[1]
+    pages = sum(len(sl) for sl in slots)
+    assert k_ctx.shape == (kp.shape[1], pages * kp.shape[2], kp.shape[3]) and k_ctx.data_ptr() == scratch.data_ptr()
+    assert key_start.tolist() == [0, len(slots[0]) * kp.shape[2]]
+    assert torch.equal(out, direct)
     q0 = 0
     for s, (n, ctx) in enumerate(zip(MSA_QUERY, MSA_CONTEXT)):
         L, rows = n + ctx, slice(q0, q0 + n)
@@ -228,11 +223,10 @@ def test_long_fp8_prefill_reads_its_pages_decoded_to_bf16(monkeypatch, device):
         torch.testing.assert_close(out[rows].float(), stock.float(), rtol=2**-7, atol=1e-6)
         q0 += n
 
-    # a scratch too small for the step's pages, or a step at or under the row threshold: FP8 pages read directly
     calls.clear()
     monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: None)
     target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
     monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: scratch[:n])
-    monkeypatch.setattr(target, "FP8_CONTEXT_MIN_ROWS", 49)
+    monkeypatch.setattr(target, "CONTEXT_COPY_MIN_ROWS", 49)
     target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
-    assert [a[1].dtype for a in calls] == [torch.float8_e4m3fn] * 2
+    assert calls == [None, None]

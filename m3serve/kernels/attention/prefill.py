@@ -65,6 +65,7 @@ from typing import Callable, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from m3serve.kernels.attention._paged import P_SHIFT, _q_to_f16
 from m3serve.kernels.formats._decode import e4m3_to, to_bf16
@@ -206,6 +207,18 @@ def _load_keys(ptr, slot, head, stride_slot, stride_head, toks, d, key_ok, D: tl
 
 
 @helper
+def _ctx_keys(desc, row, in_blk, n_ok, CUDA: tl.constexpr, MASKED: tl.constexpr):
+    """[BN, D] bf16 tile of the context copy from `row` on (one TMA load); masked steps zero the keys from n_ok on
+    (the copy holds whole pages: past L their bytes are stale, possibly NaN codes)."""
+    x = desc.load([row, 0])
+    if MASKED:
+        x = tl.where((in_blk < n_ok)[:, None], x, tl.zeros_like(x))
+    if not CUDA:
+        x = x.to(tl.float32)
+    return x
+
+
+@helper
 def _masked_tile(k_ptr, v_ptr, table, kb, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                  in_blk, d, pos, L, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
                  CUDA: tl.constexpr, F16: tl.constexpr):
@@ -229,7 +242,8 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                               BLOCK_N: tl.constexpr, HEADS: tl.constexpr, KV_FP8: tl.constexpr,
                               PV_SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr,
                               SPARSE: tl.constexpr, SEL_K: tl.constexpr, TOPK: tl.constexpr, BS: tl.constexpr,
-                              LAZY: tl.constexpr = False):
+                              LAZY: tl.constexpr = False, k_desc=None, v_desc=None, key_start_ptr=None, CTX_N=0,
+                              CTX: tl.constexpr = False):
     head0 = tl.program_id(0) * HEADS
     m_blk = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2)
@@ -266,6 +280,8 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
             end_blocks = last_pos // BLOCK_N + 1
             in_blk = tl.arange(0, BLOCK_N)
             table = table_ptr + seq.to(tl.int64) * stride_table
+            if CTX:  # the sequence's keys in the head-major context copy: rows kv_head * CTX_N + key_start + key
+                key_row = kv_head * CTX_N + tl.load(key_start_ptr + seq)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -306,18 +322,28 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, seq_lens_pt
                 o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             else:
                 for kb in range(0, full_blocks):
-                    slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
-                    toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
-                    k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, toks, D, KV_FP8,
-                                   CUDA, False, F16)
-                    v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, toks, D, KV_FP8,
-                                   CUDA, False, F16)
+                    if CTX:
+                        k = _ctx_keys(k_desc, key_row + kb * BLOCK_N, in_blk, 0, CUDA, False)
+                        v = _ctx_keys(v_desc, key_row + kb * BLOCK_N, in_blk, 0, CUDA, False)
+                    else:
+                        slot = tl.load(table + kb // PAGE_BLOCKS).to(tl.int64)
+                        toks = (kb % PAGE_BLOCKS) * BLOCK_N + in_blk
+                        k = _load_keys(k_ptr, slot, kv_head, stride_k_slot, stride_k_head, toks, d, toks, D, KV_FP8,
+                                       CUDA, False, F16)
+                        v = _load_keys(v_ptr, slot, kv_head, stride_v_slot, stride_v_head, toks, d, toks, D, KV_FP8,
+                                       CUDA, False, F16)
                     acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, None, False, PV_SPLIT, CUDA, F16,
                                                 False, LAZY)
                 for kb in range(full_blocks, end_blocks):
-                    k, v, allowed = _masked_tile(k_ptr, v_ptr, table, kb, kv_head, stride_k_slot, stride_k_head,
-                                                 stride_v_slot, stride_v_head, in_blk, d, pos, L, D, P, BLOCK_N,
-                                                 KV_FP8, CUDA, F16)
+                    if CTX:
+                        keys = kb * BLOCK_N + in_blk
+                        k = _ctx_keys(k_desc, key_row + kb * BLOCK_N, in_blk, L - kb * BLOCK_N, CUDA, True)
+                        v = _ctx_keys(v_desc, key_row + kb * BLOCK_N, in_blk, L - kb * BLOCK_N, CUDA, True)
+                        allowed = (keys[None, :] <= pos[:, None]) & (keys < L)[None, :]
+                    else:
+                        k, v, allowed = _masked_tile(k_ptr, v_ptr, table, kb, kv_head, stride_k_slot, stride_k_head,
+                                                     stride_v_slot, stride_v_head, in_blk, d, pos, L, D, P, BLOCK_N,
+                                                     KV_FP8, CUDA, F16)
                     acc, m_i, l_i = _block_step(acc, m_i, l_i, q, k, v, scale, allowed, True, PV_SPLIT, CUDA, F16,
                                                 False, LAZY)
                 # every row sees at least its own key, so l_i >= 1 on the rows that are stored
@@ -351,11 +377,18 @@ def _check_meta(name: str, t: torch.Tensor, dim: int, device: torch.device) -> N
 def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slot_table: torch.Tensor,
                       seq_lens: torch.Tensor, query_start: torch.Tensor, out: torch.Tensor, *, sm_scale: float,
                       max_query_len: int, tiles: PrefillTiles | None = None, sel: torch.Tensor | None = None,
-                      block_size: int | None = None) -> torch.Tensor:
+                      block_size: int | None = None, ctx: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
     """Raw call. Writes and returns `out`. max_query_len (a host int) must be >= every sequence's
     query count: it sizes the grid; rows past it would be left unwritten. sel [T, Hk, K] int32 with
     block_size (a host int, a multiple of the key tile): the sparse form (attn.prefill_sparse, module
-    docstring); both None: dense causal attention."""
+    docstring); both None: dense causal attention.
+    ctx = (k_ctx, v_ctx [Hk, N, D] bf16 contiguous, key_start [S] int32): dense form only, the step's visible keys
+    already copied out of the pages, head-major (targets.attention.copy_context): sequence s's key j at row
+    key_start[s] + j of its head (for every j < its L; the rows past L up to the next page boundary may hold
+    anything). The kernel then reads K/V tiles from the copy by TMA (one 2-D box per tile: no slot lookup, no
+    per-element addresses) instead of through the slot table; the pages and table are only checked. The
+    operands and the order of every sum are those of the bf16-page form."""
     check_tensor("q", q, torch.bfloat16)
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q: expected [T, Hq, D] with unit stride along D, found shape {tuple(q.shape)} "
@@ -386,7 +419,8 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
         raise ValueError(f"max_query_len: expected a positive int, found {max_query_len!r}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (float, int)) or not sm_scale > 0:
         raise ValueError(f"sm_scale: expected a positive float, found {sm_scale!r}")
-    cfg = tiles or default_tiles(d, p, k_pages.dtype)
+    # the context copy is bf16 whatever the pages: its tiles and operand path are the bf16 pages'
+    cfg = tiles or default_tiles(d, p, torch.bfloat16 if ctx is not None else k_pages.dtype)
     if not isinstance(cfg, PrefillTiles):
         raise TypeError(f"tiles: expected PrefillTiles or None, found {type(tiles).__name__}")
     block_n = min(cfg.block_n, p)
@@ -412,11 +446,14 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     if s > 65535 or triton.cdiv(max_query_len, cfg.block_m // cfg.heads) > 65535:
         raise ValueError(f"slot_table/max_query_len: grid y and z hold at most 65535 query blocks / sequences, "
                          f"found {s} sequences and max_query_len {max_query_len}")
+    if ctx is not None:
+        k_ctx, v_ctx, key_start = _check_ctx(ctx, hk, d, s, dev, sel is not None)
     if s == 0 or t == 0:
         return out
-    fp8 = k_pages.dtype == torch.float8_e4m3fn
-    kp = k_pages.view(torch.uint8) if fp8 else k_pages
-    vp = v_pages.view(torch.uint8) if fp8 else v_pages
+    page_fp8 = k_pages.dtype == torch.float8_e4m3fn
+    kp = k_pages.view(torch.uint8) if page_fp8 else k_pages
+    vp = v_pages.view(torch.uint8) if page_fp8 else v_pages
+    fp8 = page_fp8 and ctx is None
     grid = (hq // cfg.heads, triton.cdiv(max_query_len, cfg.block_m // cfg.heads), s)
     sparse = sel is not None
     sel_k = sel.shape[2] if sparse else 1
@@ -429,8 +466,63 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
         GROUP=hq // hk, D=d, P=p, BLOCK_M=cfg.block_m, BLOCK_N=block_n, HEADS=cfg.heads, KV_FP8=fp8,
         PV_SPLIT=cfg.pv_split, CUDA=is_compiled(q), F16=f16,
         SPARSE=sparse, SEL_K=sel_k, TOPK=triton.next_power_of_2(sel_k), BS=block_size if sparse else block_n,
-        LAZY=cfg.lazy and not f16 and not sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        LAZY=cfg.lazy and not f16 and not sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if ctx is None else _ctx_args(k_ctx, v_ctx, key_start, block_n)))
     return out
+
+
+def copy_context(k_pages: torch.Tensor, v_pages: torch.Tensor, slot_table: torch.Tensor, seq_lens: torch.Tensor,
+                 n_pages: int, buf: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `ctx` of prefill_attention: every sequence's visible pages (ceil(L / P) of them, in table order) copied
+    head-major and decoded to bf16 (exact: E4M3 is a subset of bf16). n_pages (a host int) must be the sum of
+    ceil(L / P) over the step's sequences, as the device lengths give it (device ops sized by it: no host sync).
+    buf: a bf16 tensor of at least 2 * Hk * n_pages * P * D elements to hold the copy (else allocated).
+    Returns (k_ctx, v_ctx [Hk, n_pages * P, D], key_start [S] int32: sequence s's first key row)."""
+    s = slot_table.shape[0]
+    _, hk, p, d = k_pages.shape
+    dev = k_pages.device
+    nb = (seq_lens.long() + p - 1) // p
+    start = torch.cumsum(nb, 0) - nb
+    seq = torch.repeat_interleave(torch.arange(s, device=dev), nb, output_size=n_pages)
+    src = slot_table[seq, torch.arange(n_pages, device=dev) - start[seq]].long()
+    numel = hk * n_pages * p * d
+    if buf is None:
+        buf = torch.empty(2 * numel, dtype=torch.bfloat16, device=dev)
+    elif buf.dtype != torch.bfloat16 or buf.numel() < 2 * numel:
+        raise ValueError(f"buf: expected bf16 with at least {2 * numel} elements, found {buf.dtype} "
+                         f"{buf.numel()}")
+    k_ctx = buf[:numel].view(hk, n_pages, p, d)
+    v_ctx = buf[numel:2 * numel].view(hk, n_pages, p, d)
+    k_ctx.copy_(k_pages.index_select(0, src).permute(1, 0, 2, 3))
+    v_ctx.copy_(v_pages.index_select(0, src).permute(1, 0, 2, 3))
+    return k_ctx.view(hk, n_pages * p, d), v_ctx.view(hk, n_pages * p, d), (start * p).to(torch.int32)
+
+
+def _check_ctx(ctx, hk: int, d: int, s: int, dev: torch.device, sparse: bool):
+    if sparse:
+        raise ValueError("ctx: the context copy serves the dense form only (sel must be None)")
+    if not isinstance(ctx, tuple) or len(ctx) != 3:
+        raise TypeError(f"ctx: expected (k_ctx, v_ctx, key_start), found {type(ctx).__name__}")
+    k_ctx, v_ctx, key_start = ctx
+    for name, x in (("ctx k", k_ctx), ("ctx v", v_ctx)):
+        check_tensor(name, x, torch.bfloat16, device=dev)
+        if x.dim() != 3 or x.shape[0] != hk or x.shape[2] != d or not x.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous bf16 [Hk, N, D] = [{hk}, N, {d}], found shape "
+                             f"{tuple(x.shape)} strides {tuple(x.stride())}")
+    if v_ctx.shape != k_ctx.shape:
+        raise ValueError(f"ctx v: expected the shape of ctx k {tuple(k_ctx.shape)}, found {tuple(v_ctx.shape)}")
+    _check_meta("ctx key_start", key_start, 1, dev)
+    if key_start.shape[0] != s:
+        raise ValueError(f"ctx key_start: expected [S] = [{s}] (slot_table rows), found {tuple(key_start.shape)}")
+    return k_ctx, v_ctx, key_start
+
+
+def _ctx_args(k_ctx: torch.Tensor, v_ctx: torch.Tensor, key_start: torch.Tensor, block_n: int) -> dict:
+    """The kernel's context-copy arguments: a 2-D TMA descriptor per tensor ([Hk * N, D], boxes of block_n keys)."""
+    hk, n, d = k_ctx.shape
+    return {"k_desc": TensorDescriptor.from_tensor(k_ctx.view(hk * n, d), block_shape=[block_n, d]),
+            "v_desc": TensorDescriptor.from_tensor(v_ctx.view(hk * n, d), block_shape=[block_n, d]),
+            "key_start_ptr": key_start, "CTX_N": n, "CTX": True}
 
 
 # --- reference, stock, compare ---------------------------------------------------------------------
@@ -717,7 +809,20 @@ def _warmup(cells: tuple[Cell, ...], make) -> Callable[[torch.device], None]:
     return warmup
 
 
-warmup = _warmup(CELLS, make_case)
+def _warmup_dense(device: torch.device) -> None:
+    """The cells' page form, then the context-copy form (`ctx`, bf16 tiles whatever the pages) of each geometry."""
+    _warmup(CELLS, make_case)(device)
+    for c in CELLS:
+        case = make_case(c, min(c.rows[1], 256), device, None)
+        q, kp, vp, table, seq_lens, *_ = case.args
+        n = int(((seq_lens.long() + kp.shape[2] - 1) // kp.shape[2]).sum())
+        prefill_attention(*case.args, **{**case.kwargs, "tiles": None},   # the engine's call: default tiles
+                          ctx=copy_context(kp, vp, table, seq_lens, n))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+warmup = _warmup_dense
 
 
 # --- the sparse form: attn.prefill_sparse ----------------------------------------------------------

@@ -58,6 +58,52 @@ def test_lazy_rescale_is_within_the_band(bits: int, q_gain: float) -> None:
     assert bool(torch.isfinite(out).all())
 
 
+def _with_ctx(case: pa.Case) -> pa.Case:
+    """The case's step with `ctx`: its pages copied head-major by copy_context into a NaN-poisoned buffer larger
+    than the copy (so nothing past it can be read unnoticed)."""
+    q, kp, vp, table, seq_lens, qstart, out = case.args
+    n = int(((seq_lens.long() + kp.shape[2] - 1) // kp.shape[2]).sum())
+    buf = torch.full((2 * kp[0].numel() * n + 4096,), float("nan"), dtype=torch.bfloat16, device=q.device)
+    ctx = pa.copy_context(kp, vp, table, seq_lens, n, buf)
+    return pa.Case(args=(q, kp, vp, table, seq_lens, qstart, torch.full_like(out, float("nan"))),
+                   kwargs={**case.kwargs, "ctx": ctx}, bytes_moved=case.bytes_moved)
+
+
+@pytest.mark.parametrize("bits", [16, 8], ids=["bf16", "fp8"])
+def test_context_copy_form_is_the_page_form(bits: int) -> None:
+    """ctx: K/V by TMA boxes from copy_context's head-major bf16 copy (interpreted descriptors). Several sequences
+    (first chunk, chunks after unaligned contexts, one token, padding), pages poisoned past every L: the copy holds
+    exactly the pages' values, the output is within the band and equal to the page form's (same operand values,
+    same tiles, same order)."""
+    query_lens, context_lens = [5, 19, 1, 2], [0, 37, 50, -1]
+    case = pa.make_step_case((4, 2, 32, 16, bits), query_lens, context_lens, CPU,
+                             torch.Generator().manual_seed(bits), TINY)
+    pages_out, ref = _run(case)
+    ctx_case = _with_ctx(case)
+    k_ctx, v_ctx, key_start = ctx_case.kwargs["ctx"]
+    _, kp, vp, table, seq_lens, *_ = case.args
+    for s, L in enumerate(seq_lens.tolist()):
+        for j in range(-(-L // 16)):
+            rows = slice(int(key_start[s]) + 16 * j, int(key_start[s]) + 16 * (j + 1))
+            for got, pages in ((k_ctx, kp), (v_ctx, vp)):   # bits: the stale tail of a page is NaN codes
+                assert torch.equal(got[:, rows].view(torch.int16),
+                                   pages[int(table[s, j])].to(torch.bfloat16).view(torch.int16))
+    out = pa.prefill_attention(*ctx_case.args, **ctx_case.kwargs)
+    pa.compare(out, ref, ctx_case)
+    assert torch.equal(out[:27], pages_out[:27])   # rows 25-26: the padding sequence's zeros
+
+
+def test_context_copy_rejects_bad_arguments() -> None:
+    case = pa.make_step_case((4, 2, 32, 16, 16), [5], [20], CPU, torch.Generator().manual_seed(2), TINY)
+    k_ctx, v_ctx, key_start = _with_ctx(case).kwargs["ctx"]
+    for ctx, match in (((k_ctx, v_ctx[:, :-16], key_start), "ctx v"), ((k_ctx.float(), v_ctx, key_start), "ctx k"),
+                       ((k_ctx, v_ctx, key_start.long()), "key_start"), ((k_ctx, v_ctx), "ctx")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            pa.prefill_attention(*case.args, **case.kwargs, ctx=ctx)
+    with pytest.raises(ValueError, match="buf"):
+        pa.copy_context(*case.args[1:5], 2, torch.empty(10, dtype=torch.bfloat16))
+
+
 def test_single_bf16_p_is_within_its_own_band() -> None:
     tiles = pa.PrefillTiles(block_m=16, block_n=16, num_warps=4, num_stages=1, pv_split=False)
     case = pa.make_step_case((2, 1, 16, 16, 16), [17], [9], CPU, torch.Generator().manual_seed(3), tiles)
@@ -231,6 +277,20 @@ def test_gpu_lazy_rescale_8k_chunk_after_context(bits: int) -> None:
     case.args[0].mul_(4.0)
     out, ref = _run(case)
     pa.compare(out, ref, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [16, 8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("step", range(len(GPU_STEPS) + 1))
+def test_gpu_context_copy_form(bits: int, step: int) -> None:
+    """ctx (TMA boxes from the head-major bf16 copy) at M3 TP1 with the default bf16 tiles: the GPU steps, and an
+    8k chunk after a context, against the chunked fp32 reference."""
+    dev = _cuda()
+    qlens, ctx = GPU_STEPS[step] if step < len(GPU_STEPS) else ([8192], [4096 + 77])
+    case = pa.make_step_case((64, 4, 128, 128, bits), qlens, ctx, dev, torch.Generator().manual_seed(7 + step))
+    ctx_case = _with_ctx(case)
+    out = pa.prefill_attention(*ctx_case.args, **ctx_case.kwargs)
+    pa.compare(out, pa.prefill_attention_reference(*case.args, **case.kwargs), ctx_case)
 
 
 @pytest.mark.gpu
