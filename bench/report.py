@@ -760,6 +760,32 @@ def render_msa_scores_prefill(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_attn_tma_ws_probe(files: list[ResultFile]) -> str:
+    """bench/attn_prefill_tma_ws_probe.py: a TMA-fed flash-attention loop, with and without Triton's warp
+    specialization, beside attn.prefill on the same chunk after the same context."""
+    blocks = []
+    for rf in files:
+        d = rf.data
+        table = []
+        for i, r in enumerate(need(d, "variants", rf.name, "list")):
+            w = f"{rf.name}.variants[{i}]"
+            tile = (f"{need(r, 'block_m', w, 'int')} x {need(r, 'block_n', w, 'int')}, "
+                    f"{need(r, 'num_warps', w, 'int')} warps, {need(r, 'num_stages', w, 'int')} stages")
+            err = r.get("max_err")   # NaN is a measured outcome here (a miscompiled variant), not a bad file
+            table.append([tile, "yes" if r.get("warp_specialize") else "no",
+                          "—" if err is None else ("NaN" if err != err else f"{err:.2g}"),
+                          or_dash(opt(r, "ms", w), lambda x: f"{x:.1f}"), or_dash(opt(r, "tflops", w), sig)]
+                         + ([f"failed: {r['error'][:120]}"] if "error" in r else [""]))
+        ap = need(d, "attn_prefill", rf.name, "dict")
+        title = (f"TMA-fed attention loop vs attn.prefill: {count(need(d, 'n', rf.name, 'int'))} queries after "
+                 f"{count(need(d, 'ctx', rf.name, 'int'))} keys (M3 TP1 dense layer)")
+        body = md_table(["tiles", "warp_specialize=True", "max error (small case)", "ms", "TFLOP/s", ""], table)
+        body += (f"\n\nattn.prefill (default tiles, the chunk's causal diagonal included): "
+                 f"{need(ap, 'ms', rf.name):.1f} ms, {sig(need(ap, 'tflops', rf.name))} TFLOP/s")
+        blocks.append(file_block(title, body, rf))
+    return "\n\n".join(blocks)
+
+
 def render_prefill_interference(files: list[ResultFile]) -> str:
     """bench/prefill_interference.py: per step budget, a long prompt's TTFT and the ITL of the streams beside it."""
     blocks = []
@@ -1248,6 +1274,9 @@ KINDS = (
          lambda d: _row_keys(d, "planned_working_bytes", "measured_working_bytes"), render_memory_plan_startup),
     Kind("generate_main_job", "The main job", ("generate_main_job",), ("generate-*.json",),
          lambda d: isinstance(d.get("runs"), list) and "generate_args" in d, render_generate_main_job),
+    Kind("attn_prefill_tma_ws_probe", "TMA and warp specialization probe for attn.prefill",
+         ("attn_prefill_tma_ws_probe",), ("attn-prefill-tma-ws-probe-*.json",),
+         lambda d: isinstance(d.get("variants"), list) and "attn_prefill" in d, render_attn_tma_ws_probe),
     Kind("prefill", "Prefill", ("prefill",), ("prefill-*.json",),
          lambda d: _row_keys(d, "engine", "ttft_s", "tokens"), render_prefill),
     Kind("spec_decode", "Speculative decoding", ("spec_decode",), ("spec-decode-*.json",),

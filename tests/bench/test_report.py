@@ -656,6 +656,27 @@ def test_prefill_rows_name_the_fp8_context_path(report, tmp_path):
             "`prefill/prefill-nvfp4-128k-fp8-context-h200.json`"] in summary
 
 
+def test_attn_tma_ws_probe(report, tmp_path):
+    """bench/attn_prefill_tma_ws_probe.py: one row per variant (a NaN error is shown as such, a failed build
+    names its error), then attn.prefill's line."""
+    variants = [{"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "warp_specialize": False,
+                 "max_err": 0.00086, "ms": 191.7, "tflops": 321.1},
+                {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "warp_specialize": True,
+                 "max_err": float("nan"), "ms": 349.6, "tflops": 176.1},
+                {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "warp_specialize": True,
+                 "error": "CompilationError: x"}]
+    write(tmp_path, "attn_prefill_tma_ws_probe/attn-prefill-tma-ws-probe-h100.json",
+          {**PROVENANCE, "bench": "attn_prefill_tma_ws_probe", "command": "x", "n": 16384, "ctx": 114688,
+           "variants": variants, "attn_prefill": {"ms": 225.1, "tflops": 293.0}})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "tiles") == [
+        ["64 x 64, 4 warps, 3 stages", "no", "0.00086", "191.7", "321", ""],
+        ["64 x 64, 4 warps, 3 stages", "yes", "NaN", "349.6", "176", ""],
+        ["128 x 128, 8 warps, 2 stages", "yes", "—", "—", "—", "failed: CompilationError: x"]]
+    assert "attn.prefill (default tiles, the chunk's causal diagonal included): 225.1 ms, 293 TFLOP/s" in out
+    assert "unrecognised" not in out
+
+
 def test_serve_pareto_repeats_and_spec_vs_plain(report, tmp_path):
     """A file of interleaved repeats: each run's rows name their repeat, and the spec-vs-plain medians get a table."""
     point = {"concurrency": 4, "failed": 0, "total_tokens_per_s_per_gpu": 20000.0, "ttft_ms": {"p50": 3.1, "p90": 4.2},

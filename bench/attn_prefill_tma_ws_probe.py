@@ -7,7 +7,7 @@ numerics as attn.prefill (bf16 operands, fp32 online softmax, p.v as bf16 hi + l
 error against an fp32 torch reference on a small problem, then TFLOP/s on --n queries x --ctx keys of one M3 TP1
 layer (Hq 64, Hk 4, D 128), beside attn.prefill (default tiles) on the same chunk after the same context.
 
-    python3 bench/debug/attn_prefill_tma_ws_probe.py [--n 16384] [--ctx 114688] [--out FILE]
+    python3 bench/attn_prefill_tma_ws_probe.py [--n 16384] [--ctx 114688] [--out FILE]
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.kernels.attention import prefill as pa  # noqa: E402
-from prefill_attention_variants import time_ms  # noqa: E402
+from prefill_attention_variants import time_ms  # noqa: E402  (bench/: the script's folder is on sys.path)
 
 HQ, HK, D = 64, 4, 128
 
