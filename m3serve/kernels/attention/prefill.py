@@ -29,6 +29,13 @@ blocks are issued last-first because the causal diagonal makes the last blocks t
 start first, the short ones fill the tail). Keys before the block's first query position are
 visible to every row and take the unmasked loop; only the diagonal band is masked.
 
+Context-copy form (`ctx`, dense only): the step's visible pages copied head-major as bf16 (copy_context: [Hk, N, D],
+sequence s's keys from row key_start[s]); every K/V tile is then one TMA box of a 2-D tensor descriptor instead of
+a slot lookup and per-element addresses, with the bf16-page tiles and operand path (FP8 pages are decoded by the
+copy, exactly), and the stale tail of a sequence's last page zeroed in the masked steps. Measured on a bare loop at
+a 16k chunk after 112k keys: 321 vs 293 TFLOP/s (bench/attn_prefill_tma_ws_probe.py); in the engine's 131k prompt
+attn.prefill went from 3.0 to 2.67 s (docs/kernels.md).
+
 Sparse form (SPARSE; m3serve.model.msa's semantics): row (token t, head h) attends key j iff j <= its position
 and block j // block_size is in sel[t, h // G]. All rows of a program share one KV head, so a program loads its
 tile's selection rows once ([BLOCK_M, K], the HEADS rows of a token alike) and walks only the blocks some row
