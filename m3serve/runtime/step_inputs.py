@@ -95,6 +95,7 @@ class PagedStep:
     # the sequences' lengths on the host, eager steps only (None in a captured graph, whose lengths change per
     # replay): host-sized work such as decoding the visible FP8 pages of a long prefill (targets.attention)
     host_seq_lens: np.ndarray | None = None
+    host_query_lens: np.ndarray | None = None  # ... and their query counts this step (eager steps only)
 
     def scratch(self, key, make):
         """A buffer made once per step object (and so once per captured graph), reused by every layer."""
@@ -126,7 +127,8 @@ def paged_step(slot_table: Tensor, meta: Tensor, counts: np.ndarray, max_blocks:
     dense, sparse = split_plan(int(counts.sum()), max_blocks, plan.kv_heads, plan.topk, plan.sparse_tiles)
     return PagedStep(slot_table=slot_table, seq_lens=meta[s + 1:2 * s + 1], query_start=meta[:s + 1],
                      max_query_len=int(counts.max()), num_splits=dense, num_splits_sparse=sparse,
-                     host_seq_lens=None if lengths is None else np.asarray(lengths, dtype=np.int64))
+                     host_seq_lens=None if lengths is None else np.asarray(lengths, dtype=np.int64),
+                     host_query_lens=None if lengths is None else np.asarray(counts, dtype=np.int64))
 
 
 class LogitsProcessing(NamedTuple):

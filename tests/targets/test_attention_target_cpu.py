@@ -193,7 +193,8 @@ def test_long_prefill_reads_a_context_copy(monkeypatch, kv, device):
     """A dense layer, an eager step over CONTEXT_COPY_MIN_ROWS rows: attn.prefill gets `ctx`, the step's visible pages
     copied head-major as bf16 into the held scratch (poisoned before), and its output is the page form's (the same
     operand values through the same tiles at this head dim) and the stock attention's. Without host lengths (a
-    graph), without room in the scratch, or at the row threshold, the pages are read directly."""
+    graph), without room in the scratch, below the pairs-per-key threshold, or at the row threshold, the pages are
+    read directly."""
     from m3serve.targets import attention as target
 
     attn, cache, step, slot_mapping, q, k, v, iq, ik, slots = _msa_layer_step(kv, MSA_QUERY, MSA_CONTEXT,
@@ -207,6 +208,9 @@ def test_long_prefill_reads_a_context_copy(monkeypatch, kv, device):
     monkeypatch.setattr(target, "prefill_attention", lambda *a, **kw: (calls.append(kw.get("ctx")), real(*a, **kw))[1])
     direct = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)   # host lengths unknown
     step.host_seq_lens = step.seq_lens.cpu().numpy().astype("int64")
+    step.host_query_lens = (step.query_start[1:] - step.query_start[:-1]).cpu().numpy().astype("int64")
+    # 2175 causal pairs over 8 copied pages of 16 keys: 16.99 pairs per key
+    monkeypatch.setattr(target, "CONTEXT_COPY_MIN_PAIRS_PER_KEY", 16)
     out = target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
     assert calls[0] is None and calls[1] is not None
     k_ctx, v_ctx, key_start = calls[1]
@@ -227,6 +231,9 @@ def test_long_prefill_reads_a_context_copy(monkeypatch, kv, device):
     monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: None)
     target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
     monkeypatch.setattr(target, "held_scratch", lambda dev, dt, n: scratch[:n])
+    monkeypatch.setattr(target, "CONTEXT_COPY_MIN_PAIRS_PER_KEY", 17)   # the copy would not repay itself
+    target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
+    monkeypatch.setattr(target, "CONTEXT_COPY_MIN_PAIRS_PER_KEY", 16)
     monkeypatch.setattr(target, "CONTEXT_COPY_MIN_ROWS", 49)
     target.attention_forward(attn, q, k, v, iq, ik, slot_mapping, cache, step)
-    assert calls == [None, None]
+    assert calls == [None, None, None]
