@@ -619,10 +619,11 @@ def _fp8_context(r: dict, w: str) -> str:
     """The KV cache (when not the model dtype), how attn.prefill read the pages of long steps (context_copy; the
     earlier fp8_context only where the cache has FP8 pages) and its rescale."""
     kv = opt(r, "kv_cache_dtype", w, "str") or "auto"
-    ctx = opt(r, "fp8_context", w, "str") if kv in ("fp8", "nvfp4") else None
+    ctx = opt(r, "fp8_context", w, "str")
     copy = opt(r, "context_copy", w, "str")
     return ((f", {KV_CACHE.get(kv, kv)} KV cache" if kv != "auto" else "")
-            + (f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx else "")
+            + (f", {FP8_CONTEXT.get(ctx, 'fp8_context ' + ctx)}" if ctx and kv in ("fp8", "nvfp4") else "")
+            + (f", fp8_context {ctx} (no FP8 pages: no effect)" if ctx and kv not in ("fp8", "nvfp4") else "")
             + (f", {CONTEXT_COPY.get(copy, 'context_copy ' + copy)}" if copy else "")
             + (", attn.prefill lazy rescale" if opt(r, "lazy_rescale", w, "str") == "on" else ""))
 

@@ -92,10 +92,11 @@ class PagedStep:
     num_splits: int         # split-KV factor of attn.paged on dense layers (host int fixed per call site)
     num_splits_sparse: int  # ... on MSA layers (each query visits at most top-k blocks)
     workspaces: dict = field(default_factory=dict)  # per (kind, shape): preallocated kernel scratch
-    # the sequences' lengths on the host, eager steps only (None in a captured graph, whose lengths change per
-    # replay): host-sized work such as decoding the visible FP8 pages of a long prefill (targets.attention)
+    # the sequences' lengths and query counts on the host, eager steps only, both or neither (None in a captured
+    # graph, whose lengths change per replay): host-sized work such as the context copy of a long prefill step
+    # (targets.attention.context_copy)
     host_seq_lens: np.ndarray | None = None
-    host_query_lens: np.ndarray | None = None  # ... and their query counts this step (eager steps only)
+    host_query_lens: np.ndarray | None = None
 
     def scratch(self, key, make):
         """A buffer made once per step object (and so once per captured graph), reused by every layer."""

@@ -32,7 +32,7 @@ from m3serve.kernels.attention.kv_write import write_layer
 from m3serve.kernels.attention.msa_index import DECODE_MAX_QUERY, msa_block_scores, msa_select
 from m3serve.kernels.attention.paged import make_workspace, paged_attention
 from m3serve.kernels.attention import prefill
-from m3serve.kernels.attention.prefill import copy_context, prefill_attention
+from m3serve.kernels.attention.prefill import causal_pairs, context_index, copy_context, prefill_attention
 from m3serve.kernels.gemm._tiled import held_scratch
 from m3serve.model.attention_backend import StockAttention
 from m3serve.runtime.step_inputs import PagedStep
@@ -124,18 +124,17 @@ def context_copy(k_pages: Tensor, v_pages: Tensor, step: PagedStep) -> tuple[Ten
     """attn.prefill's `ctx` for this step's dense layer (prefill.copy_context into the held bf16 scratch), or None
     when the host does not know the lengths (a graph), the step's attention would not repay the copy
     (CONTEXT_COPY_MIN_PAIRS_PER_KEY) or the scratch start-up reserved is too small."""
-    if step.host_seq_lens is None or step.host_query_lens is None:
+    if step.host_seq_lens is None:
         return None
     _, hk, p, d = k_pages.shape
-    lens, rows = step.host_seq_lens, step.host_query_lens
-    n = int((-(-lens // p)).sum())
-    pairs = int((rows * (lens - rows) + rows * (rows + 1) // 2).sum())   # visible (row, key) pairs, causal
-    if n == 0 or pairs < CONTEXT_COPY_MIN_PAIRS_PER_KEY * n * p:
+    n = int((-(-step.host_seq_lens // p)).sum())
+    if n == 0 or causal_pairs(step.host_query_lens, step.host_seq_lens) < CONTEXT_COPY_MIN_PAIRS_PER_KEY * n * p:
         return None
     buf = held_scratch(k_pages.device, torch.bfloat16, 2 * hk * n * p * d)
     if buf is None:
         return None
-    return copy_context(k_pages, v_pages, step.slot_table, step.seq_lens, n, buf)
+    index = step.scratch(("context-index", n), lambda: context_index(step.slot_table, step.seq_lens, p, n))
+    return copy_context(k_pages, v_pages, index, buf)
 
 
 class PagedKernelAttention(StockAttention):

@@ -648,8 +648,9 @@ def test_prefill_rows_name_the_fp8_context_path(report, tmp_path):
     assert [r[0] for r in table_rows(out, "engine")] == [
         "m3serve, MSA prefill through attn.paged, hybrid NVFP4 / FP8 KV cache, FP8 pages decoded to bf16 per step",
         "m3serve, MSA prefill through attn.paged, hybrid NVFP4 / FP8 KV cache, FP8 pages read directly",
-        "m3serve, MSA prefill through attn.paged",   # a BF16 cache has no FP8 pages: the setting is not shown
-        "m3serve, MSA prefill through attn.paged, attn.prefill lazy rescale"]
+        # a BF16 cache has no FP8 pages: the setting is named as having had no effect
+        "m3serve, MSA prefill through attn.paged, fp8_context direct (no FP8 pages: no effect)",
+        "m3serve, MSA prefill through attn.paged, fp8_context bf16 (no FP8 pages: no effect), attn.prefill lazy rescale"]
     summary = table_rows(report.render_summary(tmp_path), "figure")
     assert ["prefill TTFT, 131072 tokens, NVFP4 weights, MSA prefill through attn.paged, hybrid NVFP4 / FP8 KV cache, "
             "FP8 pages read directly", "minimax-m3:5", "4300 ms",

@@ -69,6 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -153,29 +154,21 @@ def _block_step(acc, m_i, l_i, q, k, v, qk_scale, allowed, MASKED: tl.constexpr,
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
             m_i = m_new
+        m_new = m_i  # the reference max this block's p is taken against (and carried on)
         p = tl.exp2(s - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
-        p_hi = to_bf16(p, CUDA)
-        if CUDA:
-            acc = tl.dot(p_hi, v, acc)
-            if PV_SPLIT:
-                acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA), v, acc)
+    else:
+        if GUARD:
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            acc = tl.dot(p_hi.to(tl.float32), v, acc, input_precision="ieee")
-            if PV_SPLIT:
-                acc = tl.dot(to_bf16(p - p_hi.to(tl.float32), CUDA).to(tl.float32), v, acc, input_precision="ieee")
-        return acc, m_i, l_i
-    if GUARD:
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_sub = m_new
-    alpha = tl.exp2(m_i - m_sub)
-    if F16:
-        p = tl.exp2(s - (m_sub[:, None] - P_SHIFT))  # p * 2**14: fp16 hi + lo keep 2**-22 of it
-    else:
-        p = tl.exp2(s - m_sub[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        if F16:
+            p = tl.exp2(s - (m_sub[:, None] - P_SHIFT))  # p * 2**14: fp16 hi + lo keep 2**-22 of it
+        else:
+            p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
     if F16:
         p_hi = p.to(tl.float16)
         acc = tl.dot(p_hi, v, acc)
@@ -391,7 +384,7 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     block_size (a host int, a multiple of the key tile): the sparse form (attn.prefill_sparse, module
     docstring); both None: dense causal attention.
     ctx = (k_ctx, v_ctx [Hk, N, D] bf16 contiguous, key_start [S] int32): dense form only, the step's visible keys
-    already copied out of the pages, head-major (targets.attention.copy_context): sequence s's key j at row
+    already copied out of the pages, head-major (copy_context): sequence s's key j at row
     key_start[s] + j of its head (for every j < its L; the rows past L up to the next page boundary may hold
     anything). The kernel then reads K/V tiles from the copy by TMA (one 2-D box per tile: no slot lookup, no
     per-element addresses) instead of through the slot table; the pages and table are only checked. The
@@ -478,23 +471,34 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     return out
 
 
-def copy_context(k_pages: torch.Tensor, v_pages: torch.Tensor, slot_table: torch.Tensor, seq_lens: torch.Tensor,
-                 n_pages: int, buf: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The `ctx` of prefill_attention: every sequence's visible pages (ceil(L / P) of them, in table order) copied
-    head-major and decoded to bf16 (exact: E4M3 is a subset of bf16). n_pages (a host int) must be the sum of
-    ceil(L / P) over the step's sequences, as the device lengths give it (device ops sized by it: no host sync).
-    buf: a bf16 tensor of at least 2 * Hk * n_pages * P * D elements to hold the copy (else allocated).
-    Returns (k_ctx, v_ctx [Hk, n_pages * P, D], key_start [S] int32: sequence s's first key row)."""
+def context_index(slot_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, n_pages: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where copy_context takes a step's pages from and puts them: (src [n_pages] int64, the slot of every visible
+    page, ceil(L / P) per sequence in table order; key_start [S] int32, each sequence's first key row in the copy).
+    n_pages: the sum of ceil(L / P) over the sequences, a host int (device ops sized by it: no host sync); None
+    counts it from seq_lens (one sync: warm-up and tests). The same for every dense layer of a step."""
     s = slot_table.shape[0]
-    _, hk, p, d = k_pages.shape
-    dev = k_pages.device
-    nb = (seq_lens.long() + p - 1) // p
+    dev = slot_table.device
+    nb = (seq_lens.long() + page_size - 1) // page_size
+    if n_pages is None:
+        n_pages = int(nb.sum())
     start = torch.cumsum(nb, 0) - nb
     seq = torch.repeat_interleave(torch.arange(s, device=dev), nb, output_size=n_pages)
     src = slot_table[seq, torch.arange(n_pages, device=dev) - start[seq]].long()
+    return src, (start * page_size).to(torch.int32)
+
+
+def copy_context(k_pages: torch.Tensor, v_pages: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor],
+                 buf: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `ctx` of prefill_attention: the pages context_index names copied head-major and decoded to bf16 (exact:
+    E4M3 is a subset of bf16). buf: a bf16 tensor of at least 2 * Hk * n_pages * P * D elements to hold the copy
+    (else allocated). Returns (k_ctx, v_ctx [Hk, n_pages * P, D], key_start [S] int32)."""
+    src, key_start = index
+    n_pages = src.shape[0]
+    _, hk, p, d = k_pages.shape
     numel = hk * n_pages * p * d
     if buf is None:
-        buf = torch.empty(2 * numel, dtype=torch.bfloat16, device=dev)
+        buf = torch.empty(2 * numel, dtype=torch.bfloat16, device=k_pages.device)
     elif buf.dtype != torch.bfloat16 or buf.numel() < 2 * numel:
         raise ValueError(f"buf: expected bf16 with at least {2 * numel} elements, found {buf.dtype} "
                          f"{buf.numel()}")
@@ -502,7 +506,7 @@ def copy_context(k_pages: torch.Tensor, v_pages: torch.Tensor, slot_table: torch
     v_ctx = buf[numel:2 * numel].view(hk, n_pages, p, d)
     k_ctx.copy_(k_pages.index_select(0, src).permute(1, 0, 2, 3))
     v_ctx.copy_(v_pages.index_select(0, src).permute(1, 0, 2, 3))
-    return k_ctx.view(hk, n_pages * p, d), v_ctx.view(hk, n_pages * p, d), (start * p).to(torch.int32)
+    return k_ctx.view(hk, n_pages * p, d), v_ctx.view(hk, n_pages * p, d), key_start
 
 
 def _check_ctx(ctx, hk: int, d: int, s: int, dev: torch.device, sparse: bool):
@@ -775,10 +779,16 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
     return make_step_case(cell.shape, query_lens, context_lens, device, gen, cell.config.get("tiles"), rows)
 
 
+def causal_pairs(query_lens, seq_lens) -> int:
+    """Visible (query, key) pairs of a causal step: each sequence's n queries see its L - n cached keys and the
+    causal triangle of their own (sequences with L <= 0 are padding)."""
+    n, L = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+    return int(np.where(L > 0, n * (L - n) + n * (n + 1) // 2, 0).sum())
+
+
 def causal_flops(query_lens: list[int], seq_lens: list[int], hq: int, d: int) -> int:
     """2 * 2 * D * Hq * (visible (query, key) pairs): q.k and p.v, one multiply-add = 2 flops."""
-    pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(query_lens, seq_lens) if L > 0)
-    return 4 * d * hq * pairs
+    return 4 * d * hq * causal_pairs(query_lens, seq_lens)
 
 
 def _cell(hq: int, hk: int, d: int, p: int, kv: torch.dtype, rows: tuple[int, int], why: str) -> Cell:
@@ -822,9 +832,8 @@ def _warmup_dense(device: torch.device) -> None:
     for c in CELLS:
         case = make_case(c, min(c.rows[1], 256), device, None)
         q, kp, vp, table, seq_lens, *_ = case.args
-        n = int(((seq_lens.long() + kp.shape[2] - 1) // kp.shape[2]).sum())
         prefill_attention(*case.args, **{**case.kwargs, "tiles": None},   # the engine's call: default tiles
-                          ctx=copy_context(kp, vp, table, seq_lens, n))
+                          ctx=copy_context(kp, vp, context_index(table, seq_lens, kp.shape[2])))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

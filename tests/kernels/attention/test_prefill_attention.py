@@ -62,9 +62,10 @@ def _with_ctx(case: pa.Case) -> pa.Case:
     """The case's step with `ctx`: its pages copied head-major by copy_context into a NaN-poisoned buffer larger
     than the copy (so nothing past it can be read unnoticed)."""
     q, kp, vp, table, seq_lens, qstart, out = case.args
-    n = int(((seq_lens.long() + kp.shape[2] - 1) // kp.shape[2]).sum())
-    buf = torch.full((2 * kp[0].numel() * n + 4096,), float("nan"), dtype=torch.bfloat16, device=q.device)
-    ctx = pa.copy_context(kp, vp, table, seq_lens, n, buf)
+    index = pa.context_index(table, seq_lens, kp.shape[2])
+    buf = torch.full((2 * kp[0].numel() * index[0].shape[0] + 4096,), float("nan"), dtype=torch.bfloat16,
+                     device=q.device)
+    ctx = pa.copy_context(kp, vp, index, buf)
     return pa.Case(args=(q, kp, vp, table, seq_lens, qstart, torch.full_like(out, float("nan"))),
                    kwargs={**case.kwargs, "ctx": ctx}, bytes_moved=case.bytes_moved)
 
@@ -101,7 +102,7 @@ def test_context_copy_rejects_bad_arguments() -> None:
         with pytest.raises((ValueError, TypeError), match=match):
             pa.prefill_attention(*case.args, **case.kwargs, ctx=ctx)
     with pytest.raises(ValueError, match="buf"):
-        pa.copy_context(*case.args[1:5], 2, torch.empty(10, dtype=torch.bfloat16))
+        pa.copy_context(*case.args[1:3], pa.context_index(*case.args[3:5], 16), torch.empty(10, dtype=torch.bfloat16))
 
 
 def test_single_bf16_p_is_within_its_own_band() -> None:
@@ -226,6 +227,7 @@ def test_reference_rejects_a_grid_too_small_for_a_sequence() -> None:
 def test_causal_flops_counts_visible_pairs() -> None:
     # 3 queries after 2 context keys: 3 + 4 + 5 visible keys; padding counts nothing
     assert pa.causal_flops([3, 2], [5, 0], hq=2, d=4) == 4 * 4 * 2 * 12
+    assert pa.causal_pairs([3, 2], [5, 0]) == 12 and pa.causal_pairs([2, 4], [6, 4]) == 11 + 10
 
 
 # --- GPU (H200) ------------------------------------------------------------------------------------
