@@ -71,27 +71,34 @@ def step_bytes(llm, batch: int, context: int) -> int:
     return total
 
 
-def route_binding(route: str) -> tuple[str, str | None, bool, bool]:
-    """(route mode, weight layout, fused greedy head, gate|up split) a route runs with. target-rows: NVFP4 / MXFP8
+def route_binding(route: str) -> tuple[str, str | None, bool, str | None]:
+    """(route mode, weight layout, fused greedy head, MoE cell variant) a route runs with. target-rows: NVFP4 / MXFP8
     weights left row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens from the
     head's logits + argmax instead of the fused greedy head (head.bf16); target-gate-up-whole: the MoE's MMA-step
-    gate|up over the whole of H in every CTA (GSPLIT 1: off where a cell splits it, as a tuning run sets); every
-    other target route: the defaults."""
+    gate|up over the whole of H in every CTA (GSPLIT 1: off where a cell splits it, as a tuning run sets);
+    target-split-router: the MoE's K-split router (moe_router) at decode token counts too, instead of one program
+    per expert (moe_router_rows); every other target route: the defaults."""
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
-            route != "target-logits-head", route != "target-gate-up-whole")
+            route != "target-logits-head",
+            {"target-gate-up-whole": "gate-up-whole", "target-split-router": "split-router"}.get(route))
 
 
-def set_gate_up_split(on: bool, saved: dict) -> None:
-    """moe.nvfp4's MMA-step cells with their gate|up split (on) or without it (GSPLIT 1): the cells' configs are
-    what routing.install binds. saved: {cell index: its config as the catalog has it}, filled on first use."""
+def set_moe_cells(variant: str | None, saved: dict) -> None:
+    """moe.nvfp4's cells as the catalog has them (variant None), with their MMA-step gate|up split off
+    ("gate-up-whole": GSPLIT 1) or with the K-split router at every token count ("split-router": ROUTER_ROWS 0):
+    the cells' configs are what routing.install binds. saved: {cell index: its config as the catalog has it},
+    filled on first use."""
     from dataclasses import replace
 
     from m3serve.kernels.moe import nvfp4 as moe_nvfp4
     from m3serve.kernels.moe._mma import MmaMoEConfig
     for n, cell in enumerate(moe_nvfp4.CELLS):
         cfg = saved.setdefault(n, cell.config["moe"])
-        if isinstance(cfg, MmaMoEConfig):
-            cell.config["moe"] = cfg if on else replace(cfg, GSPLIT=1)
+        if variant == "gate-up-whole" and isinstance(cfg, MmaMoEConfig):
+            cfg = replace(cfg, GSPLIT=1)
+        elif variant == "split-router":
+            cfg = replace(cfg, ROUTER_ROWS=0)
+        cell.config["moe"] = cfg
 
 
 def set_route(llm, route: str, state: dict) -> None:
@@ -102,7 +109,7 @@ def set_route(llm, route: str, state: dict) -> None:
     from m3serve.targets import routing
     want = route_binding(route)
     if state["binding"] != want:
-        set_gate_up_split(want[3], state.setdefault("moe_cells", {}))
+        set_moe_cells(want[3], state.setdefault("moe_cells", {}))
         routing.install(llm.model, want[0], weight_layout=want[1])
         if not want[2]:
             llm.model.greedy_head = None
@@ -273,7 +280,8 @@ def main() -> None:
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), target-gate-up-whole "
-                         "(the MoE's MMA-step gate|up not split over H)")
+                         "(the MoE's MMA-step gate|up not split over H), target-split-router (the MoE's K-split router at "
+                         "decode token counts too)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -330,7 +338,8 @@ def main() -> None:
                 r.update(model=name, route=route, batch=b, context=args.context, bytes_per_step=nbytes,
                          roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
                          greedy_agreement_vs_off=(sum(same) / len(same)) if same else None)
-                if route in ("target-rows", "target-logits-head", "target-gate-up-whole") and b in target_tokens:
+                if route in ("target-rows", "target-logits-head", "target-gate-up-whole", "target-split-router") \
+                        and b in target_tokens:
                     eq = [x == y for ref, got in zip(target_tokens[b], toks) for x, y in zip(ref, got)]
                     r["tokens_equal_to_target"] = sum(eq) / len(eq) if eq else None
                     # greedy decoding of random weights is chaotic: one near-tie flipped by summation order parts the

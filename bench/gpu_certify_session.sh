@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... deep-decode-cells | deep-decode-depth | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -132,6 +132,23 @@ head-layout-decode)  # second call: the fused greedy head's GPU test, the moe.nv
     --routes target,target-rows,target-logits-head --quantization nvfp4 --out "$OUT/decode-target-$TAG-deep-tiles-head.json"
   phase prefill-tile-layout ${T_D:-100} python3 bench/prefill.py --model minimax-m3:5 --tokens 8192 --quant nvfp4 \
     --chunk 8192 --repeat 2 --no-transformers --weight-layouts default,rows --out "$OUT/prefill-tile-layout-$TAG.json"
+  ;;
+deep-decode-cells)  # issue 30, third round, first call: the GPU cells of the two changed decode kernels (attn.paged's rotated
+              # NVFP4 cells: M read row by row in 16-byte vectors instead of gathered; moe.nvfp4's 1-8 token cells: the
+              # router as one program per expert), then minimax-m3:5's decode step with the router side by side
+              # (target vs target-split-router) and with the K/V rotation off, each result with its top kernels
+  phase pytest-cells ${T_A:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
+    tests/kernels/test_gpu.py -k "attn.paged or moe.nvfp4"
+  phase decode-m3_5 ${T_B:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-split-router --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-router-rot.json"
+  phase decode-m3_5-rot-off ${T_C:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1 --context 512 --steps 20 \
+    --routes target --quantization nvfp4 --kv-rotation off --out "$OUT/decode-target-$TAG-m3_5-rot-off.json"
+  ;;
+deep-decode-depth)  # second call: the deepest model the card holds, the router side by side, with its top kernels
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase decode-deep ${T_B:-420} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-split-router --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-router-rot.json"
   ;;
 prefill-round7)  # issue 29's 131k goal: attn.prefill's context-copy form (K/V by TMA from a head-major bf16 copy of a long
               # step's pages): its GPU tests, then minimax-m3:5 at 8k and 131k, on the default cache and on the hybrid

@@ -54,28 +54,33 @@ def test_top_kernels_rank_by_time_per_step_with_calls_and_mean():
     assert rows[1]["calls_per_step"] == 2.0 and rows[1]["us_per_call"] == 1.0
 
 
-def test_gate_up_whole_route_binds_the_mma_cells_without_their_split_and_back():
-    """The bench route target-gate-up-whole binds moe.nvfp4's MMA-step cells with GSPLIT 1; set_gate_up_split(True)
-    gives the catalog's configs back (here a cell given a split first, as a tuning run would)."""
+def test_moe_variant_routes_bind_the_cells_and_give_them_back():
+    """target-gate-up-whole binds moe.nvfp4's MMA-step cells with GSPLIT 1, target-split-router every cell with the
+    K-split router (ROUTER_ROWS 0); variant None gives the catalog's configs back (here a cell given a split first,
+    as a tuning run would)."""
     import dataclasses
 
-    from decode import route_binding, set_gate_up_split
+    from decode import route_binding, set_moe_cells
 
     from m3serve.kernels.moe import nvfp4 as moe_nvfp4
     from m3serve.kernels.moe._mma import MmaMoEConfig
-    assert route_binding("target") == ("auto", None, True, True)
-    assert route_binding("target-gate-up-whole") == ("auto", None, True, False)
+    assert route_binding("target") == ("auto", None, True, None)
+    assert route_binding("target-gate-up-whole") == ("auto", None, True, "gate-up-whole")
+    assert route_binding("target-split-router") == ("auto", None, True, "split-router")
     mma = [c for c in moe_nvfp4.CELLS if isinstance(c.config["moe"], MmaMoEConfig)]
     assert mma
     first = mma[0].config["moe"]
     mma[0].config["moe"] = dataclasses.replace(first, GSPLIT=4, GSPLIT_SLOTS=20)
     try:
         before = [c.config["moe"] for c in moe_nvfp4.CELLS]
+        assert any(c.ROUTER_ROWS > 0 for c in before)
         saved: dict = {}
-        set_gate_up_split(False, saved)
+        set_moe_cells("gate-up-whole", saved)
         assert all(c.config["moe"].GSPLIT == 1 for c in mma)
-        set_gate_up_split(True, saved)
-        assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
+        set_moe_cells("split-router", saved)
+        assert all(c.config["moe"].ROUTER_ROWS == 0 for c in moe_nvfp4.CELLS)
         assert mma[0].config["moe"].GSPLIT == 4
+        set_moe_cells(None, saved)
+        assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
     finally:
         mma[0].config["moe"] = first

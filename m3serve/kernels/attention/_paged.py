@@ -111,10 +111,10 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
     if FMT == 0:
         col_e = nvfp4_columns(DH)  # the decoded tiles' column order, q and out follow it
         if ROT:
-            q_e, q_o = _rotate_q(q_row, row_ok, rot_ptr, col_e, D, CUDA)
+            q_e, q_o = _rotate_q(q_row, row_ok, rot_ptr, BM, D, CUDA)
         else:
-            q_e = tl.load(q_row[:, None] + col_e[None, :], mask=row_ok[:, None], other=0.0)
-            q_o = tl.load(q_row[:, None] + col_e[None, :] + 1, mask=row_ok[:, None], other=0.0)
+            dq = tl.arange(0, D)
+            q_e, q_o = _column_halves(tl.load(q_row[:, None] + dq[None, :], mask=row_ok[:, None], other=0.0), BM, D)
             if not CUDA:
                 q_e = q_e.to(tl.float32)
                 q_o = q_o.to(tl.float32)
@@ -202,9 +202,8 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
                 acc = tl.dot(p, v, acc, input_precision="ieee")
 
     if FMT == 0 and ROT:
-        acc = _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D, CUDA)
-        _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
-                   stride_ot, stride_oh, HQ, D, SPLIT, True, CUDA)
+        _store_unrotated(acc_e, acc_o, m_i, l_i, rot_ptr, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
+                         stride_ot, stride_oh, HQ, D, SPLIT, CUDA)
     elif FMT == 0:
         _store_out(acc_e, m_i, l_i, col_e, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T, stride_ot,
                    stride_oh, HQ, D, SPLIT, True, CUDA)
@@ -216,44 +215,76 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
 
 
 @helper
-def _rotate_q(q_row, row_ok, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.constexpr):
-    """q_rot = q @ M in the decoded tiles' column halves: (q_rot[:, col_e], q_rot[:, col_e + 1]), [BM, D/2]
-    each; bf16 MMA operands when compiled (q and M exact in bf16, fp32 sums, one rounding), fp32 interpreted."""
+def _column_halves(x, R: tl.constexpr, D: tl.constexpr):
+    """(x[:, col_e], x[:, col_e + 1]) of a [R, D] register tile, [R, D/2] each, col_e = nvfp4_columns(D/2): the
+    decoded tiles' column order. nvfp4_columns puts column 8g + 4a + 2b + c (c = 0 even, 1 odd) at position
+    4g + 2b + a: a reshape, a swap of the a / b axes and a split on c. Why: the tile is then read in 16-byte
+    vectors; gathering its columns from memory costs one 2-byte load per element (the un-rotation's transposed
+    gather of M put every lane of a warp load in its own 256-byte row: 256 scalar loads a thread in the M3 cell)."""
+    x = tl.permute(tl.reshape(x, (R, D // 8, 2, 2, 2)), (0, 1, 3, 2, 4))
+    even, odd = tl.split(x)
+    return tl.reshape(even, (R, D // 2)), tl.reshape(odd, (R, D // 2))
+
+
+@helper
+def _rotation_halves(rot_ptr, r0, RB: tl.constexpr, D: tl.constexpr):
+    """(M[r0:r0+RB, col_e], M[r0:r0+RB, col_e + 1]) of the [D, D] rotation M, [RB, D/2] each. RB rows at a time
+    keep a CTA's registers near those of the unrotated kernel (the whole M is 64 registers a thread)."""
+    r = r0 + tl.arange(0, RB)
     d = tl.arange(0, D)
-    q = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    m_e = tl.load(rot_ptr + d[:, None] * D + col_e[None, :])
-    m_o = tl.load(rot_ptr + d[:, None] * D + col_e[None, :] + 1)
+    return _column_halves(tl.load(rot_ptr + r[:, None] * D + d[None, :]), RB, D)
+
+
+@helper
+def _rotate_q(q_row, row_ok, rot_ptr, BM: tl.constexpr, D: tl.constexpr, CUDA: tl.constexpr):
+    """q_rot = q @ M in the decoded tiles' column halves: (q_rot[:, col_e], q_rot[:, col_e + 1]), [BM, D/2]
+    each; bf16 MMA operands when compiled (q and M exact in bf16, fp32 sums in k order, one rounding), fp32
+    interpreted. K = D in two halves of M's rows, each with its slice of q."""
+    RB: tl.constexpr = D // 2
+    q_e = tl.zeros([BM, D // 2], tl.float32)
+    q_o = tl.zeros([BM, D // 2], tl.float32)
+    for r0 in tl.static_range(0, D, RB):
+        qb = tl.load(q_row[:, None] + r0 + tl.arange(0, RB)[None, :], mask=row_ok[:, None], other=0.0)
+        m_e, m_o = _rotation_halves(rot_ptr, r0, RB, D)
+        if CUDA:
+            q_e = tl.dot(qb, m_e, q_e)
+            q_o = tl.dot(qb, m_o, q_o)
+        else:
+            qf = qb.to(tl.float32)
+            q_e = tl.dot(qf, m_e.to(tl.float32), q_e, input_precision="ieee")
+            q_o = tl.dot(qf, m_o.to(tl.float32), q_o, input_precision="ieee")
     if CUDA:
-        q_e = tl.dot(q, m_e).to(tl.bfloat16)
-        q_o = tl.dot(q, m_o).to(tl.bfloat16)
-    else:
-        qf = q.to(tl.float32)
-        q_e = tl.dot(qf, m_e.to(tl.float32), input_precision="ieee")
-        q_o = tl.dot(qf, m_o.to(tl.float32), input_precision="ieee")
+        q_e = q_e.to(tl.bfloat16)
+        q_o = q_o.to(tl.bfloat16)
     return q_e, q_o
 
 
 @helper
-def _unrotate_out(acc_e, acc_o, rot_ptr, col_e, D: tl.constexpr, CUDA: tl.constexpr):
-    """[BM, D] fp32 acc in the model's basis from its rotated column halves: acc_e @ M^T[col_e, :] +
-    acc_o @ M^T[col_e + 1, :] (M^T[i, j] = M[j, i]); compiled as bf16 hi + lo MMAs."""
-    d = tl.arange(0, D)
+def _store_unrotated(acc_e, acc_o, m_i, l_i, rot_ptr, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
+                     stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                     CUDA: tl.constexpr):
+    """Stores acc in the model's basis from its rotated column halves, D/2 output columns at a time:
+    out[:, n] = acc_e @ M^T[col_e, n] + acc_o @ M^T[col_e + 1, n], where M^T[col_e, n-block] is the transpose of
+    _rotation_halves' M[n-block, col_e]; compiled as bf16 hi + lo MMAs (each column's sum in the same k order as
+    one D-wide product)."""
+    RB: tl.constexpr = D // 2
     if CUDA:
-        # one half at a time: its operands only (fewer live registers than loading both halves of M^T first)
         hi_e = acc_e.to(tl.bfloat16)
         lo_e = (acc_e - hi_e.to(tl.float32)).to(tl.bfloat16)
-        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
-        out = tl.dot(lo_e, mt_e, tl.dot(hi_e, mt_e))
         hi_o = acc_o.to(tl.bfloat16)
         lo_o = (acc_o - hi_o.to(tl.float32)).to(tl.bfloat16)
-        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
-        out = tl.dot(lo_o, mt_o, tl.dot(hi_o, mt_o, out))
-    else:
-        mt_e = tl.load(rot_ptr + d[None, :] * D + col_e[:, None])
-        mt_o = tl.load(rot_ptr + d[None, :] * D + col_e[:, None] + 1)
-        out = tl.dot(acc_e, mt_e.to(tl.float32), input_precision="ieee")
-        out = tl.dot(acc_o, mt_o.to(tl.float32), out, input_precision="ieee")
-    return out
+    for n0 in tl.static_range(0, D, RB):
+        m_e, m_o = _rotation_halves(rot_ptr, n0, RB, D)
+        mt_e = tl.trans(m_e)
+        mt_o = tl.trans(m_o)
+        if CUDA:
+            part = tl.dot(lo_e, mt_e, tl.dot(hi_e, mt_e))
+            part = tl.dot(lo_o, mt_o, tl.dot(hi_o, mt_o, part))
+        else:
+            part = tl.dot(acc_e, mt_e.to(tl.float32), input_precision="ieee")
+            part = tl.dot(acc_o, mt_o.to(tl.float32), part, input_precision="ieee")
+        _store_out(part, m_i, l_i, n0 + tl.arange(0, RB), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
+                   stride_ot, stride_oh, HQ, D, SPLIT, n0 == 0, CUDA)
 
 
 @helper

@@ -66,6 +66,8 @@ class MmaMoEConfig:
     RBK: int = 128
     RSPLIT: int = 16
     router_warps: int = 4
+    ROUTER_ROWS: int = 8  # MoEConfig's: token counts up to this take moe_router_rows
+    RKC: int = 2048
     RP: int = 1
     num_warps: int = 4  # gate|up
     STAGES: int = 2

@@ -1,4 +1,4 @@
-"""MoE engine kernels for 1..48 tokens: router + top-k (1 launch), gate|up + SwiGLU-OAI over the
+"""MoE engine kernels for 1..48 tokens: router + top-k (1 launch; moe_router_rows at decode token counts), gate|up + SwiGLU-OAI over the
 touched experts (1 launch), down projection + weighted sum + shared expert (1 launch).
 
 Shape legend (T tokens, BT = padded T in {16, 32, 64}, E routed experts, H hidden, I expert
@@ -65,33 +65,75 @@ def moe_router(x_ptr, wr_ptr, bias_ptr, rpart_ptr, count_ptr, ids_ptr, tw_ptr, s
         emask = ec < E
         logits = ordered_sum(rpart_ptr, BT * E, rt[:, None] * E + ec[None, :], tmask[:, None] & emask[None, :],
                              RSPLIT)
-        sig = tl.sigmoid(logits)
-        bias = tl.load(bias_ptr + ec, mask=emask, other=0.0)
-        score = tl.where(emask[None, :], sig + bias[None, :], float("-inf"))
-        kc = tl.arange(0, TOPK)
-        ids = tl.zeros([BT, TOPK], tl.int32)
-        wts = tl.zeros([BT, TOPK], tl.float32)
-        for k in tl.static_range(TOPK):
-            j = tl.argmax(score, axis=1, tie_break_left=True)
-            hit = ec[None, :] == j[:, None]
-            wj = tl.sum(tl.where(hit, sig, 0.0), axis=1)
-            ids = tl.where(kc[None, :] == k, j[:, None], ids)
-            wts = tl.where(kc[None, :] == k, wj[:, None], wts)
-            score = tl.where(hit, float("-inf"), score)
-        wts = wts / tl.sum(wts, axis=1)[:, None] * scaling
-        tl.store(ids_ptr + rt[:, None] * TOPK + kc[None, :], ids, mask=tmask[:, None])
-        tl.store(tw_ptr + rt[:, None] * TOPK + kc[None, :], wts, mask=tmask[:, None])
-        # touched experts -> ascending slot list; slot weights per token
-        ids3 = tl.where(tmask[:, None], ids, -1)
-        touched = tl.max(tl.max((ids3[:, :, None] == ec[None, None, :]).to(tl.int32), axis=1), axis=0)  # [EP]
-        slot_of_e = tl.cumsum(touched, axis=0) - 1
-        sc = tl.arange(0, SP)
-        match = (touched[None, :] > 0) & (slot_of_e[None, :] == sc[:, None])  # [SP, EP]
-        slot_e = tl.max(tl.where(match, ec[None, :], -1), axis=1)  # [SP]
-        tl.store(slot_e_ptr + sc, slot_e)
-        sw = tl.sum(tl.where(ids3[None, :, :] == slot_e[:, None, None], wts[None, :, :], 0.0), axis=2)  # [SP, BT]
-        tl.store(slot_w_ptr + sc[:, None] * T + rt[None, :], sw, mask=(sc[:, None] < S) & tmask[None, :])
+        route_tokens(logits, rt, tmask, ec, emask, bias_ptr, ids_ptr, tw_ptr, slot_e_ptr, slot_w_ptr, T, S, scaling,
+                     TOPK, BT, SP)
         release_ticket(count_ptr)
+
+
+@kernel
+def moe_router_rows(x_ptr, wr_ptr, bias_ptr, logit_ptr, count_ptr, ids_ptr, tw_ptr, slot_e_ptr, slot_w_ptr,
+                    T, H, E, stride_x, S, scaling, TOPK: tl.constexpr, BT: tl.constexpr, KC: tl.constexpr,
+                    EP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+    """grid (E,), decode token counts (BT = T rounded up to a power of two, <= 8): program e computes expert e's
+    logit of every token over all of H, KC columns a step, as fp32 products summed per step and then across
+    steps (true fp32, no MMA: a GEMV needs no 16-row padding), and stores it; the program that takes the last
+    ticket routes all tokens from the [BT, E] logits. Why: moe_router's K split costs its last program an ordered
+    sum of 16 partial tiles and a routing step over 16 padded rows, ~15 us a layer at one token on the H200 for
+    3 MB of weights; here the tail reads one [BT, E] tile."""
+    pdl_wait(PDL)  # before any global access (_pdl)
+    e = tl.program_id(0)
+    rt = tl.arange(0, BT)
+    tmask = rt < T
+    acc = tl.zeros([BT], tl.float32)
+    for k0 in range(0, H, KC):
+        kk = k0 + tl.arange(0, KC)
+        wv = tl.load(wr_ptr + e * H + kk).to(tl.float32)
+        xv = tl.load(x_ptr + rt[:, None] * stride_x + kk[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(xv * wv[None, :], axis=1)
+    pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
+    tl.store(logit_ptr + rt * E + e, acc, mask=tmask)
+    if take_ticket(count_ptr, tl.num_programs(0)):
+        ec = tl.arange(0, EP)
+        emask = ec < E
+        logits = tl.load(logit_ptr + rt[:, None] * E + ec[None, :], mask=tmask[:, None] & emask[None, :], other=0.0,
+                         cache_modifier=".cg")
+        route_tokens(logits, rt, tmask, ec, emask, bias_ptr, ids_ptr, tw_ptr, slot_e_ptr, slot_w_ptr, T, S, scaling,
+                     TOPK, BT, SP)
+        release_ticket(count_ptr)
+
+
+@helper
+def route_tokens(logits, rt, tmask, ec, emask, bias_ptr, ids_ptr, tw_ptr, slot_e_ptr, slot_w_ptr, T, S, scaling,
+                 TOPK: tl.constexpr, BT: tl.constexpr, SP: tl.constexpr):
+    """The routing of every token from its fp32 logits [BT, EP]: sigmoid scores, top-k of score + bias (lowest
+    expert id on ties), weights renormalised and scaled; then the touched experts in ascending order as slots
+    and each token's weight per slot."""
+    sig = tl.sigmoid(logits)
+    bias = tl.load(bias_ptr + ec, mask=emask, other=0.0)
+    score = tl.where(emask[None, :], sig + bias[None, :], float("-inf"))
+    kc = tl.arange(0, TOPK)
+    ids = tl.zeros([BT, TOPK], tl.int32)
+    wts = tl.zeros([BT, TOPK], tl.float32)
+    for k in tl.static_range(TOPK):
+        j = tl.argmax(score, axis=1, tie_break_left=True)
+        hit = ec[None, :] == j[:, None]
+        wj = tl.sum(tl.where(hit, sig, 0.0), axis=1)
+        ids = tl.where(kc[None, :] == k, j[:, None], ids)
+        wts = tl.where(kc[None, :] == k, wj[:, None], wts)
+        score = tl.where(hit, float("-inf"), score)
+    wts = wts / tl.sum(wts, axis=1)[:, None] * scaling
+    tl.store(ids_ptr + rt[:, None] * TOPK + kc[None, :], ids, mask=tmask[:, None])
+    tl.store(tw_ptr + rt[:, None] * TOPK + kc[None, :], wts, mask=tmask[:, None])
+    # touched experts -> ascending slot list; slot weights per token
+    ids3 = tl.where(tmask[:, None], ids, -1)
+    touched = tl.max(tl.max((ids3[:, :, None] == ec[None, None, :]).to(tl.int32), axis=1), axis=0)  # [EP]
+    slot_of_e = tl.cumsum(touched, axis=0) - 1
+    sc = tl.arange(0, SP)
+    match = (touched[None, :] > 0) & (slot_of_e[None, :] == sc[:, None])  # [SP, EP]
+    slot_e = tl.max(tl.where(match, ec[None, :], -1), axis=1)  # [SP]
+    tl.store(slot_e_ptr + sc, slot_e)
+    sw = tl.sum(tl.where(ids3[None, :, :] == slot_e[:, None, None], wts[None, :, :], 0.0), axis=2)  # [SP, BT]
+    tl.store(slot_w_ptr + sc[:, None] * T + rt[None, :], sw, mask=(sc[:, None] < S) & tmask[None, :])
 
 
 @helper

@@ -36,7 +36,7 @@ from m3serve.kernels._jit import is_compiled
 from m3serve.kernels.gemm._linear import fresh_x
 from m3serve.kernels.gemm._mma_gemv import STEP
 from m3serve.kernels.moe._mma import MmaMoEConfig, gate_up_split_sizes, launch_mma_moe
-from m3serve.kernels.moe._nvfp4 import moe_down, moe_gate_up, moe_router
+from m3serve.kernels.moe._nvfp4 import moe_down, moe_gate_up, moe_router, moe_router_rows
 from m3serve.kernels.catalog import (BF16_REL, FP32_U, Case, Cell, Entry, assert_band, check_tensor, device_rng,
                                      gemm_band, poisoned, true_fp32)
 from m3serve.quant.nvfp4 import dequantize_nvfp4, tile_nvfp4, untile_nvfp4
@@ -61,6 +61,8 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     router_warps: int = 4  # the routing step holds [SP, BT, TOPK] and [BT, TOPK, E] tiles
+    ROUTER_ROWS: int = 8  # token counts up to this take moe_router_rows (one program per expert; 0: never)
+    RKC: int = 2048  # moe_router_rows' columns per step (at most; the largest power of two dividing H)
     DBN: int = 0  # down-projection tile over H (0: BN)
     DBK: int = 0  # down-projection K tile (0: BK); I / DSPLIT must be a multiple
     down_warps: int = 0  # 0: num_warps
@@ -211,7 +213,12 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
     sp = ws.slot_e.numel()
     if set(launches) - set("rgd"):
         raise ValueError(f"launches: expected letters of 'rgd', found {launches!r}")
-    if "r" in launches:
+    if "r" in launches and t <= cfg.ROUTER_ROWS:
+        moe_router_rows[(e,)](
+            x, router_w, router_bias, ws.rpart, ws.rcount, ws.ids, ws.tw, ws.slot_e, ws.slot_w, t, h, e, x.stride(0),
+            s, float(routed_scaling), TOPK=TOPK, BT=triton.next_power_of_2(t), KC=min(cfg.RKC, h & -h),
+            EP=triton.next_power_of_2(e), SP=sp, num_warps=cfg.router_warps)
+    elif "r" in launches:
         moe_router[(e // cfg.RBE, cfg.RSPLIT)](
             x, router_w, router_bias, ws.rpart, ws.rcount, ws.ids, ws.tw, ws.slot_e, ws.slot_w, t, h, e, x.stride(0),
             s, float(routed_scaling), TOPK=TOPK, BT=cfg.BT, BE=cfg.RBE, BK=cfg.RBK, RSPLIT=cfg.RSPLIT,
@@ -246,7 +253,7 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
 def interpreted_config(cfg: MmaMoEConfig) -> MoEConfig:
     """The _nvfp4 kernels' config that computes the same function in the same workspace on CPU tensors."""
     return MoEConfig(BT=cfg.BT, BN=cfg.bna, BK=STEP, RBE=cfg.RBE, RBK=cfg.RBK, RSPLIT=cfg.RSPLIT, DSPLIT=cfg.DSPLIT,
-                     router_warps=cfg.router_warps, DBN=cfg.dbn, DBK=STEP)
+                     router_warps=cfg.router_warps, ROUTER_ROWS=cfg.ROUTER_ROWS, RKC=cfg.RKC, DBN=cfg.dbn, DBK=STEP)
 
 
 # --- reference ------------------------------------------------------------------------------
@@ -551,7 +558,7 @@ CELLS = tuple(
          config={"moe": _cell_cfg(lo, hi, i, sb)})
     for sb in (0, 1) for i, tp in ((3072, "TP1"), (1536, "TP2")) for lo, hi in _row_ranges(sb)
 )
-_ICFG = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2)
+_ICFG = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=2, RKC=64)  # RKC: moe_router_rows loops
 _ICFG_KT = MoEConfig(BT=16, BN=64, BK=64, RBE=16, RBK=64, RSPLIT=2, DSPLIT=1, DBK=32)
 INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(16, 256, 128, 0), why="interpreter: 1-3 tokens, 4-12 of 16 experts, NVFP4 shared",
@@ -559,6 +566,8 @@ INTERP_CELLS = (
     Cell(rows=(5, 5), shape=(16, 256, 128, 0), why="interpreter: 20 picks > 16 experts: S = E slots, -1 padded",
          config={"moe": _ICFG}),
     Cell(rows=(2, 2), shape=(16, 256, 128, 1), why="interpreter: BF16 shared expert", config={"moe": _ICFG}),
+    Cell(rows=(1, 2), shape=(16, 256, 128, 0), why="interpreter: the K-split router (moe_router) at decode token "
+         "counts (ROUTER_ROWS 0)", config={"moe": replace(_ICFG, ROUTER_ROWS=0)}),
     Cell(rows=(3, 3), shape=(16, 256, 128, 0), why="interpreter: 4 down K tiles per slot (flat loop, no split)",
          config={"moe": _ICFG_KT}),
     Cell(rows=(2, 2), shape=(16, 256, 128, 1), why="interpreter: BF16 shared expert, 2 down K tiles per slot",
