@@ -18,7 +18,7 @@ META = torch.device("meta")
 # the decode step's kernels: each follows _pdl's contract (release, wait before any activation access)
 DECODE_STEP_KERNELS = {
     "gemv_stream", "mma_gemv", "wstream_gemm", "mma_moe_gate_up", "mma_moe_down", "moe_router", "moe_gate_up",
-    "moe_down", "head_partial_argmax", "argmax_reduce", "paged_attn_split", "paged_attn_combine",
+    "moe_down", "moe_router_rows", "head_partial_argmax", "argmax_reduce", "paged_attn_split", "paged_attn_combine",
     "_add_rmsnorm_kernel", "_rms_norm_kernel", "_kv_write_kernel", "_block_scores_kernel", "_select_kernel",
     "_qk_prep_kernel", "_route_small_kernel", "_gate_kernel",
 }
