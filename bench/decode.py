@@ -77,18 +77,15 @@ def route_binding(route: str) -> tuple[str, str | None, bool, str | None]:
     head's logits + argmax instead of the fused greedy head (head.bf16); target-gate-up-whole: the MoE's MMA-step
     gate|up over the whole of H in every CTA (GSPLIT 1: off where a cell splits it, as a tuning run sets);
     target-split-router: the MoE's K-split router (moe_router) at decode token counts too, instead of one program
-    per expert (moe_router_rows); target-shared-inline: the MoE's shared expert in the routed gate|up launch (one
-    stream) instead of beside the router on a side stream; every other target route: the defaults."""
+    per expert (moe_router_rows); every other target route: the defaults."""
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
             route != "target-logits-head",
-            {"target-gate-up-whole": "gate-up-whole", "target-split-router": "split-router",
-             "target-shared-inline": "shared-inline"}.get(route))
+            {"target-gate-up-whole": "gate-up-whole", "target-split-router": "split-router"}.get(route))
 
 
 def set_moe_cells(variant: str | None, saved: dict) -> None:
     """moe.nvfp4's cells as the catalog has them (variant None), with their MMA-step gate|up split off
-    ("gate-up-whole": GSPLIT 1), with the K-split router at every token count ("split-router": ROUTER_ROWS 0) or
-    with the shared expert's gate|up in the routed launch ("shared-inline": SHARED_AHEAD off):
+    ("gate-up-whole": GSPLIT 1) or with the K-split router at every token count ("split-router": ROUTER_ROWS 0):
     the cells' configs are what routing.install binds. saved: {cell index: its config as the catalog has it},
     filled on first use."""
     from dataclasses import replace
@@ -101,8 +98,6 @@ def set_moe_cells(variant: str | None, saved: dict) -> None:
             cfg = replace(cfg, GSPLIT=1)
         elif variant == "split-router":
             cfg = replace(cfg, ROUTER_ROWS=0)
-        elif variant == "shared-inline" and isinstance(cfg, MmaMoEConfig):
-            cfg = replace(cfg, SHARED_AHEAD=False)
         cell.config["moe"] = cfg
 
 
@@ -343,8 +338,7 @@ def main() -> None:
                 r.update(model=name, route=route, batch=b, context=args.context, bytes_per_step=nbytes,
                          roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
                          greedy_agreement_vs_off=(sum(same) / len(same)) if same else None)
-                if route in ("target-rows", "target-logits-head", "target-gate-up-whole", "target-split-router",
-                             "target-shared-inline") \
+                if route in ("target-rows", "target-logits-head", "target-gate-up-whole", "target-split-router") \
                         and b in target_tokens:
                     eq = [x == y for ref, got in zip(target_tokens[b], toks) for x, y in zip(ref, got)]
                     r["tokens_equal_to_target"] = sum(eq) / len(eq) if eq else None

@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... deep-decode-cells | deep-decode-overlap | deep-decode-depth | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... deep-decode-cells | deep-decode-depth | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -143,19 +143,6 @@ deep-decode-cells)  # issue 30, third round, first call: the GPU cells of the tw
     --routes target,target-split-router --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-router-rot.json"
   phase decode-m3_5-rot-off ${T_C:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1 --context 512 --steps 20 \
     --routes target --quantization nvfp4 --kv-rotation off --out "$OUT/decode-target-$TAG-m3_5-rot-off.json"
-  ;;
-deep-decode-overlap)  # issue 30, third round: the MoE's shared-expert gate|up on a side stream beside the router
-              # (SHARED_AHEAD): its GPU checks (the one-stream bits at every MMA token count, a CUDA graph replay), then
-              # minimax-m3:5 and the deepest model the card holds side by side with it off (target-shared-inline) and
-              # with the K-split router (target-split-router), each result with its top kernels
-  phase pytest-overlap ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 180 -rfE \
-    tests/kernels/test_gpu.py -k "mma_moe_every_token or (cuda_graph_replay and moe.nvfp4)"
-  phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-shared-inline --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-shared-ahead.json"
-  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase decode-deep ${T_C:-300} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-shared-inline,target-split-router --quantization nvfp4 \
-    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-shared-ahead.json"
   ;;
 deep-decode-depth)  # second call: the deepest model the card holds, the router side by side, with its top kernels
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}

@@ -56,7 +56,7 @@ def test_top_kernels_rank_by_time_per_step_with_calls_and_mean():
 
 def test_moe_variant_routes_bind_the_cells_and_give_them_back():
     """target-gate-up-whole binds moe.nvfp4's MMA-step cells with GSPLIT 1, target-split-router every cell with the
-    K-split router (ROUTER_ROWS 0), target-shared-inline the MMA cells with one stream; variant None gives the catalog's configs back (here a cell given a split first,
+    K-split router (ROUTER_ROWS 0); variant None gives the catalog's configs back (here a cell given a split first,
     as a tuning run would)."""
     import dataclasses
 
@@ -67,7 +67,6 @@ def test_moe_variant_routes_bind_the_cells_and_give_them_back():
     assert route_binding("target") == ("auto", None, True, None)
     assert route_binding("target-gate-up-whole") == ("auto", None, True, "gate-up-whole")
     assert route_binding("target-split-router") == ("auto", None, True, "split-router")
-    assert route_binding("target-shared-inline") == ("auto", None, True, "shared-inline")
     mma = [c for c in moe_nvfp4.CELLS if isinstance(c.config["moe"], MmaMoEConfig)]
     assert mma
     first = mma[0].config["moe"]
@@ -81,8 +80,6 @@ def test_moe_variant_routes_bind_the_cells_and_give_them_back():
         set_moe_cells("split-router", saved)
         assert all(c.config["moe"].ROUTER_ROWS == 0 for c in moe_nvfp4.CELLS)
         assert mma[0].config["moe"].GSPLIT == 4
-        set_moe_cells("shared-inline", saved)
-        assert not any(c.config["moe"].SHARED_AHEAD for c in mma) and mma[0].config["moe"].ROUTER_ROWS > 0
         set_moe_cells(None, saved)
         assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
     finally:

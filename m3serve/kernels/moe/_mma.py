@@ -77,7 +77,6 @@ class MmaMoEConfig:
     GSPLIT: int = 1  # gate|up K (= H) split at most this many ways ...
     GSPLIT_SLOTS: int = 0  # ... while (touched slots + shared) x split <= this (gate_up_split)
     maxnreg: int = 0  # gate|up registers per thread capped (ptxas maxnreg; 0: as compiled): more CTAs resident
-    SHARED_AHEAD: bool = True  # the shared expert's gate|up on a side stream, beside the router (moe_nvfp4)
     down_maxnreg: int = 0  # the same for down
 
     def __post_init__(self) -> None:
@@ -175,14 +174,13 @@ def swiglu_of_sums(g, u, gg, gu, alpha, limit):
 
 @kernel
 def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr, part_ptr,
-                    count_ptr, T, H, I, stride_xb, S, swiglu_alpha, swiglu_limit, GSPLIT, SLOT0, RP: tl.constexpr,
+                    count_ptr, T, H, I, stride_xb, S, swiglu_alpha, swiglu_limit, GSPLIT, RP: tl.constexpr,
                     NW: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr, SPLITK: tl.constexpr,
                     LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr,
                     MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr,
                     STORE_C: tl.constexpr, PART: tl.constexpr, PART_C: tl.constexpr, PDL: tl.constexpr = False):
-    """grid (I / BNA, slots, GSPLIT): program (j, s - SLOT0, k) -> act[s, :T, j*BNA:(j+1)*BNA] over H / GSPLIT
-    columns of x (slots S + 1 from SLOT0 0; the routed S alone; or the shared one alone, SLOT0 = S). Padding slots
-    (slot_e = -1) exit. SPLITK (GSPLIT > 1): each split stores its raw gate / up sums to
+    """grid (I / BNA, S + 1, GSPLIT): program (j, s, k) -> act[s, :T, j*BNA:(j+1)*BNA] over H / GSPLIT columns of
+    x. Padding slots (slot_e = -1) exit. SPLITK (GSPLIT > 1): each split stores its raw gate / up sums to
     part [GSPLIT, S + 1, T, 2I] fp32 and the last arrival of the (j, s) tile (count [(S + 1) I / BNA]) sums them in
     split order (_splitk) and applies SwiGLU-OAI (swiglu_of_sums). TILED: w13 / sw13 in the MMA tile layout (LOAD
     is tiled_gate_up_load_asm; BNA a multiple of 16)."""
@@ -190,7 +188,7 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
     Tn: tl.constexpr = 64 * NW
     BNA: tl.constexpr = 8 * RP * NW
     NACC: tl.constexpr = 4 * RP // 2
-    s = tl.program_id(1) + SLOT0
+    s = tl.program_id(1)
     n0 = tl.program_id(0) * BNA
     pid_k = tl.program_id(2)
     k_len = H // GSPLIT
@@ -345,11 +343,9 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
 
 def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out, *, t: int, h: int, e: int,
                    i: int, s: int, swiglu_alpha: float, swiglu_limit: float, cfg: MmaMoEConfig,
-                   launches: str, tiled: bool = False, slots: str = "all") -> None:
+                   launches: str, tiled: bool = False) -> None:
     """The gate|up and down launches after moe_router (w*: int32 words, s*: uint8 scales; shared NVFP4).
-    tiled: all of w13/s13, w2/s2, sw13/ss13, sw2/ss2 in the MMA tile layout (tile_nvfp4, per expert).
-    slots: the gate|up launch's slots: "all" (the S routed, then the shared one), "routed" or "shared" (the
-    shared one needs no routing, so moe_nvfp4 can launch it beside the router)."""
+    tiled: all of w13/s13, w2/s2, sw13/ss13, sw2/ss2 in the MMA tile layout (tile_nvfp4, per expert)."""
     if x.device.type not in ("cuda", "meta"):
         raise ValueError(f"x: the MMA MoE runs compiled only (inline PTX), found a {x.device.type} tensor")
     if t > MMA_ROWS:
@@ -367,10 +363,9 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
             raise ValueError(f"ws: the gate|up split {gs} needs gpart >= {gs * (s + 1) * t * 2 * i} and gcount >= "
                              f"{(s + 1) * (i // cfg.bna)} elements, found {ws.gpart.numel()} / {ws.gcount.numel()} "
                              "(make_moe_workspace sizes them for the token count)")
-        n_slot, slot0 = {"all": (s + 1, 0), "routed": (s, 0), "shared": (1, s)}[slots]
-        mma_moe_gate_up[(i // cfg.bna, n_slot, gs)](
+        mma_moe_gate_up[(i // cfg.bna, s + 1, gs)](
             x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, ws.gpart, ws.gcount, t, h, i, x.stride(0) * 2, s,
-            float(swiglu_alpha), float(swiglu_limit), gs, slot0, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
+            float(swiglu_alpha), float(swiglu_limit), gs, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
             TILED=tiled, SPLITK=gs > 1, **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if "d" in launches:

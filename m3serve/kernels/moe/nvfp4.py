@@ -189,26 +189,12 @@ def check_swiglu(swiglu_alpha: float, swiglu_limit: float) -> None:
         raise ValueError(f"swiglu_limit: expected > 0, found {swiglu_limit}")
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the shared expert's gate|up (made once; a CUDA graph captured on the
-    current stream records its fork and join as graph edges)."""
-    key = torch.device(device).index
-    st = _SIDE_STREAMS.get(key)
-    if st is None:
-        st = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
-    return st
-
-
 def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2,
               routed_scaling: float, out: torch.Tensor, workspace: MoEWorkspace, config: MoEConfig | MmaMoEConfig,
               swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
               launches: str = "rgd", tiled: bool = False) -> torch.Tensor:
-    """Raw call: three launches on the current stream (on the MMA step with SHARED_AHEAD, the shared expert's
-    gate|up as a fourth on a side stream, forked before the router and joined before down). Writes and returns
-    `out`; the routing (workspace.ids / .tw / .slot_e / .slot_w) and activations (workspace.act) stay readable.
+    """Raw call: three launches on the current stream. Writes and returns `out`; the routing
+    (workspace.ids / .tw / .slot_e / .slot_w) and activations (workspace.act) stay readable.
     swiglu_alpha / swiglu_limit: the model config's SwiGLU-OAI constants (runtime kernel arguments).
     launches: the subset of r(outer), g(ate|up), d(own) to issue, for timing one launch alone (the
     ones before it must have run on the same workspace and inputs). tiled: the NVFP4 experts and an NVFP4
@@ -227,26 +213,6 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
     sp = ws.slot_e.numel()
     if set(launches) - set("rgd"):
         raise ValueError(f"launches: expected letters of 'rgd', found {launches!r}")
-    if shared_fmt == FMT_NVFP4:
-        sw13, ss13, sg13 = sh_w13.view(torch.int32), sh_s13.view(torch.uint8), sh_g13
-        sw2, ss2, sg2 = sh_w2.view(torch.int32), sh_s2.view(torch.uint8), sh_g2
-    else:
-        sw13, ss13, sg13, sw2, ss2, sg2 = sh_w13, g13, g13, sh_w2, g2, g2  # scale pointers unused
-    mma = isinstance(cfg, MmaMoEConfig) and cuda
-    if mma:
-        experts = (x, w13.view(torch.int32), s13.view(torch.uint8), g13, w2.view(torch.int32), s2.view(torch.uint8),
-                   g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out)
-        sizes = dict(t=t, h=h, e=e, i=i, s=s, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, cfg=cfg,
-                     tiled=tiled)
-    # the shared expert's gate|up needs no routing: launched first on a side stream, it runs beside the router and
-    # the routed gate|up, and down (which reads its activations) waits for it; same kernels, same bits
-    ahead = mma and cfg.SHARED_AHEAD and "r" in launches and "g" in launches and x.device.type == "cuda"
-    if ahead:
-        main = torch.cuda.current_stream(x.device)
-        side = side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            launch_mma_moe(*experts, **sizes, launches="g", slots="shared")
     if "r" in launches and t <= cfg.ROUTER_ROWS:
         moe_router_rows[(e,)](
             x, router_w, router_bias, ws.rpart, ws.rcount, ws.ids, ws.tw, ws.slot_e, ws.slot_w, t, h, e, x.stride(0),
@@ -257,15 +223,18 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
             x, router_w, router_bias, ws.rpart, ws.rcount, ws.ids, ws.tw, ws.slot_e, ws.slot_w, t, h, e, x.stride(0),
             s, float(routed_scaling), TOPK=TOPK, BT=cfg.BT, BE=cfg.RBE, BK=cfg.RBK, RSPLIT=cfg.RSPLIT,
             EP=triton.next_power_of_2(e), SP=sp, num_warps=cfg.router_warps)
-    if mma:
-        if ahead:
-            launch_mma_moe(*experts, **sizes, launches="g", slots="routed")
-            main.wait_stream(side)
-            launch_mma_moe(*experts, **sizes, launches=launches.replace("r", "").replace("g", ""))
-        else:
-            launch_mma_moe(*experts, **sizes, launches=launches)
-        return out
+    if shared_fmt == FMT_NVFP4:
+        sw13, ss13, sg13 = sh_w13.view(torch.int32), sh_s13.view(torch.uint8), sh_g13
+        sw2, ss2, sg2 = sh_w2.view(torch.int32), sh_s2.view(torch.uint8), sh_g2
+    else:
+        sw13, ss13, sg13, sw2, ss2, sg2 = sh_w13, g13, g13, sh_w2, g2, g2  # scale pointers unused
     if isinstance(cfg, MmaMoEConfig):
+        if cuda:
+            launch_mma_moe(x, w13.view(torch.int32), s13.view(torch.uint8), g13, w2.view(torch.int32),
+                           s2.view(torch.uint8), g2, sw13, ss13, sg13, sw2, ss2, sg2, ws, out, t=t, h=h, e=e, i=i, s=s,
+                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, cfg=cfg, launches=launches,
+                           tiled=tiled)
+            return out
         cfg = interpreted_config(cfg)  # the interpreter cannot run inline PTX: _nvfp4's kernels, same workspace
     if "g" in launches:
         moe_gate_up[(s + 1, i // cfg.BN)](
