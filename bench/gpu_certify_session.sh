@@ -144,7 +144,10 @@ deep-decode-cells)  # issue 30, third round, first call: the GPU cells of the tw
   phase decode-m3_5-rot-off ${T_C:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1 --context 512 --steps 20 \
     --routes target --quantization nvfp4 --kv-rotation off --out "$OUT/decode-target-$TAG-m3_5-rot-off.json"
   ;;
-deep-decode-depth)  # second call: the deepest model the card holds, the router side by side, with its top kernels
+deep-decode-depth)  # second call: minimax-m3:5, then the deepest model the card holds with the router side by side,
+                   # each result with its top kernels (the issue's goal rows on an H200)
+  phase decode-m3_5 ${T_A:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-round3.json"
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_B:-420} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
     --routes target,target-split-router --quantization nvfp4 \
