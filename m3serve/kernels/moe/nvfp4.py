@@ -1,7 +1,8 @@
 """Catalog entry moe.nvfp4: the MiniMax-M3 MoE block for 1..48 tokens in three launches
-(router + top-k, gate|up + SwiGLU-OAI, down + weighted sum + shared expert). See moe/_nvfp4.py; at 1-8 tokens
-with an NVFP4 shared expert the gate|up and down launches run on the register-operand MMA step (moe/_mma.py,
-config MmaMoEConfig).
+(router + top-k, gate|up + SwiGLU-OAI, down + weighted sum + shared expert). See moe/_nvfp4.py; at up to
+ROUTER_ROWS (8) tokens the router is one program per expert (moe_router_rows), above it split over H
+(moe_router); at 1-8 tokens with an NVFP4 shared expert the gate|up and down launches run on the
+register-operand MMA step (moe/_mma.py, config MmaMoEConfig).
 
 Semantics (the reference, all fp32 with TF32 off):
     logits = x.float() @ router_w.float().T;  sig = sigmoid(logits)
