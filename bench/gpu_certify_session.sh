@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... deep-decode-cells | deep-decode-depth | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -143,6 +143,11 @@ deep-decode-cells)  # issue 30, third round, first call: the GPU cells of the tw
     --routes target,target-split-router --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-router-rot.json"
   phase decode-m3_5-rot-off ${T_C:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1 --context 512 --steps 20 \
     --routes target --quantization nvfp4 --kv-rotation off --out "$OUT/decode-target-$TAG-m3_5-rot-off.json"
+  ;;
+msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVFP4 blocks per KV head, context 4096)
+              # over split counts 8 / 16 / 32 and the page tiles, unrotated and rotated, each checked against the first
+  phase msa-variants ${T_A:-300} python3 bench/kernel_variants.py --only msa --iters 30 --out-dir "$OUT" \
+    --name "kernel-variants-msa-rotated-$TAG.json"
   ;;
 deep-decode-depth)  # second call: minimax-m3:5, then the deepest model the card holds with the router side by side,
                    # each result with its top kernels (the issue's goal rows on an H200)

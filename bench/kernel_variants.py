@@ -46,8 +46,9 @@ from m3serve.kernels.attention._paged_call import TileConfig, tile_config  # noq
 from m3serve.kernels.catalog import Case, Cell, poisoned  # noqa: E402
 from m3serve.runtime.step_inputs import sparse_tiles_per_block, split_plan  # noqa: E402
 from m3serve.quant.nvfp4 import untile_nvfp4  # noqa: E402
+from m3serve.kv import rotation  # noqa: E402
 
-GROUPS = ("attn", "select", "moe", "head")
+GROUPS = ("attn", "msa", "select", "moe", "head")  # attn: dense decode cases, msa: the MSA decode case
 
 
 def _load(name: str):
@@ -115,8 +116,9 @@ def close_to(ref: torch.Tensor, got: torch.Tensor) -> tuple[bool, str]:
 
 
 def attn_variants(r: Runner, bench, step, m, layer: int, fmt: str, q, sel, what: str, nbytes: int, splits, tiles,
-                  is_default, **extra) -> None:
-    """Every (split count, tile) of one attention case on the same inputs, each checked against the first."""
+                  is_default, rot_matrix=None, **extra) -> None:
+    """Every (split count, tile) of one attention case on the same inputs, each checked against the first
+    (rot_matrix: the pages read as a rotated NVFP4 layer's, q rotated and the output un-rotated in the kernel)."""
     ref = None
     for ns in splits:
         for name, bn, stages, warps, *pairs in tiles:
@@ -126,7 +128,8 @@ def attn_variants(r: Runner, bench, step, m, layer: int, fmt: str, q, sel, what:
             args, kw = bench._attn_args(step, layer, fmt, q, sel, ns)
             out = args[10]
             out.fill_(float("nan"))
-            fn = lambda args=args, kw=kw, tile=tile: pa.paged_attention(*args, **kw, tile=tile)  # noqa: E731
+            fn = lambda args=args, kw=kw, tile=tile: pa.paged_attention(*args, **kw, tile=tile,  # noqa: E731
+                                                                        rot_matrix=rot_matrix)
             if ref is None:
                 fn()
                 ref = out.clone()
@@ -146,7 +149,14 @@ def attn_group(r: Runner, cache, m) -> None:
         attn_variants(r, bench, step, m, m.dense, "fp8", q, None, f"dense fp8 b{batch} ctx{ctx}", nbytes,
                       sorted({ns0, min(2 * ns0, 128), max(ns0 // 2, 1)}), DENSE_TILES,
                       lambda ns, name, ns0=ns0: ns == ns0 and name == "n128s2w4", batch=batch, context=ctx)
-    # MSA: NVFP4 pages, 16 selected blocks per KV head (the query's own + init forced, the rest random)
+
+
+def msa_group(r: Runner, cache, m) -> None:
+    """MSA decode: NVFP4 pages, 16 selected blocks per KV head (the query's own + init forced, the rest random),
+    read as an unrotated and as a rotated layer's."""
+    gen = torch.Generator(device=r.dev).manual_seed(0)
+    host = torch.Generator().manual_seed(1)
+    bench = AB.Bench({"paged": pa}, cache, m, None, r.bw, gen)
     ctx = 4096
     step = AB.make_step(m, cache.num_slots, [1], [ctx], r.dev, host)
     nb = step.table.shape[1] - 1
@@ -157,6 +167,11 @@ def attn_group(r: Runner, cache, m) -> None:
     _, ns0 = split_plan(1, nb + 1, m.hk, m.topk, sparse_tiles_per_block(cache.spec))  # what the engine runs
     attn_variants(r, bench, step, m, m.sparse, "nvfp4", q, sel, "msa nvfp4 top-16", nbytes, (8, 16, 32), SPARSE_TILES,
                   lambda ns, name: ns == ns0 and name == "n64s3w4", batch=1, context=ctx)
+    # the same pages read as a rotated layer's (the hybrid cache's default: kv.rotation, seed 31)
+    rot = rotation.query_matrix(rotation.rotation_signs(m.d, rotation.DEFAULT_ROTATION_SEED)).to(torch.bfloat16)
+    attn_variants(r, bench, step, m, m.sparse, "nvfp4", q, sel, "msa nvfp4 top-16 rotated", nbytes, (8, 16, 32),
+                  SPARSE_TILES, lambda ns, name: ns == ns0 and name == "n64s3w4", rot_matrix=rot.to(r.dev), batch=1,
+                  context=ctx)
 
 
 def select_group(r: Runner, cache, m) -> None:
@@ -373,12 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     r = Runner(dev, a.iters)
     print(f"copy bandwidth {r.bw / 1e12:.3f} TB/s", flush=True)
-    if "attn" in groups or "select" in groups:
+    if "attn" in groups or "msa" in groups or "select" in groups:
         cfg = preset("minimax-m3")
         gen = torch.Generator(device=dev).manual_seed(0)
         cache, m = AB.build_cache(cfg, 16 * 32 + 2 + 1024 + 2, dev, gen)
         if "attn" in groups:
             attn_group(r, cache, m)
+        if "msa" in groups:
+            msa_group(r, cache, m)
         if "select" in groups:
             select_group(r, cache, m)
         del cache
