@@ -279,9 +279,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
-                         "weights row-major), target-logits-head (greedy tokens from the head's logits), target-gate-up-whole "
-                         "(the MoE's MMA-step gate|up not split over H), target-split-router (the MoE's K-split router at "
-                         "decode token counts too)")
+                         "weights row-major), target-logits-head (greedy tokens from the head's logits), "
+                         "target-gate-up-whole (the MoE's MMA-step gate|up not split over H), target-split-router "
+                         "(the MoE's K-split router at decode token counts too)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

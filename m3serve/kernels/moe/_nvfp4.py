@@ -1,5 +1,5 @@
-"""MoE engine kernels for 1..48 tokens: router + top-k (1 launch; moe_router_rows at decode token counts), gate|up + SwiGLU-OAI over the
-touched experts (1 launch), down projection + weighted sum + shared expert (1 launch).
+"""MoE engine kernels for 1..48 tokens: router + top-k (1 launch; moe_router_rows at decode token counts),
+gate|up + SwiGLU-OAI over the touched experts (1 launch), down projection + weighted sum + shared expert (1 launch).
 
 Shape legend (T tokens, BT = padded T in {16, 32, 64}, E routed experts, H hidden, I expert
 width, S = min(TOPK * T, E) routed slots; slot S is the shared expert):
@@ -11,7 +11,7 @@ width, S = min(TOPK * T, E) routed slots; slot S is the shared expert):
     g13        [E, 2]          fp32 ENCODE global scales (gate, up)
     w2, s2, g2 [E, H, I/8], [E, H, I/16], [E]
     shared     the same with E = 1 (SHARED_FMT=0), or BF16 [2I, H] / [H, I] (SHARED_FMT=3)
-    rpart      [RSPLIT, BT, E] fp32 router partial logits       (workspace)
+    rpart      [RSPLIT, BT, E] fp32 router partial logits       (workspace; moe_router_rows: the [T, E] logits)
     ids, tw    [T, TOPK]       int32 expert ids / fp32 weights    (workspace, outputs)
     slot_e     [SP]            int32 touched experts, ascending, -1 padded (SP = pow2 >= S)
     slot_w     [SP, T]         fp32 routing weight of token t for slot s (0: not routed)
