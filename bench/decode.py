@@ -77,15 +77,20 @@ def route_binding(route: str) -> tuple[str, str | None, bool, str | None]:
     head's logits + argmax instead of the fused greedy head (head.bf16); target-gate-up-whole: the MoE's MMA-step
     gate|up over the whole of H in every CTA (GSPLIT 1: off where a cell splits it, as a tuning run sets);
     target-split-router: the MoE's K-split router (moe_router) at decode token counts too, instead of one program
-    per expert (moe_router_rows); every other target route: the defaults."""
+    per expert (moe_router_rows); target-gate-up-split: the MMA-step MoE with gate|up split 4 ways over H while
+    (touched slots + shared) x 4 <= 20 (one token), its split launches capped at 64 registers a thread and down
+    at 80 (the H200's best single-layer variant, bench/kernel_variants.py --moe-mma-only); every other target
+    route: the defaults."""
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
             route != "target-logits-head",
-            {"target-gate-up-whole": "gate-up-whole", "target-split-router": "split-router"}.get(route))
+            {"target-gate-up-whole": "gate-up-whole", "target-split-router": "split-router",
+             "target-gate-up-split": "gate-up-split"}.get(route))
 
 
 def set_moe_cells(variant: str | None, saved: dict) -> None:
     """moe.nvfp4's cells as the catalog has them (variant None), with their MMA-step gate|up split off
-    ("gate-up-whole": GSPLIT 1) or with the K-split router at every token count ("split-router": ROUTER_ROWS 0):
+    ("gate-up-whole": GSPLIT 1) or on with register caps ("gate-up-split": route_binding's target-gate-up-split),
+    or with the K-split router at every token count ("split-router": ROUTER_ROWS 0):
     the cells' configs are what routing.install binds. saved: {cell index: its config as the catalog has it},
     filled on first use."""
     from dataclasses import replace
@@ -96,6 +101,8 @@ def set_moe_cells(variant: str | None, saved: dict) -> None:
         cfg = saved.setdefault(n, cell.config["moe"])
         if variant == "gate-up-whole" and isinstance(cfg, MmaMoEConfig):
             cfg = replace(cfg, GSPLIT=1)
+        elif variant == "gate-up-split" and isinstance(cfg, MmaMoEConfig):
+            cfg = replace(cfg, GSPLIT=4, GSPLIT_SLOTS=20, maxnreg=64, down_maxnreg=80)
         elif variant == "split-router":
             cfg = replace(cfg, ROUTER_ROWS=0)
         cell.config["moe"] = cfg
@@ -280,8 +287,9 @@ def main() -> None:
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
-                         "target-gate-up-whole (the MoE's MMA-step gate|up not split over H), target-split-router "
-                         "(the MoE's K-split router at decode token counts too)")
+                         "target-gate-up-whole (the MoE's MMA-step gate|up not split over H), target-gate-up-split "
+                         "(split 4 ways at one token, register caps), target-split-router (the MoE's K-split router "
+                         "at decode token counts too)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -338,8 +346,7 @@ def main() -> None:
                 r.update(model=name, route=route, batch=b, context=args.context, bytes_per_step=nbytes,
                          roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
                          greedy_agreement_vs_off=(sum(same) / len(same)) if same else None)
-                if route in ("target-rows", "target-logits-head", "target-gate-up-whole", "target-split-router") \
-                        and b in target_tokens:
+                if route.startswith("target-") and b in target_tokens:
                     eq = [x == y for ref, got in zip(target_tokens[b], toks) for x, y in zip(ref, got)]
                     r["tokens_equal_to_target"] = sum(eq) / len(eq) if eq else None
                     # greedy decoding of random weights is chaotic: one near-tie flipped by summation order parts the

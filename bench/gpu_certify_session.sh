@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -148,6 +148,16 @@ msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVF
               # over split counts 8 / 16 / 32 and the page tiles, unrotated and rotated, each checked against the first
   phase msa-variants ${T_A:-300} python3 bench/kernel_variants.py --only msa --iters 30 --out-dir "$OUT" \
     --name "kernel-variants-msa-rotated-$TAG.json"
+  ;;
+deep-decode-round4)  # issue 30, fourth round: minimax-m3:5, then the deepest model the card holds, each with programmatic
+                    # dependent launch (target-pdl) and the H200's best single-layer MoE variant (target-gate-up-split:
+                    # gate|up split 4 ways at one token, register caps) beside the default, side by side on one engine
+  phase decode-m3_5 ${T_A:-110} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-pdl,target-gate-up-split --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-round4.json"
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase decode-deep ${T_B:-450} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-pdl,target-gate-up-split --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-round4.json"
   ;;
 deep-decode-depth)  # second call: minimax-m3:5, then the deepest model the card holds with the router side by side,
                    # each result with its top kernels (the issue's goal rows on an H200)

@@ -67,6 +67,7 @@ def test_moe_variant_routes_bind_the_cells_and_give_them_back():
     assert route_binding("target") == ("auto", None, True, None)
     assert route_binding("target-gate-up-whole") == ("auto", None, True, "gate-up-whole")
     assert route_binding("target-split-router") == ("auto", None, True, "split-router")
+    assert route_binding("target-gate-up-split") == ("auto", None, True, "gate-up-split")
     mma = [c for c in moe_nvfp4.CELLS if isinstance(c.config["moe"], MmaMoEConfig)]
     assert mma
     first = mma[0].config["moe"]
@@ -77,6 +78,10 @@ def test_moe_variant_routes_bind_the_cells_and_give_them_back():
         saved: dict = {}
         set_moe_cells("gate-up-whole", saved)
         assert all(c.config["moe"].GSPLIT == 1 for c in mma)
+        set_moe_cells("gate-up-split", saved)
+        assert all((c.config["moe"].GSPLIT, c.config["moe"].GSPLIT_SLOTS, c.config["moe"].maxnreg,
+                    c.config["moe"].down_maxnreg) == (4, 20, 64, 80) for c in mma)
+        assert all(not isinstance(c.config["moe"], MmaMoEConfig) or c in mma for c in moe_nvfp4.CELLS)
         set_moe_cells("split-router", saved)
         assert all(c.config["moe"].ROUTER_ROWS == 0 for c in moe_nvfp4.CELLS)
         assert mma[0].config["moe"].GSPLIT == 4

@@ -76,7 +76,8 @@ class MmaMoEConfig:
     down_stages: int = 2
     GSPLIT: int = 1  # gate|up K (= H) split at most this many ways ...
     GSPLIT_SLOTS: int = 0  # ... while (touched slots + shared) x split <= this (gate_up_split)
-    maxnreg: int = 0  # gate|up registers per thread capped (ptxas maxnreg; 0: as compiled): more CTAs resident
+    maxnreg: int = 0  # split gate|up launches' registers per thread capped (ptxas maxnreg; 0: as compiled): more
+    # CTAs resident. Whole-K launches keep theirs: capped at 64 they lost 5 % at 8 tokens on the H200
     down_maxnreg: int = 0  # the same for down
 
     def __post_init__(self) -> None:
@@ -367,7 +368,7 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
             x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, ws.gpart, ws.gcount, t, h, i, x.stride(0) * 2, s,
             float(swiglu_alpha), float(swiglu_limit), gs, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
             TILED=tiled, SPLITK=gs > 1, **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and gs > 1 else {}))
     if "d" in launches:
         kt = i // cfg.DSPLIT // STEP
         mma_moe_down[(h // cfg.dbn, cfg.DSPLIT)](
