@@ -71,40 +71,43 @@ def step_bytes(llm, batch: int, context: int) -> int:
     return total
 
 
+# moe.nvfp4 cell variants a side-by-side route binds (route "target-<variant>"): (MMA-step cells only, the config
+# fields replaced). gate-up-whole: gate|up over the whole of H in every CTA; gate-up-split(-r72): split 4 ways over
+# H while (touched slots + shared) x 4 <= 20 (one token), the split launches capped at 64 (72) registers a thread;
+# down-uncapped: the down launch without its register cap; split-router: the K-split router (moe_router) at decode
+# token counts too, instead of one program per expert (moe_router_rows)
+MOE_VARIANTS = {
+    "gate-up-whole": (True, {"GSPLIT": 1}),
+    "gate-up-split": (True, {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
+    "gate-up-split-r72": (True, {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
+    "down-uncapped": (True, {"down_maxnreg": 0}),
+    "split-router": (False, {"ROUTER_ROWS": 0}),
+}
+
+
 def route_binding(route: str) -> tuple[str, str | None, bool, str | None]:
     """(route mode, weight layout, fused greedy head, MoE cell variant) a route runs with. target-rows: NVFP4 / MXFP8
     weights left row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens from the
-    head's logits + argmax instead of the fused greedy head (head.bf16); target-gate-up-whole: the MoE's MMA-step
-    gate|up over the whole of H in every CTA (GSPLIT 1: off where a cell splits it, as a tuning run sets);
-    target-split-router: the MoE's K-split router (moe_router) at decode token counts too, instead of one program
-    per expert (moe_router_rows); target-gate-up-split: the MMA-step MoE with gate|up split 4 ways over H while
-    (touched slots + shared) x 4 <= 20 (one token), its split launches capped at 64 registers a thread and down
-    at 80 (the H200's best single-layer variant, bench/kernel_variants.py --moe-mma-only); every other target
-    route: the defaults."""
+    head's logits + argmax instead of the fused greedy head (head.bf16); target-<v> for v in MOE_VARIANTS: moe.nvfp4's
+    cells changed as MOE_VARIANTS[v] says; every other target route: the defaults."""
+    variant = route[len("target-"):] if route.startswith("target-") else None
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
-            route != "target-logits-head",
-            {"target-gate-up-whole": "gate-up-whole", "target-split-router": "split-router",
-             "target-gate-up-split": "gate-up-split"}.get(route))
+            route != "target-logits-head", variant if variant in MOE_VARIANTS else None)
 
 
 def set_moe_cells(variant: str | None, saved: dict) -> None:
-    """moe.nvfp4's cells as the catalog has them (variant None), with their MMA-step gate|up split off
-    ("gate-up-whole": GSPLIT 1) or on with register caps ("gate-up-split": route_binding's target-gate-up-split),
-    or with the K-split router at every token count ("split-router": ROUTER_ROWS 0):
-    the cells' configs are what routing.install binds. saved: {cell index: its config as the catalog has it},
-    filled on first use."""
+    """moe.nvfp4's cells as the catalog has them (variant None), or changed as MOE_VARIANTS[variant] says: the cells'
+    configs are what routing.install binds. saved: {cell index: its config as the catalog has it}, filled on first
+    use."""
     from dataclasses import replace
 
     from m3serve.kernels.moe import nvfp4 as moe_nvfp4
     from m3serve.kernels.moe._mma import MmaMoEConfig
+    mma_only, fields = MOE_VARIANTS[variant] if variant else (False, {})
     for n, cell in enumerate(moe_nvfp4.CELLS):
         cfg = saved.setdefault(n, cell.config["moe"])
-        if variant == "gate-up-whole" and isinstance(cfg, MmaMoEConfig):
-            cfg = replace(cfg, GSPLIT=1)
-        elif variant == "gate-up-split" and isinstance(cfg, MmaMoEConfig):
-            cfg = replace(cfg, GSPLIT=4, GSPLIT_SLOTS=20, maxnreg=64, down_maxnreg=80)
-        elif variant == "split-router":
-            cfg = replace(cfg, ROUTER_ROWS=0)
+        if fields and (isinstance(cfg, MmaMoEConfig) or not mma_only):
+            cfg = replace(cfg, **fields)
         cell.config["moe"] = cfg
 
 
@@ -287,9 +290,8 @@ def main() -> None:
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
-                         "target-gate-up-whole (the MoE's MMA-step gate|up not split over H), target-gate-up-split "
-                         "(split 4 ways at one token, register caps), target-split-router (the MoE's K-split router "
-                         "at decode token counts too)")
+                         "target-<v> for v in MOE_VARIANTS (moe.nvfp4's cells changed: gate-up-whole, gate-up-split, "
+                         "gate-up-split-r72, down-uncapped, split-router)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

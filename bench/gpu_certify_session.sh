@@ -149,15 +149,18 @@ msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVF
   phase msa-variants ${T_A:-300} python3 bench/kernel_variants.py --only msa --iters 30 --out-dir "$OUT" \
     --name "kernel-variants-msa-rotated-$TAG.json"
   ;;
-deep-decode-round4)  # issue 30, fourth round: minimax-m3:5, then the deepest model the card holds, each with programmatic
-                    # dependent launch (target-pdl) and the H200's best single-layer MoE variant (target-gate-up-split:
-                    # gate|up split 4 ways at one token, register caps) beside the default, side by side on one engine
-  phase decode-m3_5 ${T_A:-110} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-pdl,target-gate-up-split --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-round4.json"
+deep-decode-round4)  # issue 30, fourth round: moe.nvfp4's GPU cells (the one-token down launch capped at 80 registers,
+                    # one wave), then minimax-m3:5 and the deepest model the card holds with the MoE variants
+                    # (gate|up split at one token, capped at 64 / 72 registers; down uncapped) and programmatic
+                    # dependent launch beside the default, side by side on one engine
+  phase pytest-moe ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
+    tests/kernels/test_gpu.py -k "moe.nvfp4"
+  r4=target,target-gate-up-split,target-gate-up-split-r72,target-down-uncapped,target-pdl
+  phase decode-m3_5 ${T_B:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes $r4 --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-round4.json"
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase decode-deep ${T_B:-450} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-pdl,target-gate-up-split --quantization nvfp4 \
-    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-round4.json"
+  phase decode-deep ${T_C:-360} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes $r4 --quantization nvfp4 --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-round4.json"
   ;;
 deep-decode-depth)  # second call: minimax-m3:5, then the deepest model the card holds with the router side by side,
                    # each result with its top kernels (the issue's goal rows on an H200)

@@ -68,6 +68,8 @@ def test_moe_variant_routes_bind_the_cells_and_give_them_back():
     assert route_binding("target-gate-up-whole") == ("auto", None, True, "gate-up-whole")
     assert route_binding("target-split-router") == ("auto", None, True, "split-router")
     assert route_binding("target-gate-up-split") == ("auto", None, True, "gate-up-split")
+    assert route_binding("target-pdl") == ("auto", None, True, None)
+    assert route_binding("target-rows") == ("auto", "rows", True, None)
     mma = [c for c in moe_nvfp4.CELLS if isinstance(c.config["moe"], MmaMoEConfig)]
     assert mma
     first = mma[0].config["moe"]
@@ -79,8 +81,11 @@ def test_moe_variant_routes_bind_the_cells_and_give_them_back():
         set_moe_cells("gate-up-whole", saved)
         assert all(c.config["moe"].GSPLIT == 1 for c in mma)
         set_moe_cells("gate-up-split", saved)
-        assert all((c.config["moe"].GSPLIT, c.config["moe"].GSPLIT_SLOTS, c.config["moe"].maxnreg,
-                    c.config["moe"].down_maxnreg) == (4, 20, 64, 80) for c in mma)
+        assert all((c.config["moe"].GSPLIT, c.config["moe"].GSPLIT_SLOTS, c.config["moe"].maxnreg)
+                   == (4, 20, 64) for c in mma)
+        set_moe_cells("down-uncapped", saved)
+        assert all(c.config["moe"].down_maxnreg == 0 and c.config["moe"].GSPLIT == saved[moe_nvfp4.CELLS.index(c)]
+                   .GSPLIT for c in mma)
         assert all(not isinstance(c.config["moe"], MmaMoEConfig) or c in mma for c in moe_nvfp4.CELLS)
         set_moe_cells("split-router", saved)
         assert all(c.config["moe"].ROUTER_ROWS == 0 for c in moe_nvfp4.CELLS)
