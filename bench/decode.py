@@ -71,44 +71,49 @@ def step_bytes(llm, batch: int, context: int) -> int:
     return total
 
 
-# moe.nvfp4 cell variants a side-by-side route binds (route "target-<variant>"): (MMA-step cells only, the config
-# fields replaced). gate-up-whole: gate|up over the whole of H in every CTA; gate-up-split(-r72): split 4 ways over
-# H while (touched slots + shared) x 4 <= 20 (one token), the split launches capped at 64 (72) registers a thread;
-# down-uncapped: the down launch without its register cap; split-router: the K-split router (moe_router) at decode
-# token counts too, instead of one program per expert (moe_router_rows)
-MOE_VARIANTS = {
-    "gate-up-whole": (True, {"GSPLIT": 1}),
-    "gate-up-split": (True, {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
-    "gate-up-split-r72": (True, {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
-    "down-uncapped": (True, {"down_maxnreg": 0}),
-    "split-router": (False, {"ROUTER_ROWS": 0}),
+# certified-cell variants a side-by-side route binds (route "target-<variant>"): (entries, config type changed or None
+# for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
+# every CTA; gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
+# launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without its register cap;
+# split-router: the K-split router (moe_router) at decode token counts too, instead of one program per expert
+# (moe_router_rows); mma-gemv-uncapped: the MXFP8 MMA GEMV (3-8 rows) without its register cap
+CELL_VARIANTS = {
+    "gate-up-whole": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 1}),
+    "gate-up-split": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
+    "gate-up-split-r72": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
+    "down-uncapped": (("moe.nvfp4",), "MmaMoEConfig", {"down_maxnreg": 0}),
+    "split-router": (("moe.nvfp4",), None, {"ROUTER_ROWS": 0}),
+    "mma-gemv-uncapped": (("linear.mxfp8", "qkv.mxfp8"), "MmaGemvConfig", {"maxnreg": 0}),
 }
 
 
 def route_binding(route: str) -> tuple[str, str | None, bool, str | None]:
-    """(route mode, weight layout, fused greedy head, MoE cell variant) a route runs with. target-rows: NVFP4 / MXFP8
+    """(route mode, weight layout, fused greedy head, cell variant) a route runs with. target-rows: NVFP4 / MXFP8
     weights left row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens from the
-    head's logits + argmax instead of the fused greedy head (head.bf16); target-<v> for v in MOE_VARIANTS: moe.nvfp4's
-    cells changed as MOE_VARIANTS[v] says; every other target route: the defaults."""
+    head's logits + argmax instead of the fused greedy head (head.bf16); target-<v> for v in CELL_VARIANTS: those
+    entries' cells changed as CELL_VARIANTS[v] says; every other target route: the defaults."""
     variant = route[len("target-"):] if route.startswith("target-") else None
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
-            route != "target-logits-head", variant if variant in MOE_VARIANTS else None)
+            route != "target-logits-head", variant if variant in CELL_VARIANTS else None)
 
 
-def set_moe_cells(variant: str | None, saved: dict) -> None:
-    """moe.nvfp4's cells as the catalog has them (variant None), or changed as MOE_VARIANTS[variant] says: the cells'
-    configs are what routing.install binds. saved: {cell index: its config as the catalog has it}, filled on first
+def set_cell_variant(variant: str | None, saved: dict) -> None:
+    """Every entry's cells CELL_VARIANTS names as the catalog has them (variant None), or changed as
+    CELL_VARIANTS[variant] says (kind None: every config that has the fields): the cells' configs are what
+    routing.install binds. saved: {(entry, cell index): its config dict as the catalog has it}, filled on first
     use."""
     from dataclasses import replace
 
-    from m3serve.kernels.moe import nvfp4 as moe_nvfp4
-    from m3serve.kernels.moe._mma import MmaMoEConfig
-    mma_only, fields = MOE_VARIANTS[variant] if variant else (False, {})
-    for n, cell in enumerate(moe_nvfp4.CELLS):
-        cfg = saved.setdefault(n, cell.config["moe"])
-        if fields and (isinstance(cfg, MmaMoEConfig) or not mma_only):
-            cfg = replace(cfg, **fields)
-        cell.config["moe"] = cfg
+    from m3serve.kernels.catalog import all_entries
+    entries = all_entries()
+    names, kind, fields = CELL_VARIANTS[variant] if variant else ((), None, {})
+    for name in sorted({n for v in CELL_VARIANTS.values() for n in v[0]}):
+        for i, cell in enumerate(entries[name].cells):
+            configs = saved.setdefault((name, i), dict(cell.config))
+            for key, cfg in configs.items():
+                if name in names and (type(cfg).__name__ == kind if kind else all(hasattr(cfg, f) for f in fields)):
+                    cfg = replace(cfg, **fields)
+                cell.config[key] = cfg
 
 
 def set_route(llm, route: str, state: dict) -> None:
@@ -119,12 +124,14 @@ def set_route(llm, route: str, state: dict) -> None:
     from m3serve.targets import routing
     want = route_binding(route)
     if state["binding"] != want:
-        set_moe_cells(want[3], state.setdefault("moe_cells", {}))
+        set_cell_variant(want[3], state.setdefault("cells", {}))
         routing.install(llm.model, want[0], weight_layout=want[1])
         if not want[2]:
             llm.model.greedy_head = None
         state["binding"], state["graphs"] = want, {}
     llm.engine.runner.target_attention = route != "off"
+    from m3serve.kernels.attention import _paged_call
+    _paged_call.SPLITS_ROUND_UP = route == "target-splits-up"   # read when a step's split plan is made
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route))
@@ -290,8 +297,9 @@ def main() -> None:
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
-                         "target-<v> for v in MOE_VARIANTS (moe.nvfp4's cells changed: gate-up-whole, gate-up-split, "
-                         "gate-up-split-r72, down-uncapped, split-router)")
+                         "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
+                         "gate-up-split-r72, down-uncapped, split-router, mma-gemv-uncapped), target-splits-up "
+                         "(attn.paged's split count rounded up, the rule before the one-wave rule)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

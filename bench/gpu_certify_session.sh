@@ -149,17 +149,19 @@ msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVF
   phase msa-variants ${T_A:-300} python3 bench/kernel_variants.py --only msa --iters 30 --out-dir "$OUT" \
     --name "kernel-variants-msa-rotated-$TAG.json"
   ;;
-deep-decode-round4)  # issue 30, fourth round: moe.nvfp4's GPU cells (the one-token down launch capped at 80 registers,
-                    # one wave), then minimax-m3:5 and the deepest model the card holds with the MoE variants
-                    # (gate|up split at one token, capped at 64 / 72 registers; down uncapped) and programmatic
-                    # dependent launch beside the default, side by side on one engine
-  phase pytest-moe ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 140 -rfE \
-    tests/kernels/test_gpu.py -k "moe.nvfp4"
-  r4=target,target-gate-up-split,target-gate-up-split-r72,target-down-uncapped,target-pdl
-  phase decode-m3_5 ${T_B:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+deep-decode-round4)  # issue 30, fourth round: the GPU cells of the changed launches (moe.nvfp4's one-token down capped at
+                    # 80 registers; the MXFP8 MMA GEMV at 3-8 rows capped at 80), then minimax-m3:5 and the deepest
+                    # model the card holds with each change undone beside the default (down-uncapped,
+                    # mma-gemv-uncapped, splits-up: attn.paged's split count rounded up as before), the gate|up
+                    # split at one token (64 / 72 registers) and programmatic dependent launch, on one engine
+  phase pytest-cells ${T_A:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE \
+    tests/kernels/test_gpu.py -k "moe.nvfp4 or (mxfp8 and r3-8) or (attn.paged and M3)"
+  r4=target,target-down-uncapped,target-mma-gemv-uncapped,target-splits-up,target-gate-up-split
+  r4=$r4,target-gate-up-split-r72,target-pdl
+  phase decode-m3_5 ${T_B:-130} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
     --routes $r4 --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-round4.json"
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase decode-deep ${T_C:-360} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+  phase decode-deep ${T_C:-280} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
     --routes $r4 --quantization nvfp4 --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-round4.json"
   ;;
 deep-decode-depth)  # second call: minimax-m3:5, then the deepest model the card holds with the router side by side,

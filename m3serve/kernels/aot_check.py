@@ -1,6 +1,7 @@
 """Compile every certified cell's kernels for sm_90 without a GPU and report resource use.
 
     python -m m3serve.kernels.aot_check [--entry NAME] [--sass-dir DIR] [--sass-stats [--e2m1 both|ptx|triton]]
+                                        [--waves ROWS]
 
 Each entry's raw call runs on 'meta' tensors of the real shapes inside capture_launches, so
 the exact compiled variants (constexprs, 16-byte divisibility, ==1 specialisation) are
@@ -155,6 +156,56 @@ def _variants_with_rows(entries: list[Entry]) -> dict[tuple, tuple]:
     return variants
 
 
+SM90_SMS = 132                  # H100 SXM and H200: the same die
+SM90_REGS, SM90_WARPS, SM90_CTAS, SM90_SMEM = 65536, 64, 32, 228 * 1024
+
+
+def ctas_per_sm(regs: int, warps: int, smem: int) -> int:
+    """CTAs of one kernel resident on an sm_90 SM at once: registers are allocated per warp in units of 256 (a
+    thread's count rounded up to 8), and each CTA also takes 1 KB of shared memory the runtime reserves."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = (SM90_REGS // per_warp) // warps
+    return max(0, min(by_regs, SM90_WARPS // warps, SM90_CTAS, SM90_SMEM // (smem + 1024)))
+
+
+def waves(entries: list[Entry], rows: tuple[int, ...], arch: int = 90) -> list[str]:
+    """One row per (cell, row count in `rows` inside the cell, launch): its grid, the CTAs an SM holds (from the
+    compiled registers, warps and shared memory) and the waves the grid needs on 132 SMs. A launch of 1.0-1.5
+    waves runs a partial second wave behind a full one (the one-token MoE down at 90 registers: 768 CTAs at 5 an
+    SM); one well under 1 leaves SMs idle unless its CTAs stream enough bytes each. '<' marks a tail wave under
+    half full, 'idle' a grid under half the card."""
+    built: dict[tuple, AotResult] = {}
+    out = [f"{'entry':13s} {'kernel':22s} {'rows':>4s} {'grid':>14s} {'CTAs':>6s} {'regs':>4s} {'w':>2s} "
+           f"{'CTA/SM':>6s} {'waves':>6s}  [cell]"]
+    for e in entries:
+        for cell in e.cells:
+            for n in rows:
+                if not cell.rows[0] <= n <= cell.rows[1]:
+                    continue
+                case = e.make_case(cell, n, META, None)
+                with capture_launches() as rec:
+                    e.raw_call(*case.args, **case.kwargs)
+                for kern, grid, args, kwargs in rec:
+                    if callable(grid):
+                        continue  # a meta-dependent grid: no static CTA count
+                    key = _variant_key(kern, args, kwargs)
+                    if key not in built:
+                        built[key] = aot_compile(kern, args, kwargs, arch=arch)
+                    r = built[key]
+                    g = tuple(int(v) for v in (grid if isinstance(grid, tuple) else (grid,)))
+                    ctas = 1
+                    for v in g:
+                        ctas *= v
+                    w = kwargs.get("num_warps", 4)
+                    per_sm = ctas_per_sm(r.regs, w, r.shared)
+                    wv = ctas / (SM90_SMS * per_sm) if per_sm else float("inf")
+                    tail = wv - int(wv)
+                    flag = "<" if wv > 1 and 0 < tail < 0.5 else ("idle" if wv < 0.5 else "")
+                    out.append(f"{e.name:13s} {kern.__name__:22s} {n:4d} {str(g):>14s} {ctas:6d} {r.regs:4d} {w:2d} "
+                               f"{per_sm:6d} {wv:6.2f}{flag:>5s} [{cell.why}]")
+    return out
+
+
 def sass_stats(entries: list[Entry], modes: tuple[str, ...], arch: int = 90) -> list[str]:
     """One row per weight-streaming variant (kernels with BN/BK tiles): K-loop instructions and
     thread instructions per weight under each NVFP4 decoder mode, and the K-loop mix of the last."""
@@ -201,9 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sass-stats", action="store_true", help="K-loop instructions per weight (see module doc)")
     ap.add_argument("--e2m1", choices=("both", "ptx", "triton"), default="both",
                     help="with --sass-stats: NVFP4 decoder(s) to compile")
+    ap.add_argument("--waves", default=None, metavar="ROWS",
+                    help="comma list of row counts: each cell's launches there, their CTAs per SM and waves (see waves)")
     a = ap.parse_args(argv)
     ents = all_entries()
     chosen = [ents[n] for n in a.entry] if a.entry else list(ents.values())
+    if a.waves:
+        for line in waves(chosen, tuple(int(v) for v in a.waves.split(",")), a.arch):
+            print(line, flush=True)
+        return 0
     if a.sass_stats:
         modes = ("triton", "ptx") if a.e2m1 == "both" else (a.e2m1,)
         for line in sass_stats(chosen, modes, a.arch):

@@ -54,22 +54,31 @@ def test_top_kernels_rank_by_time_per_step_with_calls_and_mean():
     assert rows[1]["calls_per_step"] == 2.0 and rows[1]["us_per_call"] == 1.0
 
 
-def test_moe_variant_routes_bind_the_cells_and_give_them_back():
+def test_cell_variant_routes_bind_the_cells_and_give_them_back():
     """target-gate-up-whole binds moe.nvfp4's MMA-step cells with GSPLIT 1, target-split-router every cell with the
-    K-split router (ROUTER_ROWS 0); variant None gives the catalog's configs back (here a cell given a split first,
-    as a tuning run would)."""
+    K-split router (ROUTER_ROWS 0), target-mma-gemv-uncapped the MXFP8 MMA GEMV cells of linear.mxfp8 and qkv.mxfp8
+    without their register cap (and nothing else); variant None gives the catalog's configs back (here a cell given
+    a split first, as a tuning run would)."""
     import dataclasses
 
-    from decode import route_binding, set_moe_cells
+    from decode import route_binding, set_cell_variant
 
+    from m3serve.kernels.catalog import all_entries
+    from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig
     from m3serve.kernels.moe import nvfp4 as moe_nvfp4
     from m3serve.kernels.moe._mma import MmaMoEConfig
     assert route_binding("target") == ("auto", None, True, None)
     assert route_binding("target-gate-up-whole") == ("auto", None, True, "gate-up-whole")
     assert route_binding("target-split-router") == ("auto", None, True, "split-router")
     assert route_binding("target-gate-up-split") == ("auto", None, True, "gate-up-split")
+    assert route_binding("target-mma-gemv-uncapped") == ("auto", None, True, "mma-gemv-uncapped")
     assert route_binding("target-pdl") == ("auto", None, True, None)
     assert route_binding("target-rows") == ("auto", "rows", True, None)
+    entries = all_entries()
+    gemv = [c for n in ("linear.mxfp8", "qkv.mxfp8") for c in entries[n].cells
+            if isinstance(c.config["gemm"], MmaGemvConfig)]
+    assert gemv and all(c.config["gemm"].maxnreg == 80 for c in gemv)
+    nvfp4_gemv = [c.config["gemm"] for c in entries["linear.nvfp4"].cells]
     mma = [c for c in moe_nvfp4.CELLS if isinstance(c.config["moe"], MmaMoEConfig)]
     assert mma
     first = mma[0].config["moe"]
@@ -78,19 +87,24 @@ def test_moe_variant_routes_bind_the_cells_and_give_them_back():
         before = [c.config["moe"] for c in moe_nvfp4.CELLS]
         assert any(c.ROUTER_ROWS > 0 for c in before)
         saved: dict = {}
-        set_moe_cells("gate-up-whole", saved)
+        set_cell_variant("gate-up-whole", saved)
         assert all(c.config["moe"].GSPLIT == 1 for c in mma)
-        set_moe_cells("gate-up-split", saved)
+        set_cell_variant("gate-up-split", saved)
         assert all((c.config["moe"].GSPLIT, c.config["moe"].GSPLIT_SLOTS, c.config["moe"].maxnreg)
                    == (4, 20, 64) for c in mma)
-        set_moe_cells("down-uncapped", saved)
-        assert all(c.config["moe"].down_maxnreg == 0 and c.config["moe"].GSPLIT == saved[moe_nvfp4.CELLS.index(c)]
-                   .GSPLIT for c in mma)
+        set_cell_variant("down-uncapped", saved)
+        assert all(c.config["moe"].down_maxnreg == 0 and c.config["moe"].GSPLIT ==
+                   saved[("moe.nvfp4", moe_nvfp4.CELLS.index(c))]["moe"].GSPLIT for c in mma)
         assert all(not isinstance(c.config["moe"], MmaMoEConfig) or c in mma for c in moe_nvfp4.CELLS)
-        set_moe_cells("split-router", saved)
+        set_cell_variant("split-router", saved)
         assert all(c.config["moe"].ROUTER_ROWS == 0 for c in moe_nvfp4.CELLS)
         assert mma[0].config["moe"].GSPLIT == 4
-        set_moe_cells(None, saved)
+        set_cell_variant("mma-gemv-uncapped", saved)
+        assert all(c.config["gemm"].maxnreg == 0 for c in gemv)
         assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
+        assert [c.config["gemm"] for c in entries["linear.nvfp4"].cells] == nvfp4_gemv
+        set_cell_variant(None, saved)
+        assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
+        assert all(c.config["gemm"].maxnreg == 80 for c in gemv)
     finally:
         mma[0].config["moe"] = first

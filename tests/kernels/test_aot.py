@@ -150,3 +150,32 @@ def test_prefill_sparse_cells_compile_for_sm90_without_spills(i: int) -> None:
     assert results
     for _, _, r in results:
         assert r.regs > 0 and r.stack == 0 and r.local == 0, f"{r.name}: {r.regs} regs, {r.stack} B stack"
+
+
+def test_ctas_per_sm_follows_the_sm90_limits() -> None:
+    """Registers go per warp in units of 256 (a thread's count rounded up to 8): 90 registers x 4 warps hold 5 CTAs
+    an SM, 80 hold 6 (the MoE down launch's cap), 255 hold 2 (attn.paged's split); warps, the CTA limit and
+    shared memory (plus the 1 KB each CTA reserves) bound it too."""
+    assert aot_check.ctas_per_sm(90, 4, 1024) == 5
+    assert aot_check.ctas_per_sm(80, 4, 1024) == 6
+    assert aot_check.ctas_per_sm(255, 4, 0) == 2
+    assert aot_check.ctas_per_sm(16, 1, 0) == 32              # the CTA limit
+    assert aot_check.ctas_per_sm(32, 8, 0) == 8               # 64 warps an SM
+    assert aot_check.ctas_per_sm(32, 4, 100 * 1024) == 2      # shared memory
+    assert aot_check.ctas_per_sm(200, 8, 0) == 1
+
+
+def test_waves_reports_the_moe_down_launch_in_one_wave() -> None:
+    """The one-token MMA-step MoE cell's down launch: 96 x 8 CTAs at <= 80 registers, 6 an SM, under one wave."""
+    e = ENTRIES["moe.nvfp4"]
+    cell = next(c for c in e.cells if c.rows[0] == 1 and c.shape[2] == 3072 and c.shape[3] == 0)
+    import dataclasses
+    import re
+
+    lines = aot_check.waves([dataclasses.replace(e, cells=(cell,))], (1,))
+    down = [ln for ln in lines if " mma_moe_down " in ln]
+    assert len(down) == 1, lines
+    m = re.search(r"\(96, 8\)\s+(\d+)\s+(\d+)\s+4\s+(\d+)\s+([\d.]+)", down[0])
+    assert m, down[0]
+    ctas, regs, per_sm, waves = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+    assert (ctas, per_sm) == (768, 6) and regs <= 80 and waves < 1.0, down[0]

@@ -42,6 +42,7 @@ FMT_NAMES = {v: k for k, v in FMT_CODES.items()}
 _CONTAINER = {"nvfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 N_SM = 132  # H200 multiprocessors
 MAX_SPLITS = 64  # caps the fp32 partial traffic (Hq*D*4 bytes written + read per split and row)
+SPLITS_ROUND_UP = False  # choose_num_splits' rule before the one-wave rule (bench/decode.py route target-splits-up)
 COMBINE_SP = triton.next_power_of_2(MAX_SPLITS)   # the combine's (m, l) vector: one variant for every split count
 MMA_ROWS = 64  # a multi-token block stacks up to this many (query token, head) rows
 
@@ -73,17 +74,20 @@ def make_workspace(max_rows: int, hq: int, d: int, num_splits: int, device: torc
 
 def choose_num_splits(batch: int, max_blocks: int, sms: int = N_SM, kv_heads: int = 1,
                       min_blocks_per_split: int = 2) -> int:
-    """Splits per (query row, KV head) for a call site: enough programs for >= 2 per SM
-    (batch * kv_heads * splits >= 2 * sms), at least min_blocks_per_split key blocks per split
-    (2 for dense attention; 1 suits MSA, whose top-k blocks are few), at most MAX_SPLITS.
+    """Splits per (query row, KV head) for a call site: as many programs as 2 per SM without going over
+    (batch * kv_heads * splits <= 2 * sms while batch * kv_heads <= 2 * sms), at least min_blocks_per_split key
+    blocks per split (2 for dense attention; 1 suits MSA, whose top-k blocks are few), at most MAX_SPLITS.
     batch = query rows of the step; max_blocks = the key blocks one row may visit (B of the slot
     table for dense attention, topk for MSA). Measured on the H200 (bench/paged_attention.py):
-    more splits than this only add fp32 partial traffic (each split writes T x Hq x D)."""
+    more splits than this only add fp32 partial traffic (each split writes T x Hq x D). Why not over: the
+    M3 split launches hold 2 CTAs an SM (168-255 registers a thread, python -m m3serve.kernels.aot_check
+    --entry attn.paged --waves 1,8), so rounding the split count up (8 MSA rows: 9 splits, 288 CTAs) ran a
+    second wave of 24 CTAs behind the first."""
     for name, v in (("batch", batch), ("max_blocks", max_blocks), ("sms", sms), ("kv_heads", kv_heads),
                     ("min_blocks_per_split", min_blocks_per_split)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected a positive int, found {v!r}")
-    want = -(-2 * sms // (batch * kv_heads))
+    want = -(-2 * sms // (batch * kv_heads)) if SPLITS_ROUND_UP else 2 * sms // (batch * kv_heads)
     return max(1, min(want, max_blocks // min_blocks_per_split, MAX_SPLITS))
 
 

@@ -80,7 +80,7 @@ def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[
     """Per shape: GEMV cells (m3serve.kernels.gemm._gemv) for the decode row ranges `gemv_rows`, an MMA GEMV cell
     (m3serve.kernels.gemm._mma_gemv) for `mma_rows`, tensor-core cells for the rest of 1-48. `gemv`: BN, BK,
     num_warps, programs, PREFETCH, num_stages; `mma`: RP, num_warps, STAGES, ctas and optionally min_k (shapes
-    with fewer columns keep the tensor-core cells at those rows) — the families chosen
+    with fewer columns keep the tensor-core cells at those rows) and maxnreg (registers per thread capped) — the families chosen
     from the H200 measurements (bench/results/gemv_variants-*.json)."""
     cells = []
     for (n, k), why in shapes:
@@ -97,7 +97,7 @@ def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[
             mbn = 16 * mma["RP"] * mma["num_warps"]
             if n % mbn == 0 and k % 256 == 0 and k >= mma.get("min_k", 0):
                 cfg = MmaGemvConfig(SPLIT=mma_split(n, k, mbn, mma["ctas"]), RP=mma["RP"], num_warps=mma["num_warps"],
-                                    STAGES=mma["STAGES"])
+                                    STAGES=mma["STAGES"], maxnreg=mma.get("maxnreg", 0))
                 lo, hi = mma_rows
                 cells.append(Cell(rows=(lo, hi), shape=(n, k), why=f"MMA GEMV: {why}; rows {lo}-{hi}",
                                   config={"gemm": cfg}))

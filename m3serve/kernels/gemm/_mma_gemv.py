@@ -62,6 +62,7 @@ class MmaGemvConfig:
     STAGES: int = 2  # steps of weights per thread in the register ring: STAGES - 1 in flight while one decodes
     BM: int = MMA_ROWS
     BK: int = STEP
+    maxnreg: int = 0  # registers per thread capped (ptxas maxnreg; 0: as compiled), so that more CTAs are resident
 
     def __post_init__(self) -> None:
         if self.RP not in RPS:
@@ -74,6 +75,8 @@ class MmaGemvConfig:
             raise ValueError(f"MmaGemvConfig.STAGES: expected 2 or 3, found {self.STAGES}")
         if self.BM != MMA_ROWS or self.BK != STEP:
             raise ValueError(f"MmaGemvConfig: BM and BK are fixed at {MMA_ROWS} and {STEP}, found {self.BM}, {self.BK}")
+        if self.maxnreg and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"MmaGemvConfig.maxnreg: expected 0 or 24..255, found {self.maxnreg}")
 
     @property
     def BN(self) -> int:
@@ -238,7 +241,7 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
         s.stride(0) * s.element_size(), alpha_stride, cfg.SPLIT, FMT=fmt, ALPHA=alpha_mode, SPLITK=cfg.SPLIT > 1,
         RP=cfg.RP, NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, TILED=tiled,
         **asm_args(fmt, cfg.RP, alpha_mode, cfg.SPLIT > 1, tiled),
-        num_warps=cfg.num_warps, num_stages=1,
+        num_warps=cfg.num_warps, num_stages=1, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out
 

@@ -132,10 +132,12 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 # rows the tensor-core cell wins (H200, bench/results/gemv_variants/gemv_variants-h200-2026-11-30.json).
 # Rows 3-8 with K >= 4096: the register-operand MMA GEMV, 1.02-1.5x the tensor-core cells at 4 / 8 rows; at
 # K = 3072 it measured 0.88-0.92x, so those shapes keep the tensor-core cells (gemv_variants-h200-mma-2026-12-01.json,
-# family r1w4s2c1056).
+# family r1w4s2c1056), capped at 80 registers a thread: compiled as is the MXFP8 step takes 85 (5 CTAs of 4 warps an
+# SM), so the 768 CTAs of o_proj and the dense MLP shapes ran 1.16 waves; at 80 (no spill; 72 spills) 6 fit and
+# they run in one (python -m m3serve.kernels.aot_check --entry linear.mxfp8 --waves 8).
 GEMV_FAMILY = {"BN": 32, "BK": 256, "num_warps": 4, "programs": 528, "PREFETCH": False, "num_stages": 3}
 GEMV_ROWS = ((1, 1), (2, 2))
-MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "ctas": 1056, "min_k": 4096}
+MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "ctas": 1056, "min_k": 4096, "maxnreg": 80}
 MMA_ROWS = (3, 8)
 CELLS = L.decode_linear_cells(WEIGHT_BYTES, GEMV_FAMILY, GEMV_ROWS, mma=MMA_FAMILY, mma_rows=MMA_ROWS)
 INTERP_CELLS = L.interp_cells(((128, 256),), mma=True)

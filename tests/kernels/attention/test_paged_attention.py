@@ -259,8 +259,9 @@ def test_compare_rejects_unwritten_and_shifted_outputs() -> None:
 
 def test_choose_num_splits() -> None:
     assert PA.choose_num_splits(1, 256, kv_heads=4) == 64  # 32k context, batch 1: 256 programs
-    assert PA.choose_num_splits(16, 32, kv_heads=4) == 5  # 4k, batch 16: 320 programs
-    assert PA.choose_num_splits(64, 32, kv_heads=4) == 2
+    assert PA.choose_num_splits(16, 32, kv_heads=4) == 4  # 4k, batch 16: 256 programs (2 a SM: one wave)
+    assert PA.choose_num_splits(64, 32, kv_heads=4) == 1
+    assert PA.choose_num_splits(8, 32, kv_heads=4, min_blocks_per_split=1) == 8  # MSA at 8 rows: 256, not 288
     assert PA.choose_num_splits(1, 1, kv_heads=4) == 1  # one block: nothing to split
     assert PA.choose_num_splits(512, 1000, kv_heads=4) == 1
     with pytest.raises(ValueError, match=r"batch: expected a positive int, found 0"):
