@@ -76,7 +76,9 @@ def step_bytes(llm, batch: int, context: int) -> int:
 # every CTA; gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
 # launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without its register cap;
 # split-router: the K-split router (moe_router) at decode token counts too, instead of one program per expert
-# (moe_router_rows); mma-gemv-uncapped: the MXFP8 MMA GEMV (3-8 rows) without its register cap
+# (moe_router_rows); mma-gemv-uncapped: the MXFP8 MMA GEMV (3-8 rows) without its register cap; gemv-split2x: the
+# MXFP8 CUDA-core GEMV (1-2 rows) split over K twice as many ways where each split keeps >= 2 K steps (fields may
+# be a function of the config and the cell's shape)
 CELL_VARIANTS = {
     "gate-up-whole": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 1}),
     "gate-up-split": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
@@ -84,6 +86,8 @@ CELL_VARIANTS = {
     "down-uncapped": (("moe.nvfp4",), "MmaMoEConfig", {"down_maxnreg": 0}),
     "split-router": (("moe.nvfp4",), None, {"ROUTER_ROWS": 0}),
     "mma-gemv-uncapped": (("linear.mxfp8", "qkv.mxfp8"), "MmaGemvConfig", {"maxnreg": 0}),
+    "gemv-split2x": (("linear.mxfp8", "qkv.mxfp8"), "GemvConfig",
+                     lambda c, shape: {"SPLIT": 2 * c.SPLIT} if shape[1] % (c.BK * c.SPLIT * 4) == 0 else {}),
 }
 
 
@@ -112,7 +116,7 @@ def set_cell_variant(variant: str | None, saved: dict) -> None:
             configs = saved.setdefault((name, i), dict(cell.config))
             for key, cfg in configs.items():
                 if name in names and (type(cfg).__name__ == kind if kind else all(hasattr(cfg, f) for f in fields)):
-                    cfg = replace(cfg, **fields)
+                    cfg = replace(cfg, **(fields(cfg, cell.shape) if callable(fields) else fields))
                 cell.config[key] = cfg
 
 
@@ -298,7 +302,7 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
-                         "gate-up-split-r72, down-uncapped, split-router, mma-gemv-uncapped), target-splits-up "
+                         "gate-up-split-r72, down-uncapped, split-router, mma-gemv-uncapped, gemv-split2x), target-splits-up "
                          "(attn.paged's split count rounded up, the rule before the one-wave rule)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)

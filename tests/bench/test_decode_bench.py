@@ -103,8 +103,16 @@ def test_cell_variant_routes_bind_the_cells_and_give_them_back():
         assert all(c.config["gemm"].maxnreg == 0 for c in gemv)
         assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
         assert [c.config["gemm"] for c in entries["linear.nvfp4"].cells] == nvfp4_gemv
+        row1 = [c for n in ("linear.mxfp8", "qkv.mxfp8") for c in entries[n].cells
+                if type(c.config["gemm"]).__name__ == "GemvConfig"]
+        splits = [c.config["gemm"].SPLIT for c in row1]
+        set_cell_variant("gemv-split2x", saved)
+        assert row1 and [c.config["gemm"].SPLIT for c in row1] == [
+            2 * v if c.shape[1] % (c.config["gemm"].BK * v * 4) == 0 else v for c, v in zip(row1, splits)]
+        assert any(c.config["gemm"].SPLIT == 2 * v for c, v in zip(row1, splits))
         set_cell_variant(None, saved)
         assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
         assert all(c.config["gemm"].maxnreg == 80 for c in gemv)
+        assert [c.config["gemm"].SPLIT for c in row1] == splits
     finally:
         mma[0].config["moe"] = first
