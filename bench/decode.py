@@ -75,6 +75,7 @@ def step_bytes(llm, batch: int, context: int) -> int:
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
 # every CTA; gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
 # launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without its register cap;
+# gate-up-stages3: gate|up's register ring two steps deep (80 registers, 6 CTAs an SM);
 # split-router: the K-split router (moe_router) at decode token counts too, instead of one program per expert
 # (moe_router_rows); mma-gemv-uncapped: the MXFP8 MMA GEMV (3-8 rows) without its register cap; gemv-split2x: the
 # MXFP8 CUDA-core GEMV (1-2 rows) split over K twice as many ways where each split keeps >= 2 K steps (fields may
@@ -84,6 +85,7 @@ CELL_VARIANTS = {
     "gate-up-split": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
     "gate-up-split-r72": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
     "down-uncapped": (("moe.nvfp4",), "MmaMoEConfig", {"down_maxnreg": 0}),
+    "gate-up-stages3": (("moe.nvfp4",), "MmaMoEConfig", {"STAGES": 3}),
     "split-router": (("moe.nvfp4",), None, {"ROUTER_ROWS": 0}),
     "mma-gemv-uncapped": (("linear.mxfp8", "qkv.mxfp8"), "MmaGemvConfig", {"maxnreg": 0}),
     "gemv-split2x": (("linear.mxfp8", "qkv.mxfp8"), "GemvConfig",
@@ -302,7 +304,8 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
-                         "gate-up-split-r72, down-uncapped, split-router, mma-gemv-uncapped, gemv-split2x), target-splits-up "
+                         "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, gemv-split2x), "
+                         "target-splits-up "
                          "(attn.paged's split count rounded up, the rule before the one-wave rule)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
