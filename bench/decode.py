@@ -304,9 +304,9 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
-                         "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, gemv-split2x), "
-                         "target-splits-up "
-                         "(attn.paged's split count rounded up, the rule before the one-wave rule)")
+                         "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, "
+                         "gemv-split2x), target-splits-up (attn.paged's split count rounded up, the rule before the "
+                         "one-wave rule)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
