@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from m3serve import LLM, SamplingParams  # noqa: E402
 from m3serve.benchmeta import run_metadata  # noqa: E402
+from m3serve.kernels.gemm._gemv import gemv_split  # noqa: E402
 
 
 def copy_bandwidth(device, nbytes=2 << 30) -> float:
@@ -91,6 +92,11 @@ CELL_VARIANTS = {
     "gemv-split2x": (("linear.mxfp8", "qkv.mxfp8"), "GemvConfig",
                      lambda c, shape: {"SPLIT": 2 * c.SPLIT} if shape[1] % (c.BK * c.SPLIT * 4) == 0 else {}),
 }
+# the decode cells as issue 30's third round left them (with route target-round3 also attn.paged's split count
+# rounded up): the one-token MoE down and the MXFP8 MMA GEMV uncapped, the MXFP8 GEMV split toward 528 programs
+CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-gemv-uncapped"],
+                           (("linear.mxfp8", "qkv.mxfp8"), "GemvConfig",
+                            lambda c, shape: {"SPLIT": gemv_split(shape[0], shape[1], c.BN, c.BK, 528)})]
 
 
 def route_binding(route: str) -> tuple[str, str | None, bool, str | None]:
@@ -105,20 +111,24 @@ def route_binding(route: str) -> tuple[str, str | None, bool, str | None]:
 
 def set_cell_variant(variant: str | None, saved: dict) -> None:
     """Every entry's cells CELL_VARIANTS names as the catalog has them (variant None), or changed as
-    CELL_VARIANTS[variant] says (kind None: every config that has the fields): the cells' configs are what
-    routing.install binds. saved: {(entry, cell index): its config dict as the catalog has it}, filled on first
-    use."""
+    CELL_VARIANTS[variant] says (a change or a list of them; kind None: every config that has the fields): the
+    cells' configs are what routing.install binds. saved: {(entry, cell index): its config dict as the catalog has
+    it}, filled on first use."""
     from dataclasses import replace
 
     from m3serve.kernels.catalog import all_entries
     entries = all_entries()
-    names, kind, fields = CELL_VARIANTS[variant] if variant else ((), None, {})
-    for name in sorted({n for v in CELL_VARIANTS.values() for n in v[0]}):
+    changes = CELL_VARIANTS[variant] if variant else []
+    changes = changes if isinstance(changes, list) else [changes]
+    every = {n for v in CELL_VARIANTS.values() for ch in (v if isinstance(v, list) else [v]) for n in ch[0]}
+    for name in sorted(every):
         for i, cell in enumerate(entries[name].cells):
             configs = saved.setdefault((name, i), dict(cell.config))
             for key, cfg in configs.items():
-                if name in names and (type(cfg).__name__ == kind if kind else all(hasattr(cfg, f) for f in fields)):
-                    cfg = replace(cfg, **(fields(cfg, cell.shape) if callable(fields) else fields))
+                for names, kind, fields in changes:
+                    if name in names and (type(cfg).__name__ == kind if kind else
+                                          all(hasattr(cfg, f) for f in fields)):
+                        cfg = replace(cfg, **(fields(cfg, cell.shape) if callable(fields) else fields))
                 cell.config[key] = cfg
 
 
@@ -137,7 +147,7 @@ def set_route(llm, route: str, state: dict) -> None:
         state["binding"], state["graphs"] = want, {}
     llm.engine.runner.target_attention = route != "off"
     from m3serve.kernels.attention import _paged_call
-    _paged_call.SPLITS_ROUND_UP = route == "target-splits-up"   # read when a step's split plan is made
+    _paged_call.SPLITS_ROUND_UP = route in ("target-splits-up", "target-round3")  # read when a step's split plan is made
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route))
@@ -305,8 +315,8 @@ def main() -> None:
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, "
-                         "gemv-split2x), target-splits-up (attn.paged's split count rounded up, the rule before the "
-                         "one-wave rule)")
+                         "gemv-split2x, round3: all of this round's cell changes undone), target-splits-up (attn.paged's "
+                         "split count rounded up, the rule before the one-wave rule)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

@@ -110,9 +110,15 @@ def test_cell_variant_routes_bind_the_cells_and_give_them_back():
         assert row1 and [c.config["gemm"].SPLIT for c in row1] == [
             2 * v if c.shape[1] % (c.config["gemm"].BK * v * 4) == 0 else v for c, v in zip(row1, splits)]
         assert any(c.config["gemm"].SPLIT == 2 * v for c, v in zip(row1, splits))
+        set_cell_variant("round3", saved)   # every change of the round undone at once
+        assert all(c.config["gemm"].maxnreg == 0 for c in gemv)
+        assert all(c.config["moe"].down_maxnreg == 0 for c in mma)
+        qkv1 = next(c for c in row1 if c.shape == (9856, 6144) and c.rows == (1, 1))
+        assert qkv1.config["gemm"].SPLIT == 1   # 308 tiles: 528 programs hold no split, 1056 hold 2
         set_cell_variant(None, saved)
         assert [c.config["moe"] for c in moe_nvfp4.CELLS] == before
         assert all(c.config["gemm"].maxnreg == 80 for c in gemv)
         assert [c.config["gemm"].SPLIT for c in row1] == splits
+        assert qkv1.config["gemm"].SPLIT == 2
     finally:
         mma[0].config["moe"] = first

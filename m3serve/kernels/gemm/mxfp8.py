@@ -134,8 +134,11 @@ def make_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator 
 # K = 3072 it measured 0.88-0.92x, so those shapes keep the tensor-core cells (gemv_variants-h200-mma-2026-12-01.json,
 # family r1w4s2c1056), capped at 80 registers a thread: compiled as is the MXFP8 step takes 85 (5 CTAs of 4 warps an
 # SM), so the 768 CTAs of o_proj and the dense MLP shapes ran 1.16 waves; at 80 (no spill; 72 spills) 6 fit and
-# they run in one (python -m m3serve.kernels.aot_check --entry linear.mxfp8 --waves 8).
-GEMV_FAMILY = {"BN": 32, "BK": 256, "num_warps": 4, "programs": 528, "PREFETCH": False, "num_stages": 3}
+# they run in one (python -m m3serve.kernels.aot_check --entry linear.mxfp8 --waves 8). The rows-1-2 GEMV splits K
+# toward 1056 programs (8 an SM; it holds 9 at 56 registers), from 528: the fused q|k|v|index projection 2 ways and
+# o_proj 4, twice as many loads in flight; in minimax-m3:12's decode step 26.5 against 29.2 us a launch at one row
+# (H100, decode/decode-target-h100-m3_12-gemv-split-stages.json, route target-gemv-split2x).
+GEMV_FAMILY = {"BN": 32, "BK": 256, "num_warps": 4, "programs": 1056, "PREFETCH": False, "num_stages": 3}
 GEMV_ROWS = ((1, 1), (2, 2))
 MMA_FAMILY = {"RP": 1, "num_warps": 4, "STAGES": 2, "ctas": 1056, "min_k": 4096, "maxnreg": 80}
 MMA_ROWS = (3, 8)
