@@ -36,6 +36,7 @@ ENTRY_MODULES = (
     "m3serve.kernels.gemm.nvfp4",
     "m3serve.kernels.gemm.mxfp8",
     "m3serve.kernels.gemm.fp8",
+    "m3serve.kernels.gemm.bf16",
     "m3serve.kernels.gemm.tiled",
     "m3serve.kernels.gemm.qkv_fused",
     "m3serve.kernels.norm.add_rms",

@@ -31,6 +31,8 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "linear.nvfp4": (((1, 48), "linear.nvfp4"), ((49, 16384), "linear.nvfp4.tiled")),
     "linear.mxfp8": (((1, 48), "linear.mxfp8"), ((49, 16384), "linear.mxfp8.tiled")),
     "linear.fp8": (((1, 48), "linear.fp8"), ((49, 16384), "linear.fp8.tiled")),
+    # the dense index-q|index-k group beside a quantized q|k|v at decode rows (cuBLAS above)
+    "linear.bf16": (((1, 4), "linear.bf16"),),
     "qkv.nvfp4": (((1, 48), "qkv.nvfp4"),),
     "qkv.mxfp8": (((1, 48), "qkv.mxfp8"),),
     "qkv.fp8": (((1, 48), "qkv.fp8"),),

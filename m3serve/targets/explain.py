@@ -114,7 +114,10 @@ def plan_placements(plan: KernelPlan, bucket: int) -> list[Placement]:
                 out.append(placed)
                 fused.update((f"{mp.name}.{part}", placed.module) for part in PROJECTIONS[:3 if mp.note else 5])
                 if mp.note:                                              # the dense index parts beside it
-                    index = Placement(f"{mp.name}.index_qk", bucket, "torch:fused-GEMM", mp.note)
+                    bf16 = routes.get("index")
+                    index = (_route_placement(f"{mp.name}.index_qk", bucket, bf16)
+                             if bf16 is not None and bf16.serves(bucket)
+                             else Placement(f"{mp.name}.index_qk", bucket, "torch:fused-GEMM", mp.note))
                     out.append(index)
                     fused.update((f"{mp.name}.{part}", index.module) for part in PROJECTIONS[3:])
         elif mp.role in ("linear", "linear.torch"):

@@ -7,7 +7,9 @@ quantized). Each group's weights are concatenated along N once, on the first rou
 tensors become row views of its group's concatenation: the stock path reads the same bytes, nothing is stored twice.
 
     dense (bf16)        one torch GEMM over the group's [N_group, H] weight (cuBLAS, as the stock path's F.linear:
-                        every output is the same dot product; only the GEMM's blocking may differ)
+                        every output is the same dot product; only the GEMM's blocking may differ); the index group
+                        beside a quantized q|k|v at the rows linear.bf16 certifies (1-4): that entry's one GEMV
+                        launch instead of cuBLAS's split-K GEMM and reduce
     nvfp4/mxfp8/fp8     the catalog's qkv.{fmt} entry (one weight-streaming launch, per-row part scales)
 
 Shape legend: T tokens, H hidden, N_total = Hq*D + 2*Hk*D (+ Hk*Di + Di on MSA layers).
@@ -102,10 +104,11 @@ def _layout(g: FusedGroup) -> str | None:
     return layouts.pop() if len(layouts) == 1 else None
 
 
-def project(attn, x: torch.Tensor, qkv=None) -> tuple[torch.Tensor, ...] | None:
+def project(attn, x: torch.Tensor, qkv=None, index=None) -> tuple[torch.Tensor, ...] | None:
     """x [T, H] bf16 -> the parts' outputs (views of one [T, N_group] buffer per group), or None when no fused
     projection serves this layer and row count (the caller then runs the parts one by one). qkv: the layer's
-    bound qkv.{fmt} row table (routing.RowTable: rows -> launch or None), needed by a quantized group."""
+    bound qkv.{fmt} row table (routing.RowTable: rows -> launch or None), needed by a quantized group; index: its
+    linear.bf16 row table for the dense group beside it (rows it does not serve take cuBLAS)."""
     store = attn.__dict__.setdefault("_routed_workspaces", {})   # made once per layer, refreshed when replaced
     fp = store.get("fused_projection", False)
     if fp is False or (fp is not None and not _still_views(attn, fp)):   # first call, or weights replaced since
@@ -119,7 +122,7 @@ def project(attn, x: torch.Tensor, qkv=None) -> tuple[torch.Tensor, ...] | None:
         if g.fmt == "dense":
             if g.tensors[0].dtype != x.dtype:
                 return None
-            plans.append((g, None, None))
+            plans.append((g, index(t) if index is not None and len(fp.groups) > 1 else None, None))
             continue
         # Both routes are catalog entries (the parts' own linear.{fmt} kernels enforce require mode), so rows without
         # a certified fused cell take the per-part route rather than raising here (the plan's qkv route is never
@@ -133,6 +136,13 @@ def project(attn, x: torch.Tensor, qkv=None) -> tuple[torch.Tensor, ...] | None:
     for g, launch, layout in plans:
         if launch is None:
             out = torch.mm(x, g.tensors[0].t())
+        elif g.fmt == "dense":   # linear.bf16
+            ws = launch.workspace
+            n = sum(g.splits)
+            if ws is None:
+                ws = launch.workspace = make_workspace(launch.config, n, x.device)
+            out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
+            launch.run(x.contiguous(), g.tensors[0], out, ws, launch.config)
         else:
             cfg = launch.config
             ws = launch.workspace

@@ -41,7 +41,7 @@ GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
 
 # the cell config a launch of each kind takes (the others take none)
 CONFIG_KEY = {**{f"linear.{f}": "gemm" for f in QUANT_FORMATS}, **{f"qkv.{f}": "gemm" for f in QUANT_FORMATS},
-              "moe.nvfp4": "moe", "moe.grouped": "moe", "head.bf16": "head"}
+              "linear.bf16": "gemm", "moe.nvfp4": "moe", "moe.grouped": "moe", "head.bf16": "head"}
 
 Key = tuple[str, tuple[int, ...]]
 
@@ -102,6 +102,15 @@ def qkv_key(attn: Attention) -> Key | None:
     for group in projection_groups(attn) or []:
         if group[0].fmt in QUANT_FORMATS:
             return f"qkv.{group[0].fmt}", (sum(p.out_features for p in group), group[0].in_features)
+    return None
+
+
+def index_key(attn: Attention) -> Key | None:
+    """The dense index-q|index-k group beside a quantized q|k|v (projection_groups) as one BF16 GEMV: linear.bf16
+    over (N_group, H); None without such a group."""
+    groups = projection_groups(attn) or []
+    if len(groups) == 2 and groups[1][0].fmt == "dense":
+        return "linear.bf16", (sum(p.out_features for p in groups[1]), groups[1][0].in_features)
     return None
 
 
@@ -295,15 +304,19 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
             qkv = route(qkv_key(mod), strict=False)
             if qkv is not None:
                 routes["qkv"] = qkv
+            index = route(index_key(mod), strict=False) if qkv is not None else None
+            if index is not None:
+                routes["index"] = index
             note = ""
             if projection_format(mod) == "dense":   # one cuBLAS GEMM: no catalog entry, no rows to plan
                 parts = projection_parts(mod)
                 note = (f"q|k|v{'|index-q|index-k' if mod.sparse else ''} as one cuBLAS GEMM "
                         f"({sum(p.out_features for p in parts)} x {parts[0].in_features})")
             elif qkv is not None and len(projection_groups(mod)) > 1:
-                index = projection_groups(mod)[1]
-                note = (f"index-q|index-k as one cuBLAS GEMM ({sum(p.out_features for p in index)} x "
-                        f"{index[0].in_features}) beside the {qkv.kind} of q|k|v")
+                dense = projection_groups(mod)[1]
+                note = (f"index-q|index-k as one GEMM ({sum(p.out_features for p in dense)} x "
+                        f"{dense[0].in_features}: linear.bf16 where its rows are certified, else cuBLAS) beside the "
+                        f"{qkv.kind} of q|k|v")
             out.append(ModulePlan(name, "attention", routes, note))
         elif isinstance(mod, DenseMLP):
             out.append(ModulePlan(name, "mlp", {"act": route(swiglu_key(mod))}))

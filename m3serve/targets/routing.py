@@ -253,12 +253,13 @@ class LlamaNormKernel(NormKernel):
 
 class QkPrepKernel:
     """Attention.project with the q/k (and index q/k) norms and RoPE in one attn.qk_prep launch, after the
-    projections as one fused GEMM (targets.fused_projection; qkv.{fmt} when quantized) or, where none serves,
+    projections as one fused GEMM a format group (targets.fused_projection; qkv.{fmt} when quantized, linear.bf16
+    for the dense index group beside it at 1-4 rows) or, where none serves,
     through each part's own linear kernel. (attn, x [T, H], positions) -> (q, k, v, iq, ik), or None (stock)."""
-    __slots__ = ("where", "prep", "qkv", "mode", "inv_freq")
+    __slots__ = ("where", "prep", "qkv", "index", "mode", "inv_freq")
 
-    def __init__(self, where: str, prep: RowTable, qkv: RowTable | None, mode: str):
-        self.where, self.prep, self.qkv, self.mode = where, prep, qkv, mode
+    def __init__(self, where: str, prep: RowTable, qkv: RowTable | None, mode: str, index: RowTable | None = None):
+        self.where, self.prep, self.qkv, self.index, self.mode = where, prep, qkv, index, mode
         self.inv_freq = None
 
     def __call__(self, attn, x: torch.Tensor, positions: torch.Tensor):
@@ -273,7 +274,7 @@ class QkPrepKernel:
         inv_freq = self.inv_freq
         if inv_freq is None or inv_freq.device != x.device:
             inv_freq = self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, x.device)
-        fused = fused_projection.project(attn, x, self.qkv)   # one GEMM for all parts, or None: one per part
+        fused = fused_projection.project(attn, x, self.qkv, self.index)   # one GEMM a group, or None: one a part
         sparse = attn.sparse
         if fused is not None:
             q, k, v, *idx = fused
@@ -520,7 +521,7 @@ def _kernel_for(mod, mp, mode: str):
         mod.gemma_weight = (mod.weight.detach().float() - 1.0).contiguous()
         return LlamaNormKernel(mp.name, t["rms"], t["add_rms"], mode)
     if role == "attention":
-        return QkPrepKernel(mp.name, t["qk_prep"], t.get("qkv"), mode)
+        return QkPrepKernel(mp.name, t["qk_prep"], t.get("qkv"), mode, t.get("index"))
     if role == "mlp":
         return SwigluKernel(f"{mp.name} activation", t["act"], mode)
     if role == "moe.all_experts":

@@ -79,8 +79,8 @@ def test_engine_stats_report_graph_memory_without_graphs():
 
 def test_a_quantized_qkv_beside_a_dense_index_is_explained_as_two_gemms(monkeypatch):
     """A sparse layer whose q|k|v are quantized and whose indexer is dense (every quantized M3 checkpoint): where its
-    qk_prep and qkv routes serve, explain prints the qkv GEMM and the index-q|index-k GEMM, and each part as fused
-    into the one that runs it."""
+    qk_prep and qkv routes serve, explain prints the qkv GEMM and the index-q|index-k GEMM (linear.bf16 where it
+    serves, else cuBLAS), and each part as fused into the one that runs it."""
     import torch
 
     from m3serve.model.loader import load_model
@@ -90,10 +90,16 @@ def test_a_quantized_qkv_beside_a_dense_index_is_explained_as_two_gemms(monkeypa
     model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=0,
                        keep_quantized=True)
     bound = plan_mod.build_plan(model, "auto")
-    monkeypatch.setattr(plan_mod.Route, "serves", lambda self, rows: True)   # as if the tiny shapes had cells
-    lines = {p.module: p for p in plan_placements(bound, 1)}
-    assert lines["layers.1.attn.index_qk"].entry == "torch:fused-GEMM"
-    assert "index-q|index-k as one cuBLAS GEMM (96 x 128)" in lines["layers.1.attn.index_qk"].detail
+    assert bound.modules and any(m.routes.get("index") is not None for m in bound.modules)
+    # as if the tiny shapes had cells (linear.bf16's: 1-4 rows)
+    monkeypatch.setattr(plan_mod.Route, "serves", lambda self, rows: self.kind != "linear.bf16" or rows <= 4)
+    at8 = {p.module: p for p in plan_placements(bound, 8)}
+    assert at8["layers.1.attn.index_qk"].entry == "torch:fused-GEMM"
+    assert "index-q|index-k as one GEMM (96 x 128" in at8["layers.1.attn.index_qk"].detail
+    assert "linear.bf16" in at8["layers.1.attn.index_qk"].detail
+    at1 = {p.module: p for p in plan_placements(bound, 1)}
+    assert at1["layers.1.attn.index_qk"].entry != "torch:fused-GEMM"   # the linear.bf16 route's placement
+    lines = at8
     assert lines["layers.1.attn.q_proj"].detail == "runs inside layers.1.attn.qkv"
     assert lines["layers.1.attn.index_k_proj"].detail == "runs inside layers.1.attn.index_qk"
     assert "layers.0.attn.index_qk" not in lines                               # a dense-attention layer: q|k|v only

@@ -126,3 +126,54 @@ def test_quantized_qkv_and_dense_index_run_as_two_gemms():
         assert fused_projection.project(attn, x, lambda rows: None) is None   # no qkv cell: every part alone
         checked += attn.sparse
     assert checked >= 1
+
+
+def test_dense_index_group_runs_on_linear_bf16_where_its_route_serves():
+    """The index-q|index-k group beside a quantized q|k|v: at the rows its linear.bf16 row table serves, that entry's
+    GEMV (interpreted here) gives each part's own output up to summation order; where the table gives None, cuBLAS
+    (torch.mm) does, bit for bit with the concatenated weight."""
+    from m3serve.kernels.gemm import bf16
+    from m3serve.kernels.gemm._gemm_tiles import GemmConfig
+    from m3serve.kernels.gemm._gemv import GemvConfig
+    from m3serve.kernels.gemm.qkv_fused import QKV_MXFP8
+    from m3serve.targets.plan import index_key
+
+    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=6,
+                       keep_quantized=True)
+    gen = torch.Generator().manual_seed(2)
+
+    class QkvLaunch:
+        run = staticmethod(QKV_MXFP8.raw_call)
+        config = GemmConfig(BM=16, BN=64, BK=128, SPLIT=1)
+        workspace = None
+
+    calls = []
+
+    class IndexLaunch:
+        config = GemvConfig(BM=4, BN=16, BK=64, SPLIT=2)
+        workspace = None
+
+        @staticmethod
+        def run(*args, **kw):
+            calls.append(args[1].shape)
+            return bf16.bf16_linear(*args, **kw)
+
+    sparse = [a for a in _attentions(model) if a.sparse]
+    assert sparse
+    for attn in sparse:
+        parts = fused_projection.projection_parts(attn)
+        n_index = sum(p.out_features for p in parts[3:])
+        assert index_key(attn) == ("linear.bf16", (n_index, attn.cfg.hidden_size))
+        x = torch.randn(3, attn.cfg.hidden_size, generator=gen).to(torch.bfloat16)
+        want = [p(x).float() for p in parts[3:]]
+        calls.clear()
+        got = fused_projection.project(attn, x, lambda rows: QkvLaunch(), lambda rows: IndexLaunch())
+        assert calls == [(n_index, attn.cfg.hidden_size)]
+        for p, g, w in zip(parts[3:], got[3:], want):
+            assert g.shape == (3, p.out_features), p.name
+            torch.testing.assert_close(g.float(), w, rtol=2 ** -6, atol=2 ** -6 * float(w.abs().max())), p.name
+        calls.clear()
+        cublas = fused_projection.project(attn, x, lambda rows: QkvLaunch(), lambda rows: None)
+        assert calls == []
+        w_index = torch.cat([p.weight for p in parts[3:]])
+        assert torch.equal(torch.cat(cublas[3:], dim=-1), torch.mm(x, w_index.t()))

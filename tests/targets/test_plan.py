@@ -94,8 +94,8 @@ def test_explain_prints_the_bound_plan(monkeypatch):
         assert lines == {p.module: p for p in explain.plan_placements(bound, bucket)}
         for mp in bound.modules:
             for route in mp.routes.values():
-                if route.kind.startswith("qkv."):
-                    continue     # printed as `<attention>.qkv` only where the fused projection runs
+                if route.kind.startswith("qkv.") or route.kind == "linear.bf16":
+                    continue     # printed as `<attention>.qkv` / `.index_qk` only where the fused projection runs
                 name = mp.name if mp.role in ("linear", "mlp", "moe") else f"{mp.name} [{route.kind}]"
                 p, want = lines[name], route.span(bucket)
                 assert p.entry == (want.entry.name if want.cell is not None else None), name

@@ -1,9 +1,10 @@
-"""Decode GEMV for 1-4 rows: y[M, N] = x[M, K] @ W[N, K]^T on CUDA cores, W in NVFP4 or MXFP8.
+"""Decode GEMV for 1-4 rows: y[M, N] = x[M, K] @ W[N, K]^T on CUDA cores, W in NVFP4, MXFP8 or BF16.
 
 Shape legend:
     x        [M, K]            bf16 activations, M = 1..BM (BM in 1, 2, 4), unit column stride
     W        NVFP4: int32 words [N, K/8] + uint8 E4M3 scales [N, K/16];
-             MXFP8: uint8 E4M3 [N, K] + uint8 E8M0 scales [N, K/32] (see formats/_decode.py)
+             MXFP8: uint8 E4M3 [N, K] + uint8 E8M0 scales [N, K/32] (see formats/_decode.py);
+             BF16: bf16 [N, K], no scales (s is not read; GS only groups the sums)
     alpha    [N]               fp32 per-row post factor (stride alpha_stride; 0 = scalar)
     y        [M, N]            bf16
     part     [SPLIT, BM, N]    fp32 split-K partials (GemmWorkspace, as _wstream)
@@ -40,7 +41,7 @@ loop is ~6 per weight with either decoder: besides the ~3 of the decode, x's bf1
 conversion and its broadcast through shared memory cost ~2 per weight (the next thing to cut).
 
 Exactness and the contract band: decoded weights are exact in fp32; products w * x are exact
-(<= 3 + 8 significant bits; prescaled PTX weights have <= 6, still exact); the per-group sums,
+(<= 3 + 8 significant bits; prescaled PTX weights have <= 6; BF16 weights 8 + 8: all exact); the per-group sums,
 the scale multiply and the accumulation round in fp32 with a depth of at most GS + K/GS + SPLIT additions, far inside gemm_band's 2*K*u*sum|x*w|.
 The reduction order is fixed by the compiled code and the split-K partials are summed in the
 order 0..SPLIT-1 by the last-arriving program (as _wstream): results are deterministic.
@@ -54,6 +55,7 @@ import torch
 import triton.language as tl
 
 from m3serve.kernels.formats._decode import (
+    FMT_BF16,
     FMT_MXFP8,
     FMT_NVFP4,
     e2m1_pair,
@@ -137,6 +139,18 @@ def load_raw(w_ptr, s_ptr, rn, k0, K, stride_w, stride_s, FMT: tl.constexpr, BK:
              TILED: tl.constexpr):
     """Raw weight words/bytes and scale bytes of rows rn [BN], columns [k0, k0+BK) (TILED: in the MMA tile
     layout). Weights are read once per launch: evict them first so x and the partials keep the cache."""
+    if FMT == 3:  # BF16: no scales (the words stand in for them; decode_tile ignores them)
+        wr = tl.load(w_ptr + rn[:, None] * stride_w + (k0 + tl.arange(0, BK))[None, :], eviction_policy="evict_first")
+        sr = wr
+    else:
+        wr, sr = load_scaled_raw(w_ptr, s_ptr, rn, k0, K, stride_w, stride_s, FMT, BK, GS, TILED)
+    return wr, sr
+
+
+@helper
+def load_scaled_raw(w_ptr, s_ptr, rn, k0, K, stride_w, stride_s, FMT: tl.constexpr, BK: tl.constexpr,
+                    GS: tl.constexpr, TILED: tl.constexpr):
+    """load_raw of the scaled formats (NVFP4, MXFP8)."""
     G: tl.constexpr = BK // GS
     rn2 = rn[:, None]
     ks = k0 // GS + tl.arange(0, G)
@@ -165,7 +179,10 @@ def decode_tile(wr, sr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G
     NVFP4 with PTX: w is already scaled (inline-PTX decoder, exact bf16, then fp32) and s is
     unused (row_part's PRESCALED)."""
     G: tl.constexpr = BK // GS
-    if FMT == 0 and PTX:
+    if FMT == 3:  # BF16: exact in fp32, unscaled (row_part's PRESCALED)
+        w = wr.to(tl.float32).reshape(BN, G, GS)
+        s = tl.full([BN, G], 1.0, tl.float32)
+    elif FMT == 0 and PTX:
         w = nvfp4_words_scaled(wr, scale_bf16_2_118(sr, CUDA), True).reshape(BN, G, GS)
         s = tl.full([BN, G], 1.0, tl.float32)
     elif FMT == 0:
@@ -223,7 +240,7 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BK // GS
-    PRE: tl.constexpr = FMT == 0 and PTX  # NVFP4 weights come out of the PTX decoder already scaled
+    PRE: tl.constexpr = (FMT == 0 and PTX) or FMT == 3  # PTX-decoded NVFP4 comes scaled; BF16 has no scale
     rn = pid_n * BN + tl.arange(0, BN)
     k_len = K // SPLIT
     k_lo = tl.multiple_of(pid_k * k_len, BK)
@@ -288,12 +305,17 @@ def gemv_stream(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor, alpha_stride: int,
                 out: torch.Tensor, ws: GemmWorkspace, *, fmt: int, alpha_mode: int, gs: int, n: int, k: int,
                 cfg: GemvConfig, tiled: bool = False) -> torch.Tensor:
-    """Same arguments as _linear.launch_gemm (w: int32 words for NVFP4, uint8 for MXFP8; tiled: in the MMA tile
-    layout)."""
-    if fmt not in (FMT_NVFP4, FMT_MXFP8):
-        raise ValueError(f"fmt: the decode GEMV serves NVFP4 ({FMT_NVFP4}) and MXFP8 ({FMT_MXFP8}), found {fmt}")
+    """Same arguments as _linear.launch_gemm (w: int32 words for NVFP4, uint8 for MXFP8, bf16 for BF16 with s any
+    tensor, not read; tiled: in the MMA tile layout)."""
+    if fmt not in (FMT_NVFP4, FMT_MXFP8, FMT_BF16):
+        raise ValueError(f"fmt: the decode GEMV serves NVFP4 ({FMT_NVFP4}), MXFP8 ({FMT_MXFP8}) and BF16 ({FMT_BF16}), "
+                         f"found {fmt}")
     m = check_gemm_args(x, out, n, k, cfg, ws)
-    check_tiled(tiled, fmt, n, k)
+    if fmt == FMT_BF16:
+        if tiled:
+            raise ValueError("tiled: BF16 weights have no tile layout")
+    else:
+        check_tiled(tiled, fmt, n, k)
     grid = (n // cfg.BN, cfg.SPLIT)
     gemv_stream[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0), out.stride(0), w.stride(0), s.stride(0),

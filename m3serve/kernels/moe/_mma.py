@@ -78,7 +78,7 @@ class MmaMoEConfig:
     GSPLIT_SLOTS: int = 0  # ... while (touched slots + shared) x split <= this (gate_up_split)
     maxnreg: int = 0  # split gate|up launches' registers per thread capped (ptxas maxnreg; 0: as compiled): more
     # CTAs resident. Whole-K launches keep theirs: capped at 64 they lost 5 % at 8 tokens on the H200
-    down_maxnreg: int = 0  # the same for down
+    down_maxnreg: int = 0  # the same for down, on MMA tiles only (row-major weights keep 8 bytes on the stack at 80)
 
     def __post_init__(self) -> None:
         for name in ("STAGES", "down_stages"):
@@ -375,7 +375,7 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
             ws.act, w2, s2, g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart, ws.dcount, t, h, i, s,
             out.stride(0), cfg.DSPLIT, kt, SP=sp, SPLITK=cfg.DSPLIT > 1, RP=cfg.RP, NW=cfg.down_warps,
             STAGES=cfg.down_stages, TILED=tiled, **down_asm(cfg.RP, cfg.DSPLIT > 1, tiled), num_warps=cfg.down_warps,
-            num_stages=1, **({"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg else {}))
+            num_stages=1, **({"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg and tiled else {}))
 
 
 def dpart_numel(cfg: MmaMoEConfig, h: int) -> int:
