@@ -93,8 +93,7 @@ CELL_VARIANTS = {
                      lambda c, shape: {"SPLIT": 2 * c.SPLIT} if shape[1] % (c.BK * c.SPLIT * 4) == 0 else {}),
 }
 # the decode cells as issue 30's third round left them (with route target-round3 also attn.paged's split count
-# rounded up and the index projections through cuBLAS): the one-token MoE down and the MXFP8 MMA GEMV uncapped,
-# the MXFP8 GEMV split toward 528 programs
+# rounded up): the one-token MoE down and the MXFP8 MMA GEMV uncapped, the MXFP8 GEMV split toward 528 programs
 CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-gemv-uncapped"],
                            (("linear.mxfp8", "qkv.mxfp8"), "GemvConfig",
                             lambda c, shape: {"SPLIT": gemv_split(shape[0], shape[1], c.BN, c.BK, 528)})]
@@ -104,12 +103,13 @@ def route_binding(route: str) -> tuple[str, str | None, bool, str | None, bool]:
     """(route mode, weight layout, fused greedy head, cell variant, linear.bf16 on) a route runs with. target-rows:
     NVFP4 / MXFP8 weights left row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens
     from the head's logits + argmax instead of the fused greedy head (head.bf16); target-<v> for v in CELL_VARIANTS:
-    those entries' cells changed as CELL_VARIANTS[v] says; target-index-cublas (and target-round3): the index-q|
-    index-k projections through cuBLAS instead of linear.bf16; every other target route: the defaults."""
+    those entries' cells changed as CELL_VARIANTS[v] says; target-index-gemv: the index-q|index-k projections on
+    linear.bf16 (opt-in: m3serve.targets.plan.INDEX_GEMV) instead of cuBLAS; every other target route: the
+    defaults."""
     variant = route[len("target-"):] if route.startswith("target-") else None
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
             route != "target-logits-head", variant if variant in CELL_VARIANTS else None,
-            route not in ("target-index-cublas", "target-round3"))
+            route == "target-index-gemv")
 
 
 def set_cell_variant(variant: str | None, saved: dict) -> None:
@@ -143,9 +143,9 @@ def set_route(llm, route: str, state: dict) -> None:
     from m3serve.targets import routing
     want = route_binding(route)
     if state["binding"] != want:
-        from m3serve.kernels.gemm import bf16
+        from m3serve.targets import plan
         set_cell_variant(want[3], state.setdefault("cells", {}))
-        bf16.ENABLED = want[4]   # read when the plan resolves its routes
+        plan.INDEX_GEMV = want[4]   # read when the plan is built (opt-in: off by default)
         routing.install(llm.model, want[0], weight_layout=want[1])
         if not want[2]:
             llm.model.greedy_head = None
@@ -321,8 +321,8 @@ def main() -> None:
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
-                         "split count rounded up, the rule before the one-wave rule), target-index-cublas (the index "
-                         "projections through cuBLAS, not linear.bf16)")
+                         "split count rounded up, the rule before the one-wave rule), target-index-gemv (the index "
+                         "projections on linear.bf16, opt-in, not cuBLAS)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

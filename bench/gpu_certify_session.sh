@@ -150,17 +150,17 @@ msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVF
     --name "kernel-variants-msa-rotated-$TAG.json"
   ;;
 deep-decode-h200)  # issue 30, fourth round, the goal rows: the GPU cells of the MXFP8 GEMV's new split (rows 1-2) and of
-                  # linear.bf16 (the index projections), then minimax-m3:5 and the deepest model the card holds with
-                  # the index projections through cuBLAS (target-index-cublas) and every change of the round undone
-                  # (target-round3) beside the default, on one engine
+                  # linear.bf16 (the index projections, opt-in), then minimax-m3:5 and the deepest model the card
+                  # holds with the index projections on linear.bf16 (target-index-gemv) and every change of the round
+                  # undone (target-round3) beside the default, on one engine
   phase pytest-gemv ${T_A:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 110 -rfE \
     tests/kernels/test_gpu.py -k "(mxfp8 and (r1-1 or r2-2)) or linear.bf16"
   phase decode-m3_5 ${T_B:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-index-cublas,target-round3 --quantization nvfp4 \
+    --routes target,target-index-gemv,target-round3 --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-round4-goal.json"
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_C:-300} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-index-cublas,target-round3 --quantization nvfp4 \
+    --routes target,target-index-gemv,target-round3 --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-round4-goal.json"
   ;;
 deep-decode-round4)  # issue 30, fourth round: the GPU cells of the changed launches (moe.nvfp4's one-token down capped at

@@ -78,14 +78,14 @@ SKIPPED_DIRS = {"logs"}
 ROUTE_ORDER = {"off": 0, "auto": 1, "target": 2, "target-rows": 3, "target-logits-head": 4, "target-gate-up-whole": 5,
                "target-split-router": 6, "target-shared-inline": 7, "target-gate-up-split": 8,
                "target-gate-up-split-r72": 9, "target-down-uncapped": 10, "target-mma-gemv-uncapped": 11,
-               "target-splits-up": 12, "target-gemv-split2x": 13, "target-gate-up-stages3": 14, "target-index-cublas": 15, "target-round3": 16,
+               "target-splits-up": 12, "target-gemv-split2x": 13, "target-gate-up-stages3": 14, "target-index-gemv": 15, "target-round3": 16,
                "target-pdl": 17}
 # bench/decode.py's side-by-side variants of the target (another weight layout, head or MoE split than the product
 # binds): in the full tables, not in the README's headline figures
 VARIANT_ROUTES = ("target-rows", "target-logits-head", "target-gate-up-whole", "target-split-router",
                   "target-shared-inline", "target-gate-up-split", "target-gate-up-split-r72", "target-down-uncapped",
                   "target-mma-gemv-uncapped", "target-splits-up", "target-gemv-split2x", "target-gate-up-stages3",
-                  "target-index-cublas", "target-round3", "target-pdl", "target-nopdl")
+                  "target-index-gemv", "target-round3", "target-pdl", "target-nopdl")
 NOT_RECORDED = "not recorded"
 DASH = "—"
 

@@ -89,6 +89,8 @@ def test_a_quantized_qkv_beside_a_dense_index_is_explained_as_two_gemms(monkeypa
 
     model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=0,
                        keep_quantized=True)
+    assert not any(m.routes.get("index") for m in plan_mod.build_plan(model, "auto").modules)   # opt-in
+    monkeypatch.setattr(plan_mod, "INDEX_GEMV", True)
     bound = plan_mod.build_plan(model, "auto")
     assert bound.modules and any(m.routes.get("index") is not None for m in bound.modules)
     # as if the tiny shapes had cells (linear.bf16's: 1-4 rows)

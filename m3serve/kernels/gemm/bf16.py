@@ -23,7 +23,8 @@ from m3serve.kernels.gemm import _linear as L
 from m3serve.kernels.gemm._gemm_tiles import GemmWorkspace, make_workspace
 from m3serve.kernels.gemm._gemv import GemvConfig, gemv_split, launch_gemv
 
-ENABLED = True  # the one switch: False sends every linear.bf16 call down the stock path (cuBLAS)
+ENABLED = True  # the one switch: False sends every linear.bf16 call down the stock path (cuBLAS); the plan routes
+# the index projections here only where targets.plan.INDEX_GEMV says so (opt-in until its cells run on a GPU)
 
 GS = 32  # columns summed before they join the accumulator (no scale: only the summation order)
 
