@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from m3serve.kernels.gemm._gemm_tiles import GemmConfig
+from m3serve.kernels.gemm.qkv_fused import QKV_MXFP8
 from m3serve.model.loader import load_model
 from m3serve.model.m3 import Attention
 from m3serve.model.qweight import QWeight
@@ -87,23 +89,28 @@ def test_quantized_projection_needs_a_certified_cell():
 
 
 
+def _tiny_mxfp8():
+    """The tiny preset with MXFP8 q|k|v and a dense indexer, as quantized M3 checkpoints store them."""
+    return load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=6,
+                      keep_quantized=True)
+
+
+class _QkvLaunch:
+    """A bound qkv.mxfp8 launch (routing.Launch's fields) on an interpreter-sized tile."""
+    run = staticmethod(QKV_MXFP8.raw_call)
+    config = GemmConfig(BM=16, BN=64, BK=128, SPLIT=1)
+    workspace = None
+
+
 def test_quantized_qkv_and_dense_index_run_as_two_gemms():
     """As quantized M3 checkpoints store them (the indexer is never quantized): q|k|v join in their format's qkv
     GEMM and index-q|index-k in one dense GEMM; the plan keys the qkv route by q|k|v alone; each output is its
     part's own (stock) output up to the kernel's rounding."""
-    from m3serve.kernels.gemm._gemm_tiles import GemmConfig
-    from m3serve.kernels.gemm.qkv_fused import QKV_MXFP8
     from m3serve.targets.plan import qkv_key
 
-    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=6,
-                       keep_quantized=True)
+    model = _tiny_mxfp8()
     gen = torch.Generator().manual_seed(1)
-
-    class Launch:
-        run = staticmethod(QKV_MXFP8.raw_call)
-        config = GemmConfig(BM=16, BN=64, BK=128, SPLIT=1)
-        workspace = None
-
+    Launch = _QkvLaunch
     checked = 0
     for attn in _attentions(model):
         parts = fused_projection.projection_parts(attn)
@@ -133,20 +140,12 @@ def test_dense_index_group_runs_on_linear_bf16_where_its_route_serves():
     GEMV (interpreted here) gives each part's own output up to summation order; where the table gives None, cuBLAS
     (torch.mm) does, bit for bit with the concatenated weight."""
     from m3serve.kernels.gemm import bf16
-    from m3serve.kernels.gemm._gemm_tiles import GemmConfig
     from m3serve.kernels.gemm._gemv import GemvConfig
-    from m3serve.kernels.gemm.qkv_fused import QKV_MXFP8
     from m3serve.targets.plan import index_key
 
-    model = load_model("tiny", device="cpu", dtype=torch.bfloat16, random_weights=True, quantization="mxfp8", seed=6,
-                       keep_quantized=True)
+    model = _tiny_mxfp8()
     gen = torch.Generator().manual_seed(2)
-
-    class QkvLaunch:
-        run = staticmethod(QKV_MXFP8.raw_call)
-        config = GemmConfig(BM=16, BN=64, BK=128, SPLIT=1)
-        workspace = None
-
+    QkvLaunch = _QkvLaunch
     calls = []
 
     class IndexLaunch:
