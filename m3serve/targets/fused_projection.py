@@ -8,8 +8,9 @@ tensors become row views of its group's concatenation: the stock path reads the 
 
     dense (bf16)        one torch GEMM over the group's [N_group, H] weight (cuBLAS, as the stock path's F.linear:
                         every output is the same dot product; only the GEMM's blocking may differ); the index group
-                        beside a quantized q|k|v at the rows linear.bf16 certifies (1-4): that entry's one GEMV
-                        launch instead of cuBLAS's split-K GEMM and reduce
+                        beside a quantized q|k|v at the rows linear.bf16 certifies (1-4), where the plan routes it
+                        (opt-in: plan.INDEX_GEMV): that entry's one GEMV launch instead of cuBLAS's split-K GEMM and
+                        reduce
     nvfp4/mxfp8/fp8     the catalog's qkv.{fmt} entry (one weight-streaming launch, per-row part scales)
 
 Shape legend: T tokens, H hidden, N_total = Hq*D + 2*Hk*D (+ Hk*Di + Di on MSA layers).

@@ -209,12 +209,11 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
                 assert int(ws.dcount.abs().sum()) == 0 and int(ws.rcount.abs().sum()) == 0
                 assert int(ws.gcount.abs().sum()) == 0
             del case, out
-    # the gate|up split over H (MmaMoEConfig.GSPLIT; the TP1 cell's default at one token) on the first MMA cell's
-    # shape at one token, whatever that cell binds: its band, its fixed-order sum (repeat calls bit-identical), its
-    # tickets back at zero, and a replay inside a CUDA graph
+    # the opt-in gate|up split over H (MmaMoEConfig.GSPLIT) on the first MMA cell's shape at one token: its band,
+    # its fixed-order sum (repeat calls bit-identical), its tickets back at zero, and a replay inside a CUDA graph
     cfg = dataclasses.replace(cells[0].config["moe"], GSPLIT=4, GSPLIT_SLOTS=4 * MOE_SLOTS_AT_ONE_TOKEN)
     assert cfg.gate_up_split(MOE_SLOTS_AT_ONE_TOKEN) == 4
-    split = Cell(rows=(1, 1), shape=cells[0].shape, why="gate|up split 4 ways", config={"moe": cfg})
+    split = Cell(rows=(1, 1), shape=cells[0].shape, why="gate|up split 4 ways (opt-in)", config={"moe": cfg})
     case = e.make_case(split, 1, dev, torch.Generator().manual_seed(399))
     out = e.raw_call(*case.args, **case.kwargs).clone()
     e.compare(out, e.reference(*case.args, **case.kwargs), case)

@@ -25,8 +25,8 @@ ends up with are the same, so only the load blocks and the step addresses differ
 gate|up (grid (I / BNA, S + 1), BNA = 8 * RP * warps activation columns): a thread's row pair is (gate row n,
 up row n) (load_asm's gate_up pairing), so its accumulators hold both inputs of SwiGLU for the same (n, token)
 and the epilogue (swiglu_store_asm) writes act directly; the whole K = H range per CTA (no partial workspace).
-Split (GSPLIT > 1, at few touched slots: the TP1 cell at one token): grid (I / BNA, S + 1, split), each CTA over
-H / split, raw sums to gpart and the last arrival's ordered sum + SwiGLU in Triton (swiglu_of_sums).
+Opt-in (GSPLIT > 1, at few touched slots): grid (I / BNA, S + 1, split), each CTA over H / split, raw sums to
+gpart and the last arrival's ordered sum + SwiGLU in Triton (swiglu_of_sums); see gate_up_split for why it is off.
 
 down (grid (H / BN, DSPLIT), BN = 16 * RP * warps rows of H): one CTA walks the slots (touched experts in
 ascending order, then the shared one), each over its I / DSPLIT slice; the register ring runs across slot
@@ -102,7 +102,8 @@ class MmaMoEConfig:
         halved (rounding down) until its product with slots is <= GSPLIT_SLOTS (1: no split). Why: at one
         token the launch is 5 x I / BNA CTAs of whole-K rows, ~15 warps an SM, where 72 registers allow 28; a split
         multiplies the warps (more tokens touch enough experts by themselves). Alone it did not pay on the H100; with
-        the split launches capped at 64 registers (maxnreg) it does on both cards (moe/nvfp4.py's MMA_MOE)."""
+        the split launches capped at 64 registers (maxnreg) it is ~4 % faster a layer, but the split variant then
+        keeps 8 bytes on the stack inside its K loop, which the no-spill rule refuses (moe/nvfp4.py's MMA_MOE)."""
         p = self.GSPLIT
         while p > 1 and slots * p > self.GSPLIT_SLOTS:
             p //= 2

@@ -534,11 +534,11 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
 # * down split 8 ways (on MMA tiles, H100, bench/kernel_variants.py --moe-mma-only: 109.8 / 379.8 us at 1 / 8 tokens
 #   against 116.5 / 406.1 us split 4, kernel-variants-moe-tiles-h100.json), capped at 80 registers a thread: its
 #   96 x 8 = 768 CTAs of 4 warps need 6 a SM to run in one wave, and the one-token variant compiles to 90 registers
-#   (5 a SM: a second wave of 108 CTAs). In the decode step's graph the cap takes down from 36.9 to 30.5 us a layer
-#   at one token and is level at 8 (H100, decode/decode-target-h100-m3_12-round4.json, route target-gate-up-split,
-#   which also split gate|up);
+#   (5 a SM: a second wave of 108 CTAs). In the decode step's graph the cap takes down from 37.0 to 30.5 us a layer
+#   at one token and is level at 8 (H100, decode/decode-target-h100-m3_12-wave-caps.json, route
+#   target-down-uncapped). On MMA tiles only: row-major weights keep 8 bytes on the stack at 80 (_mma);
 # * gate|up over the whole of H (GSPLIT 1). Split 4 ways at one token with the split launches capped at 64
-#   registers it took 48.5 against 50.4 us a layer in the same run, but at 64 registers that variant keeps two
+#   registers it took 48.5 against 50.6 us a layer in the same run, but at 64 registers that variant keeps two
 #   values on the stack inside its K loop (aot_check: 8 bytes), which the catalog's no-spill rule refuses; the
 #   variants are timed side by side (bench/decode.py routes target-gate-up-split, -split-r72).
 # The TP2 shard (1536) keeps its measured down split (96 x 2 CTAs: one wave uncapped).
