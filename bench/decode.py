@@ -152,7 +152,8 @@ def set_route(llm, route: str, state: dict) -> None:
         state["binding"], state["graphs"] = want, {}
     llm.engine.runner.target_attention = route != "off"
     from m3serve.kernels.attention import _paged_call
-    _paged_call.SPLITS_ROUND_UP = route in ("target-splits-up", "target-round3")  # read when a step's split plan is made
+    # read when a step's split plan is made (graph capture, eager steps)
+    _paged_call.SPLITS_ROUND_UP = route in ("target-splits-up", "target-round3")
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route))

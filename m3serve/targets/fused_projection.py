@@ -137,14 +137,7 @@ def project(attn, x: torch.Tensor, qkv=None, index=None) -> tuple[torch.Tensor, 
     for g, launch, layout in plans:
         if launch is None:
             out = torch.mm(x, g.tensors[0].t())
-        elif g.fmt == "dense":   # linear.bf16
-            ws = launch.workspace
-            n = sum(g.splits)
-            if ws is None:
-                ws = launch.workspace = make_workspace(launch.config, n, x.device)
-            out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
-            launch.run(x.contiguous(), g.tensors[0], out, ws, launch.config)
-        else:
+        else:   # qkv.{fmt}, or linear.bf16 for the dense index group (its raw call takes (x, w, out, ws, cfg))
             cfg = launch.config
             ws = launch.workspace
             n = sum(g.splits)

@@ -311,11 +311,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.
         raise ValueError(f"fmt: the decode GEMV serves NVFP4 ({FMT_NVFP4}), MXFP8 ({FMT_MXFP8}) and BF16 ({FMT_BF16}), "
                          f"found {fmt}")
     m = check_gemm_args(x, out, n, k, cfg, ws)
-    if fmt == FMT_BF16:
-        if tiled:
-            raise ValueError("tiled: BF16 weights have no tile layout")
-    else:
-        check_tiled(tiled, fmt, n, k)
+    check_tiled(tiled, fmt, n, k)   # refuses BF16 tiles too
     grid = (n // cfg.BN, cfg.SPLIT)
     gemv_stream[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0), out.stride(0), w.stride(0), s.stride(0),

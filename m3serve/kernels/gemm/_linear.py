@@ -80,8 +80,8 @@ def decode_linear_cells(weight_bytes: float, gemv: dict, gemv_rows: tuple[tuple[
     """Per shape: GEMV cells (m3serve.kernels.gemm._gemv) for the decode row ranges `gemv_rows`, an MMA GEMV cell
     (m3serve.kernels.gemm._mma_gemv) for `mma_rows`, tensor-core cells for the rest of 1-48. `gemv`: BN, BK,
     num_warps, programs, PREFETCH, num_stages; `mma`: RP, num_warps, STAGES, ctas and optionally min_k (shapes
-    with fewer columns keep the tensor-core cells at those rows) and maxnreg (registers per thread capped) — the families chosen
-    from the H200 measurements (bench/results/gemv_variants-*.json)."""
+    with fewer columns keep the tensor-core cells at those rows) and maxnreg (registers per thread capped) — the
+    families chosen from the measurements (bench/results/gemv_variants-*.json, decode/*-wave-caps.json)."""
     cells = []
     for (n, k), why in shapes:
         bn, bk = gemv["BN"], gemv["BK"]

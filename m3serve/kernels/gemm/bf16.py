@@ -4,7 +4,8 @@
 Why: quantized M3 checkpoints keep the lightning indexer in BF16, so every MSA layer of the decode step projects
 index-q | index-k ([Hk * Di + Di, H] = 640 x 6144 at TP1, 7.9 MB) beside the quantized q|k|v. cuBLAS takes two
 launches for it at one row (a split-K GEMM and its reduce, ~7 us on the H100); the decode GEMV takes one. Rows above
-4 keep cuBLAS (targets.fused_projection).
+4 keep cuBLAS (targets.fused_projection). The plan routes that group here only with targets.plan.INDEX_GEMV
+(opt-in until these cells run on a GPU).
 
 Shape legend:
     x      [M, K]   bf16 activations (M = 1..4 tokens), unit column stride
