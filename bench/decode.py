@@ -99,17 +99,20 @@ CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-ge
                             lambda c, shape: {"SPLIT": gemv_split(shape[0], shape[1], c.BN, c.BK, 528)})]
 
 
-def route_binding(route: str) -> tuple[str, str | None, bool, str | None, bool]:
-    """(route mode, weight layout, fused greedy head, cell variant, linear.bf16 on) a route runs with. target-rows:
+OPT_IN_ROUTES = {"target-index-gemv": ("INDEX_GEMV",), "target-head12": ("HEAD12",),
+                 "target-opt-in": ("INDEX_GEMV", "HEAD12")}
+
+
+def route_binding(route: str) -> tuple[str, str | None, bool, str | None, tuple[str, ...]]:
+    """(route mode, weight layout, fused greedy head, cell variant, plan switches on) a route runs with. target-rows:
     NVFP4 / MXFP8 weights left row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens
     from the head's logits + argmax instead of the fused greedy head (head.bf16); target-<v> for v in CELL_VARIANTS:
-    those entries' cells changed as CELL_VARIANTS[v] says; target-index-gemv: the index-q|index-k projections on
-    linear.bf16 (opt-in: m3serve.targets.plan.INDEX_GEMV) instead of cuBLAS; every other target route: the
-    defaults."""
+    those entries' cells changed as CELL_VARIANTS[v] says; OPT_IN_ROUTES: those m3serve.targets.plan switches on
+    (INDEX_GEMV: the index-q|index-k projections on linear.bf16 instead of cuBLAS; HEAD12: the greedy head's 1-8 rows
+    on head.head12), the others as the plan module has them; every other target route: the defaults."""
     variant = route[len("target-"):] if route.startswith("target-") else None
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
-            route != "target-logits-head", variant if variant in CELL_VARIANTS else None,
-            route == "target-index-gemv")
+            route != "target-logits-head", variant if variant in CELL_VARIANTS else None, OPT_IN_ROUTES.get(route, ()))
 
 
 def set_cell_variant(variant: str | None, saved: dict) -> None:
@@ -145,7 +148,9 @@ def set_route(llm, route: str, state: dict) -> None:
     if state["binding"] != want:
         from m3serve.targets import plan
         set_cell_variant(want[3], state.setdefault("cells", {}))
-        plan.INDEX_GEMV = want[4]   # read when the plan is built (opt-in: off by default)
+        defaults = state.setdefault("plan_switches", {n: getattr(plan, n) for n in ("INDEX_GEMV", "HEAD12")})
+        for name, default in defaults.items():   # read when the plan is built
+            setattr(plan, name, name in want[4] or default)
         routing.install(llm.model, want[0], weight_layout=want[1])
         if not want[2]:
             llm.model.greedy_head = None
@@ -323,7 +328,8 @@ def main() -> None:
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
                          "split count rounded up, the rule before the one-wave rule), target-index-gemv (the index "
-                         "projections on linear.bf16, opt-in, not cuBLAS)")
+                         "projections on linear.bf16, opt-in, not cuBLAS), target-head12 (the greedy head's 1-8 rows "
+                         "on the 12-bit head, opt-in), target-opt-in (both)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

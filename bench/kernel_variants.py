@@ -8,7 +8,8 @@ graph replay, 256 MB L2 flush before each replay, median of --iters; fraction of
              (the indexer over bf16 index-K) at the same contexts: warps per block
     moe      moe.nvfp4 at 1 / 4 / 16 tokens, NVFP4 and BF16 shared expert: gate|up tile (BN, BK, stages),
              down tile (DBN, DBK, DSPLIT, stages)
-    head     the 12-bit head (head.head12) at 1 and 8 rows: program tile BN, warps, stages, beside head.bf16's
+    head     the 12-bit head (head.head12's MMA head) at 1 and 8 rows: row pairs, warps, stages, register caps,
+             beside head.bf16's
              default on the same M3 head weight (200064 x 6144); each checked by the entries' argmax band
 Checks: every attention / select variant's output is compared with its group default's (attention:
 max |diff| <= 2**-6 * max |out| + 1e-3, the two differ by summation order and one bf16 rounding;
@@ -77,9 +78,9 @@ DOWN = (("d64x128k4s3", 64, 128, 4, 3, 4), ("d64x256k12s2", 64, 256, 12, 2, 4), 
         ("d64x256k6s3", 64, 256, 6, 3, 4), ("d64x512k6s2", 64, 512, 6, 2, 4), ("d16x256k4s3", 16, 256, 4, 3, 4),
         ("d128x128k8s3w8", 128, 128, 8, 3, 8))
 
-# head.head12 program tiles: (name, BN, num_warps, num_stages); the first is the catalog's HeadConfig default
-HEAD12_TILES = (("n64w4s3", 64, 4, 3), ("n64w8s3", 64, 8, 3), ("n128w8s3", 128, 8, 3), ("n128w4s3", 128, 4, 3),
-                ("n64w4s4", 64, 4, 4), ("n64w4s2", 64, 4, 2), ("n32w4s4", 32, 4, 4))
+# head.head12's MMA head configs: (name, RP, num_warps, STAGES, maxnreg); the first is the catalog's default
+HEAD12_CONFIGS = (("r1w4s2", 1, 4, 2, 0), ("r1w4s3", 1, 4, 3, 0), ("r1w8s2", 1, 8, 2, 0), ("r2w4s2", 2, 4, 2, 0),
+                  ("r2w2s2", 2, 2, 2, 0), ("r1w4s2c96", 1, 4, 2, 96), ("r1w4s3c128", 1, 4, 3, 128))
 
 
 class Runner:
@@ -318,30 +319,36 @@ def moe_group(r: Runner, token_counts=(1, 4, 16), mma_only: bool = False) -> Non
 
 
 def head_group(r: Runner, row_counts=(1, 8), shape: tuple[int, int] | None = None) -> None:
-    """head.head12's tiles beside head.bf16's default, the same weight (N(0, 0.02) with outliers: escapes) and
-    activations; every variant's ids and best values through the entries' argmax band against the fp32 logits."""
+    """head.head12's MMA head configs beside head.bf16's default, the same weight (N(0, 0.02) with outliers, zeros and
+    subnormals: escapes of both kinds) and activations; every variant's ids and best values through the entries'
+    argmax band against the fp32 logits. A config whose tile does not divide V is skipped."""
     from m3serve.kernels.catalog import true_fp32
     from m3serve.kernels.gemm._linear import bm_for, fresh_x
     from m3serve.kernels.head import bf16 as HB, head12 as H12
+    from m3serve.kernels.head._head12_mma import Head12MmaConfig
     from m3serve.quant.head12 import encode_head12
+    from m3serve.quant.head12_tiles import tile_head12
     gen = torch.Generator().manual_seed(0)  # CPU: device_rng seeds the card's generator from it
     v, k = shape or (HB.VOCAB_TP1, 6144)
     w = HB.random_head_weight(v, k, r.dev, gen)
-    h = H12.prepare_head12(encode_head12(w))
-    h12_bytes = v * k * 3 // 2 + h.esc_row.numel() * 12
+    t = tile_head12(encode_head12(w))
+    h12_bytes = v * k * 3 // 2 + t.esc_row.numel() * 8
     for rows in row_counts:
         x = fresh_x(rows, k, r.dev, gen)
         with true_fp32():
             logits, absprod = x.float() @ w.float().T, x.float().abs() @ w.float().abs().T
         what = f"head T{rows}"
         variants = [("bf16", HB.HeadConfig(BM=bm_for(rows)), False)]
-        variants += [(f"h12/{name}", HB.HeadConfig(BM=bm_for(rows), BN=bn, num_warps=nw, num_stages=st), True)
-                     for name, bn, nw, st in HEAD12_TILES]
+        variants += [(f"h12/{name}", Head12MmaConfig(RP=rp, num_warps=nw, STAGES=st, maxnreg=cap), True)
+                     for name, rp, nw, st, cap in HEAD12_CONFIGS if v % (16 * rp * nw) == 0]
         for name, cfg, coded in variants:
-            ids, best, ws = HB.head_case_io(cfg, rows, v, r.dev)
+            ids = torch.full((rows,), -1, dtype=torch.int64, device=r.dev)
+            best = torch.full((rows,), float("nan"), dtype=torch.float32, device=r.dev)
             if coded:
-                fn = lambda ids=ids, best=best, ws=ws, cfg=cfg: H12.head12_argmax(x, *h.args(), ids, best, ws, 0, cfg)  # noqa: E731
+                ws = H12.make_head12_workspace(cfg, v, r.dev)
+                fn = lambda ids=ids, best=best, ws=ws, cfg=cfg: H12.head12_argmax(x, *t.args(), ids, best, ws, 0, cfg)  # noqa: E731
             else:
+                ws = HB.make_head_workspace(cfg, v, r.dev)
                 fn = lambda ids=ids, best=best, ws=ws, cfg=cfg: HB.head_bf16_argmax(x, w, ids, best, ws, 0, cfg)  # noqa: E731
 
             def check(ids=ids, best=best, name=name) -> tuple[bool, str]:
@@ -351,10 +358,11 @@ def head_group(r: Runner, row_counts=(1, 8), shape: tuple[int, int] | None = Non
                 except AssertionError as exc:
                     return False, str(exc)[:300]
 
-            r.add("head", what, name, fn, h12_bytes if coded else v * k * 2, check, rows=rows, config=cfg.__dict__,
-                  default=(name == "bf16"))
-    del w, h
-    torch.cuda.empty_cache()
+            r.add("head", what, name, fn, h12_bytes if coded else v * k * 2, check, rows=rows,
+                  config={f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, default=(name == "bf16"))
+    del w, t
+    if r.dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _row_major_moe(case: Case) -> Case:

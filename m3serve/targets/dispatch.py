@@ -41,7 +41,7 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "moe.grouped": (((1, 16384), "moe.grouped"),),
     "norm.add_rms": (((1, 16384), "norm.add_rms"),),
     "head.bf16": (((1, 48), "head.bf16"),),
-    "head.head12": (((1, 48), "head.head12"),),
+    "head.head12": (((1, 8), "head.head12"),),   # one MMA column a token row (9-48: head.bf16)
     # attention on the paged cache: rows = tokens of the step (kv.write) or query tokens per sequence
     "kv.write": (((1, 8192), "kv.write"),),
     "msa.scores": (((1, 8192), "msa.scores"),),

@@ -94,9 +94,10 @@ def _route_placement(module: str, bucket: int, route: Route) -> Placement:
     return Placement(module, bucket, span.entry.name if span.cell is not None else None, route.detail(bucket))
 
 
-def plan_placements(plan: KernelPlan, bucket: int) -> list[Placement]:
+def plan_placements(plan: KernelPlan, bucket: int, head12_bound: bool = True) -> list[Placement]:
     """The plan at `bucket` rows, one line per module key (a module with several keys: `name [kind]`): the entry
-    and cell that run, the torch path that runs, or why the module runs stock."""
+    and cell that run, the torch path that runs, or why the module runs stock. head12_bound: whether the greedy
+    head got its 12-bit tiles at bind (else head.bf16 serves the rows the plan gave head.head12)."""
     out, fused = [], {}
     for mp in plan.modules:
         routes = mp.routes
@@ -129,7 +130,10 @@ def plan_placements(plan: KernelPlan, bucket: int) -> list[Placement]:
                 out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
         elif mp.role == "head":      # its logits stay cuBLAS; the greedy decode-graph rows take the fused head
             out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
-            out.append(_route_placement(f"{mp.name} [{routes['greedy'].kind}]", bucket, routes["greedy"]))
+            greedy = routes.get("greedy12") if head12_bound else None
+            if greedy is None or not greedy.serves(bucket):
+                greedy = routes["greedy"]
+            out.append(_route_placement(f"{mp.name} [{greedy.kind}]", bucket, greedy))
         elif mp.role == "moe.all_experts":
             out.append(Placement(mp.name, bucket, "torch:all-experts", mp.note))
             out += [_route_placement(f"{mp.name} [{r.kind}]", bucket, r) for r in routes.values()]
@@ -151,7 +155,8 @@ def plan_placements(plan: KernelPlan, bucket: int) -> list[Placement]:
 
 def module_placements(model, bucket: int) -> list[Placement]:
     """Every routed module of `model` at `bucket` rows: its kernel plan (model_plan) printed."""
-    return plan_placements(model_plan(model), bucket)
+    head = getattr(model, "greedy_head", None)   # head.head12 serves only where its tiles were accepted at bind
+    return plan_placements(model_plan(model), bucket, head12_bound=getattr(head, "table12", None) is not None)
 
 
 def explain(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Placement]:

@@ -45,9 +45,15 @@ GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
 # session that built it)
 INDEX_GEMV = False
 
+# the greedy head's 1-8 rows on head.head12 (the 12-bit coded head through the MMA head) where the head encodes
+# (targets.routing.head12_tiles: bit-checked, else head.bf16). Off until the decode step measures it on the H200
+# (bench/decode.py route target-head12)
+HEAD12 = False
+
 # the cell config a launch of each kind takes (the others take none)
 CONFIG_KEY = {**{f"linear.{f}": "gemm" for f in QUANT_FORMATS}, **{f"qkv.{f}": "gemm" for f in QUANT_FORMATS},
-              "linear.bf16": "gemm", "moe.nvfp4": "moe", "moe.grouped": "moe", "head.bf16": "head"}
+              "linear.bf16": "gemm", "moe.nvfp4": "moe", "moe.grouped": "moe", "head.bf16": "head",
+              "head.head12": "head"}
 
 Key = tuple[str, tuple[int, ...]]
 
@@ -68,6 +74,12 @@ def head_key(model, lin: Linear) -> Key | None:
             or lin.weight.dtype != torch.bfloat16:
         return None
     return "head.bf16", (lin.out_features, lin.in_features)
+
+
+def head12_key(model, lin: Linear) -> Key | None:
+    """The same head's 1-8 greedy rows as the 12-bit coded head (head.head12 over (V, K)), where HEAD12 says so."""
+    key = head_key(model, lin)
+    return ("head.head12", key[1]) if key is not None and HEAD12 else None
 
 
 def projection_parts(attn: Attention) -> list[Linear]:
@@ -294,7 +306,8 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
             lin = route(linear_key(mod))
             head = route(head_key(model, mod), strict=False)
             if head is not None:
-                out.append(ModulePlan(name, "head", {"greedy": head},
+                head12 = route(head12_key(model, mod), strict=False)
+                out.append(ModulePlan(name, "head", {"greedy": head, **({"greedy12": head12} if head12 else {})},
                                       "logits (sampling, logprobs, prefill): cuBLAS; greedy decode-graph steps: the "
                                       "fused head + argmax"))
             elif lin is not None:

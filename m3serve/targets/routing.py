@@ -22,28 +22,35 @@ moe.grouped for every other expert format and row count); on bf16 CUDA activatio
 router (moe.route_small) and the stacked experts' activation. CPU or fp32 activations always take the stock path
 (byte for byte). A dense bf16 LM head on one rank gets the model's greedy head (head.bf16: GEMV + argmax of the
 bf16 logits in two launches, no logits written), which the decode graphs' greedy variant calls; its logits stay
-cuBLAS. head.head12 is not routed (it is slower than the BF16 head today). A quantized head is a linear like any other.
+cuBLAS. With targets.plan.HEAD12 the greedy head's 1-8 rows run head.head12 over the head's 12-bit tiles
+(head12_tiles: bit-checked at bind, else head.bf16). A quantized head is a linear like any other.
 """
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 
 import torch
 
 from m3serve.kernels.gemm._gemm_tiles import make_workspace as gemm_workspace
 from m3serve.kernels.head.bf16 import make_head_workspace
+from m3serve.kernels.head.head12 import make_head12_workspace
 from m3serve.kernels.moe.grouped import make_workspace as grouped_workspace
 from m3serve.kernels.moe.nvfp4 import make_moe_workspace
 from m3serve.model.eagle3 import Eagle3Attention, Eagle3MLP, LlamaRMSNorm
 from m3serve.model.layers import Linear, RMSNorm, rope_inv_freq, swiglu_oai
 from m3serve.model.m3 import Attention
 from m3serve.model.moe import DenseMLP, MoE, route as stock_route
+from m3serve.quant.head12 import try_encode_head12
+from m3serve.quant.head12_tiles import Head12Tiles, tile_head12
 from m3serve.quant.tiles import TILED_FORMATS
 from m3serve.targets import fused_projection
 from m3serve.targets.dispatch import miss
 from m3serve.targets.plan import (ALL_EXPERTS_MAX, GROUPED_FMT, KernelPlan, Route, build_drafter_plan,
                                   build_plan)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["install", "install_drafter", "bind", "mode_of", "plan_of", "warmup", "moe_all_experts",
            "combine_selected", "launches", "ALL_EXPERTS_MAX", "GROUPED_FMT"]
@@ -172,28 +179,61 @@ class LinearKernel:
 
 
 class HeadKernel:
-    """The LM head's greedy rows on head.bf16: (lm_head, h [R, H]) -> token ids [R] int64, argmax of the bf16 logits
-    (first index on ties) without writing them; None (the caller takes argmax of the logits) off CUDA, for non-bf16
-    activations, or where no cell serves R (the head is never required: the logits path is the stock one)."""
-    __slots__ = ("table",)
+    """The LM head's greedy rows: (lm_head, h [R, H]) -> token ids [R] int64, argmax of the bf16 logits (first index on
+    ties) without writing them, on head.head12 (1-8 rows, where the head has its 12-bit tiles) or head.bf16; None
+    (the caller takes argmax of the logits) off CUDA, for non-bf16 activations, or where no cell serves R (the head
+    is never required: the logits path is the stock one)."""
+    __slots__ = ("table", "table12", "tiles")
 
-    def __init__(self, table: RowTable):
-        self.table = table
+    def __init__(self, table: RowTable, table12: RowTable | None = None, tiles: Head12Tiles | None = None):
+        self.table, self.table12, self.tiles = table, table12, tiles
 
     def __call__(self, lin, h: torch.Tensor):
         if not _routes(h) or h.dtype != torch.bfloat16 or h.dim() != 2:
             return None
-        launch = self.table(h.shape[0])
+        rows = h.shape[0]
+        ids = torch.empty(rows, dtype=torch.int64, device=h.device)
+        best = torch.empty(rows, dtype=torch.float32, device=h.device)
+        launch = self.table12(rows) if self.table12 is not None else None
+        if launch is not None:
+            if launch.workspace is None:
+                launch.workspace = make_head12_workspace(launch.config, self.tiles.shape[0], h.device)
+            launch.run(h.contiguous(), *self.tiles.args(), ids, best, launch.workspace, 0, launch.config)
+            return ids
+        launch = self.table(rows)
         if launch is None:
             return None
         w = lin.weight
         if launch.workspace is None:
             launch.workspace = make_head_workspace(launch.config, w.shape[0], w.device)
-        rows = h.shape[0]
-        ids = torch.empty(rows, dtype=torch.int64, device=h.device)
-        best = torch.empty(rows, dtype=torch.float32, device=h.device)
         launch.run(h.contiguous(), w, ids, best, launch.workspace, 0, launch.config)
         return ids
+
+
+def head12_tiles(lin) -> Head12Tiles | None:
+    """The head's 12-bit tiles (quant.head12_tiles), built once per weight and kept on the Linear: encoded, decoded
+    and compared bit for bit with the BF16 weight (quant.head12.try_encode_head12), then laid out for the MMA head;
+    None (the BF16 head serves) when the check or the layout refuses, with the reason logged."""
+    w = lin.weight
+    key = (w.data_ptr(), w._version, tuple(w.shape))
+    cached = getattr(lin, "_head12", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    tiles = None
+    with torch.no_grad():
+        h = try_encode_head12(w.detach())
+        if h is None:
+            log.warning("%s: the 12-bit head refused this weight (escape rate or bit check); the BF16 head serves",
+                        lin.name or "lm_head")
+        else:
+            try:
+                tiles = tile_head12(h)
+            except ValueError as exc:
+                log.warning("%s: the 12-bit head's MMA layout refused this weight (%s); the BF16 head serves",
+                            lin.name or "lm_head", exc)
+            del h
+    lin._head12 = (key, tiles)
+    return tiles
 
 
 class NormKernel:
@@ -514,7 +554,9 @@ def _kernel_for(mod, mp, mode: str):
     if role == "linear":
         return LinearKernel(mod, t["linear"], mode)
     if role == "head":
-        return HeadKernel(t["greedy"])
+        t12 = t.get("greedy12")
+        tiles = head12_tiles(mod) if t12 is not None and t12.launches() else None
+        return HeadKernel(t["greedy"], t12 if tiles is not None else None, tiles)
     if role == "norm":
         return NormKernel(mp.name, t["rms"], t["add_rms"], mode)
     if role == "drafter.norm":

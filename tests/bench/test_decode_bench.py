@@ -67,15 +67,17 @@ def test_cell_variant_routes_bind_the_cells_and_give_them_back():
     from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig
     from m3serve.kernels.moe import nvfp4 as moe_nvfp4
     from m3serve.kernels.moe._mma import MmaMoEConfig
-    assert route_binding("target") == ("auto", None, True, None, False)
-    assert route_binding("target-gate-up-whole") == ("auto", None, True, "gate-up-whole", False)
-    assert route_binding("target-split-router") == ("auto", None, True, "split-router", False)
-    assert route_binding("target-gate-up-split") == ("auto", None, True, "gate-up-split", False)
-    assert route_binding("target-mma-gemv-uncapped") == ("auto", None, True, "mma-gemv-uncapped", False)
-    assert route_binding("target-pdl") == ("auto", None, True, None, False)
-    assert route_binding("target-rows") == ("auto", "rows", True, None, False)
-    assert route_binding("target-index-gemv") == ("auto", None, True, None, True)
-    assert route_binding("target-round3") == ("auto", None, True, "round3", False)
+    assert route_binding("target") == ("auto", None, True, None, ())
+    assert route_binding("target-gate-up-whole") == ("auto", None, True, "gate-up-whole", ())
+    assert route_binding("target-split-router") == ("auto", None, True, "split-router", ())
+    assert route_binding("target-gate-up-split") == ("auto", None, True, "gate-up-split", ())
+    assert route_binding("target-mma-gemv-uncapped") == ("auto", None, True, "mma-gemv-uncapped", ())
+    assert route_binding("target-pdl") == ("auto", None, True, None, ())
+    assert route_binding("target-rows") == ("auto", "rows", True, None, ())
+    assert route_binding("target-index-gemv") == ("auto", None, True, None, ("INDEX_GEMV",))
+    assert route_binding("target-head12") == ("auto", None, True, None, ("HEAD12",))
+    assert route_binding("target-opt-in") == ("auto", None, True, None, ("INDEX_GEMV", "HEAD12"))
+    assert route_binding("target-round3") == ("auto", None, True, "round3", ())
     entries = all_entries()
     gemv = [c for n in ("linear.mxfp8", "qkv.mxfp8") for c in entries[n].cells
             if isinstance(c.config["gemm"], MmaGemvConfig)]

@@ -1,4 +1,4 @@
-"""bench/kernel_variants.py's head group on the CPU: the BF16 head and every head.head12 tile of the group on one
+"""bench/kernel_variants.py's head group on the CPU: the BF16 head and every head.head12 config of the group on one
 weight with escapes, each through the entries' argmax band, at a small shape under the Triton interpreter, with a
 stand-in timer (CUDA events and graphs exist only on the GPU). A variant whose ids or best values leave the band is
 recorded as failed: the test fails on it."""
@@ -28,9 +28,9 @@ class CpuRunner(KV.Runner):
 def test_head_group_checks_every_tile_against_the_band():
     r = CpuRunner()
     KV.head_group(r, row_counts=(1, 3), shape=(256, 256))
-    want = {"bf16"} | {f"h12/{t[0]}" for t in KV.HEAD12_TILES}
+    want = {"bf16"} | {f"h12/{c[0]}" for c in KV.HEAD12_CONFIGS}
     for rows in (1, 3):
         got = {row["variant"]: row for row in r.rows if row["rows"] == rows}
         assert set(got) == want
         assert all(row["ok"] for row in got.values()), [(n, row["why"]) for n, row in got.items() if not row["ok"]]
-        assert got["bf16"]["bytes"] == 256 * 256 * 2 and got["h12/n64w4s3"]["bytes"] > 256 * 256 * 3 // 2
+        assert got["bf16"]["bytes"] == 256 * 256 * 2 and got["h12/r1w4s2"]["bytes"] > 256 * 256 * 3 // 2

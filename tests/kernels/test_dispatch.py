@@ -29,7 +29,8 @@ def test_auto_inside_and_outside_cells() -> None:
     assert lookup("moe.nvfp4", 48, (128, 6144, 1536, 0), "auto") is ENTRIES["moe.nvfp4"]
     assert lookup("moe.nvfp4", 3, (128, 6144, 3072, 1), "auto") is ENTRIES["moe.nvfp4"]  # BF16 shared expert
     assert lookup("moe.nvfp4", 9, (128, 6144, 3072, 2), "auto") is None  # no such shared format
-    assert lookup("head.head12", 17, (200064, 6144), "auto") is ENTRIES["head.head12"]
+    assert lookup("head.head12", 8, (200064, 6144), "auto") is ENTRIES["head.head12"]
+    assert lookup("head.head12", 9, (200064, 6144), "auto") is None  # one MMA column a row: 9-48 on head.bf16
 
 
 def test_require_raises_with_kind_shape_and_nearest_cell() -> None:

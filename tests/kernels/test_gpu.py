@@ -162,18 +162,20 @@ def test_head12_agrees_with_bf16_head_on_the_same_weights() -> None:
     from m3serve.kernels.head import head12 as H12
     from m3serve.kernels.head import bf16 as HB
     from m3serve.quant.head12 import encode_head12
+    from m3serve.quant.head12_tiles import tile_head12
 
     dev = _dev()
     cell = HB.CELLS[0]
     case = HB.make_case(cell, 8, dev, torch.Generator().manual_seed(9))
     x, w = case.args[0], case.args[1]
-    h = H12.prepare_head12(encode_head12(w))
-    assert h.esc_row.numel() > 0, "the test weights must exercise escapes"
+    t = tile_head12(encode_head12(w))
+    assert t.esc_row.numel() > 0, "the test weights must exercise escapes"
     ids_b, best_b = HB.head_bf16_argmax(*case.args, **case.kwargs)
     ids_b, best_b = ids_b.clone(), best_b.clone()
-    cfg = cell.config["head"]
-    ids12, best12, ws = HB.head_case_io(cfg, 8, w.shape[0], dev)
-    H12.head12_argmax(x, *h.args(), ids12, best12, ws, case.args[5], cfg)
+    cfg = H12.CELLS[0].config["head"]
+    ids12 = torch.full((8,), -1, dtype=torch.int64, device=dev)
+    best12 = torch.full((8,), float("nan"), dtype=torch.float32, device=dev)
+    H12.head12_argmax(x, *t.args(), ids12, best12, H12.make_head12_workspace(cfg, w.shape[0], dev), case.args[5], cfg)
     logits = HB.head_bf16_reference(x, w)
     with true_fp32():
         absprod = x.float().abs() @ w.float().abs().T

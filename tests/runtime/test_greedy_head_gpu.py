@@ -61,3 +61,47 @@ def test_fused_greedy_head_in_the_decode_graphs():
         same = sum(a == b for x, y in zip(fused, other) for a, b in zip(x, y))
         assert same >= 0.9 * 4 * 24, (fused, other)
     _release(llm)
+
+
+def test_head12_greedy_head_in_the_decode_graphs(monkeypatch):
+    """With targets.plan.HEAD12 the real-dims head is encoded, bit-checked and tiled at bind; the greedy variant's
+    1-8 rows run head.head12 (9-48 the BF16 head), its ids are argmax of the bf16 logits up to fp32 summation order,
+    and the decode graphs' tokens agree with graphs captured on the BF16 head (a near-tie may flip: 90 % floor)."""
+    _need_cuda()
+    import torch
+
+    from m3serve import LLM
+    from m3serve.kernels.head.bf16 import bf16_ulp
+    from m3serve.runtime.decode_graphs import DecodeGraphs
+    from m3serve.targets import plan, routing
+    monkeypatch.setattr(plan, "HEAD12", True)
+    # no prefill graphs: the second binding below would make them stale (the decode graphs are captured again)
+    llm = LLM("minimax-m3:2", random_weights=True, quantization="nvfp4", kv_cache_bytes=1 << 30, max_model_len=2048,
+              max_num_seqs=8, prefill_graph_tokens=0)
+    head = llm.model.greedy_head
+    assert head.tiles is not None and head.table12 is not None, "the random head must pass the bit check"
+    assert llm.engine.runner.graphs.fused_greedy
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for rows in (1, 2, 8, 9, 33):
+        h = torch.randn(rows, llm.model.cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            logits = llm.model.logits(h)
+            ids = llm.model.greedy_tokens(h)
+        want = logits.argmax(-1)
+        top = logits.gather(1, want[:, None])[:, 0]
+        got = logits.gather(1, ids[:, None])[:, 0]
+        assert bool(((ids == want) | (top - got <= bf16_ulp(top))).all()), (rows, ids, want)
+    vocab = llm.model.cfg.vocab_size
+    prompts = [{"prompt_token_ids": [(7 + 13 * i + 31 * j) % vocab for j in range(20 + 9 * i)]} for i in range(4)]
+    coded = _greedy(llm, prompts, 24)
+    monkeypatch.setattr(plan, "HEAD12", False)
+    routing.install(llm.model, "auto")
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(llm.model, runner.kv, runner.tables, runner.graphs.buckets,
+                                 penalties=llm.engine.penalties)
+    runner.graphs.capture()
+    assert llm.model.greedy_head.table12 is None
+    bf16 = _greedy(llm, prompts, 24)
+    same = sum(a == b for x, y in zip(coded, bf16) for a, b in zip(x, y))
+    assert same >= 0.9 * 4 * 24, (coded, bf16)
+    _release(llm)

@@ -71,3 +71,63 @@ def test_greedy_tokens_equal_argmax_of_the_stock_logits(monkeypatch, rows):
         h17 = torch.randn(17, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
         assert torch.equal(model.greedy_tokens(h17), model.logits(h17).argmax(-1))
     assert fired == [rows]
+
+
+def _with_tiny_head12_cell(monkeypatch, model):
+    from m3serve.kernels.head import head12 as H12
+    from m3serve.kernels.head._head12_mma import Head12MmaConfig
+    from m3serve.targets import plan as plan_mod
+    v, k = model.lm_head.out_features, model.lm_head.in_features
+    cell = Cell(rows=(1, 8), shape=(v, k), why="test: the tiny head as head12",
+                config={"head": Head12MmaConfig(BN_REDUCE=128)})
+    monkeypatch.setattr(H12, "ENTRIES", (dataclasses.replace(H12.ENTRY, cells=H12.CELLS + (cell,)),))
+    monkeypatch.setattr(plan_mod, "HEAD12", True)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_head12_takes_rows_1_to_8_and_the_bf16_head_the_rest(monkeypatch, rows):
+    model = _tiny()
+    _with_tiny_cell(monkeypatch, model)
+    _with_tiny_head12_cell(monkeypatch, model)
+    plan = routing.install(model, "auto")
+    assert plan.module("lm_head").routes["greedy12"].kind == "head.head12"
+    head = model.greedy_head
+    assert head.tiles is not None and head.table12 is not None
+    monkeypatch.setattr(routing, "_routes", lambda t: True)
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
+    fired, wrapped = {}, set()
+    for name, table in (("head12", head.table12), ("bf16", head.table)):
+        for launch in table.launches():
+            if id(launch) not in wrapped:
+                wrapped.add(id(launch))
+                run = launch.run
+                launch.run = lambda *a, run=run, name=name: fired.setdefault(name, []).append(a[0].shape[0]) or run(*a)
+    with torch.no_grad():
+        assert torch.equal(model.greedy_tokens(h), model.logits(h).argmax(-1))
+        h9 = torch.randn(9, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
+        assert torch.equal(model.greedy_tokens(h9), model.logits(h9).argmax(-1))
+    assert fired == {"head12": [rows], "bf16": [9]}
+
+
+def test_a_head_the_12_bit_layout_refuses_keeps_the_bf16_head(monkeypatch, caplog):
+    model = _tiny()
+    _with_tiny_cell(monkeypatch, model)
+    _with_tiny_head12_cell(monkeypatch, model)
+    with torch.no_grad():
+        model.lm_head.weight[:16, :128] = 2.0 ** 100   # a tile whose base the MMA head's step scale cannot express
+    with caplog.at_level("WARNING"):
+        routing.install(model, "auto")
+    assert model.greedy_head.tiles is None and model.greedy_head.table12 is None
+    assert "MMA layout refused" in caplog.text and "tile_base[0, 0]" in caplog.text
+
+
+def test_explain_names_the_head_that_serves_each_bucket(monkeypatch):
+    model = _tiny()
+    _with_tiny_cell(monkeypatch, model)
+    _with_tiny_head12_cell(monkeypatch, model)
+    routing.install(model, "auto")
+    kinds = {b: {p.module for p in explain.module_placements(model, b)} for b in (8, 9)}
+    assert "lm_head [head.head12]" in kinds[8] and "lm_head [head.bf16]" in kinds[9]
+    model.greedy_head.table12 = None         # as when bind's bit check refused the tiles
+    assert "lm_head [head.bf16]" in {p.module for p in explain.module_placements(model, 8)}

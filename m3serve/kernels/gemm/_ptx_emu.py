@@ -242,9 +242,10 @@ class Warp:
             r = np.zeros(LANES, np.uint64)
             for i in range(4):
                 s = (sel >> (4 * i)) & 0xF
-                if s & 8:
-                    raise ValueError("emulation: prmt sign-replicate mode is not modelled")
-                r |= ((pool >> np.uint64(8 * s)) & np.uint64(0xFF)) << np.uint64(8 * i)
+                byte = (pool >> np.uint64(8 * (s & 7))) & np.uint64(0xFF)
+                if s & 8:  # sign replicate: the selected byte's msb in all 8 bits
+                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                r |= byte << np.uint64(8 * i)
             return self.set(args[0], r)
         if op == "cvt.rn.f16x2.e4m3x2":
             v = g(args[1])

@@ -1,5 +1,5 @@
 """Catalog entry head.bf16: greedy token ids = argmax(x @ W^T) over the vocabulary for a BF16
-LM head, without writing the [M, V] logits (the comparison baseline and fallback for head12). The
+LM head, without writing the [M, V] logits (the 9-48-row head, and head12's fallback). The
 logits are compared as bf16 values, as the BF16 head returns them: the decode graphs' greedy step
 takes these ids where the stock path takes argmax of its bf16 logits.
 
@@ -70,12 +70,10 @@ def check_head_io(x: torch.Tensor, v: int, k: int, ids: torch.Tensor, best: torc
     return m
 
 
-def launch_head(x, w, code, tb, esc_ptr, esc_row, esc_col, esc_val, ids, best, ws, index_offset, *, head12: bool,
-                v: int, k: int, cfg: HeadConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_head(x, w, ids, best, ws, index_offset, *, v: int, k: int, cfg: HeadConfig) -> tuple[torch.Tensor, torch.Tensor]:
     m = check_head_io(x, v, k, ids, best, ws, cfg)
     p = v // cfg.BN
-    head_partial_argmax[(p,)](x, w, code, tb, esc_ptr, esc_row, esc_col, esc_val, ws.part_val, ws.part_idx,
-                              m, v, k, x.stride(0), p, HEAD12=head12, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+    head_partial_argmax[(p,)](x, w, ws.part_val, ws.part_idx, m, v, k, x.stride(0), p, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                               CUDA=is_compiled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     argmax_reduce[(m,)](ws.part_val, ws.part_idx, ids, best, p, index_offset, BLOCK=1024, num_warps=4)
     return ids, best
@@ -88,8 +86,7 @@ def head_bf16_argmax(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, best: 
     if w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"w: expected a contiguous [V, K] matrix, found {tuple(w.shape)}")
     v, k = w.shape
-    return launch_head(x, w, w, w, ids, ids, ids, best, ids, best, workspace, index_offset, head12=False, v=v, k=k,
-                       cfg=config)
+    return launch_head(x, w, ids, best, workspace, index_offset, v=v, k=k, cfg=config)
 
 
 def head_bf16_reference(x, w, ids=None, best=None, workspace=None, index_offset=0, config=None):
