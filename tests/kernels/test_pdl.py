@@ -20,13 +20,13 @@ DECODE_STEP_KERNELS = {
     "gemv_stream", "mma_gemv", "wstream_gemm", "mma_moe_gate_up", "mma_moe_down", "moe_router", "moe_gate_up",
     "moe_down", "moe_router_rows", "head_partial_argmax", "argmax_reduce", "paged_attn_split", "paged_attn_combine",
     "_add_rmsnorm_kernel", "_rms_norm_kernel", "_kv_write_kernel", "_block_scores_kernel", "_select_kernel",
-    "_qk_prep_kernel", "_route_small_kernel", "_gate_kernel",
+    "_qk_prep_kernel", "_route_small_kernel", "_gate_kernel", "head12_mma_logits", "head12_escape_argmax",
 }
 
 
 def _all_kernels() -> dict[str, DualKernel]:
     out = {}
-    for mod in ("gemm._gemv", "head._argmax", "gemm._mma_gemv", "moe._mma", "moe._nvfp4", "attention._paged",
+    for mod in ("gemm._gemv", "head._argmax", "head._head12_mma", "gemm._mma_gemv", "moe._mma", "moe._nvfp4", "attention._paged",
                 "gemm._wstream", "norm.add_rms", "attention.kv_write", "attention.msa_index", "attention.qk_prep",
                 "norm.rms", "moe.route_small", "mlp.swiglu", "spec.step", "attention.prefill"):
         m = importlib.import_module(f"m3serve.kernels.{mod}")
@@ -42,12 +42,12 @@ def test_the_decode_step_kernels_take_part() -> None:
         src = inspect.getsource(kernels[name].fn)
         assert src.count("pdl_wait(PDL)") == 1 and src.count("pdl_release(PDL)") == 1, name
         # before the wait: no load, store or atomic of Triton's, no x / activation asm load; only the two GEMVs
-        # issue their first weight loads there (load_asm blocks, load_raw of w_ptr / s_ptr)
+        # and the MMA head issue their first weight loads there (load_asm blocks, load_raw of w_ptr / s_ptr)
         body = src[src.index("):\n") + 3:]  # past the signature
         before = body[:body.index("pdl_wait(PDL)")]
         for op in ("tl.load(", "tl.store(", "tl.atomic", "XLOAD, XLOAD_C", "take_ticket", "put_partial"):
             assert op not in before, (name, op)
-        assert ("LOAD, LOAD_C" in before or "load_raw(" in before) == (name in ("mma_gemv", "gemv_stream")), name
+        assert ("LOAD, LOAD_C" in before or "load_raw(" in before) == (name in ("mma_gemv", "gemv_stream", "head12_mma_logits")), name
 
 
 def _launches(entry_name: str, rows: int = 4):
