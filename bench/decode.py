@@ -99,20 +99,23 @@ CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-ge
                             lambda c, shape: {"SPLIT": gemv_split(shape[0], shape[1], c.BN, c.BK, 528)})]
 
 
-OPT_IN_ROUTES = {"target-index-gemv": ("INDEX_GEMV",), "target-head12": ("HEAD12",),
-                 "target-opt-in": ("INDEX_GEMV", "HEAD12")}
+# routes that set m3serve.targets.plan switches (the others keep the plan module's values: the defaults)
+SWITCH_ROUTES = {"target-index-gemv": {"INDEX_GEMV": True}, "target-head12": {"HEAD12": True},
+                 "target-head-bf16": {"HEAD12": False}, "target-opt-in": {"INDEX_GEMV": True, "HEAD12": True}}
 
 
-def route_binding(route: str) -> tuple[str, str | None, bool, str | None, tuple[str, ...]]:
-    """(route mode, weight layout, fused greedy head, cell variant, plan switches on) a route runs with. target-rows:
+def route_binding(route: str) -> tuple[str, str | None, bool, str | None, tuple[tuple[str, bool], ...]]:
+    """(route mode, weight layout, fused greedy head, cell variant, plan switches set) a route runs with. target-rows:
     NVFP4 / MXFP8 weights left row-major (the layout before the MMA tile layout); target-logits-head: greedy tokens
     from the head's logits + argmax instead of the fused greedy head (head.bf16); target-<v> for v in CELL_VARIANTS:
-    those entries' cells changed as CELL_VARIANTS[v] says; OPT_IN_ROUTES: those m3serve.targets.plan switches on
+    those entries' cells changed as CELL_VARIANTS[v] says; SWITCH_ROUTES: those m3serve.targets.plan switches set
     (INDEX_GEMV: the index-q|index-k projections on linear.bf16 instead of cuBLAS; HEAD12: the greedy head's 1-8 rows
-    on head.head12), the others as the plan module has them; every other target route: the defaults."""
+    on head.head12, or with False on head.bf16), the others as the plan module has them; every other target route:
+    the defaults."""
     variant = route[len("target-"):] if route.startswith("target-") else None
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
-            route != "target-logits-head", variant if variant in CELL_VARIANTS else None, OPT_IN_ROUTES.get(route, ()))
+            route != "target-logits-head", variant if variant in CELL_VARIANTS else None,
+            tuple(sorted(SWITCH_ROUTES.get(route, {}).items())))
 
 
 def set_cell_variant(variant: str | None, saved: dict) -> None:
@@ -150,7 +153,7 @@ def set_route(llm, route: str, state: dict) -> None:
         set_cell_variant(want[3], state.setdefault("cells", {}))
         defaults = state.setdefault("plan_switches", {n: getattr(plan, n) for n in ("INDEX_GEMV", "HEAD12")})
         for name, default in defaults.items():   # read when the plan is built
-            setattr(plan, name, name in want[4] or default)
+            setattr(plan, name, dict(want[4]).get(name, default))
         routing.install(llm.model, want[0], weight_layout=want[1])
         if not want[2]:
             llm.model.greedy_head = None
@@ -328,8 +331,8 @@ def main() -> None:
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
                          "split count rounded up, the rule before the one-wave rule), target-index-gemv (the index "
-                         "projections on linear.bf16, opt-in, not cuBLAS), target-head12 (the greedy head's 1-8 rows "
-                         "on the 12-bit head, opt-in), target-opt-in (both)")
+                         "projections on linear.bf16, opt-in, not cuBLAS), target-head12 / target-head-bf16 (the "
+                         "greedy head's 1-8 rows on the 12-bit / the BF16 head), target-opt-in (index GEMV + head12)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

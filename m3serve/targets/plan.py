@@ -46,9 +46,10 @@ GROUPED_FMT = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "dense": 3}
 INDEX_GEMV = False
 
 # the greedy head's 1-8 rows on head.head12 (the 12-bit coded head through the MMA head) where the head encodes
-# (targets.routing.head12_tiles: bit-checked, else head.bf16). Off until the decode step measures it on the H200
-# (bench/decode.py route target-head12)
-HEAD12 = False
+# (targets.routing.head12_tiles: bit-checked, else head.bf16). On the H100 the decode step measured 1.471 against
+# 1.652 ms (minimax-m3:5) and 2.687 against 2.858 ms (minimax-m3:12) at one row
+# (bench/results/decode/decode-target-h100-m3_{5,12}-head12.json, route target-head12 beside target)
+HEAD12 = True
 
 # the cell config a launch of each kind takes (the others take none)
 CONFIG_KEY = {**{f"linear.{f}": "gemm" for f in QUANT_FORMATS}, **{f"qkv.{f}": "gemm" for f in QUANT_FORMATS},

@@ -74,9 +74,10 @@ def test_cell_variant_routes_bind_the_cells_and_give_them_back():
     assert route_binding("target-mma-gemv-uncapped") == ("auto", None, True, "mma-gemv-uncapped", ())
     assert route_binding("target-pdl") == ("auto", None, True, None, ())
     assert route_binding("target-rows") == ("auto", "rows", True, None, ())
-    assert route_binding("target-index-gemv") == ("auto", None, True, None, ("INDEX_GEMV",))
-    assert route_binding("target-head12") == ("auto", None, True, None, ("HEAD12",))
-    assert route_binding("target-opt-in") == ("auto", None, True, None, ("INDEX_GEMV", "HEAD12"))
+    assert route_binding("target-index-gemv") == ("auto", None, True, None, (("INDEX_GEMV", True),))
+    assert route_binding("target-head12") == ("auto", None, True, None, (("HEAD12", True),))
+    assert route_binding("target-head-bf16") == ("auto", None, True, None, (("HEAD12", False),))
+    assert route_binding("target-opt-in") == ("auto", None, True, None, (("HEAD12", True), ("INDEX_GEMV", True)))
     assert route_binding("target-round3") == ("auto", None, True, "round3", ())
     entries = all_entries()
     gemv = [c for n in ("linear.mxfp8", "qkv.mxfp8") for c in entries[n].cells

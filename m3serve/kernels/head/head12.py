@@ -167,7 +167,10 @@ def head12_cells(cfg: Head12MmaConfig) -> tuple[Cell, ...]:
                  for v, tp in ((HB.VOCAB_TP1, "TP1"), (HB.VOCAB_TP2, "TP2 vocab-parallel shard")))
 
 
-CELLS = head12_cells(Head12MmaConfig())
+# 2 row pairs a warp, 2 warps (BN 64, so V / BN divides both TP shapes; 163 registers, no spill): 656.9 / 683.0 us
+# at 1 / 8 rows on the H100 against 663.2 / 687.8 for 1 pair x 4 warps and 960 / 962 for head.bf16
+# (bench/results/kernel_variants/kernel-variants-head12-mma-h100.json)
+CELLS = head12_cells(Head12MmaConfig(RP=2, num_warps=2))
 INTERP_CELLS = (
     Cell(rows=(1, 3), shape=(192, 256), why="interpreter: 3 CTAs of 4 warps, escapes of both kinds, 2 reduce programs",
          config={"head": Head12MmaConfig(BN_REDUCE=128)}),
