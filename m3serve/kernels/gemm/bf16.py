@@ -5,7 +5,7 @@ Why: quantized M3 checkpoints keep the lightning indexer in BF16, so every MSA l
 index-q | index-k ([Hk * Di + Di, H] = 640 x 6144 at TP1, 7.9 MB) beside the quantized q|k|v. cuBLAS takes two
 launches for it at one row (a split-K GEMM and its reduce, ~7 us on the H100); the decode GEMV takes one. Rows above
 4 keep cuBLAS (targets.fused_projection). The plan routes that group here only with targets.plan.INDEX_GEMV
-(opt-in until these cells run on a GPU).
+(opt-in: in the decode step it measured level with cuBLAS, see targets/plan.py).
 
 Shape legend:
     x      [M, K]   bf16 activations (M = 1..4 tokens), unit column stride
@@ -25,7 +25,7 @@ from m3serve.kernels.gemm._gemm_tiles import GemmWorkspace, make_workspace
 from m3serve.kernels.gemm._gemv import GemvConfig, gemv_split, launch_gemv
 
 ENABLED = True  # the one switch: False sends every linear.bf16 call down the stock path (cuBLAS); the plan routes
-# the index projections here only where targets.plan.INDEX_GEMV says so (opt-in until its cells run on a GPU)
+# the index projections here only where targets.plan.INDEX_GEMV says so (opt-in: measured level with cuBLAS in the step)
 
 GS = 32  # columns summed before they join the accumulator (no scale: only the summation order)
 
