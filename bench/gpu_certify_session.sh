@@ -162,6 +162,10 @@ head12-h200)  # issue 30's goal rows with the 12-bit MMA head as the default gre
   phase decode-deep ${T_C:-240} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
     --routes target,target-head-bf16 --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-head12-default.json"
+  # Eagle3 on minimax-m3:5 (its drafter shares the target's head: verify rows and every draft pass take the 12-bit
+  # head now) beside plain on the same engine; before: 0.90x plain at batch 1 (spec-target-m3_5-h200.json)
+  phase spec-m3_5 ${T_D:-100} python3 bench/spec_target.py --models minimax-m3:5 --batch 1,4 --k 3 \
+    --out "$OUT/spec-target-m3_5-head12-$TAG.json"
   ;;
 head12-mma)  # issue 30 item 3, fifth round: the 12-bit head as a register-operand MMA head (head.head12 rewritten) and
             # the index projections on linear.bf16: their GPU cells and the greedy head in the decode graphs, the
