@@ -13,6 +13,25 @@ from tests.runtime.test_decode_target_gpu import _greedy, _need_cuda, _release
 pytestmark = pytest.mark.gpu
 
 
+def _check_greedy_ids(llm, row_counts, seed: int) -> None:
+    """The greedy head on fresh hidden states: ids = argmax of the bf16 logits, a pick that differs only where the
+    two bf16 logits lie within fp32 summation noise of each other (one bf16 ulp apart or tied), at most 1 in 10."""
+    import torch
+
+    from m3serve.kernels.head.bf16 import bf16_ulp
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for rows in row_counts:
+        h = torch.randn(rows, llm.model.cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            logits = llm.model.logits(h)
+            ids = llm.model.greedy_tokens(h)
+        want = logits.argmax(-1)
+        top = logits.gather(1, want[:, None])[:, 0]
+        got = logits.gather(1, ids[:, None])[:, 0]
+        assert bool(((ids == want) | (top - got <= bf16_ulp(top))).all()), (rows, ids, want)
+        assert (ids == want).float().mean() >= 0.9, (rows, ids, want)
+
+
 def test_fused_greedy_head_in_the_decode_graphs():
     _need_cuda()
     from m3serve import LLM, SamplingParams
@@ -29,22 +48,7 @@ def test_fused_greedy_head_in_the_decode_graphs():
     replays, sampled = g.replays, g.sampled_replays      # (the engine's warm-up requests sample)
     fused = _greedy(llm, prompts, 24)
     assert g.replays > replays and g.sampled_replays == sampled
-    # the greedy head itself on fresh hidden states: ids = argmax of the bf16 logits, a pick that differs only where
-    # the two bf16 logits lie within fp32 summation noise of each other (one bf16 ulp apart or tied)
-    import torch
-
-    from m3serve.kernels.head.bf16 import bf16_ulp
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for rows in (1, 3, 8, 16, 33, 48):
-        h = torch.randn(rows, llm.model.cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
-        with torch.no_grad():
-            logits = llm.model.logits(h)
-            ids = llm.model.greedy_tokens(h)
-        want = logits.argmax(-1)
-        top = logits.gather(1, want[:, None])[:, 0]
-        got = logits.gather(1, ids[:, None])[:, 0]
-        assert bool(((ids == want) | (top - got <= bf16_ulp(top))).all()), (rows, ids, want)
-        assert (ids == want).float().mean() >= 0.9
+    _check_greedy_ids(llm, (1, 3, 8, 16, 33, 48), seed=0)
     # the same greedy requests with logprobs: the engine asks for logits, the sampling variant supplies them
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     with_lp = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -68,10 +72,7 @@ def test_head12_greedy_head_in_the_decode_graphs(monkeypatch):
     1-8 rows run head.head12 (9-48 the BF16 head), its ids are argmax of the bf16 logits up to fp32 summation order,
     and the decode graphs' tokens agree with graphs captured on the BF16 head (a near-tie may flip: 90 % floor)."""
     _need_cuda()
-    import torch
-
     from m3serve import LLM
-    from m3serve.kernels.head.bf16 import bf16_ulp
     from m3serve.runtime.decode_graphs import DecodeGraphs
     from m3serve.targets import plan, routing
     monkeypatch.setattr(plan, "HEAD12", True)
@@ -81,16 +82,7 @@ def test_head12_greedy_head_in_the_decode_graphs(monkeypatch):
     head = llm.model.greedy_head
     assert head.tiles is not None and head.table12 is not None, "the random head must pass the bit check"
     assert llm.engine.runner.graphs.fused_greedy
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for rows in (1, 2, 8, 9, 33):
-        h = torch.randn(rows, llm.model.cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
-        with torch.no_grad():
-            logits = llm.model.logits(h)
-            ids = llm.model.greedy_tokens(h)
-        want = logits.argmax(-1)
-        top = logits.gather(1, want[:, None])[:, 0]
-        got = logits.gather(1, ids[:, None])[:, 0]
-        assert bool(((ids == want) | (top - got <= bf16_ulp(top))).all()), (rows, ids, want)
+    _check_greedy_ids(llm, (1, 2, 8, 9, 33), seed=1)
     vocab = llm.model.cfg.vocab_size
     prompts = [{"prompt_token_ids": [(7 + 13 * i + 31 * j) % vocab for j in range(20 + 9 * i)]} for i in range(4)]
     coded = _greedy(llm, prompts, 24)

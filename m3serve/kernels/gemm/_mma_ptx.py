@@ -101,6 +101,12 @@ mul.wide.u32 o64, idx, {esize};
 add.s64 a64, {base}, o64;"""
 
 
+def v4_loads(regs: list[str], addr: str, offsets: list[int]) -> list[str]:
+    """One 16-byte load per run of 4 registers: regs[4 i .. 4 i + 3] from [addr + offsets[i]] (read-only, no L1)."""
+    return [f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs[4 * i:4 * i + 4])}}}, [{addr}+{off}];"
+            for i, off in enumerate(offsets)]
+
+
 def scale_regs(rp: int) -> int:
     """One register of scale bits per row pair (both rows), rounded up to the pack of 2."""
     return rp + (rp % 2)
@@ -142,10 +148,8 @@ add.s64 sa, {sk}, o64;
 shl.b32 cb, lane, {scale_bytes};
 cvt.u64.u32 o64, cb;
 add.s64 sa, sa, o64;""")
-        for h in range(2):
-            for v in range(per_row // 4):
-                regs = W[(2 * p + h) * per_row + 4 * v:(2 * p + h) * per_row + 4 * v + 4]
-                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs)}}}, [wa+{h * half + 512 * v}];")
+        s += v4_loads(W[2 * p * per_row:(2 * p + 2) * per_row], "wa",
+                      [h * half + 512 * v for h in range(2) for v in range(per_row // 4)])
         if fmt == FMT_NVFP4:  # rows rA, rB: two E4M3 pairs, one word
             s.append(f"ld.global.nc.L1::no_allocate.b32 {r['S'][p]}, [sa];")
         else:                 # rows rA, rB: one E8M0 each, as load_asm's hA | hB << 8

@@ -20,7 +20,7 @@ only moves the exponent.
 
 from __future__ import annotations
 
-from m3serve.kernels.gemm._mma_ptx import X_REGS, _mma, _Operands
+from m3serve.kernels.gemm._mma_ptx import X_REGS, _mma, _Operands, v4_loads
 
 SM_REGS = 16  # a row pair's sign/mantissa words a step (2 rows x 32 bytes)
 CODE_REGS = 8  # a row pair's code words a step (2 rows x 16 bytes)
@@ -62,13 +62,9 @@ shl.b32 cb, lane, 4;
 cvt.u64.u32 o64, cb;
 add.s64 sa, sa, o64;
 add.s64 ca, ca, o64;""")
-        for h in range(2):  # sm tile [h, v, lane, 16 B]
-            for v in range(2):
-                regs = SM[SM_REGS * p + 8 * h + 4 * v:SM_REGS * p + 8 * h + 4 * v + 4]
-                s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs)}}}, [sa+{1024 * h + 512 * v}];")
-        for h in range(2):  # code tile [h, lane, 16 B]
-            regs = CD[CODE_REGS * p + 4 * h:CODE_REGS * p + 4 * h + 4]
-            s.append(f"ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(regs)}}}, [ca+{512 * h}];")
+        # sm tile [h, v, lane, 16 B], code tile [h, lane, 16 B]
+        s += v4_loads(SM[SM_REGS * p:SM_REGS * (p + 1)], "sa", [1024 * h + 512 * v for h in range(2) for v in range(2)])
+        s += v4_loads(CD[CODE_REGS * p:CODE_REGS * (p + 1)], "ca", [0, 512])
         s.append(f"ld.global.nc.L1::no_allocate.u8 hb, [ba];\ncvt.u32.u16 {B[p]}, hb;")
     if base_regs(rp) > rp:
         s.append(f"mov.b32 {B[rp]}, 0;")
