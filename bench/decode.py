@@ -52,9 +52,11 @@ def copy_bandwidth(device, nbytes=2 << 30) -> float:
     return 2 * a.numel() / statistics.median(times[2:])
 
 
-def step_bytes(llm, batch: int, context: int) -> int:
+def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
     """Bytes one decode step must read: every attention / dense weight, the experts the batch touches
-    (expected count under uniform routing), the head, and the KV of `context` tokens per request."""
+    (expected count under uniform routing), the head as the step reads it (greedy rows where the bound greedy head
+    serves them on head.head12: its 12-bit tiles; else the BF16 weight), and the KV of `context` tokens per
+    request."""
     m, cfg = llm.model, llm.model.cfg
     total = 0
     for layer in m.layers:
@@ -67,7 +69,12 @@ def step_bytes(llm, batch: int, context: int) -> int:
             touched = e * (1 - (1 - k / e) ** batch)
             per_expert = (mlp.w13.qweight.nbytes() + mlp.w2.qweight.nbytes()) / e
             total += int(touched * per_expert) + mlp.router.numel() * 4
-    total += m.lm_head.qweight.nbytes()
+    head = getattr(m, "greedy_head", None)
+    table12 = getattr(head, "table12", None)
+    if greedy and table12 is not None and table12(batch) is not None:
+        total += head.tiles.nbytes()
+    else:
+        total += m.lm_head.qweight.nbytes()
     total += int(llm.engine.kv.spec.bytes_per_token()["total"] * context * batch)
     return total
 
@@ -385,7 +392,7 @@ def main() -> None:
                 if route == "target":
                     target_tokens[b] = toks
                 same = [x == y for ref, got in zip(base_tokens.get(b, []), toks) for x, y in zip(ref, got)]
-                nbytes = step_bytes(llm, b, args.context)
+                nbytes = step_bytes(llm, b, args.context, greedy=args.temperature == 0)
                 r.update(model=name, route=route, batch=b, context=args.context, bytes_per_step=nbytes,
                          roofline_s=nbytes / bw, fraction_of_roofline=(nbytes / bw) / r["median_s"],
                          greedy_agreement_vs_off=(sum(same) / len(same)) if same else None)

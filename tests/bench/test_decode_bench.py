@@ -127,3 +127,24 @@ def test_cell_variant_routes_bind_the_cells_and_give_them_back():
         assert qkv1.config["gemm"].SPLIT == 2
     finally:
         mma[0].config["moe"] = first
+
+
+def test_step_bytes_counts_the_head_as_the_step_reads_it():
+    """The 12-bit tiles for greedy rows the bound greedy head serves on head.head12, the BF16 weight otherwise (more
+    rows than its cells, sampling, or no tiles)."""
+    from types import SimpleNamespace
+
+    from decode import step_bytes
+
+    head = SimpleNamespace(table12=lambda rows: object() if rows <= 8 else None,
+                           tiles=SimpleNamespace(nbytes=lambda: 75))
+    model = SimpleNamespace(layers=[], cfg=None, greedy_head=head,
+                            lm_head=SimpleNamespace(qweight=SimpleNamespace(nbytes=lambda: 100)))
+    llm = SimpleNamespace(model=model, engine=SimpleNamespace(
+        kv=SimpleNamespace(spec=SimpleNamespace(bytes_per_token=lambda: {"total": 2}))))
+    assert step_bytes(llm, 1, 10) == 75 + 20
+    assert step_bytes(llm, 8, 10) == 75 + 160
+    assert step_bytes(llm, 9, 10) == 100 + 180
+    assert step_bytes(llm, 1, 10, greedy=False) == 100 + 20
+    head.table12 = None
+    assert step_bytes(llm, 1, 10) == 100 + 20
