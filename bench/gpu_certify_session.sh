@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -148,6 +148,26 @@ msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVF
               # over split counts 8 / 16 / 32 and the page tiles, unrotated and rotated, each checked against the first
   phase msa-variants ${T_A:-300} python3 bench/kernel_variants.py --only msa --iters 30 --out-dir "$OUT" \
     --name "kernel-variants-msa-rotated-$TAG.json"
+  ;;
+head12-last)  # head12-h200 in the order that matters for the card when little device time is left: on an H200 the
+             # goal rows first (the deepest model, then minimax-m3:5, on the defaults beside the BF16 head), then the
+             # head configs and the GPU tests; on an H100 the GPU tests of the new default cells, Eagle3 on
+             # minimax-m3:5 with the 12-bit head, the head configs, then minimax-m3:5
+  if [ "$TAG" = h200 ]; then
+    phase decode-deep ${T_C:-110} python3 bench/decode.py --models minimax-m3:24 --batch 1,8 --context 512 --steps 20 \
+      --routes target,target-head-bf16 --quantization nvfp4 --out "$OUT/decode-target-h200-m3_24-head12-default.json"
+    phase decode-m3_5 ${T_B:-60} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+      --routes target,target-head-bf16 --quantization nvfp4 --out "$OUT/decode-target-h200-m3_5-head12-default.json"
+    phase head-variants ${T_H:-30} python3 bench/kernel_variants.py --only head --iters 30 \
+      --name kernel-variants-head12-mma-h200.json --out-dir "$OUT"
+  else
+    phase pytest-head12 ${T_A:-60} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 55 -rfE \
+      tests/kernels/test_gpu.py tests/runtime/test_greedy_head_gpu.py -k "head or greedy"
+    phase spec-m3_5 ${T_D:-80} python3 bench/spec_target.py --models minimax-m3:5 --batch 1,4 --k 3 \
+      --out "$OUT/spec-target-m3_5-head12-h100.json"
+    phase head-variants ${T_H:-30} python3 bench/kernel_variants.py --only head --iters 30 \
+      --name kernel-variants-head12-mma-h100-default.json --out-dir "$OUT"
+  fi
   ;;
 head12-h200)  # issue 30's goal rows with the 12-bit MMA head as the default greedy head: its GPU cells (RP 2 x 2
              # warps) and the greedy head in the decode graphs, its configs beside the BF16 head, then minimax-m3:5
