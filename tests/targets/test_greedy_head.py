@@ -1,6 +1,7 @@
-"""The model's greedy head (targets.routing.HeadKernel on head.bf16): planned for a dense bf16 head on one rank, bound
-by install, and its ids equal the stock path's argmax of the bf16 logits (the Triton interpreter on CPU, with a cell
-for the tiny head's shape and the CUDA gate opened)."""
+"""The model's greedy head (targets.routing.HeadKernel on head.head12 for 1-8 rows, head.bf16 above): planned for a
+dense bf16 head on one rank, bound by install (the 12-bit tiles bit-checked there, a refused head kept on head.bf16),
+and its ids equal the stock path's argmax of the bf16 logits (the Triton interpreter and the PTX emulator on CPU,
+with cells for the tiny head's shape and the CUDA gate opened)."""
 
 from __future__ import annotations
 
