@@ -33,4 +33,4 @@ def test_head_group_checks_every_tile_against_the_band():
         got = {row["variant"]: row for row in r.rows if row["rows"] == rows}
         assert set(got) == want
         assert all(row["ok"] for row in got.values()), [(n, row["why"]) for n, row in got.items() if not row["ok"]]
-        assert got["bf16"]["bytes"] == 256 * 256 * 2 and got["h12/r1w4s2"]["bytes"] > 256 * 256 * 3 // 2
+        assert got["bf16"]["bytes"] == 256 * 256 * 2 and got["h12/r2w2s2"]["bytes"] > 256 * 256 * 3 // 2
