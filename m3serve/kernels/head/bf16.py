@@ -70,15 +70,6 @@ def check_head_io(x: torch.Tensor, v: int, k: int, ids: torch.Tensor, best: torc
     return m
 
 
-def launch_head(x, w, ids, best, ws, index_offset, *, v: int, k: int, cfg: HeadConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    m = check_head_io(x, v, k, ids, best, ws, cfg)
-    p = v // cfg.BN
-    head_partial_argmax[(p,)](x, w, ws.part_val, ws.part_idx, m, v, k, x.stride(0), p, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-                              CUDA=is_compiled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    argmax_reduce[(m,)](ws.part_val, ws.part_idx, ids, best, p, index_offset, BLOCK=1024, num_warps=4)
-    return ids, best
-
-
 def head_bf16_argmax(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, best: torch.Tensor,
                      workspace: HeadWorkspace, index_offset: int, config: HeadConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw call. Writes and returns (ids, best)."""
@@ -86,7 +77,13 @@ def head_bf16_argmax(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, best: 
     if w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"w: expected a contiguous [V, K] matrix, found {tuple(w.shape)}")
     v, k = w.shape
-    return launch_head(x, w, ids, best, workspace, index_offset, v=v, k=k, cfg=config)
+    m = check_head_io(x, v, k, ids, best, workspace, config)
+    p = v // config.BN
+    head_partial_argmax[(p,)](x, w, workspace.part_val, workspace.part_idx, m, v, k, x.stride(0), p, BM=config.BM,
+                              BN=config.BN, BK=config.BK, CUDA=is_compiled(x), num_warps=config.num_warps,
+                              num_stages=config.num_stages)
+    argmax_reduce[(m,)](workspace.part_val, workspace.part_idx, ids, best, p, index_offset, BLOCK=1024, num_warps=4)
+    return ids, best
 
 
 def head_bf16_reference(x, w, ids=None, best=None, workspace=None, index_offset=0, config=None):
