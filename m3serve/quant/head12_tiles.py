@@ -131,15 +131,20 @@ def tile_head12(h: Head12) -> Head12Tiles:
 
 
 def head12_tiles_weight(t: Head12Tiles) -> Tensor:
-    """The exact bf16 weight [V, K] that the tiles encode (the kernel's decode, then the escapes)."""
+    """The exact bf16 weight [V, K] that the tiles encode (the kernel's decode, then the escapes), decoded _CHUNK_ROWS
+    rows at a time (a block of 16 rows owns its tiles' bytes, so each chunk re-lays out alone)."""
     n, k = t.shape
-    sm = permute_blocks(t.sm, _sm_split(n, k), _SM_ORDER, inverse=True).to(torch.int32)
-    packed = permute_blocks(t.codes, _codes_split(n, k), _CODES_ORDER, inverse=True)
-    code = _words_from_kernel_order(unpack_e2m1(packed)).to(torch.int32)
-    base = t.tile_base.to(torch.int32).repeat_interleave(TILE_ROWS, 0).repeat_interleave(TILE_COLS, 1)
-    exp = torch.where(code == 0, torch.zeros_like(code), base + code)
-    bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
-    bits = torch.where(bits >= 0x8000, bits - 0x10000, bits)
-    w = bits.to(torch.int16).view(torch.bfloat16).clone()
+    w = torch.empty(n, k, dtype=torch.bfloat16, device=t.sm.device)
+    for r0 in range(0, n, _CHUNK_ROWS):
+        r1 = min(r0 + _CHUNK_ROWS, n)
+        sm = permute_blocks(t.sm[r0:r1], _sm_split(r1 - r0, k), _SM_ORDER, inverse=True).to(torch.int32)
+        packed = permute_blocks(t.codes[r0:r1], _codes_split(r1 - r0, k), _CODES_ORDER, inverse=True)
+        code = _words_from_kernel_order(unpack_e2m1(packed)).to(torch.int32)
+        base = t.tile_base[r0 // TILE_ROWS:r1 // TILE_ROWS].to(torch.int32)
+        base = base.repeat_interleave(TILE_ROWS, 0).repeat_interleave(TILE_COLS, 1)
+        exp = torch.where(code == 0, torch.zeros_like(code), base + code)
+        bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
+        bits = torch.where(bits >= 0x8000, bits - 0x10000, bits)
+        w[r0:r1] = bits.to(torch.int16).view(torch.bfloat16)
     w.view(-1)[t.esc_row.long() * k + t.esc_col.long()] = t.esc_val.to(torch.bfloat16)
     return w

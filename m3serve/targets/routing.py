@@ -192,21 +192,21 @@ class HeadKernel:
         if not _routes(h) or h.dtype != torch.bfloat16 or h.dim() != 2:
             return None
         rows = h.shape[0]
+        coded = self.table12(rows) if self.table12 is not None else None
+        launch = coded if coded is not None else self.table(rows)
+        if launch is None:
+            return None
         ids = torch.empty(rows, dtype=torch.int64, device=h.device)
         best = torch.empty(rows, dtype=torch.float32, device=h.device)
-        launch = self.table12(rows) if self.table12 is not None else None
-        if launch is not None:
+        if coded is not None:
             if launch.workspace is None:
                 launch.workspace = make_head12_workspace(launch.config, self.tiles.shape[0], h.device)
             launch.run(h.contiguous(), *self.tiles.args(), ids, best, launch.workspace, 0, launch.config)
-            return ids
-        launch = self.table(rows)
-        if launch is None:
-            return None
-        w = lin.weight
-        if launch.workspace is None:
-            launch.workspace = make_head_workspace(launch.config, w.shape[0], w.device)
-        launch.run(h.contiguous(), w, ids, best, launch.workspace, 0, launch.config)
+        else:
+            w = lin.weight
+            if launch.workspace is None:
+                launch.workspace = make_head_workspace(launch.config, w.shape[0], w.device)
+            launch.run(h.contiguous(), w, ids, best, launch.workspace, 0, launch.config)
         return ids
 
 

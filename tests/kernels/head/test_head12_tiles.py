@@ -22,7 +22,10 @@ def _weight(seed: int = 12) -> torch.Tensor:
     return w
 
 
-def test_tiles_hold_the_exact_weight_with_escapes_and_subnormals_in_the_list():
+@pytest.mark.parametrize("chunk", [1024, 16, 32])
+def test_tiles_hold_the_exact_weight_with_escapes_and_subnormals_in_the_list(monkeypatch, chunk):
+    import m3serve.quant.head12_tiles as tiles_mod
+    monkeypatch.setattr(tiles_mod, "_CHUNK_ROWS", chunk)   # the layout and its inverse, chunk by chunk
     w = _weight()
     h = encode_head12(w)
     t = tile_head12(h)
