@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -148,6 +148,14 @@ msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVF
               # over split counts 8 / 16 / 32 and the page tiles, unrotated and rotated, each checked against the first
   phase msa-variants ${T_A:-300} python3 bench/kernel_variants.py --only msa --iters 30 --out-dir "$OUT" \
     --name "kernel-variants-msa-rotated-$TAG.json"
+  ;;
+interpreter-ab)  # issue 28: the served sweep of the embedded model, plain and Eagle3 (the default policy, 8192-token steps),
+                # each on the server's interpreter settings (GIL switch interval 0.2 ms, start-up heap frozen) and on
+                # CPython's own (-pyd: 5 ms, not frozen), two interleaved repeats
+  phase serve-pareto ${T_SERVE:-560} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:plain-pg-pyd \
+    embedded:spec-pg-t8k embedded:spec-pg-t8k-pyd --repeats ${REPEATS:-2} --requests-per-user ${RPU:-8} --timeout 70 \
+    --out "$OUT/serve-pareto-interpreter-$TAG.json"
+  grep -n "WARNING\|ERROR\|interpreter" "$OUT/serve-pareto.log" | head -20
   ;;
 head12-last)  # head12-h200 in the order that matters for the card when little device time is left: on an H200 the
              # goal rows first (the deepest model, then minimax-m3:5, on the defaults beside the BF16 head), then the
