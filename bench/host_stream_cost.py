@@ -275,6 +275,8 @@ def run_level(srv, spans: StepSpans, stats: dict, writes: WriteCounter, streams:
         if stats["overlapped_steps"] else None,
         "sync_rows_mean": round(stats["sync_rows"] / stats["sync_steps"], 2) if stats["sync_steps"] else None,
         "client_itl_ms_p50": round(client["itl_ms"]["p50"], 3) if client["itl_ms"]["p50"] else None,
+        "client_itl_ms_p90": round(client["itl_ms"]["p90"], 3) if client["itl_ms"]["p90"] else None,
+        "client_tpot_ms_p90": round(client["tpot_ms"]["p90"], 3) if client["tpot_ms"]["p90"] else None,
         "client_output_tok_per_s": round(client["output_tokens_per_s"], 1),
     }
     if profs is not None:
@@ -316,12 +318,16 @@ def main() -> None:
     ap.add_argument("--label", default="cpu")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results" / "host_overhead"))
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="the GIL switch interval the server process runs with (default: `m3serve serve`'s)")
+    ap.add_argument("--no-gc-freeze", action="store_true", help="as `m3serve serve --no-gc-freeze`")
     args = ap.parse_args()
 
     import torch
     torch.set_num_threads(1)
     from m3serve.llm import LLM, default_model
     from m3serve.server.app import BackgroundServer, build_app
+    from m3serve.server.interpreter import DEFAULT_SWITCH_INTERVAL_MS, tune_for_serving
 
     import logging
     logging.basicConfig(level=logging.WARNING)
@@ -333,6 +339,8 @@ def main() -> None:
     stats = {"sync_steps": 0, "sync_rows": 0, "overlapped_steps": 0, "overlapped_rows": 0}
     _install_fakes(engine, args.device_step_us * 1e-6, args.eager_step_us * 1e-6, token_range, stats)
     srv = BackgroundServer(build_app(llm, served_model_name="m3-tiny-verse"), host="127.0.0.1", port=0).start()
+    interpreter = tune_for_serving(DEFAULT_SWITCH_INTERVAL_MS if args.switch_interval_ms is None
+                                   else args.switch_interval_ms, freeze_heap=not args.no_gc_freeze)
     spans = StepSpans(srv.engine_loop, stats)
     writes = WriteCounter()
     points = []
@@ -355,7 +363,7 @@ def main() -> None:
                   "requests_per_stream": args.requests_per_stream, "max_num_seqs": args.max_num_seqs,
                   "repeat": args.repeat,
                   "device_step_us": args.device_step_us, "eager_step_us": args.eager_step_us,
-                  "profile": args.profile, "cpu_count": os.cpu_count()},
+                  "profile": args.profile, "cpu_count": os.cpu_count(), **interpreter},
         "note": "CPU us per generated token by server thread; the device is a fixed GIL-free wait, the eager "
                 "forward's host launch cost is not in it",
         "points": points,

@@ -13,10 +13,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from m3serve.kernels._jit import kernel, kernel_unspecialized
+from m3serve.kernels._jit import kernel_unspecialized
 
 
-@kernel
+# index_scale / kv_offset: 1 and 1 for the cache's tables, a multiple of 16 for the draft view's: not specialised,
+# so one variant serves both (the view's was once built after the warm-up, in front of a user)
+@kernel_unspecialized("index_scale", "kv_offset")
 def _expand_kernel(mirror_ptr, rows_ptr, slot_ptr, sub_ptr, num_blocks, index_scale, kv_offset,
                    BLOCK: tl.constexpr):
     i = tl.program_id(0)
@@ -46,8 +48,10 @@ def expand_triton(mirror: Tensor, rows: Tensor, index_scale: int, kv_offset: int
 
 
 # every eager step stages a different number of rows and tokens (and so offsets into the stage): not specialised,
-# so one variant serves all of them instead of one per (== 1 / divisible by 16 / other) class of each
-@kernel_unspecialized("num_seqs", "num_tokens", "off_change", "off_data", "off_tok", "off_pos")
+# so one variant serves all of them instead of one per (== 1 / divisible by 16 / other) class of each; nor are
+# index_scale / kv_offset (the cache's tables and the draft view's differ there, see _expand_kernel)
+@kernel_unspecialized("num_seqs", "num_tokens", "off_change", "off_data", "off_tok", "off_pos", "index_scale",
+                      "kv_offset")
 def _prepare_kernel(mirror_ptr, stage_ptr, slot_ptr, sub_ptr, slotmap_ptr, num_seqs, num_tokens, num_blocks,
                     page_size, index_scale, kv_offset, off_change, off_data, off_tok, off_pos,
                     BLOCK: tl.constexpr, TBLOCK: tl.constexpr):

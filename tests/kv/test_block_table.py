@@ -320,3 +320,32 @@ def test_prepare_on_gpu_matches_reference():
     for _ in range(40):
         mutate(rng, m, next_id)
         _check_prepare(tables, m, m.live_seq_ids(), rng)
+
+
+def test_one_compiled_variant_serves_the_cache_tables_and_the_draft_view():
+    """The block-table kernels take every count and both tables' (index_scale, kv_offset) as runtime values: the
+    specialisation key Triton compiles by is the same for the cache's tables (1, 1), the draft view's (a multiple of
+    16) and any step's row / token counts, so the warm-up's one build serves them all (the view's variant was once
+    built after the warm-up of an Eagle3 engine)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from m3serve.kv._expand_triton import _expand_kernel, _prepare_kernel
+
+    def key(k, args):
+        params = [p for p in k.gpu.params if not p.is_constexpr]
+        assert len(params) == len(args), k.__name__
+        return tuple(native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize, True)
+                     for p, v in zip(params, args))
+
+    i32 = torch.zeros(64, dtype=torch.int32)
+    ptrs5 = (i32,) * 5
+    prepare = {key(_prepare_kernel, (*ptrs5, seqs, toks, 40, 128, scale, off, *offsets))
+               for seqs, toks in ((1, 1), (16, 32), (5, 7)) for scale, off in ((1, 1), (48, 16), (16, 1), (7, 0))
+               for offsets in ((8, 24, 64, 96), (3, 5, 9, 17))}
+    assert len(prepare) == 1
+    expand = {key(_expand_kernel, ((i32,) * 4 + (40, scale, off))) for scale, off in ((1, 1), (48, 16), (16, 1))}
+    assert len(expand) == 1
+    # and the check can fail: a specialised integer argument (the table width) splits the key by its class
+    assert key(_prepare_kernel, (*ptrs5, 1, 1, 48, 128, 1, 1, 8, 24, 64, 96)) != \
+        key(_prepare_kernel, (*ptrs5, 1, 1, 41, 128, 1, 1, 8, 24, 64, 96))
