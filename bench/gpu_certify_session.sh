@@ -149,13 +149,13 @@ msa-variants)  # issue 30: the MSA decode case alone (one token, 16 selected NVF
   phase msa-variants ${T_A:-300} python3 bench/kernel_variants.py --only msa --iters 30 --out-dir "$OUT" \
     --name "kernel-variants-msa-rotated-$TAG.json"
   ;;
-interpreter-ab)  # issue 28: the served sweep of the embedded model, plain and Eagle3 (the default policy, 8192-token steps),
-                # each on the server's interpreter settings (GIL switch interval 0.2 ms, start-up heap frozen) and on
-                # CPython's own (-pyd: 5 ms, not frozen), two interleaved repeats
+interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with the server's defaults (start-up heap frozen),
+                # with the heap left to the collector (-pyd) and with a 0.2 ms GIL switch interval (-si), and Eagle3
+                # (the default policy, 8192-token steps), two interleaved repeats
   phase serve-pareto ${T_SERVE:-560} python3 bench/serve_pareto.py --runs embedded:plain-pg embedded:plain-pg-pyd \
-    embedded:spec-pg-t8k embedded:spec-pg-t8k-pyd --repeats ${REPEATS:-2} --requests-per-user ${RPU:-8} --timeout 70 \
+    embedded:plain-pg-si embedded:spec-pg-t8k --repeats ${REPEATS:-2} --requests-per-user ${RPU:-8} --timeout 70 \
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
-  grep -n "WARNING\|ERROR\|interpreter" "$OUT/serve-pareto.log" | head -20
+  grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
   ;;
 head12-last)  # head12-h200 in the order that matters for the card when little device time is left: on an H200 the
              # goal rows first (the deepest model, then minimax-m3:5, on the defaults beside the BF16 head), then the

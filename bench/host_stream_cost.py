@@ -76,8 +76,11 @@ class HostOnlyGraphs:
     def bucket_for(self, batch: int):
         return self._bucket_for(batch, self.captured)
 
-    def run(self, seq_ids, token_ids, positions, sampling=None, penalty_rows=None) -> _Launched:
+    def run(self, seq_ids, token_ids, positions, sampling=None, penalty_rows=None, want_logits=False) -> _Launched:
         from m3serve.runtime.decode_graphs import pack_decode
+        if want_logits:
+            raise RuntimeError("HostOnlyGraphs: the harness's requests are greedy without logprobs; no step reads "
+                               "logits")
         bucket = self.bucket_for(len(seq_ids))
         neutral = self.penalties.neutral if self.penalties is not None else 0
         tsi, pos, extra = pack_decode(bucket, token_ids, positions, sampling, penalty_rows, neutral)
@@ -327,7 +330,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from m3serve.llm import LLM, default_model
     from m3serve.server.app import BackgroundServer, build_app
-    from m3serve.server.interpreter import DEFAULT_SWITCH_INTERVAL_MS, tune_for_serving
+    from m3serve.server.interpreter import tune_for_serving
 
     import logging
     logging.basicConfig(level=logging.WARNING)
@@ -339,8 +342,7 @@ def main() -> None:
     stats = {"sync_steps": 0, "sync_rows": 0, "overlapped_steps": 0, "overlapped_rows": 0}
     _install_fakes(engine, args.device_step_us * 1e-6, args.eager_step_us * 1e-6, token_range, stats)
     srv = BackgroundServer(build_app(llm, served_model_name="m3-tiny-verse"), host="127.0.0.1", port=0).start()
-    interpreter = tune_for_serving(DEFAULT_SWITCH_INTERVAL_MS if args.switch_interval_ms is None
-                                   else args.switch_interval_ms, freeze_heap=not args.no_gc_freeze)
+    interpreter = tune_for_serving(args.switch_interval_ms, freeze_heap=not args.no_gc_freeze)
     spans = StepSpans(srv.engine_loop, stats)
     writes = WriteCounter()
     points = []

@@ -13,7 +13,8 @@ plain above: `auto:2`) or spec-always (no policy: every step speculates,
 up to 1024 tokens as prefill graphs (`--prefill-graph-tokens 1024`), and "-aw" (after it, if both) holds arrivals
 back up to 4 ms while requests decode so that several share a prefill step (`--admission-wait-ms 4`), and "-t8k" sets
 an 8192-token step budget (`--max-num-batched-tokens 8192`, the plain target's default; speculation's is 2048), and
-"-pyd" runs the server on CPython's own interpreter settings (`--switch-interval-ms 5 --no-gc-freeze`). A mode without
+"-pyd" leaves the server's start-up heap to the garbage collector (`--no-gc-freeze`), "-si" sets a 0.2 ms GIL switch
+interval (`--switch-interval-ms 0.2`). A mode without
 "-pg" passes `--prefill-graph-tokens 0`, so that a mode means the same server whatever the default. Every run:
 --input-len / --output-len tokens, concurrency levels --concurrency.
 
@@ -39,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from m3serve.benchmeta import run_metadata  # noqa: E402
-from m3serve.server.interpreter import DEFAULT_SWITCH_INTERVAL_MS, PYTHON_SWITCH_INTERVAL_MS  # noqa: E402
+from m3serve.server.interpreter import SHORT_SWITCH_INTERVAL_MS  # noqa: E402
 
 
 MODES = ("plain", "spec", "spec-auto", "spec-auto2", "spec-always")
@@ -49,12 +50,12 @@ POLICY = {"spec-auto": "auto", "spec-auto2": "auto:2", "spec-always": "none"}   
 PG_SUFFIX, PG_TOKENS = "-pg", 1024
 AW_SUFFIX, AW_MS = "-aw", 4.0
 STEP_SUFFIX, STEP_TOKENS = "-t8k", 8192
-PY_SUFFIX = "-pyd"
-# mode suffix -> the server flags it adds (prefill graphs; admission batching; an 8192-token step budget; CPython's
-# own GIL switch interval and a start-up heap left to the collector, as before the server set them)
+PY_SUFFIX, SI_SUFFIX = "-pyd", "-si"
+# mode suffix -> the server flags it adds (prefill graphs; admission batching; an 8192-token step budget; the
+# start-up heap left to the collector, as before the server froze it; a 0.2 ms GIL switch interval)
 SUFFIXES = {PG_SUFFIX: ["--prefill-graph-tokens", str(PG_TOKENS)], AW_SUFFIX: ["--admission-wait-ms", str(AW_MS)],
             STEP_SUFFIX: ["--max-num-batched-tokens", str(STEP_TOKENS)],
-            PY_SUFFIX: ["--switch-interval-ms", str(PYTHON_SWITCH_INTERVAL_MS), "--no-gc-freeze"]}
+            PY_SUFFIX: ["--no-gc-freeze"], SI_SUFFIX: ["--switch-interval-ms", str(SHORT_SWITCH_INTERVAL_MS)]}
 NO_PG = ["--prefill-graph-tokens", "0"]
 
 
@@ -100,7 +101,7 @@ def parse_run(text: str) -> tuple[str, str, str | None]:
     if parts[0] == "minimax-m3" and len(parts) > 1 and parts[1].isdigit():
         parts = [parts[0] + ":" + parts[1]] + parts[2:]
     if len(parts) not in (2, 3) or split_mode(parts[1])[0] not in MODES:
-        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[{PG_SUFFIX}][{AW_SUFFIX}][{STEP_SUFFIX}][{PY_SUFFIX}]"
+        raise SystemExit(f"--runs {text!r}: expected MODEL:{'|'.join(MODES)}[{PG_SUFFIX}][{AW_SUFFIX}][{STEP_SUFFIX}][{PY_SUFFIX}][{SI_SUFFIX}]"
                          "[:QUANT]")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
@@ -204,8 +205,9 @@ def main() -> int:
             r["admission_wait_ms"] = AW_MS
         if STEP_SUFFIX in suffixes:
             r["max_num_batched_tokens"] = STEP_TOKENS
-        r["switch_interval_ms"], r["gc_freeze"] = ((PYTHON_SWITCH_INTERVAL_MS, False) if PY_SUFFIX in suffixes
-                                                    else (DEFAULT_SWITCH_INTERVAL_MS, True))
+        r["gc_freeze"] = PY_SUFFIX not in suffixes
+        if SI_SUFFIX in suffixes:
+            r["switch_interval_ms"] = SHORT_SWITCH_INTERVAL_MS
         r.pop("meta", None)
     doc["repeats"] = args.repeats
     doc["spec_vs_plain"] = spec_vs_plain(doc["runs"])

@@ -88,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "graphs on the decode target (0: off; default: EngineConfig's, 1024; ignored with "
                         "--enforce-eager)")
     p.add_argument("--switch-interval-ms", type=float, default=None, metavar="MS",
-                   help="the GIL's switch interval in this process: the longest the engine thread waits for the "
-                        "HTTP thread (default 0.2; CPython's own is 5, see m3serve/server/interpreter.py)")
+                   help="the GIL's switch interval in this process: how long the engine thread may wait for the "
+                        "HTTP thread (default: CPython's, 5; see m3serve/server/interpreter.py)")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the start-up heap in the garbage collector's passes (default: frozen once warm)")
     p.add_argument("--log-level", default="info")
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from m3serve.engine.spec_config import policy_form
     from m3serve.llm import LLM, default_model
     from m3serve.server.app import build_app, model_name, serve
-    from m3serve.server.interpreter import DEFAULT_SWITCH_INTERVAL_MS, check_switch_interval, tune_for_serving
+    from m3serve.server.interpreter import check_switch_interval, tune_for_serving
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model_pos and args.model and args.model_pos != args.model:
@@ -115,12 +115,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_grace >= 0:
         print(f"m3serve serve: --shutdown-grace: expected seconds >= 0, found {args.shutdown_grace}", file=sys.stderr)
         return 2
-    try:
-        switch_ms = check_switch_interval(DEFAULT_SWITCH_INTERVAL_MS if args.switch_interval_ms is None
-                                          else args.switch_interval_ms)
-    except ValueError as e:
-        print(f"m3serve serve: {e}", file=sys.stderr)
-        return 2
+    if args.switch_interval_ms is not None:
+        try:
+            check_switch_interval(args.switch_interval_ms)
+        except ValueError as e:
+            print(f"m3serve serve: {e}", file=sys.stderr)
+            return 2
     model = args.model or args.model_pos or default_model()
     extra = {}
     if args.tp != 1:
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     # the engine is built and warm: what start-up allocated lives as long as the process
-    tune_for_serving(switch_ms, freeze_heap=not args.no_gc_freeze)
+    tune_for_serving(args.switch_interval_ms, freeze_heap=not args.no_gc_freeze)
 
     def ready(url: str) -> None:
         print(f"m3serve: serving {name!r} at {url}  (OpenAI base_url {url}/v1)", flush=True)

@@ -1,12 +1,18 @@
-"""The serving process's interpreter settings: the GIL's switch interval and a frozen start-up heap.
+"""The serving process's interpreter settings: a frozen start-up heap, and (opt-in) the GIL's switch interval.
+
+The garbage collector's full passes walk every object alive, and after start-up that is the whole model,
+tokenizer and server (about 250,000 objects for the embedded model): milliseconds that fall into one token's gap.
+`gc.freeze()` after the warm-up moves them out of the collector's sight (they live as long as the process), so
+later passes walk only what serving allocates. On by default (`--no-gc-freeze` leaves the heap as it is).
 
 The engine loop's thread (engine_loop.py) and the event loop's thread (HTTP, SSE, detokenizing) share one GIL.
 The event loop's thread releases it around each socket call and takes it straight back, so a thread waiting for
 it (the engine thread, back from its wait on the device) may only get it when the waiter's timer forces a
-switch: after `sys.getswitchinterval()`, 5 ms by default, ten decode steps of the embedded model. Served, that
-wait lands in every inter-token gap once the HTTP side is busy (many streams), never in the benchmark that
-drives the engine in-process. A switch interval near one step's host work bounds the wait by it; the price is
-more (cheap) switches while both threads compute.
+switch: after `sys.getswitchinterval()`, 5 ms by default. A shorter interval bounds that wait, at the price of
+more switches while both threads compute. Measured with bench/host_stream_cost.py (the real server, the device
+replaced by fixed waits; 2-core CPU box, bench/results/host_overhead/host_stream_cost-cpu-interpreter-*.json)
+0.2 ms lost 12-15 % of the tokens per second at 16 streams, so the default keeps CPython's interval and
+`--switch-interval-ms` sets another; bench/serve_pareto.py's "-si" modes measure it served on the GPU.
 
 The garbage collector's full passes walk every object alive, and after start-up that is the whole model,
 tokenizer and server (millions of objects): tens of milliseconds that fall into one token's gap. `gc.freeze()`
@@ -22,8 +28,7 @@ import sys
 
 log = logging.getLogger("m3serve.server")
 
-DEFAULT_SWITCH_INTERVAL_MS = 0.2     # the embedded model's decode step is ~0.3 ms on the H200
-PYTHON_SWITCH_INTERVAL_MS = 5.0      # CPython's default, for comparison runs
+SHORT_SWITCH_INTERVAL_MS = 0.2     # what the "-si" serving sweeps try: under the embedded model's decode step
 
 
 def check_switch_interval(ms: float) -> float:
@@ -33,10 +38,11 @@ def check_switch_interval(ms: float) -> float:
     return float(ms)
 
 
-def tune_for_serving(switch_interval_ms: float = DEFAULT_SWITCH_INTERVAL_MS, freeze_heap: bool = True) -> dict:
-    """Set the GIL's switch interval and (freeze_heap) collect once, then freeze what start-up left alive.
-    Call it once the engine is built and warm, before serving. Returns what it set, for the log."""
-    sys.setswitchinterval(check_switch_interval(switch_interval_ms) / 1e3)
+def tune_for_serving(switch_interval_ms: float | None = None, freeze_heap: bool = True) -> dict:
+    """Set the GIL's switch interval (None: keep the interpreter's) and (freeze_heap) collect once, then freeze
+    what start-up left alive. Call it once the engine is built and warm, before serving. Returns what it set."""
+    if switch_interval_ms is not None:
+        sys.setswitchinterval(check_switch_interval(switch_interval_ms) / 1e3)
     frozen = 0
     if freeze_heap:
         gc.collect()
@@ -48,4 +54,4 @@ def tune_for_serving(switch_interval_ms: float = DEFAULT_SWITCH_INTERVAL_MS, fre
     return done
 
 
-__all__ = ["DEFAULT_SWITCH_INTERVAL_MS", "PYTHON_SWITCH_INTERVAL_MS", "check_switch_interval", "tune_for_serving"]
+__all__ = ["SHORT_SWITCH_INTERVAL_MS", "check_switch_interval", "tune_for_serving"]

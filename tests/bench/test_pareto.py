@@ -79,10 +79,12 @@ def test_serve_pareto_modes_ask_the_server_for_their_policy():
     _, big = sp.server_args("embedded", "spec-pg-t8k", None, args)
     assert big[big.index("--max-num-batched-tokens") + 1] == "8192" and "--speculative-tokens" in big
     assert "--max-num-batched-tokens" not in pg
-    # "-pyd": the server on CPython's own switch interval, its heap not frozen (the A/B of the interpreter settings)
+    # "-pyd": the start-up heap left to the collector; "-si": a 0.2 ms GIL switch interval (interpreter A/B)
     assert sp.split_mode("spec-pg-t8k-pyd") == ("spec", ["-pg", "-t8k", "-pyd"])
     _, pyd = sp.server_args("embedded", "plain-pg-pyd", None, args)
-    assert pyd[pyd.index("--switch-interval-ms") + 1] == "5.0" and "--no-gc-freeze" in pyd
+    assert "--no-gc-freeze" in pyd and "--switch-interval-ms" not in pyd
+    _, si = sp.server_args("embedded", "plain-pg-si", None, args)
+    assert si[si.index("--switch-interval-ms") + 1] == "0.2" and "--no-gc-freeze" not in si
     assert "--switch-interval-ms" not in pg and "--no-gc-freeze" not in pg
     with pytest.raises(SystemExit, match="spec-auto"):
         sp.parse_run("embedded:spec-fast-pg")

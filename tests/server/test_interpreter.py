@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from m3serve.server import cli as server_cli
-from m3serve.server.interpreter import DEFAULT_SWITCH_INTERVAL_MS, check_switch_interval, tune_for_serving
+from m3serve.server.interpreter import SHORT_SWITCH_INTERVAL_MS, check_switch_interval, tune_for_serving
 
 
 @pytest.fixture
@@ -39,13 +39,20 @@ def test_tune_without_freeze_leaves_the_heap_to_the_collector(restore_interprete
     assert done == {"switch_interval_ms": pytest.approx(5.0), "frozen_objects": 0} and gc.get_freeze_count() == 0
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "0.2", None])
+def test_the_default_keeps_the_interpreters_switch_interval(restore_interpreter):
+    sys.setswitchinterval(0.0042)
+    done = tune_for_serving()
+    assert sys.getswitchinterval() == pytest.approx(0.0042) and done["switch_interval_ms"] == pytest.approx(4.2)
+    assert done["frozen_objects"] > 0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "0.2"])
 def test_a_bad_switch_interval_names_the_flag(bad, restore_interpreter):
     before = sys.getswitchinterval()
     with pytest.raises(ValueError, match=r"--switch-interval-ms: expected milliseconds > 0"):
         tune_for_serving(bad)
     assert sys.getswitchinterval() == before
-    assert check_switch_interval(DEFAULT_SWITCH_INTERVAL_MS) == DEFAULT_SWITCH_INTERVAL_MS
+    assert check_switch_interval(SHORT_SWITCH_INTERVAL_MS) == SHORT_SWITCH_INTERVAL_MS
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
