@@ -11,7 +11,8 @@ it (the engine thread, back from its wait on the device) may only get it when th
 switch: after `sys.getswitchinterval()`, 5 ms by default. A shorter interval bounds that wait, at the price of
 more switches while both threads compute. Measured with bench/host_stream_cost.py (the real server, the device
 replaced by fixed waits; 2-core CPU box, bench/results/host_overhead/host_stream_cost-cpu-interpreter-*.json)
-0.2 ms lost 12-15 % of the tokens per second at 16 streams, so the default keeps CPython's interval and
+the frozen heap gave 8 % / 14 % more tokens per second at 16 / 64 streams than the heap left alone, and a 0.2 ms
+interval on top of it 6 % / 9 % fewer, so the default keeps CPython's interval and
 `--switch-interval-ms` sets another; bench/serve_pareto.py's "-si" modes measure it served on the GPU.
 
 The garbage collector's full passes walk every object alive, and after start-up that is the whole model,
