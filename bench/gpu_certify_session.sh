@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -156,6 +156,15 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
     embedded:plain-pg-si embedded:spec-pg-t8k --repeats ${REPEATS:-2} --requests-per-user ${RPU:-8} --timeout 70 \
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
   grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
+  ;;
+spec-warmup)  # issue 28 item 5: Eagle3 on minimax-m3:5 beside plain (the 12-bit head in the verify rows and draft passes);
+             # the log must name no kernel variant built after the warm-up (the block-table kernels now take the draft
+             # view's index_scale / kv_offset unspecialised: that variant was built while serving before)
+  phase spec-m3_5 ${T_D:-100} python3 bench/spec_target.py --models minimax-m3:5 --batch 1,4 --k 3 \
+    --out "$OUT/spec-target-m3_5-warmup-$TAG.json"
+  echo "[variants built after the warm-up: $(grep -c 'variant was built after the warm-up' "$OUT/spec-m3_5.log")]" \
+    | tee -a "$OUT/phases.txt"
+  grep 'variant was built after the warm-up' "$OUT/spec-m3_5.log" | cut -c1-300 | head -5
   ;;
 head12-last)  # head12-h200 in the order that matters for the card when little device time is left: on an H200 the
              # goal rows first (the deepest model, then minimax-m3:5, on the defaults beside the BF16 head), then the
