@@ -543,14 +543,21 @@ def render_host_stream_cost(files: list[ResultFile]) -> str:
             table.append([count(need(r, "streams", w)), sig(need(r, "engine_thread_us_per_stream_step", w)),
                           sig(need(r, "loop_thread_us_per_stream_step", w)),
                           sig(need(r, "total_us_per_stream_step", w)), sig(need(r, "rows_per_step", w)),
-                          pct(need(r, "sync_step_fraction", w))])
+                          pct(need(r, "sync_step_fraction", w)),
+                          or_dash(opt(r, "client_output_tok_per_s", w), sig),
+                          or_dash(opt(r, "client_itl_ms_p90", w), sig)])
         headers = ["streams", "engine thread µs", "event loop µs", "total µs per stream-step", "rows per step",
-                   "synchronous steps"]
+                   "synchronous steps", "client tok/s", "client ITL p90 ms"]
         label = opt(rf.data, "command", rf.name, "str") or ""
+        setup = opt(rf.data, "setup", rf.name, "dict") or {}
+        interpreter = ""
+        if "frozen_objects" in setup:    # files since the server's interpreter settings (server/interpreter.py)
+            interpreter = (f" — GIL switch interval {sig(setup['switch_interval_ms'])} ms, start-up heap "
+                           + ("frozen" if setup["frozen_objects"] else "not frozen"))
         blocks.append(file_block("Host CPU per stream and decode step (server + engine + detokenizer, compute "
                                  "replaced by a fixed wait)" + (" — after" if "after" in label else
-                                                                 " — before" if "before" in label else ""),
-                                 md_table(headers, table), rf))
+                                                                 " — before" if "before" in label else "")
+                                 + interpreter, md_table(headers, table), rf))
     return "\n\n".join(blocks)
 
 
