@@ -42,6 +42,7 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "norm.add_rms": (((1, 16384), "norm.add_rms"),),
     "head.bf16": (((1, 48), "head.bf16"),),
     "head.head12": (((1, 8), "head.head12"),),   # one MMA column a token row (9-48: head.bf16)
+    "head.head12_logits": (((1, 8), "head.head12_logits"),),   # the rows that sample (9 up: cuBLAS)
     # attention on the paged cache: rows = tokens of the step (kv.write) or query tokens per sequence
     "kv.write": (((1, 8192), "kv.write"),),
     "msa.scores": (((1, 8192), "msa.scores"),),

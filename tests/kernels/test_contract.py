@@ -21,7 +21,7 @@ ROW_PARALLEL = ("norm.rms", "norm.add_rms", "attn.qk_prep", "mlp.swiglu_oai", "m
 def test_entries_are_complete() -> None:
     assert set(ENTRIES) == {"linear.nvfp4", "linear.mxfp8", "linear.fp8", "linear.bf16", "qkv.nvfp4", "qkv.mxfp8", "qkv.fp8",
                             "linear.nvfp4.tiled", "linear.mxfp8.tiled", "linear.fp8.tiled",
-                            "norm.add_rms", "head.bf16", "head.head12", "moe.nvfp4", "moe.grouped",
+                            "norm.add_rms", "head.bf16", "head.head12", "head.head12_logits", "moe.nvfp4", "moe.grouped",
                             "kv.write", "msa.scores", "msa.select", "attn.paged", "attn.prefill", "attn.prefill_sparse",
                             "norm.rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small",
                             "attn.rope", "mlp.silu_mul", "spec.inputs", "spec.accept", "spec.commit"}

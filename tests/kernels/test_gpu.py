@@ -151,7 +151,7 @@ def _fresh_x(case, gen: torch.Generator) -> None:
     x.copy_((torch.randn(x.shape, generator=gen) * 2).to(x.dtype).to(x.device))
 
 
-@pytest.mark.parametrize("name", ["linear.nvfp4", "qkv.mxfp8", "moe.nvfp4", "head.head12"])
+@pytest.mark.parametrize("name", ["linear.nvfp4", "qkv.mxfp8", "moe.nvfp4", "head.head12", "head.head12_logits"])
 def test_cuda_graph_replay(name: str) -> None:
     e = ENTRIES[name]
     cell = _split_cell(name)[1] if name.startswith(("linear", "qkv")) else e.cells[0]

@@ -20,6 +20,7 @@ as torch.argmax does. Only 8 bytes per (row, program) ever reach memory.
 
 head.head12's pass 1 reads the MMA head's fp32 sums instead of computing them: it adds each row's escapes in list
 order (logits[:, row] += x[:, col] * value, exact products), then rounds and reduces as above.
+head.head12_logits's one pass adds the escapes the same way and writes the rounded logits as bf16 out [M, V].
 """
 
 from __future__ import annotations
@@ -64,19 +65,12 @@ def head_partial_argmax(x_ptr, w_ptr, pval_ptr, pidx_ptr, M, V, K, stride_xm, P,
     tl.store(pidx_ptr + rm * P + pid, pid * BN + arg, mask=rm < M)
 
 
-@kernel
-def head12_escape_argmax(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, pval_ptr, pidx_ptr, M, V, stride_xm,
-                         P, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
-    """Rows [pid * BN, + BN) of the MMA head's sums: + each row's escapes (one list entry per row and iteration,
-    in list order), rounded to bf16, reduced to (max, first index) per token row."""
-    pdl_release(PDL)
-    pdl_wait(PDL)  # before any global access (_pdl)
-    pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
-    rm = tl.arange(0, BM)
-    nmask = rn < V
+@helper
+def _with_escapes(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, rn, rm, nmask, M, V, stride_xm):
+    """[BN, BM] fp32: the MMA head's sums of vocabulary rows rn for token rows rm, + each vocabulary row's escapes
+    (one list entry per row and iteration, in list order: exact products), masked rows 0."""
     tmask = nmask[:, None] & (rm[None, :] < M)
-    acc = tl.load(logits_ptr + rm[None, :] * V + rn[:, None], mask=tmask, other=0.0)  # [BN, BM]
+    acc = tl.load(logits_ptr + rm[None, :] * V + rn[:, None], mask=tmask, other=0.0)
     lo = tl.load(esc_ptr + rn, mask=nmask, other=0)
     cnt = tl.load(esc_ptr + rn + 1, mask=nmask, other=0) - lo
     for j in range(0, tl.max(cnt, axis=0)):
@@ -87,12 +81,44 @@ def head12_escape_argmax(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, p
         xv = tl.load(x_ptr + rm[None, :] * stride_xm + col[:, None], mask=live[:, None] & (rm[None, :] < M),
                      other=0.0).to(tl.float32)
         acc += tl.where(live[:, None], val[:, None] * xv, 0.0)
+    return acc
+
+
+@kernel
+def head12_escape_argmax(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, pval_ptr, pidx_ptr, M, V, stride_xm,
+                         P, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows [pid * BN, + BN) of the MMA head's sums: + their escapes, rounded to bf16, reduced to (max, first
+    index) per token row."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    nmask = rn < V
+    acc = _with_escapes(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, rn, rm, nmask, M, V, stride_xm)
     logits = _round_to_bf16(tl.trans(acc))  # [BM, BN]
     logits = tl.where(nmask[None, :], logits, float("-inf"))
     best = tl.max(logits, axis=1)
     arg = tl.argmax(logits, axis=1, tie_break_left=True)
     tl.store(pval_ptr + rm * P + pid, best, mask=rm < M)
     tl.store(pidx_ptr + rm * P + pid, pid * BN + arg, mask=rm < M)
+
+
+@kernel
+def head12_escape_logits(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, out_ptr, M, V, stride_xm, stride_om,
+                         BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows [pid * BN, + BN) of the MMA head's sums: + their escapes, rounded to bf16 and written as the bf16
+    logits out[M, V] (what the BF16 head's GEMM returns, up to fp32 summation order)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # before any global access (_pdl)
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    nmask = rn < V
+    acc = _with_escapes(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, rn, rm, nmask, M, V, stride_xm)
+    # rounded in integer ops first: the interpreter's float cast truncates (then the cast is exact)
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], _round_to_bf16(acc).to(tl.bfloat16),
+             mask=nmask[:, None] & (rm[None, :] < M))
 
 
 @kernel

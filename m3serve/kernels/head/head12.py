@@ -1,8 +1,10 @@
-"""Catalog entry head.head12: greedy token ids over the 12-bit lossless coding of a BF16 LM head
+"""Catalog entries head.head12: greedy token ids over the 12-bit lossless coding of a BF16 LM head
 (m3serve.quant.head12), 1.5 bytes a weight instead of 2, for 1-8 token rows: the register-operand MMA head
 (kernels/head/_head12_mma.py) sums the dense tiles in fp32, then one pass adds the escapes exactly, rounds the
 logits to bf16 and reduces each program's rows to (max, first index), and the last pass picks over the programs
-(kernels/head/_argmax.py). The ids equal the BF16 head's up to fp32 summation order, ties included.
+(kernels/head/_argmax.py). The ids equal the BF16 head's up to fp32 summation order, ties included; and
+head.head12_logits: the same MMA sums, then one pass adds the escapes and writes the bf16 logits (the rows that
+sample, or want logprobs).
 
 Shape legend:
     x               [M, K]          bf16 (M = 1..8 tokens, K = 6144)
@@ -11,6 +13,7 @@ Shape legend:
     workspace       Head12Workspace: logits fp32 [8, V], part_val fp32 [8, P], part_idx int32 [8, P],
                     P = cdiv(V, BN_REDUCE)
     ids [M] int64, best [M] fp32    as in head.bf16
+    out             [M, V]          bf16 logits (head.head12_logits)
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from m3serve.kernels.head import bf16 as HB
-from m3serve.kernels.head._argmax import argmax_reduce, head12_escape_argmax
+from m3serve.kernels.head._argmax import argmax_reduce, head12_escape_argmax, head12_escape_logits
 from m3serve.kernels.head._head12_mma import Head12MmaConfig, emulate, launch_head12_mma
 from m3serve.kernels._jit import is_compiled
-from m3serve.kernels.catalog import Case, Cell, Entry, check_tensor, true_fp32
+from m3serve.kernels.catalog import Case, Cell, Entry, assert_band, check_tensor, gemm_band, poisoned, true_fp32
 from m3serve.kernels.gemm._linear import fresh_x
 from m3serve.quant.head12 import TILE_COLS, TILE_ROWS, encode_head12
 from m3serve.quant.head12_tiles import Head12Tiles, head12_tiles_weight, tile_head12
@@ -47,8 +50,8 @@ def make_head12_workspace(cfg: Head12MmaConfig, v: int, device: torch.device) ->
                            torch.empty(cfg.BM, p, dtype=torch.int32, device=device))
 
 
-def _check(x, sm, codes, tb, esc_ptr, esc_row, esc_col, esc_val, ids, best, ws: Head12Workspace,
-           cfg: Head12MmaConfig) -> tuple[int, int, int]:
+def _check_planes(x, sm, codes, tb, esc_ptr, esc_row, esc_col, esc_val, cfg: Head12MmaConfig) -> tuple[int, int, int]:
+    """The tiles, x and the config: (M, V, K), or an error naming the argument."""
     if not isinstance(cfg, Head12MmaConfig):
         raise TypeError(f"config: expected a Head12MmaConfig, found {type(cfg).__name__}")
     check_tensor("sm", sm, torch.uint8, device=x.device)
@@ -75,16 +78,37 @@ def _check(x, sm, codes, tb, esc_ptr, esc_row, esc_col, esc_val, ids, best, ws: 
         raise ValueError(f"x: head.head12 serves {ROWS[0]}..{ROWS[1]} rows (one MMA column each), found M={m}")
     if v % cfg.BN:
         raise ValueError(f"head shape (V={v}): expected V % {cfg.BN} == 0 for {cfg}")
-    check_tensor("ids", ids, torch.int64, (m,), x.device)
-    check_tensor("best", best, torch.float32, (m,), x.device)
+    return m, v, k
+
+
+def _check_workspace(ws: Head12Workspace, m: int, v: int, cfg: Head12MmaConfig, device: torch.device,
+                     partials: bool) -> None:
     p = -(-v // cfg.BN_REDUCE)
-    for name, t, dt, width in (("workspace.logits", ws.logits, torch.float32, v),
-                               ("workspace.part_val", ws.part_val, torch.float32, p),
-                               ("workspace.part_idx", ws.part_idx, torch.int32, p)):
-        check_tensor(name, t, dt, device=x.device)
+    parts = [("workspace.logits", ws.logits, torch.float32, v)]
+    if partials:
+        parts += [("workspace.part_val", ws.part_val, torch.float32, p),
+                  ("workspace.part_idx", ws.part_idx, torch.int32, p)]
+    for name, t, dt, width in parts:
+        check_tensor(name, t, dt, device=device)
         if t.dim() != 2 or t.shape[0] < m or t.shape[1] != width or not t.is_contiguous():
             raise ValueError(f"{name}: expected contiguous [>= {m}, {width}], found {tuple(t.shape)}")
+
+
+def _check(x, sm, codes, tb, esc_ptr, esc_row, esc_col, esc_val, ids, best, ws: Head12Workspace,
+           cfg: Head12MmaConfig) -> tuple[int, int, int]:
+    m, v, k = _check_planes(x, sm, codes, tb, esc_ptr, esc_row, esc_col, esc_val, cfg)
+    check_tensor("ids", ids, torch.int64, (m,), x.device)
+    check_tensor("best", best, torch.float32, (m,), x.device)
+    _check_workspace(ws, m, v, cfg, x.device, partials=True)
     return m, v, k
+
+
+def _mma_sums(x, sm, codes, tile_base, ws: Head12Workspace, v: int, k: int, config: Head12MmaConfig) -> None:
+    """The dense tiles' fp32 sums into ws.logits: the MMA head, or its PTX on the emulator for CPU tensors."""
+    if is_compiled(x):
+        launch_head12_mma(x, sm, codes, tile_base, ws.logits, v, k, config)
+    else:
+        emulate(x, sm, codes, tile_base, ws.logits, v, k, config)
 
 
 def head12_argmax(x: torch.Tensor, sm: torch.Tensor, codes: torch.Tensor, tile_base: torch.Tensor,
@@ -95,10 +119,7 @@ def head12_argmax(x: torch.Tensor, sm: torch.Tensor, codes: torch.Tensor, tile_b
     escape and argmax passes interpreted."""
     m, v, k = _check(x, sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, ids, best, workspace, config)
     ws = workspace
-    if is_compiled(x):
-        launch_head12_mma(x, sm, codes, tile_base, ws.logits, v, k, config)
-    else:
-        emulate(x, sm, codes, tile_base, ws.logits, v, k, config)
+    _mma_sums(x, sm, codes, tile_base, ws, v, k, config)
     p = ws.part_val.shape[1]
     head12_escape_argmax[(p,)](x, ws.logits, esc_ptr, esc_col, esc_val, ws.part_val, ws.part_idx, m, v, x.stride(0), p,
                                BM=config.BM, BN=config.BN_REDUCE, num_warps=4)
@@ -191,4 +212,72 @@ ENTRY = Entry(
     make_case=make_case, cells=CELLS, interp_cells=INTERP_CELLS, warmup=warmup, enabled=lambda: ENABLED,
     stock=head12_stock,
 )
-ENTRIES = (ENTRY,)
+
+
+# --- head.head12_logits: the same head's bf16 logits, for the rows that sample ----------------------------------
+def head12_logits(x: torch.Tensor, sm: torch.Tensor, codes: torch.Tensor, tile_base: torch.Tensor,
+                  esc_ptr: torch.Tensor, esc_row: torch.Tensor, esc_col: torch.Tensor, esc_val: torch.Tensor,
+                  out: torch.Tensor, workspace: Head12Workspace, config: Head12MmaConfig) -> torch.Tensor:
+    """Raw call. Writes and returns out [M, V] bf16: the logits the BF16 head's GEMM returns (fp32 sums rounded to
+    bf16), up to fp32 summation order. CPU tensors run the MMA head's PTX on the emulator, the escape pass
+    interpreted."""
+    m, v, k = _check_planes(x, sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, config)
+    check_tensor("out", out, torch.bfloat16, device=x.device)
+    if out.dim() != 2 or tuple(out.shape) != (m, v) or out.stride(1) != 1:
+        raise ValueError(f"out: expected [{m}, {v}] with unit column stride, found {tuple(out.shape)}")
+    _check_workspace(workspace, m, v, config, x.device, partials=False)
+    _mma_sums(x, sm, codes, tile_base, workspace, v, k, config)
+    head12_escape_logits[(-(-v // config.BN_REDUCE),)](x, workspace.logits, esc_ptr, esc_col, esc_val, out, m, v,
+                                                        x.stride(0), out.stride(0), BM=config.BM,
+                                                        BN=config.BN_REDUCE, num_warps=4)
+    return out
+
+
+def head12_logits_reference(x, sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, out=None, workspace=None,
+                            config=None) -> torch.Tensor:
+    """fp32 logits [M, V] in true fp32 from the exact weight the tiles encode."""
+    return head12_reference(x, sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_val)
+
+
+def head12_logits_stock(x, sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, out=None, workspace=None,
+                        config=None) -> torch.Tensor:
+    """Without this kernel: the BF16 weight's GEMM (cuBLAS on the GPU)."""
+    return x @ head12_tiles_weight(_tiles(sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_val)).T
+
+
+def compare_logits(out, ref, case: Case) -> None:
+    """gemm_band: one bf16 ulp of the reference + 2 K u sum|x w| (both sides sum exact products in fp32, in
+    different orders; the escapes' products are exact too)."""
+    x = case.args[0]
+    w = head12_tiles_weight(_tiles(*case.args[1:8]))
+    with true_fp32():
+        absprod = x.float().abs() @ w.float().abs().T
+    assert_band("head.head12_logits", out, ref, gemm_band(ref, absprod, x.shape[1]))
+
+
+def make_logits_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
+    greedy = make_case(cell, rows, device, gen)     # the same tiles, x, config and poisoned workspace
+    x, planes, ws, cfg = greedy.args[0], greedy.args[1:8], greedy.args[10], greedy.args[12]
+    out = poisoned((rows, cell.shape[0]), torch.bfloat16, device)
+    return Case(args=(x, *planes, out, ws, cfg), kwargs={},
+                bytes_moved=greedy.bytes_moved + rows * cell.shape[0] * 2)
+
+
+LOGITS_CELLS = tuple(Cell(rows=c.rows, shape=c.shape, why=c.why.replace("head12", "head12 logits"), config=c.config)
+                     for c in CELLS)
+LOGITS_INTERP_CELLS = INTERP_CELLS
+
+
+def logits_warmup(device: torch.device) -> None:
+    for c in LOGITS_CELLS:
+        head12_logits(*make_logits_case(c, c.rows[1], device, None).args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+LOGITS_ENTRY = Entry(
+    name="head.head12_logits", kind="head.head12_logits", raw_call=head12_logits, reference=head12_logits_reference,
+    compare=compare_logits, make_case=make_logits_case, cells=LOGITS_CELLS, interp_cells=LOGITS_INTERP_CELLS,
+    warmup=logits_warmup, enabled=lambda: ENABLED, stock=head12_logits_stock,
+)
+ENTRIES = (ENTRY, LOGITS_ENTRY)
