@@ -128,8 +128,12 @@ def plan_placements(plan: KernelPlan, bucket: int, head12_bound: bool = True) ->
                 out.append(_route_placement(mp.name, bucket, routes["linear"]))
             else:
                 out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
-        elif mp.role == "head":      # its logits stay cuBLAS; the greedy decode-graph rows take the fused head
-            out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
+        elif mp.role == "head":      # its logits: cuBLAS or the 12-bit tiles; the greedy rows take the fused head
+            logits = routes.get("logits12") if head12_bound else None
+            if logits is not None and logits.serves(bucket):
+                out.append(_route_placement(f"{mp.name} [{logits.kind}]", bucket, logits))
+            else:
+                out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
             greedy = routes.get("greedy12") if head12_bound else None
             if greedy is None or not greedy.serves(bucket):
                 greedy = routes["greedy"]

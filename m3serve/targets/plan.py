@@ -51,10 +51,15 @@ INDEX_GEMV = False
 # (bench/results/decode/decode-target-h100-m3_{5,12}-head12.json, route target-head12 beside target)
 HEAD12 = True
 
+# the head's logits rows (1-8: decode rows that sample or want logprobs, and the Eagle3 passes that do) as bf16 logits
+# from the same 12-bit tiles (head.head12_logits) instead of cuBLAS over the BF16 weight, where HEAD12 holds too.
+# Off until its GPU cells pass and a sampled decode step measures it
+HEAD12_LOGITS = False
+
 # the cell config a launch of each kind takes (the others take none)
 CONFIG_KEY = {**{f"linear.{f}": "gemm" for f in QUANT_FORMATS}, **{f"qkv.{f}": "gemm" for f in QUANT_FORMATS},
               "linear.bf16": "gemm", "moe.nvfp4": "moe", "moe.grouped": "moe", "head.bf16": "head",
-              "head.head12": "head"}
+              "head.head12": "head", "head.head12_logits": "head"}
 
 Key = tuple[str, tuple[int, ...]]
 
@@ -81,6 +86,13 @@ def head12_key(model, lin: Linear) -> Key | None:
     """The same head's 1-8 greedy rows as the 12-bit coded head (head.head12 over (V, K)), where HEAD12 says so."""
     key = head_key(model, lin)
     return ("head.head12", key[1]) if key is not None and HEAD12 else None
+
+
+def head12_logits_key(model, lin: Linear) -> Key | None:
+    """The same head's 1-8 logits rows from the 12-bit tiles (head.head12_logits over (V, K)), where HEAD12 and
+    HEAD12_LOGITS say so."""
+    key = head12_key(model, lin)
+    return ("head.head12_logits", key[1]) if key is not None and HEAD12_LOGITS else None
 
 
 def projection_parts(attn: Attention) -> list[Linear]:
@@ -308,9 +320,12 @@ def build_plan(model, mode: str, max_rows: int | None = None) -> KernelPlan:
             head = route(head_key(model, mod), strict=False)
             if head is not None:
                 head12 = route(head12_key(model, mod), strict=False)
-                out.append(ModulePlan(name, "head", {"greedy": head, **({"greedy12": head12} if head12 else {})},
-                                      "logits (sampling, logprobs, prefill): cuBLAS; greedy decode-graph steps: the "
-                                      "fused head + argmax"))
+                logits12 = route(head12_logits_key(model, mod), strict=False)
+                out.append(ModulePlan(name, "head", {"greedy": head, **({"greedy12": head12} if head12 else {}),
+                                                     **({"logits12": logits12} if logits12 else {})},
+                                      "logits (sampling, logprobs, prefill): cuBLAS" + (", 1-8 rows from the 12-bit "
+                                      "tiles" if logits12 else "") + "; greedy decode-graph steps: the fused head + "
+                                      "argmax"))
             elif lin is not None:
                 out.append(ModulePlan(name, "linear", {"linear": lin}))
             elif mod.num_experts is None:

@@ -210,6 +210,27 @@ class HeadKernel:
         return ids
 
 
+class HeadLogitsKernel:
+    """The LM head's logits rows, bound on the head Linear: (lm_head, h [R, H]) -> bf16 logits [R, V] on
+    head.head12_logits (1-8 rows) from the head's 12-bit tiles; None (cuBLAS over the BF16 weight) elsewhere."""
+    __slots__ = ("table", "tiles")
+
+    def __init__(self, table: RowTable, tiles: Head12Tiles):
+        self.table, self.tiles = table, tiles
+
+    def __call__(self, lin, h: torch.Tensor):
+        if not _routes(h) or h.dtype != torch.bfloat16 or h.dim() != 2:
+            return None
+        launch = self.table(h.shape[0])
+        if launch is None:
+            return None
+        v = self.tiles.shape[0]
+        if launch.workspace is None:
+            launch.workspace = make_head12_workspace(launch.config, v, h.device)
+        out = torch.empty(h.shape[0], v, dtype=torch.bfloat16, device=h.device)
+        return launch.run(h.contiguous(), *self.tiles.args(), out, launch.workspace, launch.config)
+
+
 def head12_tiles(lin) -> Head12Tiles | None:
     """The head's 12-bit tiles (quant.head12_tiles), built once per weight and kept on the Linear: encoded, decoded
     and compared bit for bit with the BF16 weight (quant.head12.try_encode_head12), then laid out for the MMA head;
@@ -582,6 +603,17 @@ def _kernel_for(mod, mp, mode: str):
     return None     # planned stock / torch: nothing to bind
 
 
+def _head_logits_kernel(mod, mp, mode: str) -> HeadLogitsKernel | None:
+    """The head Linear's bound logits path: head.head12_logits where the plan routes it and the head's 12-bit
+    tiles were accepted (head12_tiles), else None (cuBLAS)."""
+    route = mp.routes.get("logits12")
+    if route is None:
+        return None
+    table = RowTable(route, mp.name, mode)
+    tiles = head12_tiles(mod) if table.launches() else None
+    return HeadLogitsKernel(table, tiles) if tiles is not None else None
+
+
 def _layout_groups(model) -> list[list[Linear]]:
     """The model's NVFP4 / MXFP8 linears in groups that one kernel reads together, so they share one layout: an MoE
     layer's experts with its shared expert (moe.nvfp4 takes one flag for both), every other linear alone (a fused
@@ -647,8 +679,9 @@ def bind(model, plan: KernelPlan, weight_layout: str | None = None) -> None:
         if mod is None:
             raise ValueError(f"kernel plan: module {mp.name!r} is not in this model (a plan binds the model it was "
                              "built for)")
-        if mp.role == "head":     # the head's logits stay cuBLAS (Linear.kernel None); its greedy rows are the model's
+        if mp.role == "head":     # its greedy rows are the model's; its logits rows cuBLAS, or the 12-bit tiles'
             model.greedy_head = _kernel_for(mod, mp, plan.mode)
+            mod.kernel = _head_logits_kernel(mod, mp, plan.mode)
             continue
         mod.kernel = _kernel_for(mod, mp, plan.mode)
     model.kernel_plan = plan
@@ -700,7 +733,7 @@ ROW_AGNOSTIC = frozenset({"linear.nvfp4.tiled", "linear.mxfp8.tiled", "linear.fp
 # the routes warm-up compiles: the GEMM-heavy ones, whose first call (at every row count that changes Triton's
 # integer specialisation) would otherwise compile in front of a request; the elementwise entries are compiled by
 # the decode buckets' graph capture and the engine's warm-up requests
-WARMED = {"linear": "linear", "moe": ("nvfp4", "grouped")}
+WARMED = {"linear": ("linear",), "moe": ("nvfp4", "grouped"), "head": ("logits12",)}
 
 
 def warm_calls(plan: KernelPlan, max_rows: int) -> list[tuple[str, int]]:

@@ -97,3 +97,44 @@ def test_head12_greedy_head_in_the_decode_graphs(monkeypatch):
     same = sum(a == b for x, y in zip(coded, bf16) for a, b in zip(x, y))
     assert same >= 0.9 * 4 * 24, (coded, bf16)
     _release(llm)
+
+
+def test_head12_logits_in_the_sampling_graphs(monkeypatch):
+    """With targets.plan.HEAD12_LOGITS the head Linear's 1-8 logits rows come from the 12-bit tiles
+    (head.head12_logits): within gemm_band of the true-fp32 logits of the BF16 weight at real dims, bf16 values,
+    cuBLAS from 9 rows; the sampling variant captured on them (greedy requests that want logprobs replay it) gives
+    the tokens of the fused greedy step (a near-tie may flip: 90 % floor)."""
+    _need_cuda()
+    import torch
+
+    from m3serve import LLM, SamplingParams
+    from m3serve.kernels.catalog import assert_band, gemm_band, true_fp32
+    from m3serve.targets import plan, routing
+    monkeypatch.setattr(plan, "HEAD12", True)
+    monkeypatch.setattr(plan, "HEAD12_LOGITS", True)
+    llm = LLM("minimax-m3:2", random_weights=True, quantization="nvfp4", kv_cache_bytes=1 << 30, max_model_len=2048,
+              max_num_seqs=8, prefill_graph_tokens=0)
+    head = llm.model.lm_head
+    assert isinstance(head.kernel, routing.HeadLogitsKernel) and head.kernel.tiles is not None
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = head.weight
+    for rows in (1, 3, 8, 9):
+        h = torch.randn(rows, llm.model.cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            got = llm.model.logits(h)
+        with true_fp32():
+            ref = h.float() @ w.float().T
+            absprod = h.float().abs() @ w.float().abs().T
+        assert_band(f"lm_head logits, {rows} rows", got, ref, gemm_band(ref, absprod, h.shape[1]))
+        assert torch.equal(got, got.to(torch.bfloat16).float())
+    g = llm.engine.runner.graphs
+    vocab = llm.model.cfg.vocab_size
+    prompts = [{"prompt_token_ids": [(5 + 19 * i + 23 * j) % vocab for j in range(25 + 6 * i)]} for i in range(4)]
+    fused = _greedy(llm, prompts, 24)
+    sampled = g.sampled_replays
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    with_lp = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert g.sampled_replays > sampled
+    same = sum(a == b for x, y in zip(fused, with_lp) for a, b in zip(x, y))
+    assert same >= 0.9 * 4 * 24, (fused, with_lp)
+    _release(llm)

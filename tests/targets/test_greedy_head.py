@@ -132,3 +132,60 @@ def test_explain_names_the_head_that_serves_each_bucket(monkeypatch):
     assert "lm_head [head.head12]" in kinds[8] and "lm_head [head.bf16]" in kinds[9]
     model.greedy_head.table12 = None         # as when bind's bit check refused the tiles
     assert "lm_head [head.bf16]" in {p.module for p in explain.module_placements(model, 8)}
+
+
+def _with_tiny_head12_logits_cell(monkeypatch, model):
+    from m3serve.kernels.head import head12 as H12
+    from m3serve.kernels.head._head12_mma import Head12MmaConfig
+    from m3serve.targets import plan as plan_mod
+    v, k = model.lm_head.out_features, model.lm_head.in_features
+    greedy = Cell(rows=(1, 8), shape=(v, k), why="test: the tiny head as head12",
+                  config={"head": Head12MmaConfig(BN_REDUCE=128)})
+    logits = dataclasses.replace(greedy, why="test: the tiny head's head12 logits")
+    monkeypatch.setattr(H12, "ENTRIES", (dataclasses.replace(H12.ENTRY, cells=H12.CELLS + (greedy,)),
+                                         dataclasses.replace(H12.LOGITS_ENTRY, cells=H12.LOGITS_CELLS + (logits,))))
+    monkeypatch.setattr(plan_mod, "HEAD12", True)
+    monkeypatch.setattr(plan_mod, "HEAD12_LOGITS", True)
+
+
+def test_head12_logits_off_by_default_keeps_the_logits_on_cublas(monkeypatch):
+    model = _tiny()
+    _with_tiny_head12_cell(monkeypatch, model)      # HEAD12 on, HEAD12_LOGITS at its default
+    plan = routing.install(model, "auto")
+    assert "logits12" not in plan.module("lm_head").routes and model.lm_head.kernel is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_head12_logits_serve_rows_1_to_8_within_the_gemm_band_of_the_stock_logits(monkeypatch, rows):
+    from m3serve.kernels.catalog import assert_band, gemm_band, true_fp32
+    model = _tiny()
+    _with_tiny_head12_logits_cell(monkeypatch, model)
+    plan = routing.install(model, "auto")
+    assert plan.module("lm_head").routes["logits12"].kind == "head.head12_logits"
+    kernel = model.lm_head.kernel
+    assert isinstance(kernel, routing.HeadLogitsKernel) and kernel.tiles is not None
+    assert ("lm_head", rows) in routing.warm_calls(plan, 8)        # compiled before serving
+    monkeypatch.setattr(routing, "_routes", lambda t: True)
+    fired = []
+    for launch in kernel.table.launches():
+        run = launch.run
+        launch.run = lambda *a, run=run: fired.append(a[0].shape[0]) or run(*a)
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
+    w = model.lm_head.weight
+    with torch.no_grad():
+        got = model.logits(h)                      # fp32 of the bf16 logits, through the bound kernel
+        h9 = torch.randn(9, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
+        stock9 = (h9 @ w.T).float()
+        got9 = model.logits(h9)                    # 9 rows: no cell, cuBLAS (here torch's CPU GEMM)
+    assert fired == [rows] and got.shape == (rows, w.shape[0])
+    with true_fp32():
+        ref = h.float() @ w.float().T
+        absprod = h.float().abs() @ w.float().abs().T
+    assert_band("lm_head logits", got, ref, gemm_band(ref, absprod, h.shape[1]))
+    # bf16 values (rounded once), as the stock head returns
+    assert torch.equal(got, got.to(torch.bfloat16).float())
+    assert torch.equal(got9, stock9)
+    lines = {p.module: p for p in explain.module_placements(model, rows)}
+    assert lines["lm_head [head.head12_logits]"].entry == "head.head12_logits"
+    assert "lm_head" not in lines                  # the cuBLAS line gives way where the 12-bit logits serve
