@@ -54,8 +54,9 @@ def copy_bandwidth(device, nbytes=2 << 30) -> float:
 
 def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
     """Bytes one decode step must read: every attention / dense weight, the experts the batch touches
-    (expected count under uniform routing), the head as the step reads it (greedy rows where the bound greedy head
-    serves them on head.head12: its 12-bit tiles; else the BF16 weight), and the KV of `context` tokens per
+    (expected count under uniform routing), the head as the step reads it (its 12-bit tiles for greedy rows where
+    the bound greedy head serves them on head.head12, and for sampled rows where head.head12_logits serves them;
+    else the BF16 weight), and the KV of `context` tokens per
     request."""
     m, cfg = llm.model, llm.model.cfg
     total = 0
@@ -71,8 +72,11 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
             total += int(touched * per_expert) + mlp.router.numel() * 4
     head = getattr(m, "greedy_head", None)
     table12 = getattr(head, "table12", None)
+    logits12 = getattr(m.lm_head, "kernel", None)       # targets.routing.HeadLogitsKernel where it was bound
     if greedy and table12 is not None and table12(batch) is not None:
         total += head.tiles.nbytes()
+    elif not greedy and logits12 is not None and logits12.table(batch) is not None:
+        total += logits12.tiles.nbytes()
     else:
         total += m.lm_head.qweight.nbytes()
     total += int(llm.engine.kv.spec.bytes_per_token()["total"] * context * batch)
@@ -108,7 +112,8 @@ CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-ge
 
 # routes that set m3serve.targets.plan switches (the others keep the plan module's values: the defaults)
 SWITCH_ROUTES = {"target-index-gemv": {"INDEX_GEMV": True}, "target-head12": {"HEAD12": True},
-                 "target-head-bf16": {"HEAD12": False}, "target-opt-in": {"INDEX_GEMV": True, "HEAD12": True}}
+                 "target-head-bf16": {"HEAD12": False}, "target-opt-in": {"INDEX_GEMV": True, "HEAD12": True},
+                 "target-head12-logits": {"HEAD12": True, "HEAD12_LOGITS": True}}
 
 
 def route_binding(route: str) -> tuple[str, str | None, bool, str | None, tuple[tuple[str, bool], ...]]:
@@ -117,7 +122,8 @@ def route_binding(route: str) -> tuple[str, str | None, bool, str | None, tuple[
     from the head's logits + argmax instead of the fused greedy head (head.bf16); target-<v> for v in CELL_VARIANTS:
     those entries' cells changed as CELL_VARIANTS[v] says; SWITCH_ROUTES: those m3serve.targets.plan switches set
     (INDEX_GEMV: the index-q|index-k projections on linear.bf16 instead of cuBLAS; HEAD12: the greedy head's 1-8 rows
-    on head.head12, or with False on head.bf16), the others as the plan module has them; every other target route:
+    on head.head12, or with False on head.bf16; HEAD12_LOGITS: the head's 1-8 logits rows, those that sample, on
+    head.head12_logits), the others as the plan module has them; every other target route:
     the defaults."""
     variant = route[len("target-"):] if route.startswith("target-") else None
     return ("off" if route == "off" else "auto", "rows" if route == "target-rows" else None,
@@ -158,7 +164,8 @@ def set_route(llm, route: str, state: dict) -> None:
     if state["binding"] != want:
         from m3serve.targets import plan
         set_cell_variant(want[3], state.setdefault("cells", {}))
-        defaults = state.setdefault("plan_switches", {n: getattr(plan, n) for n in ("INDEX_GEMV", "HEAD12")})
+        defaults = state.setdefault("plan_switches",
+                                    {n: getattr(plan, n) for n in ("INDEX_GEMV", "HEAD12", "HEAD12_LOGITS")})
         for name, default in defaults.items():   # read when the plan is built
             setattr(plan, name, dict(want[4]).get(name, default))
         routing.install(llm.model, want[0], weight_layout=want[1])

@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -156,6 +156,15 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
     embedded:plain-pg-si embedded:spec-pg-t8k --repeats ${REPEATS:-2} --requests-per-user ${RPU:-8} --timeout 70 \
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
   grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
+  ;;
+head12-logits)  # issue 30 item 3, sampling side: head.head12_logits' GPU cells (both heads' cells, graph replay) and the
+               # sampling graphs on it (test_head12_logits_in_the_sampling_graphs), then minimax-m3:5's sampled decode
+               # step (temperature 1) on the default (cuBLAS logits) beside target-head12-logits
+  phase pytest-head12-logits ${T_A:-120} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 -rfE \
+    tests/kernels/test_gpu.py tests/runtime/test_greedy_head_gpu.py -k "head12"
+  phase decode-m3_5-sampled ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 \
+    --steps 20 --routes target,target-head12-logits --quantization nvfp4 --temperature 1.0 \
+    --out "$OUT/decode-target-$TAG-m3_5-head12-logits-sampled.json"
   ;;
 spec-warmup)  # issue 28 item 5: Eagle3 on minimax-m3:5 beside plain (the 12-bit head in the verify rows and draft passes);
              # the log must name no kernel variant built after the warm-up (the block-table kernels now take the draft

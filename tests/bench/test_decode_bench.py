@@ -79,6 +79,8 @@ def test_cell_variant_routes_bind_the_cells_and_give_them_back():
     assert route_binding("target-head-bf16") == ("auto", None, True, None, (("HEAD12", False),))
     assert route_binding("target-opt-in") == ("auto", None, True, None, (("HEAD12", True), ("INDEX_GEMV", True)))
     assert route_binding("target-round3") == ("auto", None, True, "round3", ())
+    assert route_binding("target-head12-logits") == ("auto", None, True, None,
+                                                     (("HEAD12", True), ("HEAD12_LOGITS", True)))
     entries = all_entries()
     gemv = [c for n in ("linear.mxfp8", "qkv.mxfp8") for c in entries[n].cells
             if isinstance(c.config["gemm"], MmaGemvConfig)]
