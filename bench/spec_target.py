@@ -30,6 +30,8 @@ from m3serve import LLM, SamplingParams  # noqa: E402
 from m3serve.benchmeta import run_metadata  # noqa: E402
 from m3serve.engine.engine import EngineConfig  # noqa: E402
 from m3serve.engine.speculative import speculative_engine  # noqa: E402
+from m3serve.engine.warmup import warm_up  # noqa: E402
+from m3serve.kernels._jit import COMPILE_WATCH  # noqa: E402
 from m3serve.llm import DEFAULT_MODEL_DIR  # noqa: E402
 from m3serve.tokenizer import chat_token_ids  # noqa: E402
 
@@ -84,9 +86,13 @@ def bench_model(name: str, batches: list[int], ks: list[int], args) -> list[dict
                     "model": os.path.join(DEFAULT_MODEL_DIR, "eagle3") if tiny else None}
         if forced is not None:
             spec_cfg["forced_acceptance"] = forced
-        spec = speculative_engine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
-        if not spec.enable_target(graphs=True, mode="require"):
-            raise SystemExit(f"{name}: the speculative target is off")
+        # started as LLM(speculative_config=...) starts one: graphs, then the warm-up requests, so that a kernel
+        # variant built after this (the log names it) is one a served Eagle3 engine would build in front of a user
+        with COMPILE_WATCH.startup():
+            spec = speculative_engine(llm.model, cfg, llm.tokenizer, speculative_config=spec_cfg)
+            if not spec.enable_target(graphs=True, mode="require"):
+                raise SystemExit(f"{name}: the speculative target is off")
+            warm_up(spec, seed=cfg.seed)
         engines.append(("spec", k, spec))
     rows = []
     for b in batches:

@@ -94,10 +94,12 @@ def _route_placement(module: str, bucket: int, route: Route) -> Placement:
     return Placement(module, bucket, span.entry.name if span.cell is not None else None, route.detail(bucket))
 
 
-def plan_placements(plan: KernelPlan, bucket: int, head12_bound: bool = True) -> list[Placement]:
+def plan_placements(plan: KernelPlan, bucket: int, head12_bound: bool = True,
+                    logits12_bound: bool = True) -> list[Placement]:
     """The plan at `bucket` rows, one line per module key (a module with several keys: `name [kind]`): the entry
     and cell that run, the torch path that runs, or why the module runs stock. head12_bound: whether the greedy
-    head got its 12-bit tiles at bind (else head.bf16 serves the rows the plan gave head.head12)."""
+    head got its 12-bit tiles at bind (else head.bf16 serves the rows the plan gave head.head12); logits12_bound:
+    whether the head Linear's logits kernel did (else cuBLAS serves the rows the plan gave head.head12_logits)."""
     out, fused = [], {}
     for mp in plan.modules:
         routes = mp.routes
@@ -129,7 +131,7 @@ def plan_placements(plan: KernelPlan, bucket: int, head12_bound: bool = True) ->
             else:
                 out.append(Placement(mp.name, bucket, "torch:F.linear", mp.note))
         elif mp.role == "head":      # its logits: cuBLAS or the 12-bit tiles; the greedy rows take the fused head
-            logits = routes.get("logits12") if head12_bound else None
+            logits = routes.get("logits12") if logits12_bound else None
             if logits is not None and logits.serves(bucket):
                 out.append(_route_placement(f"{mp.name} [{logits.kind}]", bucket, logits))
             else:
@@ -160,7 +162,9 @@ def plan_placements(plan: KernelPlan, bucket: int, head12_bound: bool = True) ->
 def module_placements(model, bucket: int) -> list[Placement]:
     """Every routed module of `model` at `bucket` rows: its kernel plan (model_plan) printed."""
     head = getattr(model, "greedy_head", None)   # head.head12 serves only where its tiles were accepted at bind
-    return plan_placements(model_plan(model), bucket, head12_bound=getattr(head, "table12", None) is not None)
+    logits = getattr(getattr(model, "lm_head", None), "kernel", None)     # so does head.head12_logits
+    return plan_placements(model_plan(model), bucket, head12_bound=getattr(head, "table12", None) is not None,
+                           logits12_bound=getattr(logits, "tiles", None) is not None)
 
 
 def explain(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Placement]:

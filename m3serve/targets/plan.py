@@ -52,9 +52,11 @@ INDEX_GEMV = False
 HEAD12 = True
 
 # the head's logits rows (1-8: decode rows that sample or want logprobs, and the Eagle3 passes that do) as bf16 logits
-# from the same 12-bit tiles (head.head12_logits) instead of cuBLAS over the BF16 weight, where HEAD12 holds too.
-# Off until its GPU cells pass and a sampled decode step measures it
-HEAD12_LOGITS = False
+# from the same 12-bit tiles (head.head12_logits) instead of cuBLAS over the BF16 weight, where HEAD12 holds too. On
+# the H100 minimax-m3:5's sampled decode step (temperature 1) measured 1.922 against 2.121 ms at one row and 3.151
+# against 3.351 ms at eight, the same sampled tokens (head 603 against 827 us a step;
+# bench/results/decode/decode-target-h100-m3_5-head12-logits-sampled.json, route target-head12-logits beside target)
+HEAD12_LOGITS = True
 
 # the cell config a launch of each kind takes (the others take none)
 CONFIG_KEY = {**{f"linear.{f}": "gemm" for f in QUANT_FORMATS}, **{f"qkv.{f}": "gemm" for f in QUANT_FORMATS},

@@ -140,8 +140,8 @@ def _graph_check(e, cell, rows: int, fresh_inputs) -> None:
 
 
 def _outputs(e, case):
-    """The raw call's outputs inside case.args: (ids, best) for heads, else `out`."""
-    if e.kind.startswith("head"):
+    """The raw call's outputs inside case.args: (ids, best) for the greedy heads, else `out` (the logits head's too)."""
+    if e.kind in ("head.bf16", "head.head12"):
         return case.args[-5], case.args[-4]
     return case.args[-3]
 

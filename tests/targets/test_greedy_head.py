@@ -81,7 +81,7 @@ def _with_tiny_head12_cell(monkeypatch, model):
     v, k = model.lm_head.out_features, model.lm_head.in_features
     cell = Cell(rows=(1, 8), shape=(v, k), why="test: the tiny head as head12",
                 config={"head": Head12MmaConfig(BN_REDUCE=128)})
-    monkeypatch.setattr(H12, "ENTRIES", (dataclasses.replace(H12.ENTRY, cells=H12.CELLS + (cell,)),))
+    monkeypatch.setattr(H12, "ENTRIES", (dataclasses.replace(H12.ENTRY, cells=H12.CELLS + (cell,)), H12.LOGITS_ENTRY))
     monkeypatch.setattr(plan_mod, "HEAD12", True)
 
 
@@ -148,11 +148,14 @@ def _with_tiny_head12_logits_cell(monkeypatch, model):
     monkeypatch.setattr(plan_mod, "HEAD12_LOGITS", True)
 
 
-def test_head12_logits_off_by_default_keeps_the_logits_on_cublas(monkeypatch):
+def test_head12_logits_switched_off_keep_the_logits_on_cublas(monkeypatch):
+    from m3serve.targets import plan as plan_mod
     model = _tiny()
-    _with_tiny_head12_cell(monkeypatch, model)      # HEAD12 on, HEAD12_LOGITS at its default
+    _with_tiny_head12_logits_cell(monkeypatch, model)
+    monkeypatch.setattr(plan_mod, "HEAD12_LOGITS", False)
     plan = routing.install(model, "auto")
     assert "logits12" not in plan.module("lm_head").routes and model.lm_head.kernel is None
+    assert plan_mod.HEAD12 and "greedy12" in plan.module("lm_head").routes
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
