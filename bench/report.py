@@ -955,15 +955,18 @@ def render_serve(files: list[ResultFile]) -> str:
 
 def _run_mode(run: dict, where: str) -> str:
     """A serving run's mode, with the speculation policy and the prefill graphs when the run named them
-    (bench/serve_pareto.py spec-auto, spec-always, -pg, -aw)."""
+    (bench/serve_pareto.py spec-auto, spec-always, -pg, -aw, -t8k, -pyd, -si)."""
     mode, policy = need(run, "mode", where, "str"), opt(run, "policy", where, "str")
     graphs = opt(run, "prefill_graph_tokens", where, "int")
     wait = opt(run, "admission_wait_ms", where)
     budget = opt(run, "max_num_batched_tokens", where, "int")
     rep = opt(run, "repeat", where, "int")
+    frozen = opt(run, "gc_freeze", where, "bool")          # files since the server's interpreter settings
+    switch = opt(run, "switch_interval_ms", where)
     notes = ([f"policy {policy}"] if policy else []) + ([f"prefill graphs to {graphs} tokens"] if graphs else []) \
         + ([f"admission wait {sig(wait)} ms"] if wait else []) + ([f"{budget}-token steps"] if budget else []) \
-        + ([f"repeat {rep + 1}"] if rep else [])
+        + (["start-up heap not frozen"] if frozen is False else []) \
+        + ([f"GIL switch interval {sig(switch)} ms"] if switch else []) + ([f"repeat {rep + 1}"] if rep else [])
     return f"{mode} ({', '.join(notes)})" if notes else mode
 
 
