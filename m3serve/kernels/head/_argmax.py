@@ -84,6 +84,19 @@ def _with_escapes(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, rn, rm, 
     return acc
 
 
+@helper
+def _escaped_tile(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, M, V, stride_xm, BM: tl.constexpr,
+                  BN: tl.constexpr):
+    """This program's vocabulary rows rn = [pid * BN, + BN) (nmask: inside V), token rows rm, and their sums with
+    the escapes added ([BN, BM] fp32, _with_escapes)."""
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    nmask = rn < V
+    acc = _with_escapes(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, rn, rm, nmask, M, V, stride_xm)
+    return pid, rn, rm, nmask, acc
+
+
 @kernel
 def head12_escape_argmax(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, pval_ptr, pidx_ptr, M, V, stride_xm,
                          P, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
@@ -91,11 +104,8 @@ def head12_escape_argmax(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, p
     index) per token row."""
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
-    pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
-    rm = tl.arange(0, BM)
-    nmask = rn < V
-    acc = _with_escapes(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, rn, rm, nmask, M, V, stride_xm)
+    pid, rn, rm, nmask, acc = _escaped_tile(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, M, V, stride_xm,
+                                            BM, BN)
     logits = _round_to_bf16(tl.trans(acc))  # [BM, BN]
     logits = tl.where(nmask[None, :], logits, float("-inf"))
     best = tl.max(logits, axis=1)
@@ -111,11 +121,8 @@ def head12_escape_logits(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, o
     logits out[M, V] (what the BF16 head's GEMM returns, up to fp32 summation order)."""
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
-    pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
-    rm = tl.arange(0, BM)
-    nmask = rn < V
-    acc = _with_escapes(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, rn, rm, nmask, M, V, stride_xm)
+    pid, rn, rm, nmask, acc = _escaped_tile(x_ptr, logits_ptr, esc_ptr, esc_col_ptr, esc_val_ptr, M, V, stride_xm,
+                                            BM, BN)
     # rounded in integer ops first: the interpreter's float cast truncates (then the cast is exact)
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], _round_to_bf16(acc).to(tl.bfloat16),
              mask=nmask[:, None] & (rm[None, :] < M))

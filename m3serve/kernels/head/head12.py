@@ -200,11 +200,15 @@ INTERP_CELLS = (
 )
 
 
-def warmup(device: torch.device) -> None:
-    for c in CELLS:
-        head12_argmax(*make_case(c, c.rows[1], device, None).args)
+def _warm(cells, raw_call, case_of, device: torch.device) -> None:
+    for c in cells:
+        raw_call(*case_of(c, c.rows[1], device, None).args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def warmup(device: torch.device) -> None:
+    _warm(CELLS, head12_argmax, make_case, device)
 
 
 ENTRY = Entry(
@@ -269,10 +273,7 @@ LOGITS_INTERP_CELLS = INTERP_CELLS
 
 
 def logits_warmup(device: torch.device) -> None:
-    for c in LOGITS_CELLS:
-        head12_logits(*make_logits_case(c, c.rows[1], device, None).args)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _warm(LOGITS_CELLS, head12_logits, make_logits_case, device)
 
 
 LOGITS_ENTRY = Entry(
