@@ -80,8 +80,8 @@ SKIPPED_DIRS = {"logs"}
 VARIANT_ROUTES = ("target-rows", "target-logits-head", "target-gate-up-whole", "target-split-router",
                   "target-shared-inline", "target-gate-up-split", "target-gate-up-split-r72", "target-down-uncapped",
                   "target-mma-gemv-uncapped", "target-splits-up", "target-gemv-split2x", "target-gate-up-stages3",
-                  "target-index-gemv", "target-head12", "target-head-bf16", "target-opt-in", "target-round3", "target-pdl",
-                  "target-nopdl", "target-head12-logits")
+                  "target-index-gemv", "target-head12", "target-head-bf16", "target-opt-in", "target-round3",
+                  "target-pdl", "target-nopdl", "target-head12-logits")
 # table row order: the product's routes, then the variants in the order above
 ROUTE_ORDER = {r: n for n, r in enumerate(("off", "auto", "target") + VARIANT_ROUTES)}
 NOT_RECORDED = "not recorded"

@@ -3,7 +3,8 @@
 The garbage collector's full passes walk every object alive, and after start-up that is the whole model,
 tokenizer and server: about 237,000 objects with the embedded model loaded, a 29 ms full pass on the CPU box,
 which falls into one token's gap. `gc.freeze()` after the warm-up moves them out of the collector's sight (they
-live as long as the process), so later passes walk only what serving allocates (the same pass then took 2 µs). On by default (`--no-gc-freeze` leaves the heap as it is).
+live as long as the process), so later passes walk only what serving allocates (the same pass then took 2 µs).
+On by default (`--no-gc-freeze` leaves the heap as it is).
 
 The engine loop's thread (engine_loop.py) and the event loop's thread (HTTP, SSE, detokenizing) share one GIL.
 The event loop's thread releases it around each socket call and takes it straight back, so a thread waiting for

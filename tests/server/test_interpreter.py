@@ -68,4 +68,5 @@ def test_serve_flags_parse_and_a_bad_interval_exits_2_before_the_model_loads(cap
     assert (d.switch_interval_ms, d.no_gc_freeze) == (None, False)
     # the model directory does not exist: reaching the load would fail differently
     assert server_cli.run(_serve_args("/nonexistent/model", "--switch-interval-ms", "0")) == 2
-    assert "m3serve serve: --switch-interval-ms: expected milliseconds > 0 (and < 1e6), found 0.0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "m3serve serve: --switch-interval-ms: expected milliseconds > 0 (and < 1e6), found 0.0" in err

@@ -146,13 +146,17 @@ def head12_stock(x, sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_val, id
     return torch.argmax(x @ w.T, dim=-1) + index_offset
 
 
-def compare(out, logits, case: Case) -> None:
-    """As head.bf16 (the compare_argmax bands), with |W| from the exact weight."""
+def _absprod(case: Case) -> torch.Tensor:
+    """sum_k |x w| per logit (the scale of the fp32 summation error), from the exact weight the tiles encode."""
     x = case.args[0]
     w = head12_tiles_weight(_tiles(*case.args[1:8]))
     with true_fp32():
-        absprod = x.float().abs() @ w.float().abs().T
-    HB.compare_argmax("head.head12", out, logits, absprod, x.shape[1], case.args[11])
+        return x.float().abs() @ w.float().abs().T
+
+
+def compare(out, logits, case: Case) -> None:
+    """As head.bf16 (the compare_argmax bands)."""
+    HB.compare_argmax("head.head12", out, logits, _absprod(case), case.args[0].shape[1], case.args[11])
 
 
 def random_head12(v: int, k: int, device: torch.device, gen: torch.Generator) -> Head12Tiles:
@@ -252,11 +256,7 @@ def head12_logits_stock(x, sm, codes, tile_base, esc_ptr, esc_row, esc_col, esc_
 def compare_logits(out, ref, case: Case) -> None:
     """gemm_band: one bf16 ulp of the reference + 2 K u sum|x w| (both sides sum exact products in fp32, in
     different orders; the escapes' products are exact too)."""
-    x = case.args[0]
-    w = head12_tiles_weight(_tiles(*case.args[1:8]))
-    with true_fp32():
-        absprod = x.float().abs() @ w.float().abs().T
-    assert_band("head.head12_logits", out, ref, gemm_band(ref, absprod, x.shape[1]))
+    assert_band("head.head12_logits", out, ref, gemm_band(ref, _absprod(case), case.args[0].shape[1]))
 
 
 def make_logits_case(cell: Cell, rows: int, device: torch.device, gen: torch.Generator | None) -> Case:
