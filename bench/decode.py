@@ -178,21 +178,24 @@ def set_route(llm, route: str, state: dict) -> None:
     _paged_call.SPLITS_ROUND_UP = route in ("target-splits-up", "target-round3")
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
-        graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route))
+        graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route),
+                                  race_sampler=False if route == "target-torch-sampler" else None)
     llm.engine.runner.graphs = graphs.get(route)
 
 
-def recapture(llm, buckets: tuple[int, ...], pdl: bool | None = None):
+def recapture(llm, buckets: tuple[int, ...], pdl: bool | None = None, race_sampler: bool | None = None):
     """The target's graphs captured again (these buckets) for a side-by-side run: as the model is bound now (its
     weight layout, its greedy head), with programmatic dependent launch on or off (m3serve.kernels._jit's switch;
-    None: as it is); the switch is restored afterwards (a graph keeps what it captured)."""
+    None: as it is); the switch is restored afterwards (a graph keeps what it captured). race_sampler=False: the
+    sampling variant draws with the torch sampler instead of sample.race (DecodeGraphs)."""
     from m3serve.kernels import _jit
     from m3serve.runtime.decode_graphs import DecodeGraphs
     eng = llm.engine
     before = _jit.PDL_ENABLED
     _jit.PDL_ENABLED = before if pdl is None else pdl
     try:
-        g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties)
+        g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties,
+                         race_sampler=race_sampler)
         g.capture()
     finally:
         _jit.PDL_ENABLED = before
@@ -346,7 +349,8 @@ def main() -> None:
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
                          "split count rounded up, the rule before the one-wave rule), target-index-gemv (the index "
                          "projections on linear.bf16, opt-in, not cuBLAS), target-head12 / target-head-bf16 (the "
-                         "greedy head's 1-8 rows on the 12-bit / the BF16 head), target-opt-in (index GEMV + head12)")
+                         "greedy head's 1-8 rows on the 12-bit / the BF16 head), target-opt-in (index GEMV + head12), "
+                         "target-torch-sampler (the sampling variant on the torch sampler, not sample.race)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

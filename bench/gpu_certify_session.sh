@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -156,6 +156,17 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
     embedded:plain-pg-si embedded:spec-pg-t8k --repeats ${REPEATS:-2} --requests-per-user ${RPU:-8} --timeout 70 \
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
   grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
+  ;;
+race-sampler)  # the sampling variant's draw on sample.race (temperature / greedy rows; top-k / top-p steps go to the
+              # processed variant): its GPU cells (M3 and embedded vocabularies, rows 1-512), its graph replay, the
+              # decode graphs' tokens against graphs on the torch sampler (and the existing sampling / processed
+              # variants against the eager target), then minimax-m3:5's sampled step (temperature 1) on sample.race
+              # beside the torch sampler, side by side on one engine
+  phase pytest-race ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
+    tests/kernels/test_gpu.py tests/runtime/test_decode_target_gpu.py -k "race or samples_inside"
+  phase decode-m3_5-race ${T_B:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8,32 --context 512 \
+    --steps 20 --routes target,target-torch-sampler --quantization nvfp4 --temperature 1.0 \
+    --out "$OUT/decode-target-$TAG-m3_5-race-sampled.json"
   ;;
 logits-default)  # head.head12_logits on by default: its graph-replay test, the greedy head's decode-graph tests with it bound
                 # (fused greedy, 12-bit greedy, sampling graphs on the 12-bit logits)

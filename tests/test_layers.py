@@ -12,12 +12,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "m3serve"
 
 # docs/architecture.md, "Layers": bottom -> top; a module belongs to the longest prefix that names it.
 LAYERS = (
-    ("foundation", ("config", "device", "opcount", "benchmeta", "tokenizer", "quant", "kernels._jit")),
+    ("foundation", ("config", "device", "opcount", "benchmeta", "tokenizer", "keyed_noise", "quant", "kernels._jit")),
     ("model", ("model",)),
     ("kv", ("kv",)),
     ("kernels", ("kernels",)),
     ("targets", ("targets", "runtime.step_inputs")),
-    ("sampling", ("engine.sampling_params", "engine.structured_params", "engine.keyed_noise", "engine.sampler",
+    ("sampling", ("engine.sampling_params", "engine.structured_params", "engine.sampler",
                   "engine.spec_rng", "engine.spec_verify")),
     ("runtime", ("runtime",)),
     ("engine", ("engine",)),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.keyed_noise import exponential_noise, noise_from_seeds, row_seed_host
+from m3serve.keyed_noise import exponential_noise, noise_from_seeds, row_seed_host
 from m3serve.engine.sampling_params import SamplingParams
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.engine.keyed_noise import M32, mix32, noise_from_seeds, row_seed
+from m3serve.keyed_noise import M32, mix32, noise_from_seeds, row_seed
 
 
 class DeviceRNG:

@@ -50,6 +50,7 @@ ENTRY_MODULES = (
     "m3serve.kernels.attention.prefill",
     "m3serve.kernels.norm.rms", "m3serve.kernels.attention.qk_prep", "m3serve.kernels.mlp.swiglu", "m3serve.kernels.moe.route_small",
     "m3serve.kernels.spec.step",
+    "m3serve.kernels.sample.race",
 )
 
 

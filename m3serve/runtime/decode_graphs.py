@@ -10,9 +10,10 @@ smallest bucket >= its batch size and runs as:
            previous graph step", kept on the device) -> embed -> L x (norms, projections, kv.write,
            [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax (the greedy variant takes the
            model's greedy head when bound: head GEMV + argmax of the bf16 logits, no logits written) (or, in the sampling
-           variant, temperature / top-k / top-p and the keyed exponential race; in the processed variant,
-           penalties / logit_bias / min_tokens and the structured-output token masks from the staged state
-           rows first, the tokens counted after)
+           variant, temperature and the keyed exponential race: the `sample.race` kernel where a processed variant
+           exists to take the steps whose rows ask for top-k / top-p, else the torch sampler with those passes; in
+           the processed variant, penalties / logit_bias / min_tokens and the structured-output token masks from
+           the staged state rows first, then the torch sampler, the tokens counted after)
            -> remember it per row
     D2H    the bucket's token ids (8 bytes per row) into a pinned ring slot, then an event
 
@@ -36,9 +37,11 @@ import numpy as np
 import torch
 
 from m3serve.engine.sampler import sample_rows
+from m3serve.kernels.sample import race
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
 from m3serve.runtime.step_inputs import PagedStep, bucket_for, sparse_tiles_per_block, split_plan
+from m3serve.targets.dispatch import lookup
 
 log = logging.getLogger("m3serve")
 
@@ -103,6 +106,17 @@ def staged_sampling(stage: torch.Tensor, bucket: int, vocab: int) -> tuple[torch
 
 GREEDY_ROW = sampling_row(0.0, 0, 1.0, 0)     # temperature 0: the row's argmax in every sampling variant
 
+
+def race_config(bucket: int, vocab: int) -> race.RaceConfig | None:
+    """sample.race's config for a bucket's sampling variant (its dispatch table row), None where no cell serves."""
+    entry = lookup("sample.race", bucket, (vocab,), "auto")
+    return None if entry is None else entry.cell_for(bucket, (vocab,)).config["race"]
+
+
+def filtered(sampling: list[SamplingRow], vocab: int) -> bool:
+    """Whether any row asks for top-k (0 < k < V) or top-p (< 1): passes the sample.race kernel does not run."""
+    return any(0 < row[1] < vocab or row[2] != _ONE_BITS for row in sampling)
+
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "key_lo", "key_hi")   # a sampling_row, in order
 
 
@@ -144,7 +158,7 @@ class DecodeGraphs:
     replays the sampling variant with every row greedy."""
 
     def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None,
-                 token_masks=None):
+                 token_masks=None, race_sampler: bool | None = None):
         if model.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA model, found {model.device}")
         self.model, self.kv, self.tables = model, kv, tables
@@ -163,6 +177,13 @@ class DecodeGraphs:
         # (structured output) after the penalties; rows without a grammar point at all-allowed mask rows.
         self.token_masks = token_masks if self.penalties is not None else None
         self.processed_graphs: dict[int, _Bucket] = {}
+        # The sampling variant's draw per bucket: the sample.race kernel's config, or None (the torch sampler).
+        # The kernel reads temperature alone, so it is bound only where the processed variant exists to take the
+        # steps whose rows ask for top-k / top-p (run() routes them there with neutral state rows: the identity).
+        # race_sampler: None = the entry's switch (race.ENABLED), False = the torch sampler (the bench's baseline).
+        on = self.penalties is not None and (race.ENABLED if race_sampler is None else race_sampler)
+        self.race = {b: race_config(b, model.cfg.vocab_size) if on else None for b in self.buckets}
+        self.filtered_replays = 0   # sampling steps sent to the processed variant for their top-k / top-p rows
         self.replays = 0
         self.sampled_replays = 0                         # of them, on the sampling variant
         # The token each block-table row's request sampled in the last graph step (the padding row included).
@@ -201,10 +222,20 @@ class DecodeGraphs:
                 scores = self.penalties.apply(logits, prow)
                 if self.token_masks is not None:
                     scores = self.token_masks.apply(scores, prow)
-            tokens = sample_rows(scores, *staged_sampling(stage, bucket, logits.shape[1]))
+            if variant == "sampled" and self.race[bucket] is not None:
+                tokens = self._race(stage, bucket, logits)
+            else:
+                tokens = sample_rows(scores, *staged_sampling(stage, bucket, logits.shape[1]))
             if variant == "processed":
                 self.penalties.record(prow, tokens)
         return self._remember(rows, tokens), logits
+
+    def _race(self, stage: torch.Tensor, bucket: int, logits: torch.Tensor) -> torch.Tensor:
+        """sample.race over the staged temperature (fp32 bits; 0 = greedy), key halves and positions."""
+        off = stage_offsets(bucket)
+        tokens = torch.empty(bucket, dtype=torch.int64, device=logits.device)
+        return race.sample_race(logits, stage[off["temperature"]].view(torch.float32), stage[off["key_lo"]],
+                                stage[off["key_hi"]], stage[off["positions"]], tokens, self.race[bucket])
 
     def _remember(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         self.tok_by_row.index_copy_(0, rows, tokens)   # padded rows all land on the padding row
@@ -298,6 +329,10 @@ class DecodeGraphs:
         if want_logits and sampling is None and self.fused_greedy:
             sampling = [GREEDY_ROW] * len(seq_ids)     # the sampling variant's logits; temperature 0 is argmax
         capture_check.check_binding(self.binding, (self.model,), "decode")
+        if (penalty_rows is None and sampling is not None and self.race[bucket] is not None
+                and filtered(sampling, self.model.cfg.vocab_size)):
+            penalty_rows = [self.penalties.neutral] * len(seq_ids)   # the processed variant's torch sampler
+            self.filtered_replays += 1
         self._stage(bucket, seq_ids, token_ids, positions, sampling, penalty_rows)   # the graph expands it
         store = (self.processed_graphs if penalty_rows is not None
                  else self.sampled_graphs if sampling is not None else self.graphs)

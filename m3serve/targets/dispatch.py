@@ -62,6 +62,8 @@ TABLES: dict[str, tuple[tuple[tuple[int, int], str], ...]] = {
     "spec.inputs": (((1, 256), "spec.inputs"),),
     "spec.accept": (((1, 256), "spec.accept"),),
     "spec.commit": (((1, 256), "spec.commit"),),
+    # the decode graphs' sampling variant (rows = sequences of the bucket; shape = (V,))
+    "sample.race": (((1, 512), "sample.race"),),
 }
 
 

@@ -167,10 +167,17 @@ def module_placements(model, bucket: int) -> list[Placement]:
                            logits12_bound=getattr(logits, "tiles", None) is not None)
 
 
+def sampling_placement(model, bucket: int) -> Placement:
+    """The decode graphs' sampling variant at `bucket` rows: sample.race draws temperature and greedy rows (a step
+    with a top-k / top-p row replays the processed variant: the torch sampler)."""
+    return _place("sampling [sample.race]", bucket, "sample.race", bucket, (model.cfg.vocab_size,))
+
+
 def explain(model, kv, table_width: int, buckets: tuple[int, ...]) -> list[Placement]:
     out = []
     for b in buckets:
-        out += module_placements(model, b) + attention_placements(model, kv, table_width, b)
+        out += (module_placements(model, b) + attention_placements(model, kv, table_width, b)
+                + [sampling_placement(model, b)])
     return out
 
 

@@ -84,7 +84,7 @@ def test_drawn_tokens_follow_the_processed_distribution():
 
 
 def test_row_seeds_mixed_on_the_host_equal_the_device_form():
-    from m3serve.engine.keyed_noise import row_seed, row_seed_host
+    from m3serve.keyed_noise import row_seed, row_seed_host
     gen = torch.Generator().manual_seed(6)
     keys = torch.randint(0, 2 ** 62, (64,), generator=gen)
     keys[:3] = torch.tensor([0, 2 ** 63 - 1, 2 ** 32])

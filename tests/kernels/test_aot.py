@@ -16,7 +16,7 @@ PICK = {"linear.nvfp4": 0, "linear.mxfp8": 0, "linear.fp8": 0, "linear.nvfp4.til
         "linear.fp8.tiled": 1, "head.bf16": 0, "head.head12": 0, "head.head12_logits": 0,
         "norm.add_rms": 0, "moe.nvfp4": 0, "moe.grouped": None, "kv.write": 0, "msa.scores": 0, "msa.select": 0,
         "attn.paged": 4, "attn.prefill": 0, "attn.prefill_sparse": 1, "norm.rms": 0, "attn.qk_prep": 0,
-        "mlp.swiglu_oai": 0, "moe.route_small": 0}
+        "mlp.swiglu_oai": 0, "moe.route_small": 0, "sample.race": 0}
 
 
 @pytest.mark.parametrize("name", sorted(PICK))

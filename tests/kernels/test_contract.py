@@ -24,7 +24,8 @@ def test_entries_are_complete() -> None:
                             "norm.add_rms", "head.bf16", "head.head12", "head.head12_logits", "moe.nvfp4", "moe.grouped",
                             "kv.write", "msa.scores", "msa.select", "attn.paged", "attn.prefill", "attn.prefill_sparse",
                             "norm.rms", "attn.qk_prep", "mlp.swiglu_oai", "moe.route_small",
-                            "attn.rope", "mlp.silu_mul", "spec.inputs", "spec.accept", "spec.commit"}
+                            "attn.rope", "mlp.silu_mul", "spec.inputs", "spec.accept", "spec.commit",
+                            "sample.race"}
     for name, e in ENTRIES.items():
         assert e.cells and e.interp_cells, name
         assert e.archs == ("sm_90",)
@@ -40,6 +41,7 @@ def test_entries_are_complete() -> None:
             # prefill chunks (rows = tokens of the step): the grouped MoE and the M-tiled quantized linears
             top = 16384 if e.kind == "moe.grouped" or name.endswith(".tiled") else top
             top = 256 if e.kind.startswith("spec.") else top  # rows = sequences of a bucket (up to 256)
+            top = 512 if e.kind == "sample.race" else top      # rows = sequences of a decode graph bucket
             assert 1 <= c.rows[0] <= c.rows[1] <= top, f"{name}: rows {c.rows}"
         # raw call and reference share the signature (the reference may ignore outputs/workspaces)
         assert list(inspect.signature(e.raw_call).parameters)[:3] == list(inspect.signature(e.reference).parameters)[:3]

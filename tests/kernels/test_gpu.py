@@ -140,9 +140,12 @@ def _graph_check(e, cell, rows: int, fresh_inputs) -> None:
 
 
 def _outputs(e, case):
-    """The raw call's outputs inside case.args: (ids, best) for the greedy heads, else `out` (the logits head's too)."""
+    """The raw call's outputs inside case.args: (ids, best) for the greedy heads, the tokens of sample.race, else `out`
+    (the logits head's too)."""
     if e.kind in ("head.bf16", "head.head12"):
         return case.args[-5], case.args[-4]
+    if e.kind == "sample.race":   # (logits, temperature, key_lo, key_hi, positions, tokens, config)
+        return case.args[5]
     return case.args[-3]
 
 
@@ -151,7 +154,8 @@ def _fresh_x(case, gen: torch.Generator) -> None:
     x.copy_((torch.randn(x.shape, generator=gen) * 2).to(x.dtype).to(x.device))
 
 
-@pytest.mark.parametrize("name", ["linear.nvfp4", "qkv.mxfp8", "moe.nvfp4", "head.head12", "head.head12_logits"])
+@pytest.mark.parametrize("name", ["linear.nvfp4", "qkv.mxfp8", "moe.nvfp4", "head.head12", "head.head12_logits",
+                                  "sample.race"])
 def test_cuda_graph_replay(name: str) -> None:
     e = ENTRIES[name]
     cell = _split_cell(name)[1] if name.startswith(("linear", "qkv")) else e.cells[0]

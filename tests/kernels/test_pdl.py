@@ -21,7 +21,7 @@ DECODE_STEP_KERNELS = {
     "moe_down", "moe_router_rows", "head_partial_argmax", "argmax_reduce", "paged_attn_split", "paged_attn_combine",
     "_add_rmsnorm_kernel", "_rms_norm_kernel", "_kv_write_kernel", "_block_scores_kernel", "_select_kernel",
     "_qk_prep_kernel", "_route_small_kernel", "_gate_kernel", "head12_mma_logits", "head12_escape_argmax",
-    "head12_escape_logits",
+    "head12_escape_logits", "race_max", "race_sum", "race_argmax",
 }
 
 
@@ -29,7 +29,7 @@ def _all_kernels() -> dict[str, DualKernel]:
     out = {}
     for mod in ("gemm._gemv", "head._argmax", "head._head12_mma", "gemm._mma_gemv", "moe._mma", "moe._nvfp4", "attention._paged",
                 "gemm._wstream", "norm.add_rms", "attention.kv_write", "attention.msa_index", "attention.qk_prep",
-                "norm.rms", "moe.route_small", "mlp.swiglu", "spec.step", "attention.prefill"):
+                "norm.rms", "moe.route_small", "mlp.swiglu", "spec.step", "attention.prefill", "sample.race"):
         m = importlib.import_module(f"m3serve.kernels.{mod}")
         out.update({k.__name__: k for k in vars(m).values() if isinstance(k, DualKernel)})
     return out

@@ -105,3 +105,15 @@ def test_a_quantized_qkv_beside_a_dense_index_is_explained_as_two_gemms(monkeypa
     assert lines["layers.1.attn.q_proj"].detail == "runs inside layers.1.attn.qkv"
     assert lines["layers.1.attn.index_k_proj"].detail == "runs inside layers.1.attn.index_qk"
     assert "layers.0.attn.index_qk" not in lines                               # a dense-attention layer: q|k|v only
+
+
+def test_the_sampling_line_names_the_race_kernel_or_why_not(monkeypatch):
+    from m3serve.eval.cli import default_model_dir
+    from m3serve.kernels.sample import race
+    from m3serve.targets.explain import sampling_placement
+    model = load_model(str(default_model_dir()), device="cpu", dtype=torch.bfloat16)
+    assert sampling_placement(model, 8).entry == "sample.race"
+    assert sampling_placement(model, 513).entry is None and "sample.race" in sampling_placement(model, 513).detail
+    monkeypatch.setattr(race, "ENABLED", False)
+    off = sampling_placement(model, 8)
+    assert off.entry is None and "switched off" in off.detail

@@ -1,7 +1,9 @@
 """The counter hash behind every random draw on the device: a draw is a pure function of (key, counter,
 element), so it needs no RNG state (a CUDA graph captures it as is) and a request's draws depend neither on its
 batch nor on the path that computes them. m3serve.engine.sampler (decode sampling) and m3serve.engine.spec_rng
-(speculative verification and drafting) both draw from it.
+(speculative verification and drafting) both draw from it, and the decode graphs' sampling kernel
+(m3serve.kernels.sample.race) computes the same draws in registers. It sits in the foundation layer so that
+the kernel's torch reference can use it too.
 
 Shape legend: R rows, V vocabulary.
 """
