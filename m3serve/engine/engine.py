@@ -143,6 +143,14 @@ class LLMEngine:
         self.runner.bind_tables(self.blocks)
 
     # ------------------------------------------------------------------ requests
+    def restart_request_ids(self) -> None:
+        """Number requests from 0 again; only between requests (the warm-up calls it when its own are done). A request
+        without a seed draws from a key made of the engine's seed and its id, so the same requests then draw the same
+        tokens however many warm-up requests ran before them (graphs on or off, prefill graphs or not)."""
+        if self.has_work():
+            raise RuntimeError("restart_request_ids: the engine has requests; ids must stay unique among them")
+        self._ids = itertools.count()
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Request:
         """Validate and queue a request; returns it. With n / best_of > 1 it is the leader of a RequestGroup
         (req.group.members: one request per candidate, see m3serve.engine.groups). Raises ValueError naming the

@@ -152,6 +152,7 @@ def warm_up(engine, seed: int = 0, timeout_s: float = 600.0) -> dict:
     engine.blocks.clear_prefix_cache()
     if engine.has_work():
         raise RuntimeError("warm_up: requests left behind")
+    engine.restart_request_ids()          # unseeded requests' keys do not depend on how many warm-up requests ran
     if engine.model.device.type == "cuda":
         COMPILE_WATCH.arm()               # from here on a kernel variant built is a stall a user waits for: counted
     secs = time.perf_counter() - t0

@@ -30,6 +30,13 @@ def test_warm_up_leaves_the_engine_empty():
     assert report["requests"] >= 5 and report["tokens"] > 0
     assert not eng.has_work() and not eng.requests
     assert eng.blocks.num_free_slots() == free
+    # request ids start at 0 again: an unseeded request draws what it draws on an engine that never warmed up
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    fresh = LLM("tiny", random_weights=True, max_num_batched_tokens=64)
+    got, want = llm.generate(prompt, sampled), fresh.generate(prompt, sampled)
+    assert got[0].request_id == want[0].request_id == "0"
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     eng.add_request([5, 6], SamplingParams(max_tokens=2))
