@@ -87,7 +87,10 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
 # every CTA; gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
 # launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without its register cap;
-# gate-up-stages3: gate|up's register ring two steps deep (80 registers, 6 CTAs an SM);
+# gate-up-stages3: gate|up's register ring two steps deep (80 registers, 6 CTAs an SM); down-stages3: the same for
+# the down projection (uncapped registers: capped at 80 its one-token variant keeps 32 bytes on the stack); rings3:
+# both (more loads in flight a warp: the H200 has 1.4x the H100's bandwidth at the same
+# latency, and its one-token MoE ran at about the H100's microseconds);
 # split-router: the K-split router (moe_router) at decode token counts too, instead of one program per expert
 # (moe_router_rows); mma-gemv-uncapped: the MXFP8 MMA GEMV (3-8 rows) without its register cap; gemv-split2x: the
 # MXFP8 CUDA-core GEMV (1-2 rows) split over K twice as many ways where each split keeps >= 2 K steps (fields may
@@ -98,6 +101,8 @@ CELL_VARIANTS = {
     "gate-up-split-r72": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
     "down-uncapped": (("moe.nvfp4",), "MmaMoEConfig", {"down_maxnreg": 0}),
     "gate-up-stages3": (("moe.nvfp4",), "MmaMoEConfig", {"STAGES": 3}),
+    "down-stages3": (("moe.nvfp4",), "MmaMoEConfig", {"down_stages": 3, "down_maxnreg": 0}),
+    "rings3": (("moe.nvfp4",), "MmaMoEConfig", {"STAGES": 3, "down_stages": 3, "down_maxnreg": 0}),
     "split-router": (("moe.nvfp4",), None, {"ROUTER_ROWS": 0}),
     "mma-gemv-uncapped": (("linear.mxfp8", "qkv.mxfp8"), "MmaGemvConfig", {"maxnreg": 0}),
     "gemv-split2x": (("linear.mxfp8", "qkv.mxfp8"), "GemvConfig",
@@ -345,7 +350,7 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
-                         "gate-up-split-r72, down-uncapped, gate-up-stages3, split-router, mma-gemv-uncapped, "
+                         "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
                          "split count rounded up, the rule before the one-wave rule), target-index-gemv (the index "
                          "projections on linear.bf16, opt-in, not cuBLAS), target-head12 / target-head-bf16 (the "

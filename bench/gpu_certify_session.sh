@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -156,6 +156,20 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
     embedded:plain-pg-si embedded:spec-pg-t8k --repeats ${REPEATS:-2} --requests-per-user ${RPU:-8} --timeout 70 \
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
   grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
+  ;;
+rings-goal)  # issue 30's goal rows on the card that comes, beside the MoE's register rings one step deeper (gate|up,
+            # down, both: more weight loads in flight a warp; level on the H100 before, not yet run on the H200, where
+            # the one-token MoE ran at about the H100's microseconds), then minimax-m3:5's sampled step on sample.race
+            # beside the torch sampler
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase decode-deep ${T_C:-280} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-rings3,target-gate-up-stages3,target-down-stages3 --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-rings.json"
+  phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes target,target-rings3 --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-rings.json"
+  [ "$TAG" = h200 ] && phase decode-m3_5-race ${T_D:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8,32 \
+    --context 512 --steps 20 --routes target,target-torch-sampler --quantization nvfp4 --temperature 1.0 \
+    --out "$OUT/decode-target-$TAG-m3_5-race-sampled.json"
   ;;
 race-sampler)  # the sampling variant's draw on sample.race (temperature / greedy rows; top-k / top-p steps go to the
               # processed variant): its GPU cells (M3 and embedded vocabularies, rows 1-512), its graph replay, the
