@@ -81,7 +81,8 @@ VARIANT_ROUTES = ("target-rows", "target-logits-head", "target-gate-up-whole", "
                   "target-shared-inline", "target-gate-up-split", "target-gate-up-split-r72", "target-down-uncapped",
                   "target-mma-gemv-uncapped", "target-splits-up", "target-gemv-split2x", "target-gate-up-stages3",
                   "target-index-gemv", "target-head12", "target-head-bf16", "target-opt-in", "target-round3",
-                  "target-pdl", "target-nopdl", "target-head12-logits")
+                  "target-pdl", "target-nopdl", "target-head12-logits", "target-torch-sampler", "target-down-stages3",
+                  "target-rings3")
 # table row order: the product's routes, then the variants in the order above
 ROUTE_ORDER = {r: n for n, r in enumerate(("off", "auto", "target") + VARIANT_ROUTES)}
 NOT_RECORDED = "not recorded"
@@ -1428,6 +1429,24 @@ def _generate_summary(rf: ResultFile) -> list[list[str]]:
 
 
 
+def _race_summary(rf: ResultFile) -> list[list[str]]:
+    """A sampled decode file with the sampling variant on sample.race (route target) beside the torch sampler
+    (target-torch-sampler): the step-time ratio per batch, both routes on one engine."""
+    rows = rows_of(rf)
+    steps = {(need(r, "route", rf.name, "str"), need(r, "batch", rf.name, "int")): need(r, "median_s", rf.name)
+             for r in rows}
+    batches = sorted(b for route, b in steps if route == "target" and ("target-torch-sampler", b) in steps)
+    if not batches:
+        return []
+    model = need(rows[0], "model", rf.name, "str")
+    temp = need(need(rf.data, "sampling", rf.name, "dict"), "temperature", rf.name)
+    ratios = " / ".join(times(steps[("target", b)] / steps[("target-torch-sampler", b)]) for b in batches)
+    b0 = batches[0]
+    return [[f"sampled decode step (temperature {sig(temp)}), sample.race vs the torch sampler", model,
+             f"{ratios} the step time at batch {' / '.join(str(b) for b in batches)} ({ms(steps[('target', b0)])} vs "
+             f"{ms(steps[('target-torch-sampler', b0)])} ms at batch {b0}, {_gpu(rf.data)})", code(rf.name)]]
+
+
 def _serve_summary(rf: ResultFile, concurrency: int = 64) -> list[list[str]]:
     """Each run of a Pareto file at `concurrency` users: ITL p50, per-user tok/s (1 / P90 TPOT), total tok/s."""
     rows = []
@@ -1512,6 +1531,8 @@ def render_summary(results_dir: Path = RESULTS_DIR) -> str:
             rows += _generate_summary(rf)
         elif kind is not None and kind.name == "serve_pareto":
             rows += _serve_summary(rf) + _spec_vs_plain_summary(rf)
+        elif kind is not None and kind.name == "decode":
+            rows += _race_summary(rf)
     for rf in files:
         kind = recognise(rf)
         if kind is not None and kind.name == "eval_kv":
