@@ -728,3 +728,18 @@ def test_memory_plan_startup(report, tmp_path):
     assert table_rows(out, "model") == [["minimax-m3:5", "spec", "nvfp4", "128", row["plan"], "9.00", "0.56",
                                          "decode 1.00, speculative 7.00", "56516"]]
     assert "**Caveat:** by hand" in out and "unrecognised" not in out
+
+
+def test_summary_sample_race_row(report, tmp_path):
+    """A sampled decode file with route target beside target-torch-sampler gives one summary row: the step-time ratio
+    per batch both routes ran (a batch only one route ran is left out), the batch-1 times and the card."""
+    rows = [{"model": "minimax-m3:5", "route": route, "batch": b, "context": 512, "median_s": t,
+             "tokens_per_s": b / t}
+            for route, b, t in (("target-torch-sampler", 8, 0.0032), ("target", 1, 0.0015), ("target", 8, 0.0020),
+                                ("target-torch-sampler", 1, 0.0020), ("target", 32, 0.0060))]
+    write(tmp_path, "decode/decode-race.json", {**PROVENANCE, "bench": "decode", "results": rows,
+                                                "sampling": {"temperature": 1.0, "top_p": 1.0, "seed": 1}})
+    got = [r for r in table_rows(report.render_summary(tmp_path), "figure") if "sample.race" in r[0]]
+    assert got == [["sampled decode step (temperature 1.00), sample.race vs the torch sampler", "minimax-m3:5",
+                    "0.75× / 0.63× the step time at batch 1 / 8 (1.50 vs 2.00 ms at batch 1, NVIDIA H200)",
+                    "`decode/decode-race.json`"]]
