@@ -163,9 +163,9 @@ rings-goal)  # issue 30's goal rows on the card that comes, beside the MoE's reg
             # beside the torch sampler
   # (on the H200 also programmatic dependent launch: launch latency is a larger share of its faster step)
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  [ "$TAG" = h100 ] && pdl= || pdl=,target-pdl
+  [ "$TAG" = h100 ] && more=target-down-stages3 || more=target-pdl
   phase decode-deep ${T_C:-300} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-rings3,target-gate-up-stages3,target-down-stages3$pdl --quantization nvfp4 \
+    --routes target,target-rings3,$more --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-rings.json"
   phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
     --routes target,target-rings3 --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-rings.json"
