@@ -1439,10 +1439,12 @@ def _race_summary(rf: ResultFile) -> list[list[str]]:
     if not batches:
         return []
     model = need(rows[0], "model", rf.name, "str")
-    temp = need(need(rf.data, "sampling", rf.name, "dict"), "temperature", rf.name)
+    sampling = need(rf.data, "sampling", rf.name, "dict")
+    temp, top_p = need(sampling, "temperature", rf.name), opt(sampling, "top_p", rf.name)
+    how = f"temperature {sig(temp)}" + (f", top-p {sig(top_p)}" if top_p is not None and top_p < 1 else "")
     ratios = " / ".join(times(steps[("target", b)] / steps[("target-torch-sampler", b)]) for b in batches)
     b0 = batches[0]
-    return [[f"sampled decode step (temperature {sig(temp)}), sample.race vs the torch sampler", model,
+    return [[f"sampled decode step ({how}), sample.race vs the torch sampler", model,
              f"{ratios} the step time at batch {' / '.join(str(b) for b in batches)} ({ms(steps[('target', b0)])} vs "
              f"{ms(steps[('target-torch-sampler', b0)])} ms at batch {b0}, {_gpu(rf.data)})", code(rf.name)]]
 

@@ -739,7 +739,12 @@ def test_summary_sample_race_row(report, tmp_path):
                                 ("target-torch-sampler", 1, 0.0020), ("target", 32, 0.0060))]
     write(tmp_path, "decode/decode-race.json", {**PROVENANCE, "bench": "decode", "results": rows,
                                                 "sampling": {"temperature": 1.0, "top_p": 1.0, "seed": 1}})
+    write(tmp_path, "decode/decode-race-top-p.json", {**PROVENANCE, "bench": "decode", "results": rows[1:4],
+                                                      "sampling": {"temperature": 0.7, "top_p": 0.95, "seed": 1}})
     got = [r for r in table_rows(report.render_summary(tmp_path), "figure") if "sample.race" in r[0]]
-    assert got == [["sampled decode step (temperature 1.00), sample.race vs the torch sampler", "minimax-m3:5",
+    assert got == [["sampled decode step (temperature 0.700, top-p 0.950), sample.race vs the torch sampler",
+                    "minimax-m3:5", "0.75× the step time at batch 1 (1.50 vs 2.00 ms at batch 1, NVIDIA H200)",
+                    "`decode/decode-race-top-p.json`"],
+                   ["sampled decode step (temperature 1.00), sample.race vs the torch sampler", "minimax-m3:5",
                     "0.75× / 0.63× the step time at batch 1 / 8 (1.50 vs 2.00 ms at batch 1, NVIDIA H200)",
                     "`decode/decode-race.json`"]]
