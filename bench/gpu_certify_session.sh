@@ -173,19 +173,16 @@ rings-goal)  # issue 30's goal rows on the card that comes, beside the MoE's reg
     --context 512 --steps 20 --routes target,target-torch-sampler --quantization nvfp4 --temperature 1.0 \
     --out "$OUT/decode-target-$TAG-m3_5-race-sampled.json"
   ;;
-race-sampler)  # the sampling variant's draw on sample.race (temperature / top-p / greedy rows; top-k steps go to the
+race-sampler)  # the sampling variant's draw on sample.race (temperature / greedy rows; top-k / top-p steps go to the
               # processed variant): its GPU cells (M3 and embedded vocabularies, rows 1-512), its graph replay, the
               # decode graphs' tokens against graphs on the torch sampler (and the existing sampling / processed
-              # variants against the eager target), then minimax-m3:5's sampled step (temperature 1, then top-p 0.95)
-              # on sample.race beside the torch sampler, side by side on one engine
+              # variants against the eager target), then minimax-m3:5's sampled step (temperature 1) on sample.race
+              # beside the torch sampler, side by side on one engine
   phase pytest-race ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rfE \
     tests/kernels/test_gpu.py tests/runtime/test_decode_target_gpu.py -k "race or samples_inside"
   phase decode-m3_5-race ${T_B:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8,32 --context 512 \
     --steps 20 --routes target,target-torch-sampler --quantization nvfp4 --temperature 1.0 \
     --out "$OUT/decode-target-$TAG-m3_5-race-sampled.json"
-  phase decode-m3_5-race-top-p ${T_C:-150} python3 bench/decode.py --models minimax-m3:5 --batch 1,8,32 --context 512 \
-    --steps 20 --routes target,target-torch-sampler --quantization nvfp4 --temperature 1.0 --top-p 0.95 \
-    --out "$OUT/decode-target-$TAG-m3_5-race-top-p.json"
   ;;
 logits-default)  # head.head12_logits on by default: its graph-replay test, the greedy head's decode-graph tests with it bound
                 # (fused greedy, 12-bit greedy, sampling graphs on the 12-bit logits)

@@ -1,7 +1,5 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, top logprobs.
 
-Top-p keeps the smallest set of the most likely tokens whose mass reaches top_p, and every token as likely as the
-last one kept (tie-inclusive: no sort order among equal probabilities decides anything).
 Random draws use the exponential race, token = argmax(p / E) with E ~ Exp(1) i.i.d. per (row, token): it needs no
 host sync and no cumulative sum (E_v / p_v ~ Exp(p_v), and the smallest of independent exponentials is index v
 with probability p_v / sum p). The noise is counter-based: E[row, v] is a hash of (the request's sampling key,
@@ -54,16 +52,10 @@ def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         x = x.masked_fill(x < kth, float("-inf"))          # ties at the k-th value stay
     probs = torch.softmax(x, dim=-1)
     if apply_top_p:
-        # the nucleus is tie-inclusive: a token stays when the mass of the tokens strictly more likely than it is
-        # below top_p, so tokens of equal probability stay or go together and no sort order among them matters
-        # (bf16 logits tie often; the sort's tie order differs between sort algorithms and devices)
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p            # mass before each token in sorted order
-        first = torch.ones_like(sorted_p, dtype=torch.bool)
-        first[:, 1:] = sorted_p[:, 1:] != sorted_p[:, :-1]
-        above = torch.where(first, before, 0.0).cummax(-1).values   # mass strictly above: its group's first before
+        before = sorted_p.cumsum(-1) - sorted_p            # mass strictly above each token
         nucleus = (top_p < 1.0).unsqueeze(1)
-        drop_sorted = (above >= top_p.unsqueeze(1)) & nucleus   # the top group is always kept
+        drop_sorted = (before >= top_p.unsqueeze(1)) & nucleus   # the top token is always kept
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         kept = probs.masked_fill(drop, 0.0)
         probs = torch.where(nucleus, kept / kept.sum(-1, keepdim=True), probs)

@@ -10,8 +10,8 @@ smallest bucket >= its batch size and runs as:
            previous graph step", kept on the device) -> embed -> L x (norms, projections, kv.write,
            [msa.scores, msa.select], attn.paged, o_proj, MoE) -> head -> argmax (the greedy variant takes the
            model's greedy head when bound: head GEMV + argmax of the bf16 logits, no logits written) (or, in the sampling
-           variant, temperature, top-p and the keyed exponential race: the `sample.race` kernel where a processed variant
-           exists to take the steps whose rows ask for top-k, else the torch sampler with its top-k pass; in
+           variant, temperature and the keyed exponential race: the `sample.race` kernel where a processed variant
+           exists to take the steps whose rows ask for top-k / top-p, else the torch sampler with those passes; in
            the processed variant, penalties / logit_bias / min_tokens and the structured-output token masks from
            the staged state rows first, then the torch sampler, the tokens counted after)
            -> remember it per row
@@ -114,8 +114,8 @@ def race_config(bucket: int, vocab: int) -> race.RaceConfig | None:
 
 
 def filtered(sampling: list[SamplingRow], vocab: int) -> bool:
-    """Whether any row asks for top-k (0 < k < V): the pass the sample.race kernel does not run."""
-    return any(0 < row[1] < vocab for row in sampling)
+    """Whether any row asks for top-k (0 < k < V) or top-p (< 1): passes the sample.race kernel does not run."""
+    return any(0 < row[1] < vocab or row[2] != _ONE_BITS for row in sampling)
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "key_lo", "key_hi")   # a sampling_row, in order
 
@@ -178,12 +178,12 @@ class DecodeGraphs:
         self.token_masks = token_masks if self.penalties is not None else None
         self.processed_graphs: dict[int, _Bucket] = {}
         # The sampling variant's draw per bucket: the sample.race kernel's config, or None (the torch sampler).
-        # The kernel reads temperature and top-p, not top-k, so it is bound only where the processed variant exists
-        # to take the steps whose rows ask for top-k (run() routes them there with neutral state rows: the identity).
+        # The kernel reads temperature alone, so it is bound only where the processed variant exists to take the
+        # steps whose rows ask for top-k / top-p (run() routes them there with neutral state rows: the identity).
         # race_sampler: None = the entry's switch (race.ENABLED), False = the torch sampler (the bench's baseline).
         on = self.penalties is not None and (race.ENABLED if race_sampler is None else race_sampler)
         self.race = {b: race_config(b, model.cfg.vocab_size) if on else None for b in self.buckets}
-        self.filtered_replays = 0   # sampling steps sent to the processed variant for their top-k rows
+        self.filtered_replays = 0   # sampling steps sent to the processed variant for their top-k / top-p rows
         self.replays = 0
         self.sampled_replays = 0                         # of them, on the sampling variant
         # The token each block-table row's request sampled in the last graph step (the padding row included).
@@ -234,9 +234,8 @@ class DecodeGraphs:
         """sample.race over the staged temperature (fp32 bits; 0 = greedy), key halves and positions."""
         off = stage_offsets(bucket)
         tokens = torch.empty(bucket, dtype=torch.int64, device=logits.device)
-        return race.sample_race(logits, stage[off["temperature"]].view(torch.float32),
-                                stage[off["top_p"]].view(torch.float32), stage[off["key_lo"]], stage[off["key_hi"]],
-                                stage[off["positions"]], tokens, self.race[bucket])
+        return race.sample_race(logits, stage[off["temperature"]].view(torch.float32), stage[off["key_lo"]],
+                                stage[off["key_hi"]], stage[off["positions"]], tokens, self.race[bucket])
 
     def _remember(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         self.tok_by_row.index_copy_(0, rows, tokens)   # padded rows all land on the padding row

@@ -92,13 +92,3 @@ def test_row_seeds_mixed_on_the_host_equal_the_device_form():
     want = row_seed(keys, counters).tolist()
     assert [row_seed_host(k, c) for k, c in zip(keys.tolist(), counters.tolist())] == want
     assert len(set(want)) == 64 and all(0 <= x < 2 ** 32 for x in want)
-
-
-def test_top_p_keeps_or_drops_equal_probabilities_together():
-    """The nucleus is tie-inclusive: with p = (0.4, 0.2, 0.2, 0.2), top_p 0.5 keeps all three 0.2 tokens (the mass
-    strictly above them is 0.4 < 0.5), top_p 0.4 drops all three; no sort order among equal tokens decides."""
-    logits = torch.log(torch.tensor([[0.2, 0.4, 0.2, 0.2], [0.2, 0.4, 0.2, 0.2]]))
-    temp, top_k, greedy = torch.ones(2), torch.full((2,), 4), torch.zeros(2, dtype=torch.bool)
-    probs = processed_rows(logits, temp, top_k, torch.tensor([0.5, 0.4]), greedy)
-    assert torch.allclose(probs[0], torch.softmax(logits[0], -1))
-    assert probs[1].tolist() == [0.0, 1.0, 0.0, 0.0]

@@ -144,8 +144,8 @@ def _outputs(e, case):
     (the logits head's too)."""
     if e.kind in ("head.bf16", "head.head12"):
         return case.args[-5], case.args[-4]
-    if e.kind == "sample.race":   # (logits, temperature, top_p, key_lo, key_hi, positions, tokens, config)
-        return case.args[6]
+    if e.kind == "sample.race":   # (logits, temperature, key_lo, key_hi, positions, tokens, config)
+        return case.args[5]
     return case.args[-3]
 
 

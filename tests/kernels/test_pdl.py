@@ -21,7 +21,7 @@ DECODE_STEP_KERNELS = {
     "moe_down", "moe_router_rows", "head_partial_argmax", "argmax_reduce", "paged_attn_split", "paged_attn_combine",
     "_add_rmsnorm_kernel", "_rms_norm_kernel", "_kv_write_kernel", "_block_scores_kernel", "_select_kernel",
     "_qk_prep_kernel", "_route_small_kernel", "_gate_kernel", "head12_mma_logits", "head12_escape_argmax",
-    "head12_escape_logits", "race_max", "race_sum", "race_argmax", "race_nucleus_hist", "race_nucleus_walk",
+    "head12_escape_logits", "race_max", "race_sum", "race_argmax",
 }
 
 

@@ -115,38 +115,34 @@ def test_embedded_model_samples_inside_the_graph_as_the_eager_target_does():
 
 
 def test_sample_race_draws_the_torch_samplers_tokens_in_the_graphs():
-    """Temperature, top-p and greedy rows replay the sampling variant on sample.race and draw exactly the tokens of
-    graphs that sample with the torch sampler (race_sampler=False): the same logits, the same keyed noise, the
-    softmax sum and the nucleus masses in another order (a near-tie inside a few ulps, or a nucleus edge inside its
-    band, could flip; none at these sizes). A step with a top-k row is sent to the processed variant and draws what
-    the torch sampler draws there too."""
+    """Temperature and greedy rows replay the sampling variant on sample.race and draw exactly the tokens of graphs
+    that sample with the torch sampler (race_sampler=False): the same logits, the same keyed noise, the softmax sum
+    in another order (a near-tie inside a few ulps could flip; none at these sizes). A step with a top-p row is
+    sent to the processed variant and draws what the torch sampler draws there too."""
     _need_cuda()
     from m3serve import LLM, SamplingParams
     from m3serve.runtime.decode_graphs import DecodeGraphs
     prompts = [{"prompt_token_ids": list(range(11 + 3 * i, 60 + 4 * i))} for i in range(6)]
     temps = (0.3, 0.8, 1.0, 0.0, 1.5, 2.5)
-    nuclei = (1.0, 0.9, 0.5, 1.0, 0.95, 0.3)
-    params = [SamplingParams(max_tokens=48, temperature=t, top_p=p, seed=100 + i, ignore_eos=True)
-              for i, (t, p) in enumerate(zip(temps, nuclei))]
-    top_k = params[:5] + [SamplingParams(max_tokens=48, temperature=0.9, top_k=40, seed=7, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=48, temperature=t, seed=100 + i, ignore_eos=True) for i, t in enumerate(temps)]
+    top_p = params[:5] + [SamplingParams(max_tokens=48, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True)]
     llm = LLM(dtype="bfloat16", max_num_seqs=8, route="auto", kv_cache_bytes=TINY_KV, seed=5, prefill_graph_tokens=0)
     try:
         eng = llm.engine
         race_graphs = eng.runner.graphs
         assert all(race_graphs.race[b] is not None for b in race_graphs.captured)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert race_graphs.sampled_replays > 40 and race_graphs.filtered_replays == 0
-        got_k = [o.outputs[0].token_ids for o in llm.generate(prompts, top_k, use_tqdm=False)]
-        assert race_graphs.filtered_replays > 20
+        got_p = [o.outputs[0].token_ids for o in llm.generate(prompts, top_p, use_tqdm=False)]
+        assert race_graphs.sampled_replays > 40 and race_graphs.filtered_replays > 20
         torch_graphs = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, race_graphs.buckets,
                                     penalties=eng.penalties, race_sampler=False)
         torch_graphs.capture()
         assert all(v is None for v in torch_graphs.race.values())
         eng.runner.graphs = torch_graphs
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        want_k = [o.outputs[0].token_ids for o in llm.generate(prompts, top_k, use_tqdm=False)]
+        want_p = [o.outputs[0].token_ids for o in llm.generate(prompts, top_p, use_tqdm=False)]
         assert torch_graphs.sampled_replays > 40 and torch_graphs.filtered_replays == 0
         assert got == want
-        assert got_k == want_k
+        assert got_p == want_p
     finally:
         _release(llm)

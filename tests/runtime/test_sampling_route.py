@@ -1,6 +1,6 @@
-"""Which sampling steps the decode graphs' sampling variant draws with sample.race: temperature, top-p and greedy
-rows. A step with a row that asks for top-k (0 < k < V) goes to the processed variant (neutral state rows, the torch
-sampler), since the kernel has no top-k pass. The GPU side (tokens equal to the torch sampler's
+"""Which sampling steps the decode graphs' sampling variant draws with sample.race: temperature and greedy rows only.
+A step with a row that asks for top-k (0 < k < V) or top-p (< 1) goes to the processed variant (neutral state rows,
+the torch sampler), since the kernel reads temperature alone. The GPU side (tokens equal to the torch sampler's
 through the graphs) is tests/runtime/test_decode_target_gpu.py."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from m3serve.targets import dispatch
 V = 3840
 
 
-def test_only_top_k_rows_leave_the_race():
-    plain = [sampling_row(0.7, 0, 1.0, 5), sampling_row(1.3, -1, 1.0, 6), GREEDY_ROW, sampling_row(1.0, 0, 0.95, 9),
-             sampling_row(1.0, V, 1.0, 7), sampling_row(1.0, V + 10, 0.5, 8)]    # k >= V or <= 0: no top-k
+def test_only_top_k_or_top_p_rows_leave_the_race():
+    plain = [sampling_row(0.7, 0, 1.0, 5), sampling_row(1.3, -1, 1.0, 6), GREEDY_ROW,
+             sampling_row(1.0, V, 1.0, 7), sampling_row(1.0, V + 10, 1.0, 8)]    # k >= V or <= 0: no top-k
     assert not filtered(plain, V)
     assert filtered(plain + [sampling_row(1.0, 40, 1.0, 9)], V)
-    assert filtered(plain + [sampling_row(1.0, 40, 0.9, 9)], V)
+    assert filtered(plain + [sampling_row(1.0, 0, 0.95, 9)], V)
     assert filtered([sampling_row(1.0, 1, 1.0, 9)], V)
     assert not filtered([], V)
 
