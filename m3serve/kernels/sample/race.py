@@ -3,8 +3,9 @@ and greedy rows beside them, in four small launches over the logits.
 
 The torch sampler (m3serve.engine.sampler.sample_rows) runs, for every row whatever it asks for, two full sorts of
 the vocabulary (top-k's k-th value, top-p's nucleus), a softmax, a cumulative sum and a scatter, and builds the
-keyed noise in int64 and fp64 tensor ops: about 0.4 ms at one row and 1 ms at eight on an H100 for a 200k vocabulary
-(bench/results/decode/*-head12-logits-sampled.json). For a row with top_k off and top_p = 1 every one of those
+keyed noise in int64 and fp64 tensor ops: about 0.45 ms at one row and 1.1 ms at eight on an H100 for a 200k vocabulary
+(bench/results/decode/decode-target-h100-m3_5-race-sampled.json, the step on route target-torch-sampler against
+this kernel's). For a row with top_k off and top_p = 1 every one of those
 passes is the identity except the softmax and the noise, so the draw reduces to
 
     greedy (T = 0):  token = first argmax_v logits[v]
