@@ -74,11 +74,12 @@ def sampling_row(temperature: float, top_k: int, top_p: float, key: int) -> Samp
     return int(bits[0]), int(top_k), int(bits[1]), _i32(key & 0xFFFFFFFF), _i32((key >> 32) & 0xFFFFFFFF)
 
 
-def pack_decode(bucket: int, token_ids: list[int], positions: list[int], sampling: list[SamplingRow] | None = None,
+def pack_decode(bucket: int, token_ids: list[int], positions: list[int], sampling=None,
                 penalty_rows: list[int] | None = None, neutral_row: int = 0
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host arrays for one padded decode step: (token seq index [S], positions [S], payload [8S] int32).
-    The payload carries each row's token id, sequence length, sampling_row values and penalty-state row
+    The payload carries each row's token id, sequence length, sampling_row values (a list of them, or their int32
+    array [n, 5]) and penalty-state row
     (m3serve.engine.penalties). Padded rows (and every row when `sampling` is None): position 0, token 0,
     sequence length 0, greedy (temperature 0), top_p 1, the neutral penalty row."""
     n, s = len(token_ids), bucket
@@ -88,7 +89,7 @@ def pack_decode(bucket: int, token_ids: list[int], positions: list[int], samplin
     extra[:n] = token_ids
     np.add(pos[:n], 1, out=extra[s:s + n])
     if sampling is not None:
-        extra[2 * s:7 * s].reshape(5, s)[:, :n] = np.array(sampling, dtype=np.int32).T
+        extra[2 * s:7 * s].reshape(5, s)[:, :n] = np.asarray(sampling, dtype=np.int32).T
     extra[4 * s + (n if sampling is not None else 0):5 * s] = _ONE_BITS
     extra[7 * s:8 * s] = neutral_row
     if penalty_rows is not None:
@@ -113,9 +114,11 @@ def race_config(bucket: int, vocab: int) -> race.RaceConfig | None:
     return None if entry is None else entry.cell_for(bucket, (vocab,)).config["race"]
 
 
-def filtered(sampling: list[SamplingRow], vocab: int) -> bool:
-    """Whether any row asks for top-k (0 < k < V) or top-p (< 1): passes the sample.race kernel does not run."""
-    return any(0 < row[1] < vocab or row[2] != _ONE_BITS for row in sampling)
+def filtered(sampling: np.ndarray, vocab: int) -> bool:
+    """Whether any row of the int32 sampling rows [n, 5] asks for top-k (0 < k < V) or top-p (< 1): passes the
+    sample.race kernel does not run."""
+    k = sampling[:, 1]
+    return bool(((k > 0) & (k < vocab)).any() or (sampling[:, 2] != _ONE_BITS).any())
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "key_lo", "key_hi")   # a sampling_row, in order
 
@@ -329,6 +332,8 @@ class DecodeGraphs:
         if want_logits and sampling is None and self.fused_greedy:
             sampling = [GREEDY_ROW] * len(seq_ids)     # the sampling variant's logits; temperature 0 is argmax
         capture_check.check_binding(self.binding, (self.model,), "decode")
+        if sampling is not None:   # one conversion a step: the routing test below and the staged payload read it
+            sampling = np.asarray(sampling, dtype=np.int32).reshape(-1, 5)
         if (penalty_rows is None and sampling is not None and self.race[bucket] is not None
                 and filtered(sampling, self.model.cfg.vocab_size)):
             penalty_rows = [self.penalties.neutral] * len(seq_ids)   # the processed variant's torch sampler

@@ -363,11 +363,13 @@ def test_generic_files_list_their_top_level_scalars(report, tmp_path):
 
 def test_unrecognised_and_broken_files_are_listed_and_logs_ignored(report, tmp_path):
     write(tmp_path, "mystery-h200.json", {"whatever": 1})
+    write(tmp_path, "reverted/decode-x.json", {"bench": "decode"})   # would raise if it were read (no results)
     write(tmp_path, "broken.json", "{not json")
     write(tmp_path, "a-list.json", [1, 2])
     write(tmp_path, "logs/spec-decode-old.json", {"bench": "spec_decode"})   # would raise if it were read
     write(tmp_path, "kernels-h200-x.json", kernels_file())
     out = report.render_report(tmp_path)
+    assert "decode-x" not in out and "decode-x" not in report.render_summary(tmp_path)
     assert out.endswith("unrendered results: `a-list.json` (unrecognised), `broken.json` (not valid JSON: "
                         "JSONDecodeError), `mystery-h200.json` (unrecognised)")
     assert "Kernels vs copy bandwidth" in out

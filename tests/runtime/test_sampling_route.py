@@ -5,10 +5,15 @@ through the graphs) is tests/runtime/test_decode_target_gpu.py."""
 
 from __future__ import annotations
 
-from m3serve.runtime.decode_graphs import GREEDY_ROW, filtered, race_config, sampling_row
-from m3serve.targets import dispatch
+import numpy as np
+
+from m3serve.runtime.decode_graphs import GREEDY_ROW, filtered as filtered_rows, pack_decode, race_config, sampling_row
 
 V = 3840
+
+
+def filtered(rows, vocab):
+    return filtered_rows(np.asarray(rows, dtype=np.int32).reshape(-1, 5), vocab)
 
 
 def test_only_top_k_or_top_p_rows_leave_the_race():
@@ -21,6 +26,14 @@ def test_only_top_k_or_top_p_rows_leave_the_race():
     assert not filtered([], V)
 
 
+def test_the_staged_payload_is_the_same_from_rows_or_their_array():
+    rows = [sampling_row(0.7, 40, 0.9, 2 ** 40 + 5), GREEDY_ROW]
+    a = pack_decode(4, [3, 4], [10, 11], rows, [1, 2], neutral_row=8)
+    b = pack_decode(4, [3, 4], [10, 11], np.asarray(rows, dtype=np.int32), [1, 2], neutral_row=8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert a[2][2 * 4:7 * 4].reshape(5, 4)[:, :2].T.tolist() == [list(r) for r in rows]
+
+
 def test_each_bucket_binds_the_race_by_its_dispatch_row(monkeypatch):
     from m3serve.kernels.sample import race
     assert race_config(1, V).BLOCK == 1024 and race_config(512, 200064).BLOCK == 2048
@@ -28,4 +41,3 @@ def test_each_bucket_binds_the_race_by_its_dispatch_row(monkeypatch):
     assert race_config(8, 1000) is None          # no certified vocabulary
     monkeypatch.setattr(race, "ENABLED", False)
     assert race_config(8, V) is None
-    assert dispatch.TABLES["sample.race"] == (((1, 512), "sample.race"),)
