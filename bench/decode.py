@@ -181,6 +181,8 @@ def set_route(llm, route: str, state: dict) -> None:
     from m3serve.kernels.attention import _paged_call
     # read when a step's split plan is made (graph capture, eager steps)
     _paged_call.SPLITS_ROUND_UP = route in ("target-splits-up", "target-round3")
+    # read at launch (graph capture): the split-KV merge as a second launch, the layout before it was folded in
+    _paged_call.COMBINE_LAUNCH = route == "target-combine-launch"
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route),
@@ -356,7 +358,9 @@ def main() -> None:
                          "split count rounded up, the rule before the one-wave rule), target-index-gemv (the index "
                          "projections on linear.bf16, opt-in, not cuBLAS), target-head12 / target-head-bf16 (the "
                          "greedy head's 1-8 rows on the 12-bit / the BF16 head), target-opt-in (index GEMV + head12), "
-                         "target-torch-sampler (the sampling variant on the torch sampler, not sample.race)")
+                         "target-torch-sampler (the sampling variant on the torch sampler, not sample.race), "
+                         "target-combine-launch (attn.paged's split-KV merge as a second launch, not in the split "
+                         "kernel's last arrival)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

@@ -9,8 +9,14 @@ included), their rate and its fraction of this run's device-to-device copy bandw
 Goals (measured, never gated): dense decode on an FP8 cache, batch 1 at 32k and batch 16 at 4k,
 >= 70 % of copy bandwidth; MSA (NVFP4, top-16) decode at 128k within 1.3x of its time at 4k.
 
+The "... 512 (decode splits)" points are a short context at the split count a decode graph uses (fixed per bucket
+by the block table's width, here a 32k-token table: most splits hold no key). With --combine-launch both, every
+point runs twice on the same case: the splits merged by the last split to finish (the default) and by the separate
+combine launch (_paged_call.COMBINE_LAUNCH), reported side by side.
+
 Usage (device machine, repository root):
-    python3 bench/paged_attention.py [--iters 50] [--splits 0] [--bn 64 --warps 4 --stages 3] [--out F]
+    python3 bench/paged_attention.py [--iters 50] [--splits 0] [--bn 64 --warps 4 --stages 3]
+                                     [--combine-launch off|on|both] [--out F]
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from m3serve.kernels.attention import _paged_call as call  # noqa: E402
 from m3serve.kernels.attention._paged_case import CaseShape, build_case  # noqa: E402
 from m3serve.kernels.attention.paged import FMT_CODES, paged_attention  # noqa: E402
 
-# (name, fmt, topk, batch, context, rows)
+# (name, fmt, topk, batch, context, rows[, splits]): splits given = the decode graph's count for a 32k table
 POINTS = (
+    ("dense fp8 decode b1 512 (decode splits)", "fp8", 0, 1, 512, 1, 64),
+    ("msa nvfp4 decode b1 512 (decode splits)", "nvfp4", 16, 1, 512, 1, 16),
+    ("msa nvfp4 decode b8 512 (decode splits)", "nvfp4", 16, 8, 512, 1, 8),
     ("dense fp8 decode b1 32k", "fp8", 0, 1, 32768, 1),
     ("dense fp8 decode b16 4k", "fp8", 0, 16, 4096, 1),
     ("dense fp8 decode b64 4k", "fp8", 0, 64, 4096, 1),
@@ -58,6 +67,8 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=0)
     ap.add_argument("--stages", type=int, default=0)
     ap.add_argument("--only", default="")
+    ap.add_argument("--combine-launch", default="off", choices=("off", "on", "both"),
+                    help="on: the splits merged by the separate combine launch; both: each point both ways")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.bn or a.warps or a.stages:
@@ -75,10 +86,12 @@ def main() -> int:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
     hq, hk, d, p = 64, 4, 128, 128
     results = []
-    for name, fmt, topk, batch, context, rows in POINTS:
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[a.combine_launch]
+    for name, fmt, topk, batch, context, rows, *fixed in POINTS:
         if a.only and a.only not in name:
             continue
-        for ns in a.splits:
+        for ns, launch in [(n, m) for n in (fixed or a.splits) for m in modes]:
+            call.COMBINE_LAUNCH = launch
             cs = CaseShape(batch=batch, context=context, num_splits=ns or None, padding=False)
             pc = build_case((FMT_CODES[fmt], hq, hk, d, p, topk), rows, dev, torch.Generator().manual_seed(1), cs)
             case = pc.case
@@ -91,15 +104,18 @@ def main() -> int:
             g = graphed(fn)
             t = time_call(g or fn, a.iters, flush)
             rate = nbytes / t
-            r = dict(point=name, num_splits=case.kwargs["num_splits"], us=t * 1e6, kv_bytes=nbytes, tb_s=rate / 1e12,
+            r = dict(point=name, num_splits=case.kwargs["num_splits"], combine_launch=launch, us=t * 1e6,
+                     kv_bytes=nbytes, tb_s=rate / 1e12,
                      frac_copy=rate / copy_bw, cfg=str(call.tile_config(hq // hk, p, rows, topk > 0, fmt == "nvfp4")))
             results.append(r)
-            print(f"{name:28s} splits {r['num_splits']:3d}  {r['us']:8.2f} us  {nbytes / 2**20:8.2f} MiB  "
+            print(f"{name:40s} splits {r['num_splits']:3d} {'launch' if launch else 'merged'}  {r['us']:8.2f} us  "
+                  f"{nbytes / 2**20:8.2f} MiB  "
                   f"{r['tb_s']:5.2f} TB/s  {100 * r['frac_copy']:5.1f} % of copy", flush=True)
             del pc, case, g
             torch.cuda.empty_cache()
-    if a.out:
-        Path(a.out).write_text(json.dumps(dict(**run_metadata(), copy_bw=copy_bw, results=results), indent=1))
+            if a.out:  # after every point: a run cut short by its time limit keeps what it measured
+                Path(a.out).write_text(json.dumps(dict(**run_metadata(), copy_bandwidth_Bps=copy_bw, results=results),
+                                                  indent=1))
     return 0
 
 

@@ -417,6 +417,24 @@ def render_attention(files: list[ResultFile]) -> str:
     return "\n\n".join(blocks)
 
 
+def render_paged_attention(files: list[ResultFile]) -> str:
+    """bench/paged_attention.py: attn.paged per point and split count, the splits merged in the split kernel
+    (default) or by the separate combine launch, side by side where the run measured both."""
+    blocks = []
+    for rf in files:
+        rows = []
+        for i, r in enumerate(rows_of(rf)):
+            w = f"{rf.name}.results[{i}]"
+            launch = opt(r, "combine_launch", w, "bool")
+            rows.append([need(r, "point", w, "str"), need(r, "num_splits", w, "int"),
+                         DASH if launch is None else "combine launch" if launch else "in the split kernel",
+                         sig(need(r, "us", w)), pct(need(r, "frac_copy", w))])
+        blocks.append(file_block("attn.paged per point (one launch vs split + combine launches)",
+                                 md_table(["point", "splits", "splits merged", "µs", "% of copy BW"], rows), rf,
+                                 copy_bw_note(rf)))
+    return "\n\n".join(blocks)
+
+
 def _shape(shape: Any, where: str) -> str:
     _checked(shape, where, "list")
     return "×".join(str(_checked(d, where, "int")) for d in shape)
@@ -1268,6 +1286,8 @@ KINDS = (
     Kind("attention", "Attention", ("attention",), ("attention-*.json",),
          lambda d: _row_keys(d, "entry", "query_tokens", "us") or (bool(d.get("decode_step"))
                                                                    and d.get("results") == []), render_attention),
+    Kind("paged_attention", "Paged attention kernel", (), ("paged-attention-*.json",),
+         lambda d: _row_keys(d, "point", "num_splits", "us"), render_paged_attention),
     Kind("moe_decode_once", "MoE decode-once band", (), ("kernels-moe-grouped-decode-once*.json",),
          lambda d: _row_keys(d, "fmt", "in_register_total_ms"), render_moe_decode_once),
     Kind("kernels", "Kernels", ("kernels",), ("kernels-*.json",),

@@ -750,3 +750,17 @@ def test_summary_sample_race_row(report, tmp_path):
                    ["sampled decode step (temperature 1.00), sample.race vs the torch sampler", "minimax-m3:5",
                     "0.75× / 0.63× the step time at batch 1 / 8 (1.50 vs 2.00 ms at batch 1, NVIDIA H200)",
                     "`decode/decode-race.json`"]]
+
+
+def test_paged_attention_merge_side_by_side(report, tmp_path):
+    """bench/paged_attention.py with --combine-launch both: each point's two merges in one table."""
+    results = [{"point": "msa nvfp4 decode b1 512 (decode splits)", "num_splits": 16, "combine_launch": launch,
+                "us": us, "kv_bytes": 1, "tb_s": 0.1, "frac_copy": f, "cfg": "c"}
+               for launch, us, f in ((False, 10.04, 0.051), (True, 14.26, 0.036))]
+    write(tmp_path, "paged-attention-h100-x.json", {"gpu": "NVIDIA H100", "command": "bench/paged_attention.py",
+                                                    "copy_bandwidth_Bps": 3.0e12, "results": results})
+    out = report.render_report(tmp_path)
+    assert table_rows(out, "point") == [
+        ["msa nvfp4 decode b1 512 (decode splits)", "16", "in the split kernel", "10.0", "5 %"],
+        ["msa nvfp4 decode b1 512 (decode splits)", "16", "combine launch", "14.3", "4 %"]]
+    assert "copy bandwidth 3.00 TB/s" in out

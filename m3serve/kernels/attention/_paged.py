@@ -12,6 +12,8 @@ Shape legend:
     out          [T, Hq, D]      bf16
     acc          [NS, T, Hq, D]  fp32 unnormalised partial outputs of each split (NS > 1)
     ml           [NS, T, Hq, 2]  fp32 running max (log2 units) and sum of each split
+    count        [T, Hq] int32   arrival counters of each (row, KV head)'s splits (first Hk columns used), zero
+                                 between launches
     rot          [D, D]          bf16 rotation.query_matrix M of a rotated NVFP4 layer (ROT only)
 
 Program (row t, KV head kh, split) of paged_attn_split serves the query rows t .. t+QB-1 of one
@@ -23,7 +25,10 @@ selected blocks, in list order) through slot_table, with an online softmax in ba
 scaled by sm_scale*log2(e)). A split with no work stores m = -inf, l = 0, acc = 0, so the
 combine needs no other signal; a row with no key at all (padding: seq_len 0, or a row past the
 last sequence's queries) gets zeros. With NS = 1 the split kernel normalises and stores `out`
-itself; otherwise paged_attn_combine sums the splits in the fixed order 0..NS-1 (no atomics).
+itself. Otherwise (COMBINE) the split that finishes LAST of its (row, KV head)'s NS splits (a ticket on `count`,
+as the weight-streaming kernels' split-K: gemm/_splitk.py) merges them in the order 0..NS-1 and stores `out`:
+no second launch, whose ramp and tail cost more than the merge (paged_attn_combine, the separate launch, stays for
+the side-by-side route). Splits past the last one with key tiles (a prefix holds every tile) are not read.
 
 p.v: p is split into p_hi = bf16(p) and p_lo = bf16(p - p_hi) (both exact MMA operands), and
 two dots accumulate in fp32: p_hi + p_lo is within 2**-18 |p| of p. FP8 pages, compiled (F16): K and V
@@ -50,6 +55,7 @@ from m3serve.kernels.formats._decode import to_bf16
 from m3serve.kernels._jit import helper, kernel_unspecialized
 from m3serve.kernels._pdl import pdl_release, pdl_wait
 from m3serve.kernels.attention._kv_tiles import load_dense_tile, load_nvfp4_tile, nvfp4_columns
+from m3serve.kernels.gemm._splitk import release_ticket, take_ticket
 
 NEG_INF = tl.constexpr(float("-inf"))
 P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 hi + lo
@@ -59,13 +65,13 @@ P_SHIFT = tl.constexpr(14.0)  # FP8 pages (F16): p carried as p * 2**14 in fp16 
 # constexprs (tile, splits) select, instead of compiling one per (== 1 / divisible by 16 / other) class
 @kernel_unspecialized("S", "T", "num_splits", unaligned=("len_ptr", "qs_ptr"))
 def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_ptr, len_ptr, qs_ptr, sel_ptr,
-                     out_ptr, acc_ptr, ml_ptr, S, T, B, qk_scale, num_splits,
+                     out_ptr, acc_ptr, ml_ptr, cnt_ptr, S, T, B, qk_scale, num_splits,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
                      stride_kss, stride_ksh, stride_vss, stride_vsh, stride_selt, stride_selh,
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
                      SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr,
-                     ROT: tl.constexpr = False, PDL: tl.constexpr = False):
+                     ROT: tl.constexpr = False, COMBINE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
@@ -106,6 +112,7 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
     per = tl.cdiv(ntiles, num_splits)
     lo = split * per
     hi = tl.minimum(lo + per, ntiles)
+    live = tl.cdiv(ntiles, tl.maximum(per, 1))  # the splits with tiles: a prefix (split s has one iff s * per < ntiles)
 
     q_row = q_ptr + trow * stride_qt + head * stride_qh
     if FMT == 0:
@@ -212,6 +219,11 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
     else:
         _store_out(acc, m_i, l_i, tl.arange(0, D), out_ptr, acc_ptr, ml_ptr, trow, head, row_ok, split, T,
                    stride_ot, stride_oh, HQ, D, SPLIT, True, CUDA)
+    if SPLIT and COMBINE:
+        if take_ticket(cnt_ptr + t * HQ + kh, num_splits):
+            _merge_splits(acc_ptr, ml_ptr, out_ptr, trow, head, row_ok, live, T, stride_ot, stride_oh, HQ, D, BM,
+                          CUDA)
+            release_ticket(cnt_ptr + t * HQ + kh)
 
 
 @helper
@@ -348,10 +360,72 @@ def _store_out(acc, m_i, l_i, cols, out_ptr, acc_ptr, ml_ptr, trow, head, row_ok
         tl.store(o_ptr[:, None] + cols[None, :], to_bf16(o, CUDA), mask=row_ok[:, None])
     else:
         w = (split * T + trow) * HQ + head
-        tl.store(acc_ptr + w[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
+        tl.store(acc_ptr + w[:, None] * D + cols[None, :], acc, mask=row_ok[:, None], cache_modifier=".cg")
         if WITH_ML:
-            tl.store(ml_ptr + 2 * w, m_i, mask=row_ok)
-            tl.store(ml_ptr + 2 * w + 1, l_i, mask=row_ok)
+            tl.store(ml_ptr + 2 * w, m_i, mask=row_ok, cache_modifier=".cg")
+            tl.store(ml_ptr + 2 * w + 1, l_i, mask=row_ok, cache_modifier=".cg")
+
+
+@helper
+def _merge_splits(acc_ptr, ml_ptr, out_ptr, trow, head, row_ok, live, T, stride_ot, stride_oh, HQ: tl.constexpr,
+                  D: tl.constexpr, BM: tl.constexpr, CUDA: tl.constexpr):
+    """The last arrival's merge of the rows (trow, head) [BM]: out = sum_s 2**(m_s - M) acc_s / sum_s 2**(m_s - M) l_s
+    over the first `live` splits (those after them walked no tile: m = -inf, l = 0, acc = 0, weight 0), in the
+    order 0..live-1 with a running maximum (acc and l rescaled when it grows, as the split loop itself does).
+    One-token rows (BM 16) take four splits a step, their loads all out before the first add (one L2 round trip per
+    four splits, not per split); stacked multi-token rows (BM >= 32) one, which keeps their registers unspilled.
+    Reads bypass L1 (.cg): the other splits' partials were stored by other CTAs."""
+    d = tl.arange(0, D)
+    m_run = tl.full([BM], NEG_INF, tl.float32)
+    total = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    if BM <= 16:
+        for s0 in range(0, live, 4):
+            w0, m0, l0 = _split_ml(ml_ptr, s0, live, T, trow, head, HQ)
+            w1, m1, l1 = _split_ml(ml_ptr, s0 + 1, live, T, trow, head, HQ)
+            w2, m2, l2 = _split_ml(ml_ptr, s0 + 2, live, T, trow, head, HQ)
+            w3, m3, l3 = _split_ml(ml_ptr, s0 + 3, live, T, trow, head, HQ)
+            p0 = tl.load(acc_ptr + w0[:, None] * D + d[None, :], cache_modifier=".cg")
+            p1 = tl.load(acc_ptr + w1[:, None] * D + d[None, :], cache_modifier=".cg")
+            p2 = tl.load(acc_ptr + w2[:, None] * D + d[None, :], cache_modifier=".cg")
+            p3 = tl.load(acc_ptr + w3[:, None] * D + d[None, :], cache_modifier=".cg")
+            m_new = tl.maximum(tl.maximum(tl.maximum(m_run, m0), tl.maximum(m1, m2)), m3)
+            m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # no key yet: every weight below is 0
+            scale = tl.math.exp2(m_run - m_use)
+            wt0 = tl.math.exp2(m0 - m_use)
+            wt1 = tl.math.exp2(m1 - m_use)
+            wt2 = tl.math.exp2(m2 - m_use)
+            wt3 = tl.math.exp2(m3 - m_use)
+            acc = ((((acc * scale[:, None] + wt0[:, None] * p0) + wt1[:, None] * p1) + wt2[:, None] * p2)
+                   + wt3[:, None] * p3)
+            total = (((total * scale + wt0 * l0) + wt1 * l1) + wt2 * l2) + wt3 * l3
+            m_run = m_new
+    else:
+        for sp in range(0, live):
+            w0, m0, l0 = _split_ml(ml_ptr, sp, live, T, trow, head, HQ)
+            p0 = tl.load(acc_ptr + w0[:, None] * D + d[None, :], cache_modifier=".cg")
+            m_new = tl.maximum(m_run, m0)
+            m_use = tl.where(m_new == NEG_INF, 0.0, m_new)
+            scale = tl.math.exp2(m_run - m_use)
+            wt0 = tl.math.exp2(m0 - m_use)
+            acc = acc * scale[:, None] + wt0[:, None] * p0
+            total = total * scale + wt0 * l0
+            m_run = m_new
+    o = tl.math.div_rn(acc, tl.where(total > 0, total, 1.0)[:, None])  # no key at all: acc = 0 -> 0
+    o_ptr = out_ptr + trow * stride_ot + head * stride_oh
+    tl.store(o_ptr[:, None] + d[None, :], to_bf16(o, CUDA), mask=row_ok[:, None])
+
+
+@helper
+def _split_ml(ml_ptr, sp, live, T, trow, head, HQ: tl.constexpr):
+    """(workspace row index, m, l), [BM] each, of split sp: a split at or past `live` reads as m = -inf, l = 0
+    (weight 0; one that saw no key stored the same and a zero partial). The reads are not masked, so that the merge
+    holds no per-row predicate: the split index is clamped to the live ones and the row to the step's (a row the
+    merge does not store reads some other row's values, which it then drops)."""
+    w = (tl.minimum(sp, live - 1) * T + tl.minimum(trow, T - 1)) * HQ + head
+    m = tl.load(ml_ptr + 2 * w, cache_modifier=".cg")
+    l = tl.load(ml_ptr + 2 * w + 1, cache_modifier=".cg")
+    return w, tl.where(sp < live, m, NEG_INF), tl.where(sp < live, l, 0.0)
 
 
 @kernel_unspecialized("T", "num_splits")

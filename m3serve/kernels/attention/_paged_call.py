@@ -17,7 +17,8 @@ Shape legend:
     slot_table    [S, B] int32;  seq_lens [S] int32;  query_start [S+1] int32
     sel           [T, Hk, topk] int32  selected block ids, ascending, -1 padded; None = dense causal
     out           [T, Hq, D]           bf16
-    workspace     make_workspace(max_rows, Hq, D, num_splits): acc [NS, T, Hq, D], ml [NS, T, Hq, 2]
+    workspace     make_workspace(max_rows, Hq, D, num_splits): acc [NS, T, Hq, D], ml [NS, T, Hq, 2],
+                                       count [T, Hq] int32 (zero between calls; the split merging last resets it)
     rot_matrix    [D, D] bf16          a rotated NVFP4 layer's kv.kv_rotation_matrix (m3serve.kv.rotation), else
                                        None: the pages hold K/V in the rotated basis; q is rotated and the output
                                        un-rotated inside the split kernel
@@ -43,6 +44,9 @@ _CONTAINER = {"nvfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "bf16": torch.bf
 N_SM = 132  # H200 multiprocessors
 MAX_SPLITS = 64  # caps the fp32 partial traffic (Hq*D*4 bytes written + read per split and row)
 SPLITS_ROUND_UP = False  # choose_num_splits' rule before the one-wave rule (bench/decode.py route target-splits-up)
+# the splits merged by a second launch (paged_attn_combine) instead of by the last split to finish (bench/decode.py
+# route target-combine-launch, the side-by-side measurement)
+COMBINE_LAUNCH = False
 COMBINE_SP = triton.next_power_of_2(MAX_SPLITS)   # the combine's (m, l) vector: one variant for every split count
 MMA_ROWS = 64  # a multi-token block stacks up to this many (query token, head) rows
 
@@ -53,6 +57,7 @@ class AttnWorkspace:
     ml: torch.Tensor  # fp32 [NS, max_rows, Hq, 2]
     num_splits: int
     max_rows: int
+    count: torch.Tensor | None = None  # int32 [max_rows, Hq] zeros: the splits' arrival tickets (None when NS = 1)
 
 
 def make_workspace(max_rows: int, hq: int, d: int, num_splits: int, device: torch.device) -> AttnWorkspace:
@@ -63,13 +68,18 @@ def make_workspace(max_rows: int, hq: int, d: int, num_splits: int, device: torc
     if num_splits * max_rows * hq * d >= 2**31:
         raise ValueError(f"make_workspace: {num_splits} splits x {max_rows} rows x {hq} heads x {d} exceeds the "
                          "int32 offsets of the kernels; lower num_splits or max_rows")
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits: at most MAX_SPLITS = {MAX_SPLITS} (the merge reads every split's (m, l) in one "
+                         f"load), found {num_splits}")
     if num_splits == 1:
         acc = torch.empty(1, dtype=torch.float32, device=device)
         ml = torch.empty(1, dtype=torch.float32, device=device)
+        count = None
     else:
         acc = torch.empty(num_splits, max_rows, hq, d, dtype=torch.float32, device=device)
         ml = torch.empty(num_splits, max_rows, hq, 2, dtype=torch.float32, device=device)
-    return AttnWorkspace(acc=acc, ml=ml, num_splits=num_splits, max_rows=max_rows)
+        count = torch.zeros(max_rows, hq, dtype=torch.int32, device=device)
+    return AttnWorkspace(acc=acc, ml=ml, num_splits=num_splits, max_rows=max_rows, count=count)
 
 
 def choose_num_splits(batch: int, max_blocks: int, sms: int = N_SM, kv_heads: int = 1,
@@ -200,6 +210,8 @@ def _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, q
     _positive_int("num_splits", num_splits)
     if not isinstance(workspace, AttnWorkspace):
         raise TypeError(f"workspace: expected an AttnWorkspace (make_workspace), found {type(workspace).__name__}")
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits: at most MAX_SPLITS = {MAX_SPLITS}, found {num_splits}")
     if num_splits > 1:
         if workspace.num_splits < num_splits or workspace.max_rows < t_rows:
             raise ValueError(f"workspace: expected >= {num_splits} splits and >= {t_rows} rows, found "
@@ -209,14 +221,21 @@ def _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, q
             if w.dtype != torch.float32 or w.device != dev or not w.is_contiguous() or w.numel() < need:
                 raise ValueError(f"workspace.{name}: expected contiguous torch.float32 with >= {need} elements on "
                                  f"{dev} (make_workspace), found {w.dtype} {tuple(w.shape)} on {w.device}")
+        c = workspace.count
+        if (c is None or c.dtype != torch.int32 or c.device != dev or not c.is_contiguous()
+                or c.numel() < t_rows * hq):
+            raise ValueError(f"workspace.count: expected contiguous zero-filled torch.int32 with >= {t_rows * hq} "
+                             f"elements on {dev} (make_workspace), found "
+                             f"{None if c is None else (c.dtype, tuple(c.shape), str(c.device))}")
     return t_rows, hq, hk, d, p, n_seq, topk
 
 
 def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, query_start, sel, out,
                     workspace, *, fmt: str, sm_scale: float, max_query_len: int, num_splits: int,
                     tile: TileConfig | None = None, rot_matrix: torch.Tensor | None = None) -> torch.Tensor:
-    """Raw call: the split launch (grid T x Hk x num_splits) and, with num_splits > 1, the
-    combine launch (grid T x Hq). Writes and returns `out`. No host sync, no allocation.
+    """Raw call: one split launch (grid T x Hk x num_splits); with num_splits > 1 the last split of each (row, KV
+    head) to finish merges them (COMBINE_LAUNCH: a second launch, grid T x Hq, does). Writes and returns `out`.
+    No host sync, no allocation.
     tile: a TileConfig in place of tile_config()'s choice (tile sweeps; QB and BM must match it)."""
     t_rows, hq, hk, d, p, n_seq, topk = _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens,
                                                query_start, sel, out, workspace, fmt, sm_scale, max_query_len,
@@ -245,14 +264,16 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
     qk_scale = float(sm_scale * math.log2(math.e))
     cuda = is_compiled(q)
     rot = rot_matrix if rot_matrix is not None else q
+    merge_in_split = num_splits > 1 and not COMBINE_LAUNCH
+    count = workspace.count if workspace.count is not None else seq_lens  # unused pointer when NS = 1
     paged_attn_split[(t_rows, hk, num_splits)](
         q, kp, vp, ks, vs, gs, rot, slot_table, seq_lens, query_start, sel_t, out, workspace.acc, workspace.ml,
-        n_seq, t_rows, slot_table.shape[1], qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        count, n_seq, t_rows, slot_table.shape[1], qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), *scale_strides, *sel_strides,
         FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, SPLIT=num_splits > 1,
-        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    if num_splits > 1:
+        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, COMBINE=merge_in_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1 and not merge_in_split:
         paged_attn_combine[(t_rows, hq)](
             workspace.acc, workspace.ml, out, t_rows, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,
             SP=COMBINE_SP, SC=16, CUDA=cuda, num_warps=4)

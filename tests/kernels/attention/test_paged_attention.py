@@ -237,6 +237,37 @@ def test_splits_are_deterministic() -> None:
     assert torch.equal(again.view(torch.int16), first.view(torch.int16))
 
 
+@pytest.mark.parametrize("combine_launch", [False, True], ids=["merged-by-last-split", "combine-launch"])
+def test_split_merge_in_the_kernel_and_in_a_second_launch(combine_launch: bool, monkeypatch) -> None:
+    """Both merges of the splits meet the reference (they differ only in summation order), and the arrival
+    counters are back at zero after the call, so the next call (a graph replay) starts from zero: a second call
+    on the same workspace gives the same bits. 5 splits over 3 sequences of up to 80 keys: some splits of the
+    short rows walk no tile (not read by the merge), a padding sequence, and NVFP4 MSA rows with -1 blocks."""
+    monkeypatch.setattr("m3serve.kernels.attention._paged_call.COMBINE_LAUNCH", combine_launch)
+    for k, seed in ((key("fp8"), 21), (key("nvfp4", 3), 22)):
+        pc, out, ref = _run(k, 2, CaseShape(batch=3, context=80, num_splits=5), seed=seed)
+        _check(pc, out, ref)
+        ws = pc.case.args[11]
+        assert ws.num_splits == 5 and ws.count is not None
+        assert int(ws.count.abs().sum()) == 0, "every (row, KV head) counter is reset by its merging split"
+        first = out.clone()
+        pc.case.args[10].fill_(float("nan"))
+        again = ENTRY.raw_call(*pc.case.args, **pc.case.kwargs)
+        assert torch.equal(again.view(torch.int16), first.view(torch.int16))
+
+
+def test_a_counter_left_nonzero_leaves_rows_unwritten() -> None:
+    """The merge really is done by the LAST arrival: a counter one ticket ahead makes an earlier split believe it
+    is last (it merges before the others wrote: NaN partials) or no split reach the count (rows never stored), so
+    the compare fails. Guards the ticket arithmetic, which the reference alone would not see."""
+    pc = build_case(key("bf16"), 1, CPU, torch.Generator().manual_seed(23), CaseShape(batch=2, context=70, num_splits=3))
+    pc.case.args[11].count.fill_(1)
+    out = ENTRY.raw_call(*pc.case.args, **pc.case.kwargs)
+    ref = ENTRY.reference(*pc.case.args, **pc.case.kwargs)
+    with pytest.raises(AssertionError):
+        ENTRY.compare(out, ref, pc.case)
+
+
 def test_compare_rejects_unwritten_and_shifted_outputs() -> None:
     pc, out, ref = _run(key("fp8"), 2, CaseShape(batch=2, context=60, num_splits=2), seed=15)
     ENTRY.compare(out, ref, pc.case)
@@ -298,6 +329,14 @@ def test_bad_arguments_name_the_tensor() -> None:
         call(num_splits=4)
     with pytest.raises(TypeError, match=r"workspace: expected an AttnWorkspace"):
         call(11, None)
+    with pytest.raises(ValueError, match=r"num_splits: at most MAX_SPLITS = 64, found 65"):
+        call(num_splits=65)
+    with pytest.raises(ValueError, match=r"num_splits: at most MAX_SPLITS = 64"):
+        PA.make_workspace(1, 4, 32, 65, CPU)
+    ws = PA.make_workspace(a[0].shape[0], 4, 32, 2, CPU)
+    ws.count = None
+    with pytest.raises(ValueError, match=r"workspace.count: expected contiguous zero-filled torch.int32"):
+        call(11, ws, num_splits=2)
     with pytest.raises(ValueError, match=r"sm_scale: expected a positive float"):
         call(sm_scale=0.0)
 
