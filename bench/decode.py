@@ -260,12 +260,17 @@ def kernel_gaps(intervals: list[tuple[float, float]], steps: int) -> dict:
         reach = end if reach is None else max(reach, end)
     if not gaps:
         return {"kernels_per_step": len(spans) / steps, "gpu_idle_s": 0.0, "gap_us_p50": None, "gap_us_p90": None,
-                "gap_us_max": None}
+                "gap_us_max": None, "idle_in_long_gaps_s": 0.0, "long_gaps_per_step": 0.0}
     q = sorted(gaps)
+    # the idle a graph's launches cannot explain: gaps over LONG_GAP_US (between steps: the host; inside one: a
+    # sync or an eager op)
+    long = [x for x in gaps if x > LONG_GAP_US]
     return {"kernels_per_step": len(spans) / steps, "gpu_idle_s": sum(gaps) / 1e6 / steps,
-            "gap_us_p50": q[len(q) // 2], "gap_us_p90": q[min(len(q) - 1, (9 * len(q)) // 10)], "gap_us_max": q[-1]}
+            "gap_us_p50": q[len(q) // 2], "gap_us_p90": q[min(len(q) - 1, (9 * len(q)) // 10)], "gap_us_max": q[-1],
+            "idle_in_long_gaps_s": sum(long) / 1e6 / steps, "long_gaps_per_step": len(long) / steps}
 
 
+LONG_GAP_US = 5.0  # a gap between kernels longer than this is not a launch inside a graph (those are ~0.5 µs)
 TOP_KERNELS = 40  # kernels listed by name per result (the rest is in the class totals)
 
 

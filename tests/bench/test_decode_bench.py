@@ -41,6 +41,9 @@ def test_kernel_gaps_measure_the_idle_time_between_kernels():
     assert g["gpu_idle_s"] == (2.0 + 5.0) / 1e6 / 2          # 10 -> 12 and 25 -> 30
     assert (g["gap_us_p50"], g["gap_us_max"]) == (0.0, 5.0)   # gaps 2, 0, 0, 5, 0: median 0
     assert g["gap_us_p90"] == 5.0
+    assert g["long_gaps_per_step"] == 0.0 and g["idle_in_long_gaps_s"] == 0.0   # 5 µs is not over LONG_GAP_US
+    wide = kernel_gaps([(0.0, 1.0), (1.5, 2.0), (9.0, 10.0)], steps=1)          # gaps 0.5 and 7
+    assert wide["long_gaps_per_step"] == 1.0 and wide["idle_in_long_gaps_s"] == 7.0 / 1e6
     one = kernel_gaps([(0.0, 1.0)], steps=1)
     assert one["gpu_idle_s"] == 0.0 and one["gap_us_max"] is None
 
