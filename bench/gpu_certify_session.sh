@@ -160,7 +160,8 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
 combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival (no combine launch): the attention GPU
               # cells, graph replay and warm-up, the paged-attention GPU file, the decode target's GPU tests (graphs vs
               # eager, sample.race included: the run() refactor), then the deep model and minimax-m3:5 beside the
-              # separate combine launch, side by side on one engine
+              # separate combine launch, side by side on one engine (NAME: the results' suffix, e.g. merge-policy for
+              # the run after the merge went to the split kernel only at <= MERGE_IN_SPLIT_MAX splits)
   phase pytest-cells ${T_A:-150} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
     tests/kernels/test_gpu.py -k "attn.paged or race"
   phase pytest-attn ${T_A2:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
@@ -168,11 +169,11 @@ combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival 
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_C:-200} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
     --routes target,target-combine-launch --quantization nvfp4 \
-    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-combine-fold.json"
+    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-combine-fold}.json"
   phase decode-m3_5 ${T_B:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-combine-launch --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-combine-fold.json"
+    --routes target,target-combine-launch --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-${NAME:-combine-fold}.json"
   phase paged-attention ${T_D:-120} python3 bench/paged_attention.py --combine-launch both --iters 30 \
-    --out "$OUT/paged-attention-$TAG-combine-fold.json"
+    --out "$OUT/paged-attention-$TAG-${NAME:-combine-fold}.json"
   ;;
 rings-goal)  # issue 30's goal rows on the card that comes, beside the MoE's register rings one step deeper (gate|up,
             # down, both: more weight loads in flight a warp; level on the H100 before, not yet run on the H200, where

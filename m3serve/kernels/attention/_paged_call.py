@@ -44,9 +44,14 @@ _CONTAINER = {"nvfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "bf16": torch.bf
 N_SM = 132  # H200 multiprocessors
 MAX_SPLITS = 64  # caps the fp32 partial traffic (Hq*D*4 bytes written + read per split and row)
 SPLITS_ROUND_UP = False  # choose_num_splits' rule before the one-wave rule (bench/decode.py route target-splits-up)
-# the splits merged by a second launch (paged_attn_combine) instead of by the last split to finish (bench/decode.py
-# route target-combine-launch, the side-by-side measurement)
-COMBINE_LAUNCH = False
+# Who merges the splits: the last split of each (row, KV head) to finish (one launch), at most MERGE_IN_SPLIT_MAX
+# splits; above it the combine launch (paged_attn_combine, one program per (row, head)). Measured on the H200
+# (bench/paged_attention.py --combine-launch both, paged_attention/paged-attention-h200-combine-fold.json): the one
+# CTA's merge wins where each group has few splits (16 rows at 4 splits: 56.4 vs 59.8 µs MSA, 36.0 vs 39.2 µs dense;
+# 8 rows at 8 splits: 34.4 vs 35.6 µs) and loses where one row's 16-64 live splits all land on it (MSA at one row,
+# 16 splits: 20.4 vs 19.4 µs; dense at 32k, 64 splits: 32.5 vs 28.4 µs).
+MERGE_IN_SPLIT_MAX = 8
+COMBINE_LAUNCH = False  # True: always the combine launch (bench/decode.py route target-combine-launch, side by side)
 COMBINE_SP = triton.next_power_of_2(MAX_SPLITS)   # the combine's (m, l) vector: one variant for every split count
 MMA_ROWS = 64  # a multi-token block stacks up to this many (query token, head) rows
 
@@ -233,9 +238,9 @@ def _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, q
 def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, query_start, sel, out,
                     workspace, *, fmt: str, sm_scale: float, max_query_len: int, num_splits: int,
                     tile: TileConfig | None = None, rot_matrix: torch.Tensor | None = None) -> torch.Tensor:
-    """Raw call: one split launch (grid T x Hk x num_splits); with num_splits > 1 the last split of each (row, KV
-    head) to finish merges them (COMBINE_LAUNCH: a second launch, grid T x Hq, does). Writes and returns `out`.
-    No host sync, no allocation.
+    """Raw call: one split launch (grid T x Hk x num_splits); with 2..MERGE_IN_SPLIT_MAX splits the last split of
+    each (row, KV head) to finish merges them, with more (or COMBINE_LAUNCH) a second launch (grid T x Hq) does.
+    Writes and returns `out`. No host sync, no allocation.
     tile: a TileConfig in place of tile_config()'s choice (tile sweeps; QB and BM must match it)."""
     t_rows, hq, hk, d, p, n_seq, topk = _check(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens,
                                                query_start, sel, out, workspace, fmt, sm_scale, max_query_len,
@@ -264,7 +269,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
     qk_scale = float(sm_scale * math.log2(math.e))
     cuda = is_compiled(q)
     rot = rot_matrix if rot_matrix is not None else q
-    merge_in_split = num_splits > 1 and not COMBINE_LAUNCH
+    merge_in_split = 1 < num_splits <= MERGE_IN_SPLIT_MAX and not COMBINE_LAUNCH
     count = workspace.count if workspace.count is not None else seq_lens  # unused pointer when NS = 1
     paged_attn_split[(t_rows, hk, num_splits)](
         q, kp, vp, ks, vs, gs, rot, slot_table, seq_lens, query_start, sel_t, out, workspace.acc, workspace.ml,

@@ -256,6 +256,26 @@ def test_split_merge_in_the_kernel_and_in_a_second_launch(combine_launch: bool, 
         assert torch.equal(again.view(torch.int16), first.view(torch.int16))
 
 
+def test_who_merges_follows_the_split_count(monkeypatch) -> None:
+    """Up to MERGE_IN_SPLIT_MAX splits the split kernel merges (no combine launch); above it the combine launch does.
+    Both meet the reference."""
+    from m3serve.kernels.attention import _paged_call
+    launched = []
+    real = _paged_call.paged_attn_combine
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(_paged_call, "paged_attn_combine", Spy())
+    for splits, combine_launches in ((_paged_call.MERGE_IN_SPLIT_MAX, 0), (_paged_call.MERGE_IN_SPLIT_MAX + 1, 1)):
+        launched.clear()
+        pc, out, ref = _run(key("bf16"), 1, CaseShape(batch=2, context=200, num_splits=splits), seed=24 + splits)
+        _check(pc, out, ref)
+        assert len(launched) == combine_launches, (splits, launched)
+
+
 def test_a_counter_left_nonzero_leaves_rows_unwritten() -> None:
     """The merge really is done by the LAST arrival: a counter one ticket ahead makes an earlier split believe it
     is last (it merges before the others wrote: NaN partials) or no split reach the count (rows never stored), so
