@@ -168,10 +168,10 @@ combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival 
     tests/kernels/attention/test_paged_attention_gpu.py tests/runtime/test_decode_target_gpu.py
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_C:-200} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-combine-launch --quantization nvfp4 \
+    --routes ${ROUTES:-target,target-combine-launch} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-combine-fold}.json"
   phase decode-m3_5 ${T_B:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes target,target-combine-launch --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-${NAME:-combine-fold}.json"
+    --routes ${ROUTES:-target,target-combine-launch} --quantization nvfp4 --out "$OUT/decode-target-$TAG-m3_5-${NAME:-combine-fold}.json"
   phase paged-attention ${T_D:-120} python3 bench/paged_attention.py --combine-launch both --iters 30 \
     --out "$OUT/paged-attention-$TAG-${NAME:-combine-fold}.json"
   ;;

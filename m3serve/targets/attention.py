@@ -4,13 +4,13 @@ the model's attention backend on the target (m3serve.model.attention_backend; `M
 The stock `Attention.forward` loops over sequences and reads each one's context back out of the cache. On the
 target a step carries a `PagedStep` (m3serve.runtime.step_inputs: device metadata built by the model runner in its
 one staged upload), and every attention layer is four launches at most, none of which syncs the host (so the step
-can be captured in a CUDA graph):
+can be captured in a CUDA graph; attn.paged adds its combine launch above 8 splits):
 
     kv.write             K, V (+ index-K) of every token of the step, quantized on write (rotated NVFP4 layers:
                          rotated first, m3serve.kv.rotation)
     msa.scores           sparse layers: the lightning indexer's max-pooled block scores     [T, Hk, B]
     msa.select           sparse layers: top-k blocks per (token, KV group), the stock rules [T, Hk, topk]
-    attn.paged           decode / verify rows, and sparse rows on NVFP4 pages (split-KV, ordered combine;
+    attn.paged           decode / verify rows, and sparse rows on NVFP4 pages (split-KV, ordered merge;
                          rotated layers: q rotated in the prologue, the output un-rotated before the split store)
       or attn.prefill    dense layers with more than DECODE_MAX_QUERY query tokens per sequence (an eager step over
                          CONTEXT_COPY_MIN_ROWS rows: K/V by TMA from a head-major bf16 copy of its pages, CONTEXT_COPY)

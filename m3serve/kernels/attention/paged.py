@@ -3,8 +3,8 @@
     paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, seq_lens, query_start, sel,
                     out, workspace, *, fmt, sm_scale, max_query_len, num_splits) -> out
 
-All sequences of a step in one split-KV launch (grid T x Hk x num_splits) plus, with
-num_splits > 1, an ordered combine; see attention/_paged.py (kernels), attention/_paged_call.py (checks,
+All sequences of a step in one split-KV launch (grid T x Hk x num_splits); with 2-8 splits the last split of each
+(row, KV head) to finish merges them in order, with more an ordered combine launch does; see attention/_paged.py (kernels), attention/_paged_call.py (checks,
 tile config, workspace, choose_num_splits), attention/_paged_ref.py (reference and band),
 attention/_paged_case.py (cases on a real PagedKVCache).
 
