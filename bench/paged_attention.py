@@ -11,8 +11,9 @@ Goals (measured, never gated): dense decode on an FP8 cache, batch 1 at 32k and 
 
 The "... 512 (decode splits)" points are a short context at the split count a decode graph uses (fixed per bucket
 by the block table's width, here a 32k-token table: most splits hold no key). With --combine-launch both, every
-point runs twice on the same case: the splits merged by the last split to finish (the default) and by the separate
-combine launch (_paged_call.COMBINE_LAUNCH), reported side by side.
+point runs twice on the same case: the splits merged by the last split to finish (at every split count, i.e.
+_paged_call.MERGE_IN_SPLIT_MAX lifted to MAX_SPLITS) and by the separate combine launch (_paged_call.COMBINE_LAUNCH),
+reported side by side; off / on run one of the two; the default (_paged_call's rule) is neither forced.
 
 Usage (device machine, repository root):
     python3 bench/paged_attention.py [--iters 50] [--splits 0] [--bn 64 --warps 4 --stages 3]
@@ -87,6 +88,7 @@ def main() -> int:
     hq, hk, d, p = 64, 4, 128, 128
     results = []
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[a.combine_launch]
+    call.MERGE_IN_SPLIT_MAX = call.MAX_SPLITS  # "off": the split kernel merges at every count
     for name, fmt, topk, batch, context, rows, *fixed in POINTS:
         if a.only and a.only not in name:
             continue

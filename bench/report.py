@@ -418,8 +418,9 @@ def render_attention(files: list[ResultFile]) -> str:
 
 
 def render_paged_attention(files: list[ResultFile]) -> str:
-    """bench/paged_attention.py: attn.paged per point and split count, the splits merged in the split kernel
-    (default) or by the separate combine launch, side by side where the run measured both."""
+    """bench/paged_attention.py: attn.paged per point and split count, the splits merged in the split kernel or by
+    the separate combine launch (_paged_call.MERGE_IN_SPLIT_MAX decides by default), side by side where the run
+    measured both."""
     blocks = []
     for rf in files:
         rows = []
