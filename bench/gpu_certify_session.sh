@@ -157,7 +157,7 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
   grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
   ;;
-combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival (no combine launch): the attention GPU
+combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival (at <= MERGE_IN_SPLIT_MAX splits): the attention GPU
               # cells, graph replay and warm-up, the paged-attention GPU file, the decode target's GPU tests (graphs vs
               # eager, sample.race included: the run() refactor), then the deep model and minimax-m3:5 beside the
               # separate combine launch, side by side on one engine (NAME: the results' suffix, e.g. merge-policy for

@@ -10,14 +10,14 @@ Goals (measured, never gated): dense decode on an FP8 cache, batch 1 at 32k and 
 >= 70 % of copy bandwidth; MSA (NVFP4, top-16) decode at 128k within 1.3x of its time at 4k.
 
 The "... 512 (decode splits)" points are a short context at the split count a decode graph uses (fixed per bucket
-by the block table's width, here a 32k-token table: most splits hold no key). With --combine-launch both, every
-point runs twice on the same case: the splits merged by the last split to finish (at every split count, i.e.
-_paged_call.MERGE_IN_SPLIT_MAX lifted to MAX_SPLITS) and by the separate combine launch (_paged_call.COMBINE_LAUNCH),
-reported side by side; off / on run one of the two; the default (_paged_call's rule) is neither forced.
+by the block table's width, here a 32k-token table: most splits hold no key). --combine-launch
+chooses who merges the splits: default (_paged_call's rule, MERGE_IN_SPLIT_MAX), off (the split kernel's last
+arrival at every split count), on (the separate combine launch, _paged_call.COMBINE_LAUNCH), both (off and on on
+the same case, side by side). Each result records which one ran (combine_launch; null with one split).
 
 Usage (device machine, repository root):
     python3 bench/paged_attention.py [--iters 50] [--splits 0] [--bn 64 --warps 4 --stages 3]
-                                     [--combine-launch off|on|both] [--out F]
+                                     [--combine-launch default|off|on|both] [--out F]
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=0)
     ap.add_argument("--stages", type=int, default=0)
     ap.add_argument("--only", default="")
-    ap.add_argument("--combine-launch", default="off", choices=("off", "on", "both"),
-                    help="on: the splits merged by the separate combine launch; both: each point both ways")
+    ap.add_argument("--combine-launch", default="default", choices=("default", "off", "on", "both"),
+                    help="who merges the splits: default (_paged_call's rule), off (the split kernel at every count), "
+                         "on (the combine launch), both (off and on, side by side)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.bn or a.warps or a.stages:
@@ -87,13 +88,14 @@ def main() -> int:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
     hq, hk, d, p = 64, 4, 128, 128
     results = []
-    modes = {"off": (False,), "on": (True,), "both": (False, True)}[a.combine_launch]
-    call.MERGE_IN_SPLIT_MAX = call.MAX_SPLITS  # "off": the split kernel merges at every count
+    modes = {"default": (None,), "off": (False,), "on": (True,), "both": (False, True)}[a.combine_launch]
+    rule = call.MERGE_IN_SPLIT_MAX
     for name, fmt, topk, batch, context, rows, *fixed in POINTS:
         if a.only and a.only not in name:
             continue
         for ns, launch in [(n, m) for n in (fixed or a.splits) for m in modes]:
-            call.COMBINE_LAUNCH = launch
+            call.COMBINE_LAUNCH = bool(launch)
+            call.MERGE_IN_SPLIT_MAX = rule if launch is None else call.MAX_SPLITS
             cs = CaseShape(batch=batch, context=context, num_splits=ns or None, padding=False)
             pc = build_case((FMT_CODES[fmt], hq, hk, d, p, topk), rows, dev, torch.Generator().manual_seed(1), cs)
             case = pc.case
@@ -106,11 +108,14 @@ def main() -> int:
             g = graphed(fn)
             t = time_call(g or fn, a.iters, flush)
             rate = nbytes / t
-            r = dict(point=name, num_splits=case.kwargs["num_splits"], combine_launch=launch, us=t * 1e6,
+            splits = case.kwargs["num_splits"]
+            ran_launch = None if splits == 1 else not call.merges_in_split(splits)
+            r = dict(point=name, num_splits=splits, combine_launch=ran_launch, us=t * 1e6,
                      kv_bytes=nbytes, tb_s=rate / 1e12,
                      frac_copy=rate / copy_bw, cfg=str(call.tile_config(hq // hk, p, rows, topk > 0, fmt == "nvfp4")))
             results.append(r)
-            print(f"{name:40s} splits {r['num_splits']:3d} {'launch' if launch else 'merged'}  {r['us']:8.2f} us  "
+            how = "one split" if ran_launch is None else "launch" if ran_launch else "merged"
+            print(f"{name:40s} splits {r['num_splits']:3d} {how:9s}  {r['us']:8.2f} us  "
                   f"{nbytes / 2**20:8.2f} MiB  "
                   f"{r['tb_s']:5.2f} TB/s  {100 * r['frac_copy']:5.1f} % of copy", flush=True)
             del pc, case, g

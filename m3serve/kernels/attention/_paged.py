@@ -25,10 +25,11 @@ selected blocks, in list order) through slot_table, with an online softmax in ba
 scaled by sm_scale*log2(e)). A split with no work stores m = -inf, l = 0, acc = 0, so the
 combine needs no other signal; a row with no key at all (padding: seq_len 0, or a row past the
 last sequence's queries) gets zeros. With NS = 1 the split kernel normalises and stores `out`
-itself. Otherwise (COMBINE) the split that finishes LAST of its (row, KV head)'s NS splits (a ticket on `count`,
-as the weight-streaming kernels' split-K: gemm/_splitk.py) merges them in the order 0..NS-1 and stores `out`:
-no second launch, whose ramp and tail cost more than the merge (paged_attn_combine, the separate launch, stays for
-the side-by-side route). Splits past the last one with key tiles (a prefix holds every tile) are not read.
+itself. Otherwise the splits are merged in the order 0..NS-1 either inside this launch (COMBINE: the split that
+finishes LAST of its (row, KV head)'s NS splits, by a ticket on `count` as the weight-streaming kernels' split-K,
+gemm/_splitk.py, reads the others' partials; splits past the last one with key tiles, a prefix, are not read) or
+by paged_attn_combine, a second launch of one program per (row, head). Which one: _paged_call.MERGE_IN_SPLIT_MAX
+(the one CTA's merge pays at few splits a row, the second launch at many).
 
 p.v: p is split into p_hi = bf16(p) and p_lo = bf16(p - p_hi) (both exact MMA operands), and
 two dots accumulate in fp32: p_hi + p_lo is within 2**-18 |p| of p. FP8 pages, compiled (F16): K and V

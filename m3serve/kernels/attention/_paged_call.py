@@ -52,6 +52,13 @@ SPLITS_ROUND_UP = False  # choose_num_splits' rule before the one-wave rule (ben
 # 16 splits: 20.4 vs 19.4 µs; dense at 32k, 64 splits: 32.5 vs 28.4 µs).
 MERGE_IN_SPLIT_MAX = 8
 COMBINE_LAUNCH = False  # True: always the combine launch (bench/decode.py route target-combine-launch, side by side)
+
+
+def merges_in_split(num_splits: int) -> bool:
+    """Whether the split kernel merges a launch of `num_splits` splits itself (else, with > 1, the combine launch)."""
+    return 1 < num_splits <= MERGE_IN_SPLIT_MAX and not COMBINE_LAUNCH
+
+
 COMBINE_SP = triton.next_power_of_2(MAX_SPLITS)   # the combine's (m, l) vector: one variant for every split count
 MMA_ROWS = 64  # a multi-token block stacks up to this many (query token, head) rows
 
@@ -74,8 +81,8 @@ def make_workspace(max_rows: int, hq: int, d: int, num_splits: int, device: torc
         raise ValueError(f"make_workspace: {num_splits} splits x {max_rows} rows x {hq} heads x {d} exceeds the "
                          "int32 offsets of the kernels; lower num_splits or max_rows")
     if num_splits > MAX_SPLITS:
-        raise ValueError(f"num_splits: at most MAX_SPLITS = {MAX_SPLITS} (the merge reads every split's (m, l) in one "
-                         f"load), found {num_splits}")
+        raise ValueError(f"num_splits: at most MAX_SPLITS = {MAX_SPLITS} (paged_attn_combine reads every split's "
+                         f"(m, l) in one load), found {num_splits}")
     if num_splits == 1:
         acc = torch.empty(1, dtype=torch.float32, device=device)
         ml = torch.empty(1, dtype=torch.float32, device=device)
@@ -269,7 +276,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
     qk_scale = float(sm_scale * math.log2(math.e))
     cuda = is_compiled(q)
     rot = rot_matrix if rot_matrix is not None else q
-    merge_in_split = 1 < num_splits <= MERGE_IN_SPLIT_MAX and not COMBINE_LAUNCH
+    merge_in_split = merges_in_split(num_splits)
     count = workspace.count if workspace.count is not None else seq_lens  # unused pointer when NS = 1
     paged_attn_split[(t_rows, hk, num_splits)](
         q, kp, vp, ks, vs, gs, rot, slot_table, seq_lens, query_start, sel_t, out, workspace.acc, workspace.ml,
