@@ -85,7 +85,9 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 
 # certified-cell variants a side-by-side route binds (route "target-<variant>"): (entries, config type changed or None
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
-# every CTA; gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
+# every CTA; gate-up-rolled: its K loop one step an iteration, the ring copied at each back edge (PAIRED off);
+# gate-up-split2: split 2 ways over H while (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at
+# the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
 # launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without its register cap;
 # gate-up-stages3: gate|up's register ring two steps deep (80 registers, 6 CTAs an SM); down-stages3: the same for
 # the down projection (uncapped registers: capped at 80 its one-token variant keeps 32 bytes on the stack); rings3:
@@ -97,6 +99,8 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # be a function of the config and the cell's shape)
 CELL_VARIANTS = {
     "gate-up-whole": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 1}),
+    "gate-up-rolled": (("moe.nvfp4",), "MmaMoEConfig", {"PAIRED": False}),
+    "gate-up-split2": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 2, "GSPLIT_SLOTS": 10}),
     "gate-up-split": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
     "gate-up-split-r72": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
     "down-uncapped": (("moe.nvfp4",), "MmaMoEConfig", {"down_maxnreg": 0}),
@@ -183,6 +187,7 @@ def set_route(llm, route: str, state: dict) -> None:
     _paged_call.SPLITS_ROUND_UP = route in ("target-splits-up", "target-round3")
     # read at launch (graph capture): the split-KV merge as a second launch, the layout before it was folded in
     _paged_call.COMBINE_LAUNCH = route == "target-combine-launch"
+    _paged_call.SEL_WALK_ALL = route == "target-msa-walk-all"
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route),
@@ -356,7 +361,8 @@ def main() -> None:
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
-                         "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-split, "
+                         "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-rolled, "
+                         "gate-up-split2, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, "
                          "mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
@@ -365,7 +371,8 @@ def main() -> None:
                          "greedy head's 1-8 rows on the 12-bit / the BF16 head), target-opt-in (index GEMV + head12), "
                          "target-torch-sampler (the sampling variant on the torch sampler, not sample.race), "
                          "target-combine-launch (attn.paged's split-KV merge as a second launch, not in the split "
-                         "kernel's last arrival)")
+                         "kernel's last arrival), target-msa-walk-all (MSA rows walk all top-k selection slots, "
+                         "the -1 padding too, as before the tile bound)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

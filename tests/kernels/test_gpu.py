@@ -228,3 +228,38 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
     torch.cuda.synchronize()
     assert int(case.args[-2].gcount.abs().sum()) == 0
     _graph_check(e, split, 1, _fresh_x)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("shape,gsplit", [((128, 6144, 3072, 0), 1), ((128, 6144, 3072, 0), 2),
+                                          ((16, 384, 256, 0), 1)])
+def test_mma_moe_paired_gate_up_gives_the_one_step_loops_bits(shape, gsplit: int, rows: int) -> None:
+    """MmaMoEConfig.PAIRED walks gate|up's K steps two an iteration (its register buffers alternating) where the
+    one-step loop copies its ring: the same steps in the same order, so every touched slot's activations and the
+    output are the same bits, at the M3 shape whole and split two ways over H (24 steps a CTA), and at H = 384 (3
+    steps: an odd count ends on the single step after the pairs). The paired result also meets the reference."""
+    from m3serve.kernels.moe._mma import MmaMoEConfig
+    dev = _dev()
+    e = ENTRIES["moe.nvfp4"]
+    base = next(c.config["moe"] for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig))
+    base = dataclasses.replace(base, GSPLIT=gsplit, GSPLIT_SLOTS=gsplit * MOE_SLOTS_AT_ONE_TOKEN,
+                               DSPLIT=min(base.DSPLIT, shape[2] // 128), RSPLIT=min(base.RSPLIT, shape[1] // base.RBK))
+    got = []
+    for paired in (True, False):
+        cfg = dataclasses.replace(base, PAIRED=paired)
+        cell = Cell(rows=(rows, rows), shape=shape, why="paired vs one-step gate|up", config={"moe": cfg})
+        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(77 + rows))
+        out = e.raw_call(*case.args, **case.kwargs).clone()
+        torch.cuda.synchronize()
+        if paired:
+            e.compare(out, e.reference(*case.args, **case.kwargs), case)
+        ws = case.args[-2]
+        n_valid = int((ws.slot_e >= 0).sum())
+        act = torch.cat([ws.act[:n_valid], ws.act[-1:]]).clone()   # the touched slots and the shared expert
+        got.append((out, act, ws.slot_e.clone()))
+        assert int(ws.gcount.abs().sum()) == 0
+        del case
+    (out_p, act_p, slots_p), (out_r, act_r, slots_r) = got
+    assert torch.equal(slots_p, slots_r), "the two runs must route alike (same inputs)"
+    assert torch.equal(act_p.view(torch.int16), act_r.view(torch.int16)), "activations differ"
+    assert torch.equal(out_p.view(torch.int16), out_r.view(torch.int16)), "outputs differ"

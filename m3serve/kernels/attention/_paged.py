@@ -72,7 +72,8 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
                      FMT: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                      BN: tl.constexpr, BM: tl.constexpr, QB: tl.constexpr, TOPK: tl.constexpr,
                      SPLIT: tl.constexpr, CUDA: tl.constexpr, F16: tl.constexpr, PAIRS: tl.constexpr,
-                     ROT: tl.constexpr = False, COMBINE: tl.constexpr = False, PDL: tl.constexpr = False):
+                     ROT: tl.constexpr = False, COMBINE: tl.constexpr = False, WALK_ALL: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     pdl_release(PDL)
     pdl_wait(PDL)  # before any global access (_pdl)
     t = tl.program_id(0)
@@ -108,7 +109,11 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
     if TOPK == 0:
         ntiles = tl.cdiv(last + 1, BN)
     else:
-        ntiles = TOPK * TPP + t * 0
+        # sel lists distinct blocks ascending, -1 padded, and a row sees no block past its own (last // P): only
+        # the first min(TOPK, last // P + 1) entries can hold one, so a short context walks no padding slot
+        ntiles = tl.minimum(TOPK, last // P + 1) * TPP
+        if WALK_ALL:  # the walk before the bound (a bench route's side-by-side)
+            ntiles = TOPK * TPP + t * 0
     ntiles = tl.where(leader & (L > 0), tl.maximum(ntiles, 0), 0)
     per = tl.cdiv(ntiles, num_splits)
     lo = split * per

@@ -52,6 +52,8 @@ SPLITS_ROUND_UP = False  # choose_num_splits' rule before the one-wave rule (ben
 # 16 splits: 20.4 vs 19.4 µs; dense at 32k, 64 splits: 32.5 vs 28.4 µs).
 MERGE_IN_SPLIT_MAX = 8
 COMBINE_LAUNCH = False  # True: always the combine launch (bench/decode.py route target-combine-launch, side by side)
+SEL_WALK_ALL = False  # True: MSA rows walk all top-k selection slots, -1 padding included, as before the bound
+# (bench/decode.py route target-msa-walk-all, side by side)
 
 
 def merges_in_split(num_splits: int) -> bool:
@@ -283,7 +285,7 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
         count, n_seq, t_rows, slot_table.shape[1], qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), *scale_strides, *sel_strides,
         FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, SPLIT=num_splits > 1,
-        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, COMBINE=merge_in_split,
+        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, COMBINE=merge_in_split, WALK_ALL=SEL_WALK_ALL,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1 and not merge_in_split:
         paged_attn_combine[(t_rows, hq)](

@@ -71,6 +71,9 @@ class MmaMoEConfig:
     RP: int = 1
     num_warps: int = 4  # gate|up
     STAGES: int = 2
+    PAIRED: bool = True  # gate|up's K loop two steps an iteration, so the ring's two buffers alternate instead of
+    # being copied at each back edge (ring depth 2 only; same steps, same bits). Not for down: unrolling a slot's steps
+    # there saved 4 % of its instructions and spilled at its 80-register cap (aot_check)
     DSPLIT: int = 4
     down_warps: int = 4
     down_stages: int = 2
@@ -178,6 +181,7 @@ def swiglu_of_sums(g, u, gg, gu, alpha, limit):
 def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr, part_ptr,
                     count_ptr, T, H, I, stride_xb, S, swiglu_alpha, swiglu_limit, GSPLIT, RP: tl.constexpr,
                     NW: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr, SPLITK: tl.constexpr,
+                    PAIRED: tl.constexpr,
                     LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr,
                     MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr,
                     STORE_C: tl.constexpr, PART: tl.constexpr, PART_C: tl.constexpr, PDL: tl.constexpr = False):
@@ -224,16 +228,35 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         wk, sk = step_addrs(w_row, s_row, k_lo, _NVFP4, TILED)
         st0 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
         st1 = st0
-        if STAGES == 3:
-            wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), _NVFP4, TILED)
-            st1 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
-        for k0 in range(k_lo, k_hi, 128):
-            wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), _NVFP4, TILED)
-            nxt = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
-            xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
-                           False)
-            acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
-            xs = xn
+        if PAIRED:
+            # two steps an iteration, the two register buffers alternating: step k + 256 loads into the registers
+            # step k's MMA just freed, so no buffer is copied at the back edge (a one-step loop moves the whole
+            # ring, ~25 MOVs of ~250 instructions a step). Same steps, same order, same bits.
+            n_steps = k_len // 128
+            for kp in range(0, n_steps // 2):
+                k0 = k_lo + kp * 256
+                wk, sk = step_addrs(w_row, s_row, k0 + 128, _NVFP4, TILED)
+                sta = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+                xa = asm_block((zl + (x_base + (k0 + 128) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+                acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+                wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 256, last), _NVFP4, TILED)
+                st0 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+                xs = asm_block((zl + (x_base + tl.minimum(k0 + 256, last) * 2), sx, mm), False, _NX, XLOAD,
+                               XLOAD_C, False)
+                acc = asm_block(acc + sta + xa, True, NACC, MMA, MMA_C, True)
+            if n_steps % 2 == 1:
+                acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+        else:
+            if STAGES == 3:
+                wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), _NVFP4, TILED)
+                st1 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+            for k0 in range(k_lo, k_hi, 128):
+                wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), _NVFP4, TILED)
+                nxt = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+                xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
+                               False)
+                acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
+                xs = xn
         pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
         if not SPLITK:
             act_slot = act_ptr.to(tl.int64) + s.to(tl.int64) * T * I * 2
@@ -368,7 +391,8 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
         mma_moe_gate_up[(i // cfg.bna, s + 1, gs)](
             x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, ws.gpart, ws.gcount, t, h, i, x.stride(0) * 2, s,
             float(swiglu_alpha), float(swiglu_limit), gs, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
-            TILED=tiled, SPLITK=gs > 1, **gate_up_asm(cfg.RP, tiled), num_warps=cfg.num_warps, num_stages=1,
+            TILED=tiled, SPLITK=gs > 1, PAIRED=cfg.PAIRED and cfg.STAGES == 2, **gate_up_asm(cfg.RP, tiled),
+            num_warps=cfg.num_warps, num_stages=1,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and gs > 1 else {}))
     if "d" in launches:
         kt = i // cfg.DSPLIT // STEP
