@@ -128,7 +128,10 @@ def k_loop_stats(sass: str, kwargs: dict, tiles: int = 1) -> tuple[LoopStats | N
     loops = innermost_loops(sass)
     if loops and "RP" in kwargs and "NW" in kwargs:  # mma_gemv: one K step = 2 * RP rows x 32 columns a thread
         loop = max(loops, key=lambda lp: lp.count)
-        return loop, loop.count / (2 * kwargs["RP"] * 32)
+        # PAIRED (the MMA MoE): two K steps an iteration; the down loop's once-a-slot blocks (a new slot's
+        # addresses, the fold) are inside it and counted as if every pair ran them
+        steps = 2 if kwargs.get("PAIRED") else 1
+        return loop, loop.count / (steps * 2 * kwargs["RP"] * 32)
     if not loops or "BN" not in kwargs or ("BK" not in kwargs and "D" not in kwargs):
         return None, float("nan")
     loop = max(loops, key=lambda lp: lp.count)

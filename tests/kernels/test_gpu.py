@@ -231,19 +231,21 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("shape,gsplit", [((128, 6144, 3072, 0), 1), ((128, 6144, 3072, 0), 2),
-                                          ((16, 384, 256, 0), 1)])
-def test_mma_moe_paired_gate_up_gives_the_one_step_loops_bits(shape, gsplit: int, rows: int) -> None:
-    """MmaMoEConfig.PAIRED walks gate|up's K steps two an iteration (its register buffers alternating) where the
-    one-step loop copies its ring: the same steps in the same order, so every touched slot's activations and the
-    output are the same bits, at the M3 shape whole and split two ways over H (24 steps a CTA), and at H = 384 (3
-    steps: an odd count ends on the single step after the pairs). The paired result also meets the reference."""
+@pytest.mark.parametrize("shape,gsplit,dsplit", [((128, 6144, 3072, 0), 1, 8), ((128, 6144, 3072, 0), 2, 8),
+                                                 ((128, 6144, 1536, 0), 1, 2), ((16, 384, 256, 0), 1, 2)])
+def test_mma_moe_paired_loops_give_the_one_step_loops_bits(shape, gsplit: int, dsplit: int, rows: int) -> None:
+    """MmaMoEConfig.PAIRED walks gate|up's K steps and down's flat (slot, K tile) steps two an iteration (their
+    register buffers alternating; down's addresses from per-slot bases) where the one-step loops copy their ring:
+    the same steps in the same order and the same folds, so every touched slot's activations and the output are the
+    same bits. Shapes: M3 TP1 (down: 3 K tiles a slot, an odd step count at one token), gate|up split 2 ways over H,
+    TP2 (6 tiles a slot), and H = 384 (gate|up: 3 steps, an odd count; down: 1 tile a slot, a new slot every step).
+    The paired result also meets the reference."""
     from m3serve.kernels.moe._mma import MmaMoEConfig
     dev = _dev()
     e = ENTRIES["moe.nvfp4"]
     base = next(c.config["moe"] for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig))
-    base = dataclasses.replace(base, GSPLIT=gsplit, GSPLIT_SLOTS=gsplit * MOE_SLOTS_AT_ONE_TOKEN,
-                               DSPLIT=min(base.DSPLIT, shape[2] // 128), RSPLIT=min(base.RSPLIT, shape[1] // base.RBK))
+    base = dataclasses.replace(base, GSPLIT=gsplit, GSPLIT_SLOTS=gsplit * MOE_SLOTS_AT_ONE_TOKEN, DSPLIT=dsplit,
+                               RSPLIT=min(base.RSPLIT, shape[1] // base.RBK))
     got = []
     for paired in (True, False):
         cfg = dataclasses.replace(base, PAIRED=paired)

@@ -33,6 +33,11 @@ ascending order, then the shared one), each over its I / DSPLIT slice; the regis
 boundaries (the flat step index picks the slot), and at a slot's end fold_asm adds acc * 2**8 / g2[e] *
 slot_w[s, t] into the output registers. Split over I with _splitk's ordered reduction.
 
+Paired loops (MmaMoEConfig.PAIRED, the default): at ring depth 2 a loop that runs one step an iteration must copy
+the step it just loaded into the registers the next iteration reads (~25 MOVs of ~250 instructions a step: the
+one-token MoE is issue-bound on these SMs, its microseconds the same on the H100 and the H200); two steps an
+iteration let the buffers alternate. Same steps, same order, same bits (a GPU test compares the two).
+
 Numerics (inside moe.nvfp4's bands): the decoded weights and the MMA are _mma_gemv's (exact products, fp32
 accumulation); gate and up are scaled acc * 2**8 / g (correctly rounded division) as _nvfp4, SwiGLU-OAI in fp32
 with the hardware exp2, activations rounded once to bf16; per-expert sums are weighted and added in slot order.
@@ -71,9 +76,10 @@ class MmaMoEConfig:
     RP: int = 1
     num_warps: int = 4  # gate|up
     STAGES: int = 2
-    PAIRED: bool = True  # gate|up's K loop two steps an iteration, so the ring's two buffers alternate instead of
-    # being copied at each back edge (ring depth 2 only; same steps, same bits). Not for down: unrolling a slot's steps
-    # there saved 4 % of its instructions and spilled at its 80-register cap (aot_check)
+    PAIRED: bool = True  # both K loops two steps an iteration, so the ring's two buffers alternate instead of being
+    # copied at each back edge (~25 MOVs a step), and down's addresses from per-slot bases instead of a slot lookup
+    # and a division every step: 250 -> 224 (gate|up) and 312 -> ~250 (down, a new slot every 3 steps) instructions
+    # a step, gate|up at 64 registers instead of 72 (aot_check). Ring depth 2 only; same steps, same bits
     DSPLIT: int = 4
     down_warps: int = 4
     down_stages: int = 2
@@ -302,10 +308,38 @@ def down_step(j, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_p
     return wk, sk, xa
 
 
+@helper
+def down_slot_bases(s, n_valid, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T, H, I, S):
+    """Byte addresses of a down CTA's first weight row and scale row in slot s (a touched expert, or the shared one
+    at s == n_valid), and of the slot's activations at column 0: what down_step derives every step, once a slot."""
+    routed = s < n_valid
+    e = tl.load(slot_e_ptr + s, mask=routed, other=0).to(tl.int64)
+    row_b = (I // 2).to(tl.int64)
+    srow_b = (I // 16).to(tl.int64)
+    w_base = tl.where(routed, w2_ptr.to(tl.int64) + e * H * row_b, sw2_ptr.to(tl.int64))
+    s_base = tl.where(routed, s2_ptr.to(tl.int64) + e * H * srow_b, ss2_ptr.to(tl.int64))
+    a_slot = tl.where(routed, s, S).to(tl.int64)
+    a_base = act_ptr.to(tl.int64) + a_slot * T * I * 2
+    return w_base + n0.to(tl.int64) * row_b, s_base + n0.to(tl.int64) * srow_b, a_base
+
+
+@helper
+def down_fold(out, acc, s, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC: tl.constexpr,
+              FOLD: tl.constexpr, FOLD_C: tl.constexpr):
+    """out + slot s's sum acc * 2**8 / its global scale * each token's routing weight (the shared expert at s ==
+    n_valid: weight 1)."""
+    routed = s < n_valid
+    e = tl.load(slot_e_ptr + s, mask=routed, other=0)
+    cs = 256.0 / tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
+    wr = tl.where(routed, slot_w_ptr.to(tl.int64) + s.to(tl.int64) * T * 4, 0)
+    return asm_block(out + acc + (zl + wr, zf + cs, zi + T), True, NACC, FOLD, FOLD_C, True)
+
+
 @kernel
 def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slot_e_ptr, slot_w_ptr, y_ptr, part_ptr,
                  count_ptr, T, H, I, S, stride_y, DSPLIT, KT, SP: tl.constexpr, SPLITK: tl.constexpr,
-                 RP: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr, LOAD: tl.constexpr,
+                 RP: tl.constexpr, NW: tl.constexpr, STAGES: tl.constexpr, PAIRED: tl.constexpr,
+                 TILED: tl.constexpr, LOAD: tl.constexpr,
                  LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr,
                  XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, FOLD: tl.constexpr, FOLD_C: tl.constexpr,
                  STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
@@ -333,34 +367,76 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
     zero = (zf,) * NACC
     acc = zero
     out = zero
-    wk, sk, xa = down_step(0, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T,
-                           H, I, S, TILED)
-    st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
-    xs = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-    st1 = st0
-    if STAGES == 3:
-        wk, sk, xa = down_step(1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
-                               act_ptr, T, H, I, S, TILED)
-        st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
-    for s in range(0, n_valid + 1):
-        for kk in range(0, KT):
-            j = s * KT + kk
-            # x one step ahead; the weights STAGES - 1 steps ahead (the same step at ring depth 2: one address walk)
-            wk, sk, xa = down_step(j + 1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
+    if PAIRED:
+        # Two flat steps an iteration, the ring's two buffers alternating (no copies at the back edge), and the
+        # addresses from per-slot bases (one slot_e load and no division a slot, not a step). (ls, lk): the slot
+        # and K tile of the next step to load, (lw, lsb, la) its slot's bases. Same steps, same order, same folds
+        # as the one-step loop, so the same bits.
+        lw, lsb, la = down_slot_bases(0, n_valid, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T, H,
+                                      I, S)
+        wk, sk = step_addrs(lw, lsb, k_lo, _NVFP4, TILED)
+        st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+        xs = asm_block((zl + (la + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        ls = n_valid * 0
+        lk = n_valid * 0
+        for jp in range(0, total // 2):
+            for half in tl.static_range(2):
+                # advance the load cursor; a new slot's bases when it wraps (past the last step: the shared slot's
+                # first step again, in bounds and unused). The cursor is one step ahead of the step computed below,
+                # so a wrap means that step closes its slot, the one the cursor left (fs)
+                fs = ls
+                lk += 1
+                wrapped = lk == KT
+                if wrapped:
+                    lk = lk * 0
+                    ls = tl.minimum(ls + 1, n_valid)
+                    lw, lsb, la = down_slot_bases(ls, n_valid, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
+                                                  act_ptr, T, H, I, S)
+                k0 = k_lo + lk * 128
+                wk, sk = step_addrs(lw, lsb, k0, _NVFP4, TILED)
+                if half == 0:
+                    sta = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+                    xsa = asm_block((zl + (la + k0 * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+                    acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+                else:
+                    st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+                    xs = asm_block((zl + (la + k0 * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+                    acc = asm_block(acc + sta + xsa, True, NACC, MMA, MMA_C, True)
+                if wrapped:  # the computed step closed slot fs: fold it into out
+                    out = down_fold(out, acc, fs, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf,
+                                    NACC, FOLD, FOLD_C)
+                    acc = zero
+        if total % 2 == 1:  # odd step count: the last step (it closes the shared expert's slot)
+            acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+            out = down_fold(out, acc, n_valid, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC, FOLD,
+                            FOLD_C)
+    else:
+        wk, sk, xa = down_step(0, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr,
+                               T, H, I, S, TILED)
+        st0 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+        xs = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        st1 = st0
+        if STAGES == 3:
+            wk, sk, xa = down_step(1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr,
                                    act_ptr, T, H, I, S, TILED)
-            if STAGES == 3:
-                wk, sk, _ = down_step(j + 2, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr,
+            st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+        for s in range(0, n_valid + 1):
+            for kk in range(0, KT):
+                j = s * KT + kk
+                # x one step ahead; the weights STAGES - 1 steps ahead (the same step at ring depth 2: one address
+                # walk)
+                wk, sk, xa = down_step(j + 1, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr,
                                        ss2_ptr, act_ptr, T, H, I, S, TILED)
-            nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
-            xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-            acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
-            xs = xn
-        routed = s < n_valid
-        e = tl.load(slot_e_ptr + s, mask=routed, other=0)
-        cs = 256.0 / tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
-        wr = tl.where(routed, slot_w_ptr.to(tl.int64) + s.to(tl.int64) * T * 4, 0)
-        out = asm_block(out + acc + (zl + wr, zf + cs, zi + T), True, NACC, FOLD, FOLD_C, True)
-        acc = zero
+                if STAGES == 3:
+                    wk, sk, _ = down_step(j + 2, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr,
+                                           ss2_ptr, act_ptr, T, H, I, S, TILED)
+                nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+                xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+                acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
+                xs = xn
+            out = down_fold(out, acc, s, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC, FOLD,
+                            FOLD_C)
+            acc = zero
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     mma_epilogue(out, y_ptr, part_ptr, count_ptr, y_ptr, pid_n, pid_k, n0, T, H, stride_y, 0, DSPLIT, zl, zi, SPLITK,
                  0, BM, BN, STORE, STORE_C)
@@ -399,7 +475,8 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
         mma_moe_down[(h // cfg.dbn, cfg.DSPLIT)](
             ws.act, w2, s2, g2, sw2, ss2, sg2, ws.slot_e, ws.slot_w, out, ws.dpart, ws.dcount, t, h, i, s,
             out.stride(0), cfg.DSPLIT, kt, SP=sp, SPLITK=cfg.DSPLIT > 1, RP=cfg.RP, NW=cfg.down_warps,
-            STAGES=cfg.down_stages, TILED=tiled, **down_asm(cfg.RP, cfg.DSPLIT > 1, tiled), num_warps=cfg.down_warps,
+            STAGES=cfg.down_stages, PAIRED=cfg.PAIRED and cfg.down_stages == 2, TILED=tiled,
+            **down_asm(cfg.RP, cfg.DSPLIT > 1, tiled), num_warps=cfg.down_warps,
             num_stages=1, **({"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg and tiled else {}))
 
 
