@@ -85,7 +85,8 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 
 # certified-cell variants a side-by-side route binds (route "target-<variant>"): (entries, config type changed or None
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
-# every CTA; gate-up-rolled: its K loop one step an iteration, the ring copied at each back edge (PAIRED off);
+# every CTA; moe-rolled: the MMA MoE's gate|up and down loops one step an iteration, the ring copied at each back
+# edge and down's addresses derived every step (PAIRED off);
 # gate-up-split2: split 2 ways over H while (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at
 # the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
 # launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without its register cap;
@@ -99,7 +100,7 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # be a function of the config and the cell's shape)
 CELL_VARIANTS = {
     "gate-up-whole": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 1}),
-    "gate-up-rolled": (("moe.nvfp4",), "MmaMoEConfig", {"PAIRED": False}),
+    "moe-rolled": (("moe.nvfp4",), "MmaMoEConfig", {"PAIRED": False}),
     "gate-up-split2": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 2, "GSPLIT_SLOTS": 10}),
     "gate-up-split": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
     "gate-up-split-r72": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
@@ -361,7 +362,7 @@ def main() -> None:
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
-                         "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, gate-up-rolled, "
+                         "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, moe-rolled, "
                          "gate-up-split2, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, "
                          "mma-gemv-uncapped, "

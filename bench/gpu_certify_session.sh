@@ -157,20 +157,20 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
   grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
   ;;
-paired-round)  # issue 30, eighth round: gate|up's K loop two steps an iteration (no ring copies; 64 registers) and MSA
+paired-round)  # issue 30, eighth round: the MMA MoE's loops two steps an iteration (no ring copies) and MSA
               # rows walking only the selection slots that can hold a block: the MMA MoE cells (paired == one-step
               # loop bit for bit), the attn.paged cells, the paged-attention and decode-graph GPU files, then the goal
-              # rows side by side with the one-step loop, gate|up split 2 ways at one token, the full MSA walk and PDL
+              # rows side by side with the one-step loops, gate|up split 2 ways at one token, the full MSA walk and PDL
   phase pytest-cells ${T_A:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
     tests/kernels/test_gpu.py -k "attn.paged or (moe.nvfp4 and r1-8) or mma_moe or (replay and moe)"
   phase pytest-attn ${T_A2:-190} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
     tests/kernels/attention/test_paged_attention_gpu.py tests/runtime/test_decode_target_gpu.py
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_C:-150} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES:-target,target-gate-up-rolled,target-gate-up-split2,target-msa-walk-all,target-pdl} \
+    --routes ${ROUTES:-target,target-moe-rolled,target-gate-up-split2,target-msa-walk-all,target-pdl} \
     --quantization nvfp4 --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-paired}.json"
   phase decode-m3_5 ${T_B:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES5:-target,target-gate-up-rolled,target-pdl} --quantization nvfp4 \
+    --routes ${ROUTES5:-target,target-moe-rolled,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-paired}.json"
   ;;
 combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival (at <= MERGE_IN_SPLIT_MAX splits): the attention GPU
