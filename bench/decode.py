@@ -86,10 +86,11 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # certified-cell variants a side-by-side route binds (route "target-<variant>"): (entries, config type changed or None
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
 # every CTA; moe-rolled: the MMA MoE's gate|up and down loops one step an iteration, the ring copied at each back
-# edge and down's addresses derived every step (PAIRED off);
-# gate-up-split2: split 2 ways over H while (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at
-# the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20 (one token), the split
-# launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without its register cap;
+# edge and down's addresses derived every step (PAIRED off); gemv-rolled: the same for the MMA GEMV (2-8 rows;
+# NVFP4 1-8); rolled: both; gate-up-split2: split 2 ways over H while (touched slots + shared) x 2 <= 10 (one
+# token: one wave of 960 CTAs at the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while
+# (touched slots + shared) x 4 <= 20 (one token), the split launches capped at 64 (72) registers a thread;
+# down-uncapped: the MoE's down launch without its register cap;
 # gate-up-stages3: gate|up's register ring two steps deep (80 registers, 6 CTAs an SM); down-stages3: the same for
 # the down projection (uncapped registers: capped at 80 its one-token variant keeps 32 bytes on the stack); rings3:
 # both (more loads in flight a warp: the H200 has 1.4x the H100's bandwidth at the same
@@ -102,6 +103,7 @@ CELL_VARIANTS = {
     "gate-up-whole": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 1}),
     "moe-rolled": (("moe.nvfp4",), "MmaMoEConfig", {"PAIRED": False}),
     "gate-up-split2": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 2, "GSPLIT_SLOTS": 10}),
+    "gemv-rolled": (("linear.nvfp4", "linear.mxfp8", "qkv.nvfp4", "qkv.mxfp8"), "MmaGemvConfig", {"PAIRED": False}),
     "gate-up-split": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
     "gate-up-split-r72": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
     "down-uncapped": (("moe.nvfp4",), "MmaMoEConfig", {"down_maxnreg": 0}),
@@ -113,6 +115,8 @@ CELL_VARIANTS = {
     "gemv-split2x": (("linear.mxfp8", "qkv.mxfp8"), "GemvConfig",
                      lambda c, shape: {"SPLIT": 2 * c.SPLIT} if shape[1] % (c.BK * c.SPLIT * 4) == 0 else {}),
 }
+# every MMA loop one step an iteration (the MoE's and the GEMV's), as before the paired loops
+CELL_VARIANTS["rolled"] = [CELL_VARIANTS["moe-rolled"], CELL_VARIANTS["gemv-rolled"]]
 # the decode cells as issue 30's third round left them (with route target-round3 also attn.paged's split count
 # rounded up): the one-token MoE down and the MXFP8 MMA GEMV uncapped, the MXFP8 GEMV split toward 528 programs
 CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-gemv-uncapped"],
@@ -363,7 +367,7 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, moe-rolled, "
-                         "gate-up-split2, gate-up-split, "
+                         "gate-up-split2, gemv-rolled, rolled, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, "
                          "mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "

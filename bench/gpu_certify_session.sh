@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... paired-round | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... paired-tests | paired-bench | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -157,20 +157,24 @@ interpreter-ab)  # issue 28: the served sweep of the embedded model, plain with 
     --out "$OUT/serve-pareto-interpreter-$TAG.json"
   grep -n "WARNING\|ERROR" "$OUT/serve-pareto.log" | head -20
   ;;
-paired-round)  # issue 30, eighth round: the MMA MoE's loops two steps an iteration (no ring copies) and MSA
-              # rows walking only the selection slots that can hold a block: the MMA MoE cells (paired == one-step
-              # loop bit for bit), the attn.paged cells, the paged-attention and decode-graph GPU files, then the goal
-              # rows side by side with the one-step loops, gate|up split 2 ways at one token, the full MSA walk and PDL
-  phase pytest-cells ${T_A:-170} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/kernels/test_gpu.py -k "attn.paged or (moe.nvfp4 and r1-8) or mma_moe or (replay and moe)"
-  phase pytest-attn ${T_A2:-190} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
+paired-tests)  # issue 30, eighth round: the MMA loops (MoE gate|up and down, GEMV) two steps an iteration (no ring
+              # copies) and MSA rows walking only the selection slots that can hold a block: the MMA MoE and MMA GEMV
+              # cells, paired == one-step loops bit for bit, the attn.paged cells, the paged-attention and decode-graph
+              # GPU files
+  phase pytest-cells ${T_A:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+    tests/kernels/test_gpu.py -k "attn.paged or (moe.nvfp4 and r1-8) or mma_moe or paired or (replay and moe) or \
+(linear.nvfp4 and r1-8) or (linear.mxfp8 and r3-8) or (qkv and (r1-8 or r3-8))"
+  phase pytest-attn ${T_A2:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
     tests/kernels/attention/test_paged_attention_gpu.py tests/runtime/test_decode_target_gpu.py
+  ;;
+paired-bench)  # the goal rows side by side with the one-step loops (all, the MoE's only), gate|up split 2 ways at
+               # one token, the full MSA walk and PDL
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase decode-deep ${T_C:-150} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES:-target,target-moe-rolled,target-gate-up-split2,target-msa-walk-all,target-pdl} \
+  phase decode-deep ${T_C:-300} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES:-target,target-rolled,target-moe-rolled,target-gate-up-split2,target-msa-walk-all,target-pdl} \
     --quantization nvfp4 --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-paired}.json"
-  phase decode-m3_5 ${T_B:-70} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES5:-target,target-moe-rolled,target-pdl} --quantization nvfp4 \
+  phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES5:-target,target-rolled,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-paired}.json"
   ;;
 combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival (at <= MERGE_IN_SPLIT_MAX splits): the attention GPU

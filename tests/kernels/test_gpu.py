@@ -265,3 +265,30 @@ def test_mma_moe_paired_loops_give_the_one_step_loops_bits(shape, gsplit: int, d
     assert torch.equal(slots_p, slots_r), "the two runs must route alike (same inputs)"
     assert torch.equal(act_p.view(torch.int16), act_r.view(torch.int16)), "activations differ"
     assert torch.equal(out_p.view(torch.int16), out_r.view(torch.int16)), "outputs differ"
+
+
+@pytest.mark.parametrize("name,shape,rows", [("linear.nvfp4", (9856, 6144), 1), ("linear.nvfp4", (4096, 6144), 8),
+                                             ("linear.mxfp8", (9856, 6144), 8), ("linear.mxfp8", (4096, 6144), 3),
+                                             ("qkv.mxfp8", (4992, 6144), 8)])
+def test_mma_gemv_paired_loop_gives_the_one_step_loops_bits(name: str, shape, rows: int) -> None:
+    """MmaGemvConfig.PAIRED (paired_k_steps: two K steps an iteration) against the one-step loop on the same inputs:
+    the same bits, and the paired result meets its cell's band. 12 steps a CTA at (9856, 6144) (SPLIT 4 over 6144),
+    3 at (4096, 6144) (SPLIT 16: an odd count), 6 at (4992, 6144)."""
+    from m3serve.kernels.gemm._mma_gemv import MmaGemvConfig
+    dev = _dev()
+    e = ENTRIES[name]
+    cell = next(c for c in e.cells if c.shape == shape and isinstance(c.config.get("gemm"), MmaGemvConfig))
+    got = []
+    for paired in (True, False):
+        cfg = dataclasses.replace(cell.config["gemm"], PAIRED=paired)
+        c2 = Cell(rows=(rows, rows), shape=cell.shape, why="paired vs one-step GEMV",
+                  config={**cell.config, "gemm": cfg})
+        case = e.make_case(c2, rows, dev, torch.Generator().manual_seed(91 + rows))
+        e.raw_call(*case.args, **case.kwargs)
+        torch.cuda.synchronize()
+        out = _outputs(e, case).clone()
+        if paired:
+            e.compare(out, e.reference(*case.args, **case.kwargs), case)
+        got.append(out)
+        del case
+    assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), f"{name} {shape} at {rows} rows"

@@ -63,6 +63,7 @@ class MmaGemvConfig:
     BM: int = MMA_ROWS
     BK: int = STEP
     maxnreg: int = 0  # registers per thread capped (ptxas maxnreg; 0: as compiled), so that more CTAs are resident
+    PAIRED: bool = True  # the K loop two steps an iteration at ring depth 2 (paired_k_steps: no ring copies)
 
     def __post_init__(self) -> None:
         if self.RP not in RPS:
@@ -141,6 +142,33 @@ def ring_advance(acc, st0, st1, nxt, xs, NACC: tl.constexpr, MMA: tl.constexpr, 
 
 
 @helper
+def paired_k_steps(acc, st0, xs, w_row, s_row, load_strides, x_base, k_lo, n_steps, last, zl, sx, mm,
+                   FMT: tl.constexpr, TILED: tl.constexpr, N_LOAD: tl.constexpr, LOAD: tl.constexpr,
+                   LOAD_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, NACC: tl.constexpr,
+                   MMA: tl.constexpr, MMA_C: tl.constexpr):
+    """The ring-depth-2 K loop two steps an iteration: acc after n_steps steps from k_lo, st0 / xs holding the first
+    step's words and x. Step k + 256 loads into the registers step k's MMA just freed, so the two buffers alternate
+    and nothing is copied at the back edge (a one-step loop must move the step it loaded into the registers the next
+    iteration reads: ~25 MOVs a step, which an issue-bound decode pays). Same steps in the same order as the
+    one-step loop, so the same bits; an odd count ends on one more step. load_strides: the LOAD block's operands
+    after the two addresses."""
+    for kp in range(0, n_steps // 2):
+        k0 = k_lo + kp * 256
+        wk, sk = step_addrs(w_row, s_row, k0 + 128, FMT, TILED)
+        sta = asm_block((zl + wk, zl + sk) + load_strides, False, N_LOAD, LOAD, LOAD_C, False)
+        xa = asm_block((zl + (x_base + (k0 + 128) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+        k2 = tl.minimum(k0 + 256, last)  # past the slice: the last step again (an L2 hit, unused)
+        wk, sk = step_addrs(w_row, s_row, k2, FMT, TILED)
+        st0 = asm_block((zl + wk, zl + sk) + load_strides, False, N_LOAD, LOAD, LOAD_C, False)
+        xs = asm_block((zl + (x_base + k2 * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        acc = asm_block(acc + sta + xa, True, NACC, MMA, MMA_C, True)
+    if n_steps % 2 == 1:
+        acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+    return acc
+
+
+@helper
 def mma_epilogue(acc, y_ptr, part_ptr, count_ptr, alpha_ptr, pid_n, pid_k, n0, M, N, stride_ym, alpha_stride, SPLIT,
                  zl, zi, SPLITK: tl.constexpr, ALPHA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  STORE: tl.constexpr, STORE_C: tl.constexpr):
@@ -167,7 +195,8 @@ def mma_epilogue(acc, y_ptr, part_ptr, count_ptr, alpha_ptr, pid_n, pid_k, n0, M
 @kernel
 def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xb, stride_ym, stride_wb,
              stride_sb, alpha_stride, SPLIT, FMT: tl.constexpr, ALPHA: tl.constexpr, SPLITK: tl.constexpr,
-             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, TILED: tl.constexpr,
+             RP: tl.constexpr, NW: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, PAIRED: tl.constexpr,
+             TILED: tl.constexpr,
              LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr, MMA_C: tl.constexpr,
              XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr, STORE_C: tl.constexpr, PDL: tl.constexpr = False):
     """Strides ending in b are in bytes; stride_ym and alpha_stride in elements. SPLIT is a runtime value
@@ -204,12 +233,17 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
         st1 = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
     pdl_wait(PDL)
     xs = asm_block((zl + (x_base + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-    for k0 in range(k_lo, k_hi, 128):
-        wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT, TILED)
-        nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
-        xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-        acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
-        xs = xn
+    if PAIRED:
+        acc = paired_k_steps(acc, st0, xs, w_row, s_row, (sw, ss), x_base, k_lo, k_len // 128, last, zl, sx, mm, FMT,
+                             TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
+    else:
+        for k0 in range(k_lo, k_hi, 128):
+            wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT, TILED)
+            nxt = asm_block((zl + wk, zl + sk, sw, ss), False, N_LOAD, LOAD, LOAD_C, False)
+            xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
+                           False)
+            acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
+            xs = xn
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     mma_epilogue(acc, y_ptr, part_ptr, count_ptr, alpha_ptr, pid_n, pid_k, n0, M, N, stride_ym, alpha_stride, SPLIT,
                  zl, zi, SPLITK, ALPHA, BM, BN, STORE, STORE_C)
@@ -239,8 +273,8 @@ def launch_mma_gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: to
     mma_gemv[grid](
         x, w, s, alpha, out, ws.part, ws.count, m, n, k, x.stride(0) * 2, out.stride(0), w.stride(0) * w.element_size(),
         s.stride(0) * s.element_size(), alpha_stride, cfg.SPLIT, FMT=fmt, ALPHA=alpha_mode, SPLITK=cfg.SPLIT > 1,
-        RP=cfg.RP, NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, TILED=tiled,
-        **asm_args(fmt, cfg.RP, alpha_mode, cfg.SPLIT > 1, tiled),
+        RP=cfg.RP, NW=cfg.num_warps, BM=cfg.BM, STAGES=cfg.STAGES, PAIRED=cfg.PAIRED and cfg.STAGES == 2,
+        TILED=tiled, **asm_args(fmt, cfg.RP, alpha_mode, cfg.SPLIT > 1, tiled),
         num_warps=cfg.num_warps, num_stages=1, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out

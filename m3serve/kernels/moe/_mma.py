@@ -54,7 +54,8 @@ import triton.language as tl
 from m3serve.kernels.gemm import _mma_ptx as P
 from m3serve.kernels._jit import helper, kernel
 from m3serve.kernels._pdl import pdl_release, pdl_wait
-from m3serve.kernels.gemm._mma_gemv import MMA_ROWS, STEP, asm_block, mma_epilogue, ring_advance, step_addrs
+from m3serve.kernels.gemm._mma_gemv import (MMA_ROWS, STEP, asm_block, mma_epilogue, paired_k_steps, ring_advance,
+                                            step_addrs)
 from m3serve.kernels.gemm._splitk import ordered_sum, release_ticket, take_ticket
 
 _NX = tl.constexpr(P.X_REGS // 2)
@@ -235,23 +236,8 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         st0 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
         st1 = st0
         if PAIRED:
-            # two steps an iteration, the two register buffers alternating: step k + 256 loads into the registers
-            # step k's MMA just freed, so no buffer is copied at the back edge (a one-step loop moves the whole
-            # ring, ~25 MOVs of ~250 instructions a step). Same steps, same order, same bits.
-            n_steps = k_len // 128
-            for kp in range(0, n_steps // 2):
-                k0 = k_lo + kp * 256
-                wk, sk = step_addrs(w_row, s_row, k0 + 128, _NVFP4, TILED)
-                sta = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
-                xa = asm_block((zl + (x_base + (k0 + 128) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
-                acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
-                wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 256, last), _NVFP4, TILED)
-                st0 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
-                xs = asm_block((zl + (x_base + tl.minimum(k0 + 256, last) * 2), sx, mm), False, _NX, XLOAD,
-                               XLOAD_C, False)
-                acc = asm_block(acc + sta + xa, True, NACC, MMA, MMA_C, True)
-            if n_steps % 2 == 1:
-                acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
+            acc = paired_k_steps(acc, st0, xs, w_row, s_row, (sw, ss, ub, usb), x_base, k_lo, k_len // 128, last, zl,
+                                 sx, mm, _NVFP4, TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
         else:
             if STAGES == 3:
                 wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), _NVFP4, TILED)
@@ -408,8 +394,8 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
                     acc = zero
         if total % 2 == 1:  # odd step count: the last step (it closes the shared expert's slot)
             acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
-            out = down_fold(out, acc, n_valid, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC, FOLD,
-                            FOLD_C)
+            out = down_fold(out, acc, n_valid, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC,
+                            FOLD, FOLD_C)
     else:
         wk, sk, xa = down_step(0, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr,
                                T, H, I, S, TILED)
