@@ -9,7 +9,9 @@ in one process on the same model, cache and requests.
 
 For each (model, route, batch) it prefills `batch` requests of `context` tokens, then times whole engine decode
 steps (schedule + pack + forward + sample + stop checks; median of `--steps` samples: one step, synchronised, on
-the eager routes; a window of 8 back-to-back steps on the target, so its overlap loop runs as it serves), and profiles a
+the eager routes; a window of --window (8) back-to-back steps on the target, so its overlap loop runs as it serves;
+each window starts from a synchronised, drained GPU, so its first step pays the host's launch latency once: a longer
+window, with fewer steps to keep the same context growth, charges less of it), and profiles a
 few steps for the GPU-busy time (sum of kernel durations) and the launches per step (runtime API launch calls:
 kernels, graph launches, copies). The roofline is the bytes a step must read (weights touched + KV) over the
 copy bandwidth measured in the same run.
@@ -363,6 +365,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--window", type=int, default=WINDOW,
+                    help="back-to-back steps a timing sample on the target routes (synchronised at its ends)")
     ap.add_argument("--routes", default="off,auto,target",
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
@@ -410,7 +414,7 @@ def main() -> None:
                   quantization=quant, kv_cache_dtype="auto" if embedded else args.kv_cache_dtype,
                   kv_rotation=kv_rotation, max_num_seqs=max(batches),
                   max_num_batched_tokens=max(2048, args.context), gpu_memory_utilization=0.85,
-                  max_model_len=args.context + WINDOW * args.steps + 64, route="auto",
+                  max_model_len=args.context + args.window * args.steps + 64, route="auto",
                   # every route prefills its prompts itself: a prefix hit would give a later route other prefill
                   # rows (other kernels, other summation order) than the route it is compared with; and eagerly:
                   # prefill graphs would replay the kernels of the binding they were captured under (set_route)
@@ -422,7 +426,8 @@ def main() -> None:
         for route in routes:
             set_route(llm, route, state)
             for b in batches:
-                r = time_decode(llm, b, args.context, args.steps, seed=b, window=WINDOW if route.startswith("target") else 1,
+                r = time_decode(llm, b, args.context, args.steps, seed=b,
+                                window=args.window if route.startswith("target") else 1,
                                 sampling=sampling)
                 toks = r.pop("_tokens")
                 if route == "off":

@@ -176,6 +176,10 @@ paired-bench)  # the goal rows side by side with the one-step loops (all, the Mo
   phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
     --routes ${ROUTES5:-target,target-rolled,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-paired}.json"
+  # the same context growth (160 tokens) in 5 windows of 32 steps: the drained start of each window charged 4x less
+  phase decode-deep-window32 ${T_W:-60} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 5 \
+    --window 32 --routes target --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-window32.json"
   ;;
 combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival (at <= MERGE_IN_SPLIT_MAX splits): the attention GPU
               # cells, graph replay and warm-up, the paged-attention GPU file, the decode target's GPU tests (graphs vs
