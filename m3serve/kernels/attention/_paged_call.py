@@ -285,8 +285,8 @@ def paged_attention(q, k_pages, v_pages, k_scale, v_scale, kv_gs, slot_table, se
         count, n_seq, t_rows, slot_table.shape[1], qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1), *scale_strides, *sel_strides,
         FMT=code, HQ=hq, G=g, D=d, P=p, BN=cfg.BN, BM=cfg.BM, QB=cfg.QB, TOPK=topk, SPLIT=num_splits > 1,
-        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, COMBINE=merge_in_split, WALK_ALL=SEL_WALK_ALL,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CUDA=cuda, F16=cuda and fmt == "fp8", PAIRS=cfg.PAIRS, ROT=rot_matrix is not None, COMBINE=merge_in_split,
+        WALK_ALL=SEL_WALK_ALL, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1 and not merge_in_split:
         paged_attn_combine[(t_rows, hq)](
             workspace.acc, workspace.ml, out, t_rows, num_splits, out.stride(0), out.stride(1), HQ=hq, D=d,

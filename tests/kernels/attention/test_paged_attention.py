@@ -197,6 +197,20 @@ def test_msa_sparse_random_selections(fmt: str, topk: int, rows: int, splits: in
     _check(pc, out, ref)
 
 
+@pytest.mark.parametrize("walk_all", [False, True])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_msa_rows_walk_only_the_slots_that_can_hold_a_block(monkeypatch, walk_all: bool, rows: int) -> None:
+    """A context of 2-3 pages under a top-8 selection: the tile walk bounded by min(top-k, last // P + 1) slots
+    (the default) and the walk over every slot, -1 padding included (SEL_WALK_ALL, the bench's side-by-side), both
+    meet the reference and the float64 check; they split the tiles differently, so they are not compared bitwise."""
+    from m3serve.kernels.attention import _paged_call
+    monkeypatch.setattr(_paged_call, "SEL_WALK_ALL", walk_all)
+    pc, out, ref = _run(key("nvfp4", 8), rows, CaseShape(batch=2, context=40, num_splits=4), seed=800 + rows)
+    sel = pc.case.args[9]
+    assert bool((sel == -1).any()), "the short contexts leave most of the 8 slots -1"
+    _check(pc, out, ref)
+
+
 def test_gqa_group_of_eight_and_wider_head_dim() -> None:
     """G = 8 (BM 16) with D = 64 and P = 32, a 2-token block (QB 2) over two splits."""
     pc, out, ref = _run(key("fp8", 0, hq=16, hk=2, d=64, p=32), 2, CaseShape(batch=2, context=100, num_splits=2), 8)
