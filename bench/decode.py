@@ -89,8 +89,8 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
 # every CTA; moe-rolled: the MMA MoE's gate|up and down loops one step an iteration, the ring copied at each back
 # edge and down's addresses derived every step (PAIRED off); gemv-rolled: the same for the MMA GEMV (2-8 rows;
-# NVFP4 1-8); rolled: both; gate-up-split2: split 2 ways over H while (touched slots + shared) x 2 <= 10 (one
-# token: one wave of 960 CTAs at the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while
+# NVFP4 1-8); rolled: both; paired: both paired (whatever the default); gate-up-split2: split 2 ways over H while
+# (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while
 # (touched slots + shared) x 4 <= 20 (one token), the split launches capped at 64 (72) registers a thread;
 # down-uncapped: the MoE's down launch without its register cap;
 # gate-up-stages3: gate|up's register ring two steps deep (80 registers, 6 CTAs an SM); down-stages3: the same for
@@ -119,6 +119,7 @@ CELL_VARIANTS = {
 }
 # every MMA loop one step an iteration (the MoE's and the GEMV's), as before the paired loops
 CELL_VARIANTS["rolled"] = [CELL_VARIANTS["moe-rolled"], CELL_VARIANTS["gemv-rolled"]]
+CELL_VARIANTS["paired"] = [(names, kind, {"PAIRED": True}) for names, kind, _ in CELL_VARIANTS["rolled"]]
 # the decode cells as issue 30's third round left them (with route target-round3 also attn.paged's split count
 # rounded up): the one-token MoE down and the MXFP8 MMA GEMV uncapped, the MXFP8 GEMV split toward 528 programs
 CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-gemv-uncapped"],
@@ -194,7 +195,9 @@ def set_route(llm, route: str, state: dict) -> None:
     _paged_call.SPLITS_ROUND_UP = route in ("target-splits-up", "target-round3")
     # read at launch (graph capture): the split-KV merge as a second launch, the layout before it was folded in
     _paged_call.COMBINE_LAUNCH = route == "target-combine-launch"
-    _paged_call.SEL_WALK_ALL = route == "target-msa-walk-all"
+    # the MSA tile walk: all top-k slots, or only those that can hold a block; other routes keep the tree's default
+    walk_default = state.setdefault("sel_walk_all", _paged_call.SEL_WALK_ALL)
+    _paged_call.SEL_WALK_ALL = {"target-msa-walk-all": True, "target-msa-bound": False}.get(route, walk_default)
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route),
@@ -371,7 +374,7 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, moe-rolled, "
-                         "gate-up-split2, gemv-rolled, rolled, gate-up-split, "
+                         "gate-up-split2, gemv-rolled, rolled, paired, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, "
                          "mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
@@ -381,7 +384,8 @@ def main() -> None:
                          "target-torch-sampler (the sampling variant on the torch sampler, not sample.race), "
                          "target-combine-launch (attn.paged's split-KV merge as a second launch, not in the split "
                          "kernel's last arrival), target-msa-walk-all (MSA rows walk all top-k selection slots, "
-                         "the -1 padding too, as before the tile bound)")
+                         "the -1 padding too, as before the tile bound), target-msa-bound (only the slots that can "
+                         "hold a block)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded per request)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
