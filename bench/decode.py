@@ -89,7 +89,7 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
 # every CTA; moe-rolled: the MMA MoE's gate|up and down loops one step an iteration, the ring copied at each back
 # edge and down's addresses derived every step (PAIRED off); gemv-rolled: the same for the MMA GEMV (2-8 rows;
-# NVFP4 1-8); rolled: both; paired: both paired (whatever the default); gate-up-split2: split 2 ways over H while
+# NVFP4 1-8); rolled: both; paired: both paired (whatever the default); paired-split2: and gate-up-split2; gate-up-split2: split 2 ways over H while
 # (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while
 # (touched slots + shared) x 4 <= 20 (one token), the split launches capped at 64 (72) registers a thread;
 # down-uncapped: the MoE's down launch without its register cap;
@@ -120,6 +120,7 @@ CELL_VARIANTS = {
 # every MMA loop one step an iteration (the MoE's and the GEMV's), as before the paired loops
 CELL_VARIANTS["rolled"] = [CELL_VARIANTS["moe-rolled"], CELL_VARIANTS["gemv-rolled"]]
 CELL_VARIANTS["paired"] = [(names, kind, {"PAIRED": True}) for names, kind, _ in CELL_VARIANTS["rolled"]]
+CELL_VARIANTS["paired-split2"] = CELL_VARIANTS["paired"] + [CELL_VARIANTS["gate-up-split2"]]
 # the decode cells as issue 30's third round left them (with route target-round3 also attn.paged's split count
 # rounded up): the one-token MoE down and the MXFP8 MMA GEMV uncapped, the MXFP8 GEMV split toward 528 programs
 CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-gemv-uncapped"],
@@ -374,7 +375,7 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, moe-rolled, "
-                         "gate-up-split2, gemv-rolled, rolled, paired, gate-up-split, "
+                         "gate-up-split2, gemv-rolled, rolled, paired, paired-split2, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, "
                          "mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "

@@ -162,19 +162,19 @@ paired-tests)  # issue 30, eighth round: the MMA loops (MoE gate|up and down, GE
               # cells, paired == one-step loops bit for bit, the attn.paged cells, the paged-attention and decode-graph
               # GPU files
   phase pytest-cells ${T_A:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
-    tests/kernels/test_gpu.py -k "attn.paged or (moe.nvfp4 and r1-8) or mma_moe or paired or (replay and moe) or \
+    tests/kernels/test_gpu.py -k "attn.paged or walk_bound or (moe.nvfp4 and r1-8) or mma_moe or paired or (replay and moe) or \
 (linear.nvfp4 and r1-8) or (linear.mxfp8 and r3-8) or (qkv and (r1-8 or r3-8))"
   phase pytest-attn ${T_A2:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
     tests/kernels/attention/test_paged_attention_gpu.py tests/runtime/test_decode_target_gpu.py
   ;;
-paired-bench)  # the goal rows side by side with the one-step loops (all, the MoE's only), gate|up split 2 ways at
-               # one token, the full MSA walk and PDL
+paired-bench)  # the goal rows side by side with the paired loops (opt-in), with gate|up also split 2 ways at one
+               # token, with the MSA walk bounded (opt-in), and with PDL
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_C:-300} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES:-target,target-rolled,target-moe-rolled,target-gate-up-split2,target-msa-walk-all,target-pdl} \
+    --routes ${ROUTES:-target,target-paired,target-paired-split2,target-msa-bound,target-pdl} \
     --quantization nvfp4 --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-paired}.json"
   phase decode-m3_5 ${T_B:-120} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES5:-target,target-rolled,target-pdl} --quantization nvfp4 \
+    --routes ${ROUTES5:-target,target-paired,target-msa-bound} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-paired}.json"
   # the same context growth (160 tokens) in 5 windows of 32 steps: the drained start of each window charged 4x less
   phase decode-deep-window32 ${T_W:-60} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 5 \

@@ -292,3 +292,23 @@ def test_mma_gemv_paired_loop_gives_the_one_step_loops_bits(name: str, shape, ro
         got.append(out)
         del case
     assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), f"{name} {shape} at {rows} rows"
+
+
+MSA_CELLS = [i for i, c in enumerate(ENTRIES["attn.paged"].cells) if c.shape[5] > 0]
+
+
+@pytest.mark.parametrize("i", MSA_CELLS, ids=[str(ENTRIES["attn.paged"].cells[i].shape) for i in MSA_CELLS])
+def test_attn_paged_msa_walk_bound_meets_the_reference(monkeypatch, i: int) -> None:
+    """attn.paged's MSA cells with the tile walk bounded by the selection slots that can hold a block
+    (_paged_call.SEL_WALK_ALL False, opt-in), at the cell's first and last row counts, against the reference."""
+    from m3serve.kernels.attention import _paged_call
+    monkeypatch.setattr(_paged_call, "SEL_WALK_ALL", False)
+    dev = _dev()
+    e = ENTRIES["attn.paged"]
+    cell = e.cells[i]
+    for rows in sorted({cell.rows[0], cell.rows[1]}):
+        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(500 + rows + i))
+        out = e.raw_call(*case.args, **case.kwargs)
+        torch.cuda.synchronize()
+        e.compare(out, e.reference(*case.args, **case.kwargs), case)
+        del case, out
