@@ -89,10 +89,11 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # for every cell, the config fields replaced). gate-up-whole: the MMA-step MoE's gate|up over the whole of H in
 # every CTA; moe-rolled: the MMA MoE's gate|up and down loops one step an iteration, the ring copied at each back
 # edge and down's addresses derived every step (PAIRED off); gemv-rolled: the same for the MMA GEMV (2-8 rows;
-# NVFP4 1-8); rolled: both; paired: both paired (whatever the default); paired-split2: and gate-up-split2; gate-up-split2: split 2 ways over H while
-# (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while
-# (touched slots + shared) x 4 <= 20 (one token), the split launches capped at 64 (72) registers a thread;
-# down-uncapped: the MoE's down launch without its register cap;
+# NVFP4 1-8); rolled: both; paired: both paired (whatever the default); paired-split2: and gate-up-split2;
+# gate-up-split2: split 2 ways over H while (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at
+# the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20
+# (one token), the split launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without
+# its register cap;
 # gate-up-stages3: gate|up's register ring two steps deep (80 registers, 6 CTAs an SM); down-stages3: the same for
 # the down projection (uncapped registers: capped at 80 its one-token variant keeps 32 bytes on the stack); rings3:
 # both (more loads in flight a warp: the H200 has 1.4x the H100's bandwidth at the same

@@ -300,14 +300,20 @@ MSA_CELLS = [i for i, c in enumerate(ENTRIES["attn.paged"].cells) if c.shape[5] 
 @pytest.mark.parametrize("i", MSA_CELLS, ids=[str(ENTRIES["attn.paged"].cells[i].shape) for i in MSA_CELLS])
 def test_attn_paged_msa_walk_bound_meets_the_reference(monkeypatch, i: int) -> None:
     """attn.paged's MSA cells with the tile walk bounded by the selection slots that can hold a block
-    (_paged_call.SEL_WALK_ALL False, opt-in), at the cell's first and last row counts, against the reference."""
+    (_paged_call.SEL_WALK_ALL False, opt-in), at the cell's first and last row counts, on contexts of a quarter of
+    top-k pages (the cells' own contexts hold more than top-k pages, where the bound is top-k itself), against the
+    reference."""
     from m3serve.kernels.attention import _paged_call
+    from m3serve.kernels.attention._paged_case import build_case
     monkeypatch.setattr(_paged_call, "SEL_WALK_ALL", False)
     dev = _dev()
     e = ENTRIES["attn.paged"]
     cell = e.cells[i]
+    topk, page = cell.shape[5], cell.shape[4]
+    short = dataclasses.replace(cell.config["case"], context=page * topk // 4)
     for rows in sorted({cell.rows[0], cell.rows[1]}):
-        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(500 + rows + i))
+        case = build_case(cell.shape, rows, dev, torch.Generator().manual_seed(500 + rows + i), short).case
+        assert bool((case.args[9] == -1).any()), "short contexts leave selection slots -1"
         out = e.raw_call(*case.args, **case.kwargs)
         torch.cuda.synchronize()
         e.compare(out, e.reference(*case.args, **case.kwargs), case)

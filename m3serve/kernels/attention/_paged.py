@@ -108,12 +108,12 @@ def paged_attn_split(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gs_ptr, rot_ptr, slot_
 
     if TOPK == 0:
         ntiles = tl.cdiv(last + 1, BN)
+    elif WALK_ALL:  # every selection slot, the -1 padding too (_paged_call.SEL_WALK_ALL)
+        ntiles = TOPK * TPP + t * 0
     else:
         # sel lists distinct blocks ascending, -1 padded, and a row sees no block past its own (last // P): only
         # the first min(TOPK, last // P + 1) entries can hold one, so a short context walks no padding slot
         ntiles = tl.minimum(TOPK, last // P + 1) * TPP
-        if WALK_ALL:  # the walk before the bound (a bench route's side-by-side)
-            ntiles = TOPK * TPP + t * 0
     ntiles = tl.where(leader & (L > 0), tl.maximum(ntiles, 0), 0)
     per = tl.cdiv(ntiles, num_splits)
     lo = split * per

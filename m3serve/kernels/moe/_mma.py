@@ -33,10 +33,11 @@ ascending order, then the shared one), each over its I / DSPLIT slice; the regis
 boundaries (the flat step index picks the slot), and at a slot's end fold_asm adds acc * 2**8 / g2[e] *
 slot_w[s, t] into the output registers. Split over I with _splitk's ordered reduction.
 
-Paired loops (MmaMoEConfig.PAIRED, opt-in until their GPU test has run): at ring depth 2 a loop that runs one step an iteration must copy
-the step it just loaded into the registers the next iteration reads (~25 MOVs of ~250 instructions a step: the
-one-token MoE is issue-bound on these SMs, its microseconds the same on the H100 and the H200); two steps an
-iteration let the buffers alternate. Same steps, same order, same bits (a GPU test compares the two).
+Paired loops (MmaMoEConfig.PAIRED, opt-in until their GPU test has run): at ring depth 2 a loop that runs one step
+an iteration must copy the step it just loaded into the registers the next iteration reads (~25 MOVs of ~250
+instructions a step, and the one-token MoE's time follows its instructions: its microseconds are the same on the
+H100 and the H200); two steps an iteration let the buffers alternate. Same steps, same order, same bits (a GPU test
+compares the two).
 
 Numerics (inside moe.nvfp4's bands): the decoded weights and the MMA are _mma_gemv's (exact products, fp32
 accumulation); gate and up are scaled acc * 2**8 / g (correctly rounded division) as _nvfp4, SwiGLU-OAI in fp32
@@ -317,7 +318,8 @@ def down_slot_bases(s, n_valid, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr
 def down_fold(out, acc, s, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC: tl.constexpr,
               FOLD: tl.constexpr, FOLD_C: tl.constexpr):
     """out + slot s's sum acc * 2**8 / its global scale * each token's routing weight (the shared expert at s ==
-    n_valid: weight 1)."""
+    n_valid: weight 1). (The one-step loop keeps these lines inline: through this helper its TP2 variant schedules
+    differently, which no GPU has run yet; fold them with down_step's when one has.)"""
     routed = s < n_valid
     e = tl.load(slot_e_ptr + s, mask=routed, other=0)
     cs = 256.0 / tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
@@ -424,8 +426,11 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
                 xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
                 acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
                 xs = xn
-            out = down_fold(out, acc, s, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC, FOLD,
-                            FOLD_C)
+            routed = s < n_valid
+            e = tl.load(slot_e_ptr + s, mask=routed, other=0)
+            cs = 256.0 / tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
+            wr = tl.where(routed, slot_w_ptr.to(tl.int64) + s.to(tl.int64) * T * 4, 0)
+            out = asm_block(out + acc + (zl + wr, zf + cs, zi + T), True, NACC, FOLD, FOLD_C, True)
             acc = zero
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     mma_epilogue(out, y_ptr, part_ptr, count_ptr, y_ptr, pid_n, pid_k, n0, T, H, stride_y, 0, DSPLIT, zl, zi, SPLITK,
