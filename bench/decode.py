@@ -122,6 +122,9 @@ CELL_VARIANTS = {
 CELL_VARIANTS["rolled"] = [CELL_VARIANTS["moe-rolled"], CELL_VARIANTS["gemv-rolled"]]
 CELL_VARIANTS["paired"] = [(names, kind, {"PAIRED": True}) for names, kind, _ in CELL_VARIANTS["rolled"]]
 CELL_VARIANTS["paired-split2"] = CELL_VARIANTS["paired"] + [CELL_VARIANTS["gate-up-split2"]]
+# the decode cells as the seventh round of issue 30 left them (route target-round7, with the MSA walk over every
+# selection slot): the one-step MMA loops, gate|up over the whole of H
+CELL_VARIANTS["round7"] = CELL_VARIANTS["rolled"] + [CELL_VARIANTS["gate-up-whole"]]
 # the decode cells as issue 30's third round left them (with route target-round3 also attn.paged's split count
 # rounded up): the one-token MoE down and the MXFP8 MMA GEMV uncapped, the MXFP8 GEMV split toward 528 programs
 CELL_VARIANTS["round3"] = [CELL_VARIANTS["down-uncapped"], CELL_VARIANTS["mma-gemv-uncapped"],
@@ -199,7 +202,8 @@ def set_route(llm, route: str, state: dict) -> None:
     _paged_call.COMBINE_LAUNCH = route == "target-combine-launch"
     # the MSA tile walk: all top-k slots, or only those that can hold a block; other routes keep the tree's default
     walk_default = state.setdefault("sel_walk_all", _paged_call.SEL_WALK_ALL)
-    _paged_call.SEL_WALK_ALL = {"target-msa-walk-all": True, "target-msa-bound": False}.get(route, walk_default)
+    _paged_call.SEL_WALK_ALL = {"target-msa-walk-all": True, "target-round7": True,
+                                  "target-msa-bound": False}.get(route, walk_default)
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route),
@@ -379,7 +383,8 @@ def main() -> None:
                          "gate-up-split2, gemv-rolled, rolled, paired, paired-split2, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, "
                          "mma-gemv-uncapped, "
-                         "gemv-split2x, round3: all of this round's changes undone), target-splits-up (attn.paged's "
+                         "gemv-split2x, round3: all of the third round's changes undone, round7: the seventh "
+                         "round's cells and MSA walk), target-splits-up (attn.paged's "
                          "split count rounded up, the rule before the one-wave rule), target-index-gemv (the index "
                          "projections on linear.bf16, opt-in, not cuBLAS), target-head12 / target-head-bf16 (the "
                          "greedy head's 1-8 rows on the 12-bit / the BF16 head), target-opt-in (index GEMV + head12), "

@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... paired-tests | paired-bench | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... round9-bench | round9-tests | paired-tests | paired-bench | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -180,6 +180,24 @@ paired-bench)  # the goal rows side by side with the paired loops (opt-in), with
   phase decode-deep-window32 ${T_W:-60} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 5 \
     --window 32 --routes target --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-window32.json"
+  ;;
+round9-bench)  # issue 30, ninth round: the goal rows at the new defaults (paired MMA loops, MSA walk bounded, gate|up
+              # split 2 ways at one token) side by side with the seventh round's cells, gate|up whole and PDL
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase decode-deep ${T_C:-240} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES:-target,target-round7,target-gate-up-whole,target-pdl} \
+    --quantization nvfp4 --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-round9}.json"
+  phase decode-m3_5 ${T_B:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES5:-target,target-round7,target-gate-up-whole,target-pdl} --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round9}.json"
+  ;;
+round9-tests)  # the same defaults' GPU tests: the MMA MoE / GEMV and attn.paged cells (paired, split, bounded walk),
+               # then the paged-attention and decode-graph GPU files
+  phase pytest-cells ${T_A:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 -rfE \
+    tests/kernels/test_gpu.py -k "attn.paged or walk_bound or (moe.nvfp4 and r1-8) or mma_moe or paired or (replay and moe) or \
+(linear.nvfp4 and r1-8) or (linear.mxfp8 and r3-8) or (qkv and (r1-8 or r3-8))"
+  phase pytest-attn ${T_A2:-300} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
+    tests/kernels/attention/test_paged_attention_gpu.py tests/runtime/test_decode_target_gpu.py
   ;;
 combine-fold)  # attn.paged's split-KV merge in the split kernel's last arrival (at <= MERGE_IN_SPLIT_MAX splits): the attention GPU
               # cells, graph replay and warm-up, the paged-attention GPU file, the decode target's GPU tests (graphs vs

@@ -53,9 +53,10 @@ SPLITS_ROUND_UP = False  # choose_num_splits' rule before the one-wave rule (ben
 MERGE_IN_SPLIT_MAX = 8
 COMBINE_LAUNCH = False  # True: always the combine launch (bench/decode.py route target-combine-launch, side by side)
 # False: MSA rows walk only the selection slots that can hold a block (min(top-k, last // P + 1)), True: all top-k
-# slots, -1 padding included. The bound is exact and passes the interpreter tests, but stays opt-in until its GPU
-# cells run (bench/decode.py routes target-msa-bound / target-msa-walk-all, side by side)
-SEL_WALK_ALL = True
+# slots, -1 padding included (as before the bound; bench/decode.py routes target-msa-bound / target-msa-walk-all,
+# side by side). The skipped slots contribute nothing, but fewer tiles change how they are shared among the splits,
+# so the two walks sum in different orders
+SEL_WALK_ALL = False
 
 
 def merges_in_split(num_splits: int) -> bool:

@@ -33,7 +33,7 @@ ascending order, then the shared one), each over its I / DSPLIT slice; the regis
 boundaries (the flat step index picks the slot), and at a slot's end fold_asm adds acc * 2**8 / g2[e] *
 slot_w[s, t] into the output registers. Split over I with _splitk's ordered reduction.
 
-Paired loops (MmaMoEConfig.PAIRED, opt-in until their GPU test has run): at ring depth 2 a loop that runs one step
+Paired loops (MmaMoEConfig.PAIRED, on by default): at ring depth 2 a loop that runs one step
 an iteration must copy the step it just loaded into the registers the next iteration reads (~25 MOVs of ~250
 instructions a step, and the one-token MoE's time follows its instructions: its microseconds are the same on the
 H100 and the H200); two steps an iteration let the buffers alternate. Same steps, same order, same bits (a GPU test
@@ -81,9 +81,9 @@ class MmaMoEConfig:
     # PAIRED: both K loops two steps an iteration, so the ring's two buffers alternate instead of being copied at
     # each back edge (~25 MOVs a step), and down's addresses from per-slot bases instead of a slot lookup and a
     # division every step: 250 -> 224 (gate|up) and 312 -> ~250 (down, a new slot every 3 steps) instructions a step,
-    # gate|up at 64 registers instead of 72 (aot_check). Ring depth 2 only; same steps, same bits. Opt-in until its
-    # GPU test (paired == one-step loops, bit for bit) has run: route target-paired
-    PAIRED: bool = False
+    # gate|up at 64 registers instead of 72 (aot_check). Ring depth 2 only; same steps, same bits (a GPU test compares
+    # the two loops bit for bit); the one-step loops side by side: bench/decode.py route target-moe-rolled
+    PAIRED: bool = True
     DSPLIT: int = 4
     down_warps: int = 4
     down_stages: int = 2

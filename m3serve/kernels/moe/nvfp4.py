@@ -537,13 +537,14 @@ def _moe_cfg(lo: int, hi: int, i: int, shared_bf16: int) -> MoEConfig:
 #   (5 a SM: a second wave of 108 CTAs). In the decode step's graph the cap takes down from 37.0 to 30.5 us a layer
 #   at one token and is level at 8 (H100, decode/decode-target-h100-m3_12-wave-caps.json, route
 #   target-down-uncapped). On MMA tiles only: row-major weights keep 8 bytes on the stack at 80 (_mma);
-# * gate|up over the whole of H (GSPLIT 1). Split 4 ways at one token with the split launches capped at 64
-#   registers it took 48.5 against 50.6 us a layer in the same run, but at 64 registers that variant keeps two
-#   values on the stack inside its K loop (aot_check: 8 bytes), which the catalog's no-spill rule refuses; the
-#   variants are timed side by side (bench/decode.py routes target-gate-up-split, -split-r72).
+# * gate|up split 2 ways over H at one token (GSPLIT 2 while (touched slots + shared) x 2 <= 10: 960 CTAs, one
+#   wave). The paired loop compiles to 64 registers uncapped, no stack, so the split no longer needs the register
+#   cap that spilled (split 4 ways capped at 64: 8 bytes on the stack, refused). In the 12-layer step on the H100,
+#   paired: 44.6 against 48.4 us a layer whole (decode/decode-target-h100-m3_12-paired.json, route
+#   target-paired-split2); whole-H side by side: route target-gate-up-whole.
 # The TP2 shard (1536) keeps its measured down split (96 x 2 CTAs: one wave uncapped).
 MMA_MOE_ROWS = (1, 8)
-MMA_MOE = {3072: MmaMoEConfig(DSPLIT=8, down_maxnreg=80), 1536: MmaMoEConfig(DSPLIT=2)}
+MMA_MOE = {3072: MmaMoEConfig(DSPLIT=8, down_maxnreg=80, GSPLIT=2, GSPLIT_SLOTS=10), 1536: MmaMoEConfig(DSPLIT=2)}
 
 
 def _row_ranges(sb: int) -> tuple[tuple[int, int], ...]:
