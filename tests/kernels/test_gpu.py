@@ -267,6 +267,41 @@ def test_mma_moe_paired_loops_give_the_one_step_loops_bits(shape, gsplit: int, d
     assert torch.equal(out_p.view(torch.int16), out_r.view(torch.int16)), "outputs differ"
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("gsplit", [1, 2])
+def test_mma_moe_hoisted_gate_up_loads_give_the_default_bits(gsplit: int, rows: int) -> None:
+    """MmaMoEConfig.HOIST computes gate|up's per-thread load offsets once before the K loop (the prologue block of
+    _mma_ptx.gate_up_lane_offsets_asm) and the loop's load blocks only add them to each step's bases: the same bytes
+    into the same registers, so every touched slot's activations and the output are the default loop's bits. M3 TP1
+    (the certified MMA cell, its tiled experts) whole over H and split 2 ways over H (the one-token launch's
+    GSPLIT); the hoisted result also meets the reference."""
+    from m3serve.kernels.moe._mma import MmaMoEConfig
+    dev = _dev()
+    e = ENTRIES["moe.nvfp4"]
+    shape = (128, 6144, 3072, 0)
+    base = next(c.config["moe"] for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig) and c.shape == shape)
+    base = dataclasses.replace(base, GSPLIT=gsplit, GSPLIT_SLOTS=gsplit * MOE_SLOTS_AT_ONE_TOKEN)
+    got = []
+    for hoist in (True, False):
+        cfg = dataclasses.replace(base, HOIST=hoist)
+        cell = Cell(rows=(rows, rows), shape=shape, why="hoisted vs default gate|up loads", config={"moe": cfg})
+        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(177 + rows))
+        out = e.raw_call(*case.args, **case.kwargs).clone()
+        torch.cuda.synchronize()
+        if hoist:
+            e.compare(out, e.reference(*case.args, **case.kwargs), case)
+        ws = case.args[-2]
+        n_valid = int((ws.slot_e >= 0).sum())
+        act = torch.cat([ws.act[:n_valid], ws.act[-1:]]).clone()   # the touched slots and the shared expert
+        got.append((out, act, ws.slot_e.clone()))
+        assert int(ws.gcount.abs().sum()) == 0
+        del case
+    (out_h, act_h, slots_h), (out_d, act_d, slots_d) = got
+    assert torch.equal(slots_h, slots_d), "the two runs must route alike (same inputs)"
+    assert torch.equal(act_h.view(torch.int16), act_d.view(torch.int16)), "activations differ"
+    assert torch.equal(out_h.view(torch.int16), out_d.view(torch.int16)), "outputs differ"
+
+
 @pytest.mark.parametrize("name,shape,rows", [("linear.nvfp4", (9856, 6144), 1), ("linear.nvfp4", (4096, 6144), 8),
                                              ("linear.mxfp8", (9856, 6144), 8), ("linear.mxfp8", (4096, 6144), 3),
                                              ("qkv.mxfp8", (4992, 6144), 8)])

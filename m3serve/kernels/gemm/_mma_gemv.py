@@ -143,7 +143,7 @@ def ring_advance(acc, st0, st1, nxt, xs, NACC: tl.constexpr, MMA: tl.constexpr, 
 
 
 @helper
-def paired_k_steps(acc, st0, xs, w_row, s_row, load_strides, x_base, k_lo, n_steps, last, zl, sx, mm,
+def paired_k_steps(acc, st0, xs, w_row, s_row, load_tail, x_base, k_lo, n_steps, last, zl, x_tail,
                    FMT: tl.constexpr, TILED: tl.constexpr, N_LOAD: tl.constexpr, LOAD: tl.constexpr,
                    LOAD_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, NACC: tl.constexpr,
                    MMA: tl.constexpr, MMA_C: tl.constexpr):
@@ -151,18 +151,18 @@ def paired_k_steps(acc, st0, xs, w_row, s_row, load_strides, x_base, k_lo, n_ste
     step's words and x. Step k + 256 loads into the registers step k's MMA just freed, so the two buffers alternate
     and nothing is copied at the back edge (a one-step loop must move the step it loaded into the registers the next
     iteration reads: ~25 MOVs a step, which an issue-bound decode pays). Same steps in the same order as the
-    one-step loop, so the same bits; an odd count ends on one more step. load_strides: the LOAD block's operands
-    after the two addresses."""
+    one-step loop, so the same bits; an odd count ends on one more step. load_tail / x_tail: the LOAD / XLOAD
+    block's operands after its step addresses (the strides, or moe/_mma.py's hoisted offsets)."""
     for kp in range(0, n_steps // 2):
         k0 = k_lo + kp * 256
         wk, sk = step_addrs(w_row, s_row, k0 + 128, FMT, TILED)
-        sta = asm_block((zl + wk, zl + sk) + load_strides, False, N_LOAD, LOAD, LOAD_C, False)
-        xa = asm_block((zl + (x_base + (k0 + 128) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        sta = asm_block((zl + wk, zl + sk) + load_tail, False, N_LOAD, LOAD, LOAD_C, False)
+        xa = asm_block((zl + (x_base + (k0 + 128) * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
         acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
         k2 = tl.minimum(k0 + 256, last)  # past the slice: the last step again (an L2 hit, unused)
         wk, sk = step_addrs(w_row, s_row, k2, FMT, TILED)
-        st0 = asm_block((zl + wk, zl + sk) + load_strides, False, N_LOAD, LOAD, LOAD_C, False)
-        xs = asm_block((zl + (x_base + k2 * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        st0 = asm_block((zl + wk, zl + sk) + load_tail, False, N_LOAD, LOAD, LOAD_C, False)
+        xs = asm_block((zl + (x_base + k2 * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
         acc = asm_block(acc + sta + xa, True, NACC, MMA, MMA_C, True)
     if n_steps % 2 == 1:
         acc = asm_block(acc + st0 + xs, True, NACC, MMA, MMA_C, True)
@@ -235,8 +235,8 @@ def mma_gemv(x_ptr, w_ptr, s_ptr, alpha_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     pdl_wait(PDL)
     xs = asm_block((zl + (x_base + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
     if PAIRED:
-        acc = paired_k_steps(acc, st0, xs, w_row, s_row, (sw, ss), x_base, k_lo, k_len // 128, last, zl, sx, mm, FMT,
-                             TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
+        acc = paired_k_steps(acc, st0, xs, w_row, s_row, (sw, ss), x_base, k_lo, k_len // 128, last, zl, (sx, mm),
+                             FMT, TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
     else:
         for k0 in range(k_lo, k_hi, 128):
             wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), FMT, TILED)

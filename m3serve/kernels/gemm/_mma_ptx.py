@@ -563,3 +563,126 @@ mul.f32 w{e}, w{e}, {cs};""")
         s.append(f"fma.rn.f32 {O[i]}, {A[i]}, w{i % 2}, {Oi[i]};")
     s.append("}")
     return "\n".join(s), cons
+
+
+# --- hoisted gate|up loads (moe/_mma.py, MmaMoEConfig.HOIST) --------------------------------------------------
+# The load blocks above derive lane, warp, g, c and the row-block / half-tile offsets from %laneid and %tid every K
+# step, although only the step's bases (wk, sk, xk) change from one step to the next. Here a prologue block computes
+# a thread's offsets from those bases once, before the K loop, and the loop's blocks only add them: the same
+# addresses, so the same registers and the same bits. The offsets are 32-bit (one register each, where a 64-bit one
+# would hold two across the whole loop): from its first row a CTA's gate words span fewer than BNA * H / 2 + 1024
+# bytes (tiled: the same rows' tiles) and x's tokens 8 row strides, which the launch checks fit.
+
+
+def _gate_up_pairs(rp: int, tiled: bool) -> int:
+    """Row pairs whose offsets the prologue hands over. Tiled, RP = 2's second pair is half 1 of the first pair's
+    row block (q = 2 warp + p: rb = warp, h = p), 512 word bytes and 2 scale bytes further: an immediate. Row-major,
+    its rows are 8 rows further (8 sw, a runtime stride), so each pair has its own offsets."""
+    if rp not in (1, 2):
+        raise ValueError(f"hoisted gate|up loads: expected RP 1 or 2, found {rp}")
+    return 1 if tiled else rp
+
+
+def gate_up_lane_offsets_asm(rp: int, tiled: bool) -> tuple[str, str]:
+    """The hoisted gate|up loop's prologue, once per thread: its byte offsets from a step's bases. Outputs (u32):
+        XO, 0    x: g * sx + 64 c from xk for a token g <= mm (xload_asm's address), else ~0, which stands for
+                 xload_asm's px being false (a real offset is even), so the predicate costs no register of its
+                 own across the loop; the 0 only pads the pair (pack=2)
+        WO, SO   per handed-over row pair p (_gate_up_pairs), its gate row's words from wk and scales from sk:
+                 tiled rb * sw + 512 h + 16 lane and rb * ss + 2 h + 4 lane (tiled_gate_up_load_asm's), row-major
+                 r * sw + 16 c and r * ss + 2 c with r = 8 (RP warp + p) + g (load_asm(gate_up=True)'s)
+    Inputs sw, ss, sx, mm: the load blocks' strides and xload_asm's."""
+    pairs = _gate_up_pairs(rp, tiled)
+    o = _Operands()
+    o.out("X", 2, "r")
+    o.out("O", 2 * pairs, "r")
+    for name in ("sw", "ss", "sx", "mm"):
+        o.inp(name, 2, "r")
+    r, cons = o.build()
+    sw, ss, sx, mm = (r[n][0] for n in ("sw", "ss", "sx", "mm"))
+    xo, pad = r["X"]
+    O = r["O"]
+    s = ["{", ".reg .b32 lane, tid, warp, g, c, r0, q, rb, h, t, cb;", ".reg .pred px;", _lane_prologue(rp, 8),
+         f"""setp.le.u32 px, g, {mm};
+shl.b32 cb, c, 6;
+mad.lo.u32 t, g, {sx}, cb;
+selp.b32 {xo}, t, -1, px;
+mov.b32 {pad}, 0;"""]
+    if tiled:
+        s.append(f"""mul.lo.u32 q, warp, {rp};
+shr.u32 rb, q, 1;
+and.b32 h, q, 1;
+shl.b32 cb, h, 9;
+mad.lo.u32 cb, lane, 16, cb;
+mad.lo.u32 {O[0]}, rb, {sw}, cb;
+shl.b32 cb, h, 1;
+mad.lo.u32 cb, lane, 4, cb;
+mad.lo.u32 {O[1]}, rb, {ss}, cb;""")
+    else:
+        for p in range(pairs):
+            s.append(f"""add.u32 q, r0, {8 * p};
+shl.b32 cb, c, 4;
+mad.lo.u32 {O[2 * p]}, q, {sw}, cb;
+shl.b32 cb, c, 1;
+mad.lo.u32 {O[2 * p + 1]}, q, {ss}, cb;""")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+def _base_plus(dst: str, base: str, off: str) -> str:
+    """dst = base (64-bit) + off (u32)."""
+    return f"cvt.u64.u32 o64, {off};\nadd.s64 {dst}, {base}, o64;"
+
+
+def gate_up_load_hoisted_asm(rp: int, tiled: bool) -> tuple[str, str]:
+    """tiled_gate_up_load_asm (tiled) / load_asm(FMT_NVFP4, rp, gate_up=True) with the thread's offsets from
+    gate_up_lane_offsets_asm: the same loads from the same addresses into the same registers. Operands: W, S as
+    theirs; inputs wk, sk, the O offsets, ub, usb."""
+    pairs = _gate_up_pairs(rp, tiled)
+    o = _Operands()
+    o.out("W", word_regs(FMT_NVFP4, rp), "r")
+    o.out("S", scale_regs(rp), "r")
+    o.inp("wk", 2, "l")
+    o.inp("sk", 2, "l")
+    o.inp("O", 2 * pairs, "r")
+    o.inp("ub", 2, "l")
+    o.inp("usb", 2, "l")
+    r, cons = o.build()
+    wk, sk, ub, usb = (r[n][0] for n in ("wk", "sk", "ub", "usb"))
+    W, O = r["W"], r["O"]
+    s = ["{", ".reg .b64 wa, sa, wb, sb, o64;", ".reg .b16 hA, hB;"]
+    for p in range(rp):
+        # tiled: one base for both pairs, pair p at half p of the row block (_gate_up_pairs)
+        q, wo, so = (0, 512 * p, 2 * p) if tiled else (p, 0, 0)
+        if p == 0 or not tiled:
+            s.append(f"""{_base_plus("wa", wk, O[2 * q])}
+{_base_plus("sa", sk, O[2 * q + 1])}
+add.s64 wb, wa, {ub};
+add.s64 sb, sa, {usb};""")
+        s.append(f"""ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p:8 * p + 4])}}}, [wa+{wo}];
+ld.global.nc.L1::no_allocate.u16 hA, [sa+{so}];
+ld.global.nc.L1::no_allocate.v4.b32 {{{', '.join(W[8 * p + 4:8 * p + 8])}}}, [wb+{wo}];
+ld.global.nc.L1::no_allocate.u16 hB, [sb+{so}];
+mov.b32 {r['S'][p]}, {{hA, hB}};""")
+    if scale_regs(rp) > rp:
+        s.append(f"mov.b32 {r['S'][rp]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+def xload_hoisted_asm() -> tuple[str, str]:
+    """xload_asm with the thread's x offset from gate_up_lane_offsets_asm (inputs xk, then its XO pair): ~0 for a
+    lane of no token, which loads nothing (xload_asm's px)."""
+    o = _Operands()
+    o.out("X", X_REGS, "r")
+    o.inp("xk", 2, "l")
+    o.inp("XO", 2, "r")
+    r, cons = o.build()
+    xk = r["xk"][0]
+    xo = r["XO"][0]
+    X = r["X"]
+    s = ["{", ".reg .b64 xa, o64;", ".reg .pred px;", f"setp.ne.u32 px, {xo}, -1;", _base_plus("xa", xk, xo)]
+    for v in range(4):
+        s.append(f"@px ld.global.nc.v4.b32 {{{', '.join(X[4 * v:4 * v + 4])}}}, [xa+{16 * v}];")
+    s.append("}")
+    return "\n".join(s), cons

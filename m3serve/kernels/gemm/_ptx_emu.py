@@ -236,6 +236,8 @@ class Warp:
             return self.set(args[0], ((g(args[1]) & _M32) <= (g(args[2]) & _M32)).astype(np.uint64))
         if op == "setp.lt.u32":
             return self.set(args[0], ((g(args[1]) & _M32) < (g(args[2]) & _M32)).astype(np.uint64))
+        if op == "setp.ne.u32":
+            return self.set(args[0], ((g(args[1]) & _M32) != (g(args[2]) & _M32)).astype(np.uint64))
         if op == "prmt.b32":
             a, b, sel = g(args[1]) & _M32, g(args[2]) & _M32, int(args[3], 0)
             pool = a | (b << np.uint64(32))

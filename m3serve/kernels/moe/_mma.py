@@ -39,6 +39,12 @@ instructions a step, and the one-token MoE's time follows its instructions: its 
 H100 and the H200); two steps an iteration let the buffers alternate. Same steps, same order, same bits (a GPU test
 compares the two).
 
+Hoisted gate|up loads (MmaMoEConfig.HOIST, opt-in, paired loop only): the load blocks otherwise derive a thread's
+lane, warp, row block, half tile and x token from %laneid / %tid every step, though only the step's bases move; with
+HOIST a prologue block (gate_up_lane_offsets_asm) computes the thread's offsets once and the loop's load blocks only
+add them (the same addresses, so the same registers and bits). paired_k_steps takes the load blocks' trailing
+operands as tuples, so the same loop runs either set of blocks.
+
 Numerics (inside moe.nvfp4's bands): the decoded weights and the MMA are _mma_gemv's (exact products, fp32
 accumulation); gate and up are scaled acc * 2**8 / g (correctly rounded division) as _nvfp4, SwiGLU-OAI in fp32
 with the hardware exp2, activations rounded once to bf16; per-expert sums are weighted and added in slot order.
@@ -84,6 +90,15 @@ class MmaMoEConfig:
     # gate|up at 64 registers instead of 72 (aot_check). Ring depth 2 only; same steps, same bits (a GPU test compares
     # the two loops bit for bit); the one-step loops side by side: bench/decode.py route target-moe-rolled
     PAIRED: bool = True
+    # HOIST (opt-in, PAIRED at STAGES 2 only): gate|up's per-thread load offsets (lane, warp, row block, half tile,
+    # x token) computed once before the K loop instead of in every step's load blocks, which then only add them to
+    # the step's bases (_mma_ptx.gate_up_lane_offsets_asm): the same addresses, so the same bits. aot_check on M3 TP1
+    # (tiled), instructions per paired iteration (two steps): 450 -> 418 at one token (the split launch), 446 -> 429
+    # at 8 (ptxas already kept part of the lane arithmetic out of the default loop); but the split launch compiles to
+    # 72 registers instead of 64 (ptxas overlaps more loads; capped at 64 it spills): 7 CTAs an SM, so its 960 CTAs
+    # take 1.04 waves instead of 0.91 (whole-K launches: 64 -> 63 registers).
+    # Off until its GPU test (hoisted == default, bit for bit) has run and a timing says which way that goes
+    HOIST: bool = False
     DSPLIT: int = 4
     down_warps: int = 4
     down_stages: int = 2
@@ -109,6 +124,9 @@ class MmaMoEConfig:
                 raise ValueError(f"MmaMoEConfig.{name}: expected 0 or 24..255, found {getattr(self, name)}")
         if self.GSPLIT not in (1, 2, 3, 4, 6, 8):
             raise ValueError(f"MmaMoEConfig.GSPLIT: expected 1, 2, 3, 4, 6 or 8, found {self.GSPLIT}")
+        if self.HOIST and not (self.PAIRED and self.STAGES == 2):
+            raise ValueError(f"MmaMoEConfig.HOIST: the hoisted gate|up loads serve the paired loop only (PAIRED=True, "
+                             f"STAGES=2), found PAIRED={self.PAIRED}, STAGES={self.STAGES}")
 
     def gate_up_split(self, slots: int) -> int:
         """The gate|up launch's K split for `slots` gate|up columns of CTAs (touched experts + the shared one): GSPLIT
@@ -149,15 +167,34 @@ class MmaMoEConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def gate_up_asm(rp: int, tiled: bool = False) -> dict:
-    """gate|up's PTX blocks (tiled: weights in the MMA tile layout) as the kernel's constexpr arguments."""
-    load, load_c = P.tiled_gate_up_load_asm(rp) if tiled else P.load_asm(P.FMT_NVFP4, rp, gate_up=True)
+def gate_up_asm(rp: int, tiled: bool = False, hoist: bool = False) -> dict:
+    """gate|up's PTX blocks (tiled: weights in the MMA tile layout) as the kernel's constexpr arguments. hoist
+    (MmaMoEConfig.HOIST): LOAD / XLOAD are the hoisted blocks and OFFS their prologue (HOIST, OFFS, OFFS_C and N_OFF
+    are passed only then, so the default variant's arguments stay as they were)."""
+    if hoist:
+        load, load_c = P.gate_up_load_hoisted_asm(rp, tiled)
+        xload, xload_c = P.xload_hoisted_asm()
+    else:
+        load, load_c = P.tiled_gate_up_load_asm(rp) if tiled else P.load_asm(P.FMT_NVFP4, rp, gate_up=True)
+        xload, xload_c = P.xload_asm()
     mma, mma_c = P.compute_asm(P.FMT_NVFP4, rp)
-    xload, xload_c = P.xload_asm()
     store, store_c = P.swiglu_store_asm(rp)
     part, part_c = P.gate_up_partial_asm(rp)
-    return dict(LOAD=load, LOAD_C=load_c, N_LOAD=load_c.count("=") // 2, MMA=mma, MMA_C=mma_c, XLOAD=xload,
-                XLOAD_C=xload_c, STORE=store, STORE_C=store_c, PART=part, PART_C=part_c)
+    blocks = dict(LOAD=load, LOAD_C=load_c, N_LOAD=load_c.count("=") // 2, MMA=mma, MMA_C=mma_c, XLOAD=xload,
+                  XLOAD_C=xload_c, STORE=store, STORE_C=store_c, PART=part, PART_C=part_c)
+    if hoist:
+        offs, offs_c = P.gate_up_lane_offsets_asm(rp, tiled)
+        blocks.update(HOIST=True, OFFS=offs, OFFS_C=offs_c, N_OFF=offs_c.count("=") // 2)
+    return blocks
+
+
+def check_hoist_offsets(cfg: MmaMoEConfig, h: int, x_row_bytes: int) -> None:
+    """Raise unless the hoisted blocks' 32-bit offsets hold every offset they stand for: a gate|up CTA's gate words
+    lie within BNA * H / 2 bytes of its first row's (tiled: its row blocks' tiles, + the last half tile's 1 KB), its
+    scales in fewer, and x's tokens within 8 row strides of the first."""
+    if cfg.bna * (h // 2) + 1024 >= 2**32 or MMA_ROWS * x_row_bytes >= 2**32:
+        raise ValueError(f"HOIST: the hoisted gate|up offsets are 32-bit; H={h} (BNA {cfg.bna}) or x's row stride of "
+                         f"{x_row_bytes} bytes is too large for them")
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,12 +231,15 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
                     PAIRED: tl.constexpr,
                     LOAD: tl.constexpr, LOAD_C: tl.constexpr, N_LOAD: tl.constexpr, MMA: tl.constexpr,
                     MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr,
-                    STORE_C: tl.constexpr, PART: tl.constexpr, PART_C: tl.constexpr, PDL: tl.constexpr = False):
+                    STORE_C: tl.constexpr, PART: tl.constexpr, PART_C: tl.constexpr, PDL: tl.constexpr = False,
+                    HOIST: tl.constexpr = False, OFFS: tl.constexpr = "", OFFS_C: tl.constexpr = "",
+                    N_OFF: tl.constexpr = 0):
     """grid (I / BNA, S + 1, GSPLIT): program (j, s, k) -> act[s, :T, j*BNA:(j+1)*BNA] over H / GSPLIT columns of
     x. Padding slots (slot_e = -1) exit. SPLITK (GSPLIT > 1): each split stores its raw gate / up sums to
     part [GSPLIT, S + 1, T, 2I] fp32 and the last arrival of the (j, s) tile (count [(S + 1) I / BNA]) sums them in
     split order (_splitk) and applies SwiGLU-OAI (swiglu_of_sums). TILED: w13 / sw13 in the MMA tile layout (LOAD
-    is tiled_gate_up_load_asm; BNA a multiple of 16)."""
+    is tiled_gate_up_load_asm; BNA a multiple of 16). HOIST (PAIRED only): OFFS (gate_up_lane_offsets_asm) computes
+    the thread's offsets once, and LOAD / XLOAD are the hoisted blocks that take them (gate_up_asm(hoist=True))."""
     pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BNA: tl.constexpr = 8 * RP * NW
@@ -234,13 +274,22 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         x_base = x_ptr.to(tl.int64)
         last = k_hi - 128
         acc = (zf,) * NACC
-        xs = asm_block((zl + (x_base + k_lo * 2), sx, mm), False, _NX, XLOAD, XLOAD_C, False)
+        if HOIST:
+            # the thread's loop-invariant offsets, once (gate_up_lane_offsets_asm: x's, then the weights'); LOAD and
+            # XLOAD are then the hoisted blocks, which only add them to a step's bases
+            offs = asm_block((sw, ss, sx, mm), False, N_OFF, OFFS, OFFS_C, True)
+            load_tail = offs[1:] + (ub, usb)
+            x_tail = (offs[0],)
+        else:
+            load_tail = (sw, ss, ub, usb)
+            x_tail = (sx, mm)
+        xs = asm_block((zl + (x_base + k_lo * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
         wk, sk = step_addrs(w_row, s_row, k_lo, _NVFP4, TILED)
-        st0 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+        st0 = asm_block((zl + wk, zl + sk) + load_tail, False, N_LOAD, LOAD, LOAD_C, False)
         st1 = st0
         if PAIRED:
-            acc = paired_k_steps(acc, st0, xs, w_row, s_row, (sw, ss, ub, usb), x_base, k_lo, k_len // 128, last, zl,
-                                 sx, mm, _NVFP4, TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
+            acc = paired_k_steps(acc, st0, xs, w_row, s_row, load_tail, x_base, k_lo, k_len // 128, last, zl, x_tail,
+                                 _NVFP4, TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
         else:
             if STAGES == 3:
                 wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), _NVFP4, TILED)
@@ -459,11 +508,13 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
             raise ValueError(f"ws: the gate|up split {gs} needs gpart >= {gs * (s + 1) * t * 2 * i} and gcount >= "
                              f"{(s + 1) * (i // cfg.bna)} elements, found {ws.gpart.numel()} / {ws.gcount.numel()} "
                              "(make_moe_workspace sizes them for the token count)")
+        if cfg.HOIST:
+            check_hoist_offsets(cfg, h, x.stride(0) * 2)
         mma_moe_gate_up[(i // cfg.bna, s + 1, gs)](
             x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, ws.gpart, ws.gcount, t, h, i, x.stride(0) * 2, s,
             float(swiglu_alpha), float(swiglu_limit), gs, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
-            TILED=tiled, SPLITK=gs > 1, PAIRED=cfg.PAIRED and cfg.STAGES == 2, **gate_up_asm(cfg.RP, tiled),
-            num_warps=cfg.num_warps, num_stages=1,
+            TILED=tiled, SPLITK=gs > 1, PAIRED=cfg.PAIRED and cfg.STAGES == 2,
+            **gate_up_asm(cfg.RP, tiled, cfg.HOIST), num_warps=cfg.num_warps, num_stages=1,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and gs > 1 else {}))
     if "d" in launches:
         kt = i // cfg.DSPLIT // STEP
@@ -561,7 +612,7 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
     n_acc = P.acc_regs(cfg.RP)
     # gate|up (split over K when gate_up_split says so: each split's raw sums stored by PART, then the last
     # arrival's ordered sum and swiglu_of_sums, here in numpy fp32)
-    gu = gate_up_asm(cfg.RP, tiled)
+    gu = gate_up_asm(cfg.RP, tiled, cfg.HOIST)
     n_load = 2 * gu["N_LOAD"]
     row_b, srow_b = h // 2, h // 16
     block_b, sblock_b = (16 * row_b, 16 * srow_b) if tiled else (row_b, srow_b)  # the kernels' sw, ss
@@ -582,14 +633,22 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
             for kk in range(gsplit):
                 k_lo = kk * steps * STEP
                 for warp in range(cfg.num_warps):
-                    def words_at(st, n0=n0, wb=wb, sb=sb, k_lo=k_lo):
-                        wk, sk = step(wb + n0 * row_b, sb + n0 * srow_b, k_lo + min(st, steps - 1) * STEP)
-                        return E.run_block(gu["LOAD"], warp, pair(wk, sk, block_b, sblock_b, i * row_b, i * srow_b),
-                                           n_load, mem)
+                    # the load blocks' operands after the step's bases: the strides, or (HOIST) the offsets of the
+                    # kernel's prologue, run once before the loop (x's pair first, then the weights')
+                    if cfg.HOIST:
+                        offs = E.run_block(gu["OFFS"], warp, pair(block_b, sblock_b, h * 2, t - 1), 2 * gu["N_OFF"],
+                                           mem)
+                        load_tail, x_tail = offs[2:] + pair(i * row_b, i * srow_b), offs[:2]
+                    else:
+                        load_tail, x_tail = pair(block_b, sblock_b, i * row_b, i * srow_b), pair(h * 2, t - 1)
 
-                    def x_at(st, k_lo=k_lo):
-                        return E.run_block(gu["XLOAD"], warp, pair(xa + (k_lo + min(st, steps - 1) * STEP) * 2, h * 2,
-                                                                    t - 1), P.X_REGS, mem)
+                    def words_at(st, n0=n0, wb=wb, sb=sb, k_lo=k_lo, load_tail=load_tail):
+                        wk, sk = step(wb + n0 * row_b, sb + n0 * srow_b, k_lo + min(st, steps - 1) * STEP)
+                        return E.run_block(gu["LOAD"], warp, pair(wk, sk) + load_tail, n_load, mem)
+
+                    def x_at(st, k_lo=k_lo, x_tail=x_tail):
+                        xk = xa + (k_lo + min(st, steps - 1) * STEP) * 2
+                        return E.run_block(gu["XLOAD"], warp, pair(xk) + x_tail, P.X_REGS, mem)
 
                     acc = ring(warp, steps, cfg.STAGES - 1, words_at, x_at, gu["MMA"], n_acc,
                                [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)])

@@ -256,3 +256,127 @@ def test_tiled_needs_whole_row_blocks_per_gate_up_cta() -> None:
     with pytest.raises(ValueError, match="RP=1, num_warps=1"):
         MM.launch_mma_moe(x, *([None] * 14), t=2, h=256, e=16, i=128, s=8, swiglu_alpha=MOE.SWIGLU_ALPHA,
                           swiglu_limit=MOE.SWIGLU_LIMIT, cfg=cfg, launches="gd", tiled=True)
+
+
+# --- hoisted gate|up loads (MmaMoEConfig.HOIST) ---------------------------------------------------------------
+
+# (tokens, I, RP, gate|up warps, tiled, GSPLIT): every token count of {1, 3, 8} in both layouts and both row-pair
+# counts; at 1 and 3 tokens lanes of tokens >= T load no x (the offset's ~0 stands for the predicate); 8 * RP * warps
+# is a multiple of 16 where tiled; the last case splits H (the loop from another k_lo)
+HOIST_CASES = [
+    (1, 128, 1, 2, True, 1),
+    (1, 128, 2, 1, False, 1),
+    (3, 128, 1, 2, False, 1),
+    (3, 256, 2, 1, True, 1),
+    (8, 128, 1, 4, True, 1),
+    (8, 128, 2, 2, False, 1),
+    (2, 128, 1, 2, True, 2),
+]
+
+
+def _hoist_pair(tokens, i, rp, w, tiled, gs, seed):
+    """(case, config, the case's weights in the layout `tiled` names) for comparing HOIST against the default."""
+    cfg = MM.MmaMoEConfig(BT=16, RBE=16, RBK=64, RSPLIT=2, RP=rp, num_warps=w, DSPLIT=1, down_warps=2, GSPLIT=gs,
+                          GSPLIT_SLOTS=64 if gs > 1 else 0)
+    case = _case(cfg, tokens, i, seed)
+    weights = _weights(case)
+    if tiled:
+        weights = {name: tile_nvfp4(*pair) for name, pair in weights.items()}
+    return case, cfg, weights
+
+
+@pytest.mark.parametrize("tokens,i,rp,w,tiled,gs", HOIST_CASES)
+def test_hoisted_gate_up_loads_give_the_same_bits(tokens, i, rp, w, tiled, gs) -> None:
+    """HOIST runs the offsets' prologue once and the hoisted load blocks in the loop: they read the same bytes into
+    the same registers, so act and y are the default blocks' bits (both start as NaN: an unwritten element differs
+    from a written one)."""
+    case, cfg, weights = _hoist_pair(tokens, i, rp, w, tiled, gs, 80 + tokens + 10 * rp)
+    act, y = _emulate_weights(case, cfg, weights, tiled)
+    assert bool(torch.isfinite(y.float()).all())
+    act_h, y_h = _emulate_weights(case, dataclasses.replace(cfg, HOIST=True), weights, tiled)
+    assert _same_bits(act_h, act)
+    assert _same_bits(y_h, y)
+
+
+def test_wrong_hoisted_offsets_are_caught(monkeypatch) -> None:
+    """The comparison above sees a hoisted block that reads other bytes: a prologue that drops the lane's 16 bytes
+    from the tiled word offset gives other activations."""
+    case, cfg, weights = _hoist_pair(3, 128, 1, 2, True, 1, 83)
+    act, _ = _emulate_weights(case, cfg, weights, True)
+    real = MM.gate_up_asm.__wrapped__
+
+    def patched(rp, tiled=False, hoist=False):
+        blocks = dict(real(rp, tiled, hoist))
+        if hoist:
+            assert "mad.lo.u32 cb, lane, 16, cb;" in blocks["OFFS"]
+            blocks["OFFS"] = blocks["OFFS"].replace("mad.lo.u32 cb, lane, 16, cb;", "mad.lo.u32 cb, lane, 0, cb;")
+        return blocks
+
+    monkeypatch.setattr(MM, "gate_up_asm", patched)
+    act_h, _ = _emulate_weights(case, dataclasses.replace(cfg, HOIST=True), weights, True)
+    assert not _same_bits(act_h, act)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("rp", [1, 2])
+def test_hoisted_blocks_leave_the_lane_arithmetic_to_the_prologue(rp, tiled) -> None:
+    """The hoisted loop's blocks read no special register (their per-thread values come from the prologue, which
+    does), keep the default blocks' outputs, and everything else of gate_up_asm is unchanged."""
+    hoisted, default = MM.gate_up_asm(rp, tiled, True), MM.gate_up_asm(rp, tiled)
+    for key in ("LOAD", "XLOAD"):
+        assert "%laneid" not in hoisted[key] and "%tid" not in hoisted[key]
+        assert "%laneid" in default[key]
+    assert "%laneid" in hoisted["OFFS"] and "%tid.x" in hoisted["OFFS"]
+    assert hoisted["N_LOAD"] == default["N_LOAD"] and hoisted["HOIST"] is True
+    assert hoisted["LOAD_C"].count("=") == default["LOAD_C"].count("=")
+    assert hoisted["XLOAD_C"].count("=") == default["XLOAD_C"].count("=")
+    same = ("MMA", "MMA_C", "STORE", "STORE_C", "PART", "PART_C")
+    assert {k: hoisted[k] for k in same} == {k: default[k] for k in same}
+    assert not {"HOIST", "OFFS", "OFFS_C", "N_OFF"} & set(default)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("rp", [1, 2])
+def test_hoisted_blocks_load_the_default_blocks_registers(rp, tiled) -> None:
+    """Block by block on random bytes: after the prologue, the hoisted weight and x loads give every lane of every
+    warp the registers the default blocks give it, lanes of tokens >= T included (poisoned alike: neither loads)."""
+    import numpy as np
+
+    from m3serve.kernels.gemm import _ptx_emu as E
+
+    mem = E.Memory()
+    base = mem.add(np.random.default_rng(17 + rp).integers(0, 256, 1 << 20, dtype=np.uint8))
+    wk, sk, xk = base + 4096, base + 300_000, base + 600_000   # a step's bases, 16-byte aligned
+    sw, ss, sx, ub, usb = 4096, 512, 2 * 4096, 100_000, 150_000
+
+    def pair(*vals):
+        return [np.full(E.LANES, v, np.uint64) for v in vals for _ in range(2)]
+
+    default, hoisted = MM.gate_up_asm(rp, tiled), MM.gate_up_asm(rp, tiled, True)
+    n_load = 2 * default["N_LOAD"]
+    for tokens in (1, 3, 8):
+        for warp in range(4):
+            offs = E.run_block(hoisted["OFFS"], warp, pair(sw, ss, sx, tokens - 1), 2 * hoisted["N_OFF"], mem)
+            want = E.run_block(default["LOAD"], warp, pair(wk, sk, sw, ss, ub, usb), n_load, mem)
+            got = E.run_block(hoisted["LOAD"], warp, pair(wk, sk) + offs[2:] + pair(ub, usb), n_load, mem)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+            want = E.run_block(default["XLOAD"], warp, pair(xk, sx, tokens - 1), P.X_REGS, mem)
+            got = E.run_block(hoisted["XLOAD"], warp, pair(xk) + offs[:2], P.X_REGS, mem)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+            assert (np.asarray(want[0]) == 0x7FC07FC0).sum() == 4 * (8 - tokens)   # the lanes that load nothing
+
+
+def test_hoist_config_errors() -> None:
+    """HOIST serves the paired loop at ring depth 2 only; its 32-bit offsets refuse shapes they cannot hold."""
+    with pytest.raises(ValueError, match="HOIST.*PAIRED=False"):
+        MM.MmaMoEConfig(HOIST=True, PAIRED=False)
+    with pytest.raises(ValueError, match="HOIST.*STAGES=3"):
+        MM.MmaMoEConfig(HOIST=True, STAGES=3)
+    cfg = MM.MmaMoEConfig(HOIST=True)
+    MM.check_hoist_offsets(cfg, 6144, 2 * 6144)
+    with pytest.raises(ValueError, match="32-bit"):
+        MM.check_hoist_offsets(cfg, 2**28, 2 * 6144)
+    with pytest.raises(ValueError, match="32-bit"):
+        MM.check_hoist_offsets(cfg, 6144, 2**29)
+    with pytest.raises(ValueError, match="RP 1 or 2"):
+        P.gate_up_lane_offsets_asm(3, True)
