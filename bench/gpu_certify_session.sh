@@ -182,13 +182,14 @@ paired-bench)  # the goal rows side by side with the paired loops (opt-in), with
     --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-window32.json"
   ;;
 round9-bench)  # issue 30, ninth round: the goal rows at the new defaults (paired MMA loops, MSA walk bounded, gate|up
-              # split 2 ways at one token) side by side with the seventh round's cells, gate|up whole and PDL
+              # split 2 ways at one token) side by side with the seventh round's cells, gate|up whole, the hoisted
+              # gate|up loads (opt-in) and PDL
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_C:-240} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES:-target,target-round7,target-gate-up-whole,target-pdl} \
+    --routes ${ROUTES:-target,target-round7,target-gate-up-whole,target-gate-up-hoist,target-pdl} \
     --quantization nvfp4 --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-round9}.json"
   phase decode-m3_5 ${T_B:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES5:-target,target-round7,target-gate-up-whole,target-pdl} --quantization nvfp4 \
+    --routes ${ROUTES5:-target,target-round7,target-gate-up-hoist,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round9}.json"
   ;;
 round9-tests)  # the same defaults' GPU tests: the MMA MoE / GEMV and attn.paged cells (paired, split, bounded walk),

@@ -230,6 +230,30 @@ def test_mma_moe_every_token_count_and_split_determinism() -> None:
     _graph_check(e, split, 1, _fresh_x)
 
 
+def _moe_variants_give_the_same_bits(e, dev, cfg_new, cfg_old, shape, rows: int, seed: int) -> None:
+    """Two configs of one moe.nvfp4 MMA cell on the same inputs: the same routing, every touched slot's activations
+    (and the shared expert's) and the output bit for bit; cfg_new's result also meets the reference, and both leave
+    the split counters at zero."""
+    got = []
+    for cfg in (cfg_new, cfg_old):
+        cell = Cell(rows=(rows, rows), shape=shape, why="two loop variants, same bits", config={"moe": cfg})
+        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(seed))
+        out = e.raw_call(*case.args, **case.kwargs).clone()
+        torch.cuda.synchronize()
+        if cfg is cfg_new:
+            e.compare(out, e.reference(*case.args, **case.kwargs), case)
+        ws = case.args[-2]
+        n_valid = int((ws.slot_e >= 0).sum())
+        act = torch.cat([ws.act[:n_valid], ws.act[-1:]]).clone()   # the touched slots and the shared expert
+        got.append((out, act, ws.slot_e.clone()))
+        assert int(ws.gcount.abs().sum()) == 0
+        del case
+    (out_n, act_n, slots_n), (out_o, act_o, slots_o) = got
+    assert torch.equal(slots_n, slots_o), "the two runs must route alike (same inputs)"
+    assert torch.equal(act_n.view(torch.int16), act_o.view(torch.int16)), "activations differ"
+    assert torch.equal(out_n.view(torch.int16), out_o.view(torch.int16)), "outputs differ"
+
+
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("shape,gsplit,dsplit", [((128, 6144, 3072, 0), 1, 8), ((128, 6144, 3072, 0), 2, 8),
                                                  ((128, 6144, 1536, 0), 1, 2), ((16, 384, 256, 0), 1, 2)])
@@ -246,25 +270,8 @@ def test_mma_moe_paired_loops_give_the_one_step_loops_bits(shape, gsplit: int, d
     base = next(c.config["moe"] for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig))
     base = dataclasses.replace(base, GSPLIT=gsplit, GSPLIT_SLOTS=gsplit * MOE_SLOTS_AT_ONE_TOKEN, DSPLIT=dsplit,
                                RSPLIT=min(base.RSPLIT, shape[1] // base.RBK))
-    got = []
-    for paired in (True, False):
-        cfg = dataclasses.replace(base, PAIRED=paired)
-        cell = Cell(rows=(rows, rows), shape=shape, why="paired vs one-step gate|up", config={"moe": cfg})
-        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(77 + rows))
-        out = e.raw_call(*case.args, **case.kwargs).clone()
-        torch.cuda.synchronize()
-        if paired:
-            e.compare(out, e.reference(*case.args, **case.kwargs), case)
-        ws = case.args[-2]
-        n_valid = int((ws.slot_e >= 0).sum())
-        act = torch.cat([ws.act[:n_valid], ws.act[-1:]]).clone()   # the touched slots and the shared expert
-        got.append((out, act, ws.slot_e.clone()))
-        assert int(ws.gcount.abs().sum()) == 0
-        del case
-    (out_p, act_p, slots_p), (out_r, act_r, slots_r) = got
-    assert torch.equal(slots_p, slots_r), "the two runs must route alike (same inputs)"
-    assert torch.equal(act_p.view(torch.int16), act_r.view(torch.int16)), "activations differ"
-    assert torch.equal(out_p.view(torch.int16), out_r.view(torch.int16)), "outputs differ"
+    _moe_variants_give_the_same_bits(e, dev, dataclasses.replace(base, PAIRED=True),
+                                     dataclasses.replace(base, PAIRED=False), shape, rows, seed=77 + rows)
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -281,25 +288,8 @@ def test_mma_moe_hoisted_gate_up_loads_give_the_default_bits(gsplit: int, rows: 
     shape = (128, 6144, 3072, 0)
     base = next(c.config["moe"] for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig) and c.shape == shape)
     base = dataclasses.replace(base, GSPLIT=gsplit, GSPLIT_SLOTS=gsplit * MOE_SLOTS_AT_ONE_TOKEN)
-    got = []
-    for hoist in (True, False):
-        cfg = dataclasses.replace(base, HOIST=hoist)
-        cell = Cell(rows=(rows, rows), shape=shape, why="hoisted vs default gate|up loads", config={"moe": cfg})
-        case = e.make_case(cell, rows, dev, torch.Generator().manual_seed(177 + rows))
-        out = e.raw_call(*case.args, **case.kwargs).clone()
-        torch.cuda.synchronize()
-        if hoist:
-            e.compare(out, e.reference(*case.args, **case.kwargs), case)
-        ws = case.args[-2]
-        n_valid = int((ws.slot_e >= 0).sum())
-        act = torch.cat([ws.act[:n_valid], ws.act[-1:]]).clone()   # the touched slots and the shared expert
-        got.append((out, act, ws.slot_e.clone()))
-        assert int(ws.gcount.abs().sum()) == 0
-        del case
-    (out_h, act_h, slots_h), (out_d, act_d, slots_d) = got
-    assert torch.equal(slots_h, slots_d), "the two runs must route alike (same inputs)"
-    assert torch.equal(act_h.view(torch.int16), act_d.view(torch.int16)), "activations differ"
-    assert torch.equal(out_h.view(torch.int16), out_d.view(torch.int16)), "outputs differ"
+    _moe_variants_give_the_same_bits(e, dev, dataclasses.replace(base, HOIST=True),
+                                     dataclasses.replace(base, HOIST=False), shape, rows, seed=177 + rows)
 
 
 @pytest.mark.parametrize("name,shape,rows", [("linear.nvfp4", (9856, 6144), 1), ("linear.nvfp4", (4096, 6144), 8),

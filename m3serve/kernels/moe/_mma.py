@@ -333,25 +333,18 @@ def down_step(j, total, KT, n_valid, k_lo, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_p
     slot's activations at that column."""
     j = tl.minimum(j, total - 1)
     s = j // KT
-    routed = s < n_valid
-    e = tl.load(slot_e_ptr + s, mask=routed, other=0).to(tl.int64)
-    row_b = (I // 2).to(tl.int64)
-    srow_b = (I // 16).to(tl.int64)
-    w_base = tl.where(routed, w2_ptr.to(tl.int64) + e * H * row_b, sw2_ptr.to(tl.int64))
-    s_base = tl.where(routed, s2_ptr.to(tl.int64) + e * H * srow_b, ss2_ptr.to(tl.int64))
     k0 = k_lo + (j - s * KT) * 128
-    a_slot = tl.where(routed, s, S).to(tl.int64)
-    wk, sk = step_addrs(w_base + n0.to(tl.int64) * row_b, s_base + n0.to(tl.int64) * srow_b, k0, _NVFP4, TILED)
-    xa = act_ptr.to(tl.int64) + (a_slot * T * I + k0) * 2
-    return wk, sk, xa
+    w_row, s_row, a_base = down_slot_bases(s, n_valid, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T, H,
+                                           I, S)
+    wk, sk = step_addrs(w_row, s_row, k0, _NVFP4, TILED)
+    return wk, sk, a_base + k0 * 2
 
 
 @helper
 def down_slot_bases(s, n_valid, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, act_ptr, T, H, I, S):
     """Byte addresses of a down CTA's first weight row and scale row in slot s (a touched expert, or the shared one
-    at s == n_valid), and of the slot's activations at column 0: what down_step derives every step, once a slot.
-    (down_step keeps its own copy of these lines: routed through this helper, the certified one-step loop compiles
-    to other code, 8 instructions fewer, which no GPU has run yet; fold them when one has.)"""
+    at s == n_valid), and of the slot's activations at column 0: once a slot in the paired loop, every step in the
+    one-step loop (down_step)."""
     routed = s < n_valid
     e = tl.load(slot_e_ptr + s, mask=routed, other=0).to(tl.int64)
     row_b = (I // 2).to(tl.int64)
@@ -367,8 +360,7 @@ def down_slot_bases(s, n_valid, n0, slot_e_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr
 def down_fold(out, acc, s, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC: tl.constexpr,
               FOLD: tl.constexpr, FOLD_C: tl.constexpr):
     """out + slot s's sum acc * 2**8 / its global scale * each token's routing weight (the shared expert at s ==
-    n_valid: weight 1). (The one-step loop keeps these lines inline: through this helper its TP2 variant schedules
-    differently, which no GPU has run yet; fold them with down_step's when one has.)"""
+    n_valid: weight 1)."""
     routed = s < n_valid
     e = tl.load(slot_e_ptr + s, mask=routed, other=0)
     cs = 256.0 / tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
@@ -475,11 +467,8 @@ def mma_moe_down(act_ptr, w2_ptr, s2_ptr, g2_ptr, sw2_ptr, ss2_ptr, sg2_ptr, slo
                 xn = asm_block((zl + xa, sx, mm), False, _NX, XLOAD, XLOAD_C, False)
                 acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
                 xs = xn
-            routed = s < n_valid
-            e = tl.load(slot_e_ptr + s, mask=routed, other=0)
-            cs = 256.0 / tl.where(routed, tl.load(g2_ptr + e), tl.load(sg2_ptr))
-            wr = tl.where(routed, slot_w_ptr.to(tl.int64) + s.to(tl.int64) * T * 4, 0)
-            out = asm_block(out + acc + (zl + wr, zf + cs, zi + T), True, NACC, FOLD, FOLD_C, True)
+            out = down_fold(out, acc, s, n_valid, slot_e_ptr, g2_ptr, sg2_ptr, slot_w_ptr, T, zl, zi, zf, NACC, FOLD,
+                            FOLD_C)
             acc = zero
     pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
     mma_epilogue(out, y_ptr, part_ptr, count_ptr, y_ptr, pid_n, pid_k, n0, T, H, stride_y, 0, DSPLIT, zl, zi, SPLITK,
