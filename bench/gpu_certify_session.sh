@@ -167,8 +167,8 @@ paired-tests)  # issue 30, eighth round: the MMA loops (MoE gate|up and down, GE
   phase pytest-attn ${T_A2:-240} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE \
     tests/kernels/attention/test_paged_attention_gpu.py tests/runtime/test_decode_target_gpu.py
   ;;
-paired-bench)  # the goal rows side by side with the paired loops (opt-in), with gate|up also split 2 ways at one
-               # token, with the MSA walk bounded (opt-in), and with PDL
+paired-bench)  # the goal rows side by side with the paired loops, with gate|up also split 2 ways at one token, with
+               # the MSA walk bounded (all three opt-in when this ran, at 80dc892), and with PDL
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
   phase decode-deep ${T_C:-300} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
     --routes ${ROUTES:-target,target-paired,target-paired-split2,target-msa-bound,target-pdl} \

@@ -64,7 +64,6 @@ class MmaGemvConfig:
     BK: int = STEP
     maxnreg: int = 0  # registers per thread capped (ptxas maxnreg; 0: as compiled), so that more CTAs are resident
     PAIRED: bool = True  # the K loop two steps an iteration at ring depth 2 (paired_k_steps: no ring copies)
-    # until its GPU test (paired == one-step loop, bit for bit) has run
 
     def __post_init__(self) -> None:
         if self.RP not in RPS:

@@ -33,11 +33,10 @@ ascending order, then the shared one), each over its I / DSPLIT slice; the regis
 boundaries (the flat step index picks the slot), and at a slot's end fold_asm adds acc * 2**8 / g2[e] *
 slot_w[s, t] into the output registers. Split over I with _splitk's ordered reduction.
 
-Paired loops (MmaMoEConfig.PAIRED, on by default): at ring depth 2 a loop that runs one step
-an iteration must copy the step it just loaded into the registers the next iteration reads (~25 MOVs of ~250
-instructions a step, and the one-token MoE's time follows its instructions: its microseconds are the same on the
-H100 and the H200); two steps an iteration let the buffers alternate. Same steps, same order, same bits (a GPU test
-compares the two).
+Paired loops (MmaMoEConfig.PAIRED, on by default): at ring depth 2 a loop that runs one step an iteration must copy
+the step it just loaded into the registers the next iteration reads (~25 MOVs of ~250 instructions a step, and the
+one-token MoE's time follows its instructions: its microseconds are the same on the H100 and the H200); two steps an
+iteration let the buffers alternate. Same steps, same order, same bits (a GPU test compares the two).
 
 Hoisted gate|up loads (MmaMoEConfig.HOIST, opt-in, paired loop only): the load blocks otherwise derive a thread's
 lane, warp, row block, half tile and x token from %laneid / %tid every step, though only the step's bases move; with
