@@ -15,7 +15,17 @@ Reported: GB/s over the matrix bytes and the fraction of this run's device-to-de
 write, as bench/kernels.py). The MMA GEMV (m3serve/kernels/gemm/_mma_gemv.py) reads R = 8 rows x 64 bytes per
 instruction, which is the first thing this measures.
 
-    python3 bench/stream_patterns.py [--out-dir DIR]        (GPU, ~20 s)
+--staged (issue 30: where should the one-token MoE keep its loads in flight?): the MoE's gate|up step moves 8 words
+(32 B) a thread and spends ~28 instructions a word on decode and MMA, with one step of loads in flight in registers.
+The staged patterns stream the same matrix in that shape (CTAs of 4 warps, 32 rows x 128 B a step, 8 words a
+thread) with WORK dependent integer rounds a word (2 instructions each: WORK 12 ~ the decode's count) through
+    regs S     a register ring: S - 1 steps loaded ahead into registers (S = 1: load, then compute)
+    smem S     Triton's software pipeline: cp.async into an S-stage shared-memory ring (tl.range num_stages=S)
+    tma S      the same ring filled by TMA (a host tensor descriptor, one bulk copy a step a CTA)
+so one run says whether more bytes in flight without more registers (shared memory) lifts the latency-bound
+stream, and by how much with the decode's instructions in the loop.
+
+    python3 bench/stream_patterns.py [--staged-only] [--out-dir DIR]        (GPU, ~20 s; --staged-only ~10 s)
 """
 
 from __future__ import annotations
@@ -85,9 +95,120 @@ def stream(w_ptr, out_ptr, stride, k_bytes, SPLIT, ROWS_CTA: tl.constexpr, R: tl
     tl.store(out_ptr + tl.program_id(0) * T + tl.arange(0, T), acc)
 
 
+STAGED_ROWS, STAGED_BK = 32, 128  # a CTA's step: 32 rows x 128 B = 8 words a thread of 4 warps (gate|up's share)
+STAGED = (("regs", 1), ("regs", 2), ("regs", 3), ("smem", 2), ("smem", 3), ("smem", 4), ("smem", 6), ("tma", 3),
+          ("tma", 4), ("tma", 6))
+
+
+@triton.jit
+def _work(v, WORK: tl.constexpr):
+    """WORK dependent rounds of 2 integer instructions a word (IMAD + shift): the decode's instruction load."""
+    for _ in tl.static_range(WORK):
+        v = v * 747796405 + (v >> 9)
+    return v
+
+
+@triton.jit
+def staged_regs(w_ptr, out_ptr, stride_w, k_words, SPLIT, ROWS: tl.constexpr, BKW: tl.constexpr,
+                AHEAD: tl.constexpr, WORK: tl.constexpr):
+    """CTA (pid_n, pid_k): rows [pid_n * ROWS, +ROWS), words [pid_k * k_words / SPLIT, +k_words / SPLIT) of an int32
+    view; AHEAD steps loaded ahead into registers (a ring of AHEAD + 1 steps), no shared memory."""
+    pid_n = tl.program_id(0)
+    k_len = tl.multiple_of(k_words // SPLIT, BKW)  # the launcher keeps it a multiple of the step
+    rows = pid_n * ROWS + tl.arange(0, ROWS)
+    ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w + tl.program_id(1) * k_len + tl.arange(0, BKW)[None, :]
+    acc = tl.zeros([ROWS, BKW], tl.int32)
+    last = k_len - BKW  # loads past the slice repeat its last step (an L2 hit, unused)
+    a = tl.load(ptr)
+    b = tl.load(ptr + tl.minimum(BKW, last))
+    for k in range(0, k_len, BKW):
+        if AHEAD == 0:
+            acc ^= _work(tl.load(ptr + k), WORK)
+        elif AHEAD == 1:
+            nxt = tl.load(ptr + tl.minimum(k + BKW, last))
+            acc ^= _work(a, WORK)
+            a = nxt
+        else:
+            nxt = tl.load(ptr + tl.minimum(k + 2 * BKW, last))
+            acc ^= _work(a, WORK)
+            a = b
+            b = nxt
+    tl.store(out_ptr + pid_n * ROWS * BKW + tl.arange(0, ROWS)[:, None] * BKW + tl.arange(0, BKW)[None, :], acc)
+
+
+@triton.jit
+def staged_smem(w_ptr, out_ptr, stride_w, k_words, SPLIT, ROWS: tl.constexpr, BKW: tl.constexpr,
+                STAGES: tl.constexpr, WORK: tl.constexpr):
+    """As staged_regs, the loads pipelined by Triton through an STAGES-deep shared-memory ring (cp.async)."""
+    pid_n = tl.program_id(0)
+    k_len = tl.multiple_of(k_words // SPLIT, BKW)  # the launcher keeps it a multiple of the step
+    rows = pid_n * ROWS + tl.arange(0, ROWS)
+    ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w + tl.program_id(1) * k_len + tl.arange(0, BKW)[None, :]
+    acc = tl.zeros([ROWS, BKW], tl.int32)
+    for k in tl.range(0, k_len, BKW, num_stages=STAGES):
+        acc ^= _work(tl.load(ptr + k), WORK)
+    tl.store(out_ptr + pid_n * ROWS * BKW + tl.arange(0, ROWS)[:, None] * BKW + tl.arange(0, BKW)[None, :], acc)
+
+
+@triton.jit
+def staged_tma(desc, out_ptr, k_words, SPLIT, ROWS: tl.constexpr, BKW: tl.constexpr, STAGES: tl.constexpr,
+               WORK: tl.constexpr):
+    """As staged_smem, each step's [ROWS, BKW] block one TMA copy (desc: a host TensorDescriptor of that block)."""
+    pid_n = tl.program_id(0)
+    k_len = tl.multiple_of(k_words // SPLIT, BKW)  # the launcher keeps it a multiple of the step
+    k0 = tl.program_id(1) * k_len
+    acc = tl.zeros([ROWS, BKW], tl.int32)
+    for k in tl.range(0, k_len, BKW, num_stages=STAGES):
+        acc ^= _work(desc.load([pid_n * ROWS, k0 + k]), WORK)
+    tl.store(out_ptr + pid_n * ROWS * BKW + tl.arange(0, ROWS)[:, None] * BKW + tl.arange(0, BKW)[None, :], acc)
+
+
+def staged_patterns(kb, w: torch.Tensor, flush: torch.Tensor, bw: float) -> list[dict]:
+    """Every STAGED pattern at WORK 0 and 12, split 1 and 2 (768 / 1536 CTAs), on the matrix `w` [n, k bytes]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, kbytes = w.shape
+    words = w.view(torch.int32)
+    kw, bkw = kbytes // 4, STAGED_BK // 4
+    out = torch.empty((n // STAGED_ROWS) * STAGED_ROWS * bkw, dtype=torch.int32, device=w.device)
+    desc = TensorDescriptor.from_tensor(words, [STAGED_ROWS, bkw])
+    res = []
+    for kind, depth in STAGED:
+        for work in (0, 12):
+            for split in (1, 2):
+                grid = (n // STAGED_ROWS, split)
+
+                def call(kind=kind, depth=depth, work=work, split=split, grid=grid):
+                    if kind == "regs":
+                        staged_regs[grid](words, out, kw, kw, split, ROWS=STAGED_ROWS, BKW=bkw, AHEAD=depth - 1,
+                                          WORK=work, num_warps=4)
+                    elif kind == "smem":
+                        staged_smem[grid](words, out, kw, kw, split, ROWS=STAGED_ROWS, BKW=bkw, STAGES=depth,
+                                          WORK=work, num_warps=4)
+                    else:
+                        staged_tma[grid](desc, out, kw, split, ROWS=STAGED_ROWS, BKW=bkw, STAGES=depth, WORK=work,
+                                         num_warps=4)
+
+                rec = {"pattern": kind, "depth": depth, "work_rounds": work, "split": split,
+                       "ctas": grid[0] * grid[1]}
+                try:
+                    call()
+                    torch.cuda.synchronize()
+                    t = kb.time_call(kb.graphed(call) or call, 20, flush)
+                    rec.update(us=t * 1e6, GBps=w.numel() / t / 1e9, frac_copy=w.numel() / t / bw)
+                    print(f"{kind:4s} depth {depth}  work {work:2d}  split {split}  CTAs {rec['ctas']:5d}  "
+                          f"{rec['us']:7.1f} us  {rec['GBps']:6.0f} GB/s  {100 * rec['frac_copy']:5.1f}% copy", flush=True)
+                except Exception as exc:  # one pattern failing to build must not lose the others' numbers
+                    rec["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                    print(f"{kind} depth {depth} work {work} split {split}: {rec['error']}", flush=True)
+                res.append(rec)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default=os.environ.get("OUT"))
+    ap.add_argument("--staged-only", action="store_true", help="only the staged patterns (--staged in the docstring)")
     a = ap.parse_args(argv)
     spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("kernels.py"))
     kb = importlib.util.module_from_spec(spec)
@@ -98,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     w = torch.randint(0, 255, (n, kbytes), dtype=torch.uint8, device=dev)
     flush = torch.empty(kb.FLUSH_BYTES, dtype=torch.uint8, device=dev)
     res = []
-    for r, u, order in PATTERNS:
+    for r, u, order in (() if a.staged_only else PATTERNS):
         asm = _asm(r, u, order)[0]
         for rows_cta, split in ((128, 2), (128, 8), (32, 2)):
             iter_bytes = (512 // r) * u if order == "seg" else 16 * u * (32 // r)
@@ -117,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
             res.append(rec)
             print(f"R={r} U={u} {order:4s} rows/CTA {rows_cta:3d} split {split}  CTAs {rec['ctas']:5d}  "
                   f"{rec['us']:7.1f} us  {rec['GBps']:6.0f} GB/s  {100 * rec['frac_copy']:5.1f}% copy", flush=True)
+    staged = staged_patterns(kb, w, flush, bw)
     from m3serve.benchmeta import git_commit
     doc = {"gpu": torch.cuda.get_device_name(dev), "git_commit": git_commit(), "command": " ".join(sys.argv),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(), "copy_bandwidth_Bps": bw, "matrix": [n, kbytes],
-           "results": res}
-    name = f"stream-patterns-h200-{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d')}.json"
+           "results": res, "staged": staged}
+    card = "h100" if "H100" in doc["gpu"] else "h200"
+    name = f"stream-patterns-{card}-{'staged-' if a.staged_only else ''}{dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d')}.json"
     for d in ([Path(a.out_dir)] if a.out_dir else []) + [ROOT / "bench" / "results" / "stream_patterns"]:
         d.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(json.dumps(doc, indent=1))
