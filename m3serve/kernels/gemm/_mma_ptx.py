@@ -686,3 +686,114 @@ def xload_hoisted_asm() -> tuple[str, str]:
         s.append(f"@px ld.global.nc.v4.b32 {{{', '.join(X[4 * v:4 * v + 4])}}}, [xa+{16 * v}];")
     s.append("}")
     return "\n".join(s), cons
+
+
+# --- gate|up's shared-memory ring (MmaMoEConfig.SMEM_RING) -----------------------------------------------------
+# The register ring keeps one step of loads in flight a thread (a second would cost 16 registers and occupancy);
+# this ring keeps RING - 1 steps in flight in shared memory, which costs no registers: each thread copies its own
+# step (cp.async, the same bytes tiled_gate_up_load_asm loads) into a slot of its own, and later reads the slot back
+# into the very registers that block fills. A thread reads only what it copied itself, so no barrier is needed: its
+# own cp.async.wait_group orders the copy before the read. Tiled weights only (16-byte aligned words).
+#
+#     slot (SLOT = ring_slot_bytes(rp) bytes, one per step in flight, per thread):
+#         [32 p, +16)       gate words of row pair p      [32 p + 16, +16)   its up words
+#         [32 rp, +4)       the aligned scale word holding the gate rows' E4M3 pairs (every pair's: a tiled thread's
+#         [32 rp + 4, +4)   ... and the up rows'           pairs lie in one word, halves h = 0, 1)
+
+RING_NAME = "m3_gate_up_ring"
+
+
+def ring_slot_bytes(rp: int) -> int:
+    """One step of a thread's ring: 32 * rp word bytes + the two scale words, rounded up to 16 (cp.async's 16-byte
+    copies need 16-byte aligned slots)."""
+    return (32 * rp + 8 + 15) // 16 * 16
+
+
+def ring_base_asm(rp: int, ring: int, threads: int) -> tuple[str, str]:
+    """Declares the ring (threads x ring x ring_slot_bytes bytes of static shared memory, outside the block's braces
+    so the declaration is the kernel's; one call site) and returns the thread's first slot address (u32, both
+    outputs)."""
+    o = _Operands()
+    o.out("B", 2, "r")
+    o.inp("z", 2, "r")
+    r, cons = o.build()
+    b0, b1 = r["B"]
+    per_thread = ring * ring_slot_bytes(rp)
+    return (f""".shared .align 16 .b8 {RING_NAME}[{threads * per_thread}];
+{{
+.reg .b32 tid;
+mov.u32 tid, %tid.x;
+mov.u32 {b0}, {RING_NAME};
+mad.lo.u32 {b0}, tid, {per_thread}, {b0};
+mov.b32 {b1}, {b0};
+}}""", cons)
+
+
+def gate_up_ring_issue_asm(rp: int) -> tuple[str, str]:
+    """Start copying one step into a slot: the words of gate_up_load_hoisted_asm(rp, tiled=True) (the same addresses:
+    wk / sk the step's bases, O the thread's offsets) and the aligned words of its two scales; one commit group a
+    step. Operands: a dummy output pair; inputs wk, sk, O (WO, SO), ub, usb, slot."""
+    o = _Operands()
+    o.out("dummy", 2, "r")
+    o.inp("wk", 2, "l")
+    o.inp("sk", 2, "l")
+    o.inp("O", 2, "r")
+    o.inp("ub", 2, "l")
+    o.inp("usb", 2, "l")
+    o.inp("slot", 2, "r")
+    r, cons = o.build()
+    wk, sk, ub, usb, slot = (r[n][0] for n in ("wk", "sk", "ub", "usb", "slot"))
+    wo, so = r["O"]
+    s = ["{", ".reg .b64 wa, sa, wb, sb, o64;", _base_plus("wa", wk, wo), _base_plus("sa", sk, so),
+         "and.b64 sa, sa, -4;", f"add.s64 wb, wa, {ub};", f"add.s64 sb, sa, {usb};"]
+    for p in range(rp):
+        s.append(f"cp.async.cg.shared.global [{slot}+{32 * p}], [wa+{512 * p}], 16;")
+        s.append(f"cp.async.cg.shared.global [{slot}+{32 * p + 16}], [wb+{512 * p}], 16;")
+    s += [f"cp.async.ca.shared.global [{slot}+{32 * rp}], [sa], 4;",
+          f"cp.async.ca.shared.global [{slot}+{32 * rp + 4}], [sb], 4;",
+          "cp.async.commit_group;", f"mov.b32 {r['dummy'][0]}, 0;", f"mov.b32 {r['dummy'][1]}, 0;", "}"]
+    return "\n".join(s), cons
+
+
+def gate_up_ring_take_asm(rp: int, ring: int) -> tuple[str, str]:
+    """Wait for the oldest step in flight (at most ring - 2 younger groups pending) and read its slot into W, S: the
+    registers gate_up_load_hoisted_asm(rp, tiled=True) would have loaded. A thread's scale u16 of row pair p is half
+    ((SO >> 1) + p) & 1 of the aligned word (tiled: 2 h + 4 lane + 2 p bytes into the step's scales). Operands: W, S;
+    inputs slot, O (WO, SO)."""
+    o = _Operands()
+    o.out("W", word_regs(FMT_NVFP4, rp), "r")
+    o.out("S", scale_regs(rp), "r")
+    o.inp("slot", 2, "r")
+    o.inp("O", 2, "r")
+    r, cons = o.build()
+    slot = r["slot"][0]
+    so = r["O"][1]
+    W, S = r["W"], r["S"]
+    s = ["{", ".reg .b32 sg, su, hs, sel;", ".reg .pred ph;", f"cp.async.wait_group {ring - 2};"]
+    for p in range(rp):
+        s.append(f"ld.shared.v4.b32 {{{', '.join(W[8 * p:8 * p + 4])}}}, [{slot}+{32 * p}];")
+        s.append(f"ld.shared.v4.b32 {{{', '.join(W[8 * p + 4:8 * p + 8])}}}, [{slot}+{32 * p + 16}];")
+    s += [f"ld.shared.b32 sg, [{slot}+{32 * rp}];", f"ld.shared.b32 su, [{slot}+{32 * rp + 4}];",
+          f"shr.u32 hs, {so}, 1;"]
+    for p in range(rp):
+        # half 0: the low u16 of each word (prmt 0x5410: gate low | up low << 16), half 1: the high ones (0x7632)
+        s.append(f"""add.u32 sel, hs, {p};
+and.b32 sel, sel, 1;
+setp.ne.u32 ph, sel, 0;
+selp.b32 sel, 0x7632, 0x5410, ph;
+prmt.b32 {S[p]}, sg, su, sel;""")
+    if scale_regs(rp) > rp:
+        s.append(f"mov.b32 {S[rp]}, 0;")
+    s.append("}")
+    return "\n".join(s), cons
+
+
+def ring_drain_asm() -> tuple[str, str]:
+    """Wait for every copy still in flight (the loop's last issues re-read the slice's last step): a CTA must not
+    exit while copies into its shared memory are pending. A dummy output pair, a dummy input pair."""
+    o = _Operands()
+    o.out("dummy", 2, "r")
+    o.inp("z", 2, "r")
+    r, cons = o.build()
+    d0, d1 = r["dummy"]
+    return f"{{\ncp.async.wait_group 0;\nmov.b32 {d0}, 0;\nmov.b32 {d1}, 0;\n}}", cons

@@ -119,7 +119,7 @@ def make_moe_workspace(cfg: MoEConfig | MmaMoEConfig, t: int, e: int, h: int, i:
 
 
 def _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13, sh_w2, sh_s2, sh_g2, out, ws,
-           cfg) -> tuple[int, int, int, int, int]:
+           cfg, tiled: bool = False) -> tuple[int, int, int, int, int]:
     check_tensor("x", x, torch.bfloat16)
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x: expected a contiguous [T, H], found {tuple(x.shape)}")
@@ -161,7 +161,7 @@ def _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, 
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
     if isinstance(cfg, MmaMoEConfig):
-        why = cfg.fits(h, i)
+        why = cfg.fits(h, i, tiled)
         if shared_fmt != FMT_NVFP4:
             why = "the MMA MoE serves an NVFP4 shared expert only (a BF16 one keeps MoEConfig's kernels)"
         if why or e % cfg.RBE or h % (cfg.RBK * cfg.RSPLIT) or e > 1024:
@@ -204,7 +204,7 @@ def moe_nvfp4(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s1
     cfg = config
     check_swiglu(swiglu_alpha, swiglu_limit)
     t, h, e, i, shared_fmt = _check(x, router_w, router_bias, w13, s13, g13, w2, s2, g2, sh_w13, sh_s13, sh_g13,
-                                    sh_w2, sh_s2, sh_g2, out, workspace, cfg)
+                                    sh_w2, sh_s2, sh_g2, out, workspace, cfg, tiled)
     if tiled and not (tileable("nvfp4", w13, s13) and tileable("nvfp4", w2, s2)):
         raise ValueError(f"tiled: the MMA tile layout needs H and I multiples of 128, found H={h}, I={i}")
     ws = workspace
