@@ -378,8 +378,10 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         acc = (zf,) * NACC
         if HOIST or RING:
             # the thread's loop-invariant offsets, once (gate_up_lane_offsets_asm: x's, then the weights'); LOAD and
-            # XLOAD are then the hoisted blocks, which only add them to a step's bases
-            offs = asm_block((sw, ss, sx, mm), False, N_OFF, OFFS, OFFS_C, True)
+            # XLOAD are then the hoisted blocks, which only add them to a step's bases. Not pure: Triton folds a pure
+            # block over uniform (splat) inputs into a splat of its first output, which would hand every thread's
+            # second register (SO) the first (WO) - the GPU test caught it, the CPU emulation cannot
+            offs = asm_block((sw, ss, sx, mm), False, N_OFF, OFFS, OFFS_C, False)
             load_tail = offs[1:] + (ub, usb)
             x_tail = (offs[0],)
         else:

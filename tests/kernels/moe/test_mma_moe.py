@@ -472,3 +472,29 @@ def test_ring_blocks_take_their_thread_values_from_the_prologue(rp) -> None:
     assert ring["ISSUE"].count("cp.async.cg.shared.global") == 2 * rp
     assert ring["TAKE_C"].count("=") == hoisted["LOAD_C"].count("=")
     assert {k: ring[k] for k in hoisted} == hoisted
+
+
+@pytest.mark.slow  # two sm_90 builds of the M3 gate|up launch (~40 s on 2 cores)
+def test_no_asm_block_is_folded_to_a_splat() -> None:
+    """Triton folds a pure inline-asm block whose inputs are all uniform (splat) into a splat of its first output:
+    every element after the first gets that one (the LLVM call shows an `undef` operand). The hoisted offsets'
+    prologue has only uniform inputs and per-thread outputs, so folded it handed each thread its word offset as its
+    scale offset (a GPU test caught it; the emulation runs the block's text and cannot). No gate|up block of the
+    default, HOIST or SMEM_RING launch may be folded."""
+    from m3serve.kernels import aot_check
+    from m3serve.kernels._jit import aot_build
+    from m3serve.kernels.catalog import all_entries
+
+    e = all_entries()["moe.nvfp4"]
+    cell = next(c for c in e.cells if isinstance(c.config["moe"], MM.MmaMoEConfig) and c.shape[2] == 3072)
+    checked = 0
+    for over in ({"HOIST": True}, {"SMEM_RING": 4, "maxnreg": 64}):
+        one = dataclasses.replace(e, cells=(dataclasses.replace(
+            cell, rows=(1, 1), config=dict(cell.config, moe=dataclasses.replace(cell.config["moe"], **over))),))
+        for _key, (_e, _why, kern, args, kwargs) in aot_check.collect([one]).items():
+            if kern.__name__ != "mma_moe_gate_up":
+                continue
+            calls = [line for line in aot_build(kern, args, kwargs).asm["llir"].splitlines() if " asm " in line]
+            assert calls and not [c for c in calls if "undef" in c], over
+            checked += 1
+    assert checked == 2
