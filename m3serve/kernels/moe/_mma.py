@@ -106,7 +106,8 @@ class MmaMoEConfig:
     # at 8 (ptxas already kept part of the lane arithmetic out of the default loop); but the split launch compiles to
     # 72 registers instead of 64 (ptxas overlaps more loads; capped at 64 it spills): 7 CTAs an SM, so its 960 CTAs
     # take 1.04 waves instead of 0.91 (whole-K launches: 64 -> 63 registers).
-    # Off until its GPU test (hoisted == default, bit for bit) has run and a timing says which way that goes
+    # Its GPU test (hoisted == default, bit for bit) failed on the H100 at bacb4ea: the prologue ran pure and Triton
+    # folded it into a splat (fixed at b717fe1). Off until that test passes and a timing says which way this goes
     HOIST: bool = False
     # SMEM_RING (opt-in; 0 off, else the ring's depth 3..6): gate|up keeps SMEM_RING - 1 steps of weights and scales in
     # flight in a shared-memory ring of its own (cp.async into per-thread slots, read back into the very registers
@@ -282,11 +283,17 @@ def swiglu_of_sums(g, u, gg, gu, alpha, limit):
 
 
 @helper
+def ring_slot(ring, st, RING: tl.constexpr, SLOT: tl.constexpr):
+    """The thread's slot of step st: slot st % RING of its ring."""
+    return ring + (st % RING) * SLOT
+
+
+@helper
 def ring_issue(ring, st, w_row, s_row, k_lo, last, offs_o, ub, usb, zl, RING: tl.constexpr, SLOT: tl.constexpr,
                ISSUE: tl.constexpr, ISSUE_C: tl.constexpr):
-    """Start copying step st of the slice (clamped to its last step) into slot st % RING of the thread's ring."""
+    """Start copying step st of the slice (clamped to its last step) into its slot of the thread's ring."""
     wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + st * 128, last), _NVFP4, True)
-    asm_block((zl + wk, zl + sk, offs_o, ub, usb, ring + (st % RING) * SLOT), False, 1, ISSUE, ISSUE_C, False)
+    asm_block((zl + wk, zl + sk, offs_o, ub, usb, ring_slot(ring, st, RING, SLOT)), False, 1, ISSUE, ISSUE_C, False)
 
 
 @helper
@@ -306,16 +313,16 @@ def ring_k_steps(acc, xs, w_row, s_row, offs_o, ub, usb, x_base, k_lo, n_steps, 
     for kp in range(0, n_steps // 2):
         j = kp * 2
         k0 = k_lo + j * 128
-        st = asm_block((ring + (j % RING) * SLOT, offs_o), False, N_LOAD, TAKE, TAKE_C, False)
+        st = asm_block((ring_slot(ring, j, RING, SLOT), offs_o), False, N_LOAD, TAKE, TAKE_C, False)
         ring_issue(ring, j + RING - 1, w_row, s_row, k_lo, last, offs_o, ub, usb, zl, RING, SLOT, ISSUE, ISSUE_C)
         xa = asm_block((zl + (x_base + (k0 + 128) * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
         acc = asm_block(acc + st + xs, True, NACC, MMA, MMA_C, True)
-        st = asm_block((ring + ((j + 1) % RING) * SLOT, offs_o), False, N_LOAD, TAKE, TAKE_C, False)
+        st = asm_block((ring_slot(ring, j + 1, RING, SLOT), offs_o), False, N_LOAD, TAKE, TAKE_C, False)
         ring_issue(ring, j + RING, w_row, s_row, k_lo, last, offs_o, ub, usb, zl, RING, SLOT, ISSUE, ISSUE_C)
         xs = asm_block((zl + (x_base + tl.minimum(k0 + 256, last) * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
         acc = asm_block(acc + st + xa, True, NACC, MMA, MMA_C, True)
     if n_steps % 2 == 1:
-        st = asm_block((ring + ((n_steps - 1) % RING) * SLOT, offs_o), False, N_LOAD, TAKE, TAKE_C, False)
+        st = asm_block((ring_slot(ring, n_steps - 1, RING, SLOT), offs_o), False, N_LOAD, TAKE, TAKE_C, False)
         acc = asm_block(acc + st + xs, True, NACC, MMA, MMA_C, True)
     asm_block((zi,), False, 1, DRAIN, DRAIN_C, False)
     return acc
