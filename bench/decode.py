@@ -91,9 +91,6 @@ def step_bytes(llm, batch: int, context: int, greedy: bool = True) -> int:
 # edge and down's addresses derived every step (PAIRED off); gemv-rolled: the same for the MMA GEMV (2-8 rows;
 # NVFP4 1-8); rolled: both; paired: both paired (whatever the default); paired-split2: and gate-up-split2;
 # gate-up-hoist: gate|up's per-thread load offsets computed once before the K loop (MmaMoEConfig.HOIST, opt-in);
-# gate-up-ring(3): gate|up's weights and scales through a 4 (3) step shared-memory ring of cp.async copies, 3 (2)
-# steps in flight instead of the register ring's one (MmaMoEConfig.SMEM_RING, opt-in; M3 TP1's tiled cell, its
-# one-token split launch capped at 64 registers, which aot_check compiles without a spill);
 # gate-up-split2: split 2 ways over H while (touched slots + shared) x 2 <= 10 (one token: one wave of 960 CTAs at
 # the paired loop's 64 registers); gate-up-split(-r72): split 4 ways over H while (touched slots + shared) x 4 <= 20
 # (one token), the split launches capped at 64 (72) registers a thread; down-uncapped: the MoE's down launch without
@@ -111,10 +108,6 @@ CELL_VARIANTS = {
     "moe-rolled": (("moe.nvfp4",), "MmaMoEConfig", {"PAIRED": False}),
     "gate-up-split2": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 2, "GSPLIT_SLOTS": 10}),
     "gate-up-hoist": (("moe.nvfp4",), "MmaMoEConfig", {"HOIST": True}),
-    "gate-up-ring": (("moe.nvfp4",), "MmaMoEConfig",
-                     lambda c, shape: {"SMEM_RING": 4, "maxnreg": 64} if shape[2] == 3072 else {}),
-    "gate-up-ring3": (("moe.nvfp4",), "MmaMoEConfig",
-                      lambda c, shape: {"SMEM_RING": 3, "maxnreg": 64} if shape[2] == 3072 else {}),
     "gemv-rolled": (("linear.nvfp4", "linear.mxfp8", "qkv.nvfp4", "qkv.mxfp8"), "MmaGemvConfig", {"PAIRED": False}),
     "gate-up-split": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 64}),
     "gate-up-split-r72": (("moe.nvfp4",), "MmaMoEConfig", {"GSPLIT": 4, "GSPLIT_SLOTS": 20, "maxnreg": 72}),
@@ -389,7 +382,7 @@ def main() -> None:
                     help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, moe-rolled, "
-                         "gate-up-hoist, gate-up-ring, gate-up-ring3, gate-up-split2, gemv-rolled, rolled, paired, paired-split2, gate-up-split, "
+                         "gate-up-hoist, gate-up-split2, gemv-rolled, rolled, paired, paired-split2, gate-up-split, "
                          "gate-up-split-r72, down-uncapped, gate-up-stages3, down-stages3, rings3, split-router, "
                          "mma-gemv-uncapped, "
                          "gemv-split2x, round3: all of the third round's changes undone, round7: the seventh "

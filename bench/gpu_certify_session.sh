@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... ring-fix | target-tests | stream-staged | round9-bench | round9-tests | paired-tests | paired-bench | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... round11 | target-tests | stream-staged | round9-bench | round9-tests | paired-tests | paired-bench | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -192,17 +192,17 @@ round9-bench)  # issue 30, ninth round: the goal rows at the new defaults (paire
     --routes ${ROUTES5:-target,target-round7,target-gate-up-hoist,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round9}.json"
   ;;
-ring-fix)  # the hoisted offsets' prologue no longer folded to a splat (is_pure False): its GPU bit tests and the shared-
-          # memory ring's, then the ring and the hoisted loads beside the defaults on minimax-m3:5 and the deep model
-  phase pytest-ring ${T_A:-75} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 70 -rfE tests/kernels/test_gpu.py \
-    -k "mma_moe_smem_ring or mma_moe_hoisted"
-  phase decode-m3_5 ${T_B:-60} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES5:-target,target-gate-up-ring,target-gate-up-hoist} --quantization nvfp4 \
-    --out "$OUT/decode-target-$TAG-m3_5-${NAME:-ring-fix}.json"
+round11)  # issue 30, eleventh round: the goal rows at today's defaults beside PDL, the hoisted gate|up loads and the
+         # seventh round's cells (the deep model first: it is the goal), then the GPU tests that certify PDL and HOIST
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase decode-deep ${T_C:-80} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES:-target,target-gate-up-ring} --quantization nvfp4 \
-    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-ring-fix}.json"
+  phase decode-deep ${T_C:-260} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES:-target,target-pdl,target-gate-up-hoist,target-round7} --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-round11}.json"
+  phase decode-m3_5 ${T_B:-110} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES5:-target,target-pdl,target-gate-up-hoist} --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round11}.json"
+  phase pytest-pdl-hoist ${T_A:-110} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 -rfE \
+    tests/runtime/test_decode_target_gpu.py tests/kernels/test_gpu.py -k "with_and_without_pdl or mma_moe_hoisted"
   ;;
 target-tests)  # the decode graphs' GPU tests (graphs vs eager and stock, sample.race, the real-dims capture) and the MoE
               # MMA bit tests (paired, hoisted) at today's defaults: what a call too short for round9-tests runs

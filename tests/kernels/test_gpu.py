@@ -292,24 +292,6 @@ def test_mma_moe_hoisted_gate_up_loads_give_the_default_bits(gsplit: int, rows: 
                                      dataclasses.replace(base, HOIST=False), shape, rows, seed=177 + rows)
 
 
-@pytest.mark.parametrize("ring,gsplit,maxnreg,rows", [(4, 2, 64, 1), (3, 2, 64, 1), (6, 2, 64, 1), (4, 1, 0, 8)])
-def test_mma_moe_smem_ring_gives_the_default_bits(ring: int, gsplit: int, maxnreg: int, rows: int) -> None:
-    """MmaMoEConfig.SMEM_RING copies gate|up's weights and scales (cp.async) into a per-thread shared-memory ring,
-    ring - 1 steps ahead, and reads each step back into the registers the register ring's load fills: the same
-    bytes, so every touched slot's activations and the output are the default loop's bits, and the ring result meets
-    the reference. M3 TP1 (the certified MMA cell, tiled) at the one-token launch's split (capped at 64 registers, as
-    route target-gate-up-ring runs it) and whole over H, rings of 3, 4 and 6 slots (48 steps a CTA whole over H,
-    24 split: every slot reused many times, and the last steps' clamped copies drained before the CTA exits)."""
-    from m3serve.kernels.moe._mma import MmaMoEConfig
-    dev = _dev()
-    e = ENTRIES["moe.nvfp4"]
-    shape = (128, 6144, 3072, 0)
-    base = next(c.config["moe"] for c in e.cells if isinstance(c.config["moe"], MmaMoEConfig) and c.shape == shape)
-    base = dataclasses.replace(base, GSPLIT=gsplit, GSPLIT_SLOTS=gsplit * MOE_SLOTS_AT_ONE_TOKEN, maxnreg=maxnreg)
-    _moe_variants_give_the_same_bits(e, dev, dataclasses.replace(base, SMEM_RING=ring), base, shape, rows,
-                                     seed=277 + rows + ring)
-
-
 @pytest.mark.parametrize("name,shape,rows", [("linear.nvfp4", (9856, 6144), 1), ("linear.nvfp4", (4096, 6144), 8),
                                              ("linear.mxfp8", (9856, 6144), 8), ("linear.mxfp8", (4096, 6144), 3),
                                              ("qkv.mxfp8", (4992, 6144), 8)])

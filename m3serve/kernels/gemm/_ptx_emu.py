@@ -32,7 +32,6 @@ class Memory:
 
     def __init__(self) -> None:
         self.regions: list[tuple[int, np.ndarray]] = []
-        self.shared_arrays: dict[str, int] = {}
         self._next = 1 << 20
 
     def add(self, arr: np.ndarray) -> int:
@@ -41,13 +40,6 @@ class Memory:
         self.regions.append((base, buf))
         self._next += ((buf.size + 4095) // 4096 + 1) * 4096
         return base
-
-    def shared(self, name: str, nbytes: int) -> int:
-        """The address of the static shared array `name` (one region, allocated at its first declaration and
-        filled with a poison byte, so a read of a slot no copy reached cannot pass)."""
-        if name not in self.shared_arrays:
-            self.shared_arrays[name] = self.add(np.full(nbytes, 0xA5, np.uint8))
-        return self.shared_arrays[name]
 
     def add_view(self, arr: np.ndarray) -> tuple[int, np.ndarray]:
         """add, and the region's own buffer viewed as arr (stores land there)."""
@@ -133,7 +125,6 @@ class Warp:
 
     def __init__(self, warp: int, operands: list[np.ndarray], mem: Memory) -> None:
         self.regs: dict[str, np.ndarray] = {}
-        self.symbols: dict[str, int] = {}
         self.ops = operands
         self.mem = mem
         self.lane = np.arange(LANES, dtype=np.uint64)
@@ -150,8 +141,6 @@ class Warp:
         v = _imm(tok)
         if v is not None:
             return v
-        if tok in self.symbols:
-            return np.full(LANES, self.symbols[tok], np.uint64)
         return self.regs[tok]
 
     def set(self, tok: str, v: np.ndarray) -> None:
@@ -170,17 +159,11 @@ class Warp:
 
     def run(self, text: str) -> None:
         body = text.strip()
-        decl = re.match(r"\.shared\s+\.align\s+\d+\s+\.b8\s+(\w+)\[(\d+)\];", body)
-        if decl:  # a block that declares the kernel's static shared memory (ring_base_asm): a region of its own
-            self.symbols[decl.group(1)] = self.mem.shared(decl.group(1), int(decl.group(2)))
-            body = body[decl.end():].strip()
         if not (body.startswith("{") and body.endswith("}")):
             raise ValueError("emulate: expected a braced PTX block")
         for raw in body[1:-1].split(";"):
             line = " ".join(raw.split())
             if not line or line.startswith(".reg"):
-                continue
-            if line == "cp.async.commit_group":
                 continue
             pred = None
             if line.startswith("@"):
@@ -255,35 +238,17 @@ class Warp:
             return self.set(args[0], ((g(args[1]) & _M32) < (g(args[2]) & _M32)).astype(np.uint64))
         if op == "setp.ne.u32":
             return self.set(args[0], ((g(args[1]) & _M32) != (g(args[2]) & _M32)).astype(np.uint64))
-        if op == "prmt.b32":  # the selector: an immediate or a register (one per lane)
-            a, b, sel = g(args[1]) & _M32, g(args[2]) & _M32, g(args[3]) & _M32
+        if op == "prmt.b32":
+            a, b, sel = g(args[1]) & _M32, g(args[2]) & _M32, int(args[3], 0)
             pool = a | (b << np.uint64(32))
             r = np.zeros(LANES, np.uint64)
             for i in range(4):
-                s = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
-                byte = (pool >> (np.uint64(8) * (s & np.uint64(7)))) & np.uint64(0xFF)
-                # sign replicate (selector bit 3): the selected byte's msb in all 8 bits
-                rep = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
-                byte = np.where(s & np.uint64(8), rep, byte)
+                s = (sel >> (4 * i)) & 0xF
+                byte = (pool >> np.uint64(8 * (s & 7))) & np.uint64(0xFF)
+                if s & 8:  # sign replicate: the selected byte's msb in all 8 bits
+                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
                 r |= byte << np.uint64(8 * i)
             return self.set(args[0], r)
-        if op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global"):
-            # copied at once: the emulation runs one thread's blocks in program order, and a thread reads its slot
-            # only after its own wait_group, so an immediate copy is what the read sees
-            n = int(args[2], 0)
-            active = pred if pred is not None else np.ones(LANES, bool)
-            return self.mem.store(self.addr(args[0]), self.mem.load(self.addr(args[1]), n, active), active)
-        if op == "cp.async.wait_group":
-            return None
-        if op in ("ld.shared.v4.b32", "ld.shared.b32"):
-            n = 16 if ".v4." in op else 4
-            data = self.mem.load(self.addr(args[1]), n, np.ones(LANES, bool)).view(np.uint32)
-            regs = args[0].strip("{}").split(",")
-            for i, r in enumerate(regs):
-                self.set(r, data[:, i].astype(np.uint64))
-            return None
-        if op == "and.b64":
-            return self.set(args[0], g(args[1]) & g(args[2]))
         if op == "cvt.rn.f16x2.e4m3x2":
             v = g(args[1])
             lo = _E4M3_F16[(v & np.uint64(0xFF)).astype(np.int64)].astype(np.uint64)

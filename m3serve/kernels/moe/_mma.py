@@ -44,16 +44,6 @@ HOIST a prologue block (gate_up_lane_offsets_asm) computes the thread's offsets 
 add them (the same addresses, so the same registers and bits). paired_k_steps takes the load blocks' trailing
 operands as tuples, so the same loop runs either set of blocks.
 
-Shared-memory ring (MmaMoEConfig.SMEM_RING, opt-in, tiled weights): the register ring keeps one step of gate|up's
-loads in flight a thread, ~15 KB an SM at one token, where 4.2 TB/s at ~1 us of latency needs ~32 KB; a second
-register step costs 16 registers and the occupancy with them. With the ring each thread copies its step's words and
-scale words with cp.async into a slot of its own in static shared memory (declared by the prologue block
-_mma_ptx.ring_base_asm), RING - 1 steps ahead, and reads a step's slot back into the very registers the load block
-would fill (ring_k_steps): the same bytes into the same registers, so the same bits. A thread reads only the slots
-it wrote, so its own cp.async.wait_group is the only ordering needed (no barrier). aot_check (M3 TP1, RING 4): 456
-instructions a paired iteration (450 before), 25.6 KB of shared memory a CTA, the one-token split launch at 64
-registers under its cap (maxnreg 64, no spill): 8 CTAs an SM with 3 steps in flight each.
-
 Numerics (inside moe.nvfp4's bands): the decoded weights and the MMA are _mma_gemv's (exact products, fp32
 accumulation); gate and up are scaled acc * 2**8 / g (correctly rounded division) as _nvfp4, SwiGLU-OAI in fp32
 with the hardware exp2, activations rounded once to bf16; per-expert sums are weighted and added in slot order.
@@ -109,14 +99,6 @@ class MmaMoEConfig:
     # Its GPU test (hoisted == default, bit for bit) failed on the H100 at bacb4ea: the prologue ran pure and Triton
     # folded it into a splat (fixed at b717fe1). Off until that test passes and a timing says which way this goes
     HOIST: bool = False
-    # SMEM_RING (opt-in; 0 off, else the ring's depth 3..6): gate|up keeps SMEM_RING - 1 steps of weights and scales in
-    # flight in a shared-memory ring of its own (cp.async into per-thread slots, read back into the very registers
-    # the load block fills: _mma_ptx.gate_up_ring_*), where the register ring keeps one. Why: the one-token MoE ran at
-    # the same microseconds on the H100 and the H200, a stream with too few bytes in flight an SM (~15 KB against
-    # the ~32 KB 4.2 TB/s at ~1 us needs), and deeper register rings cost more than they gave (occupancy). Tiled
-    # weights, paired loop, hoisted offsets; same bytes into the same registers, so the same bits (GPU test
-    # test_mma_moe_smem_ring_gives_the_default_bits); bench/decode.py route target-gate-up-ring
-    SMEM_RING: int = 0
     DSPLIT: int = 4
     down_warps: int = 4
     down_stages: int = 2
@@ -142,10 +124,6 @@ class MmaMoEConfig:
                 raise ValueError(f"MmaMoEConfig.{name}: expected 0 or 24..255, found {getattr(self, name)}")
         if self.GSPLIT not in (1, 2, 3, 4, 6, 8):
             raise ValueError(f"MmaMoEConfig.GSPLIT: expected 1, 2, 3, 4, 6 or 8, found {self.GSPLIT}")
-        if self.SMEM_RING and not (3 <= self.SMEM_RING <= 6 and self.PAIRED and self.STAGES == 2):
-            raise ValueError(f"MmaMoEConfig.SMEM_RING: expected 0 (off) or a depth of 3..6 with the paired loop "
-                             f"(PAIRED=True, STAGES=2), found SMEM_RING={self.SMEM_RING}, PAIRED={self.PAIRED}, "
-                             f"STAGES={self.STAGES}")
         if self.HOIST and not (self.PAIRED and self.STAGES == 2):
             raise ValueError(f"MmaMoEConfig.HOIST: the hoisted gate|up loads serve the paired loop only (PAIRED=True, "
                              f"STAGES=2), found PAIRED={self.PAIRED}, STAGES={self.STAGES}")
@@ -172,17 +150,8 @@ class MmaMoEConfig:
         """down rows of H per CTA."""
         return 16 * self.RP * self.down_warps
 
-    def ring_smem_bytes(self) -> int:
-        """gate|up's static shared memory with SMEM_RING (0 without)."""
-        return 32 * self.num_warps * self.SMEM_RING * P.ring_slot_bytes(self.RP) if self.SMEM_RING else 0
-
     def fits(self, h: int, i: int, tiled: bool = False) -> str | None:
         """None, or why (E, H, I) does not fit this config (tiled: with weights in the MMA tile layout)."""
-        if self.SMEM_RING and not tiled:
-            return "SMEM_RING: the shared-memory ring copies 16-byte words of the MMA tile layout (tiled weights only)"
-        if self.ring_smem_bytes() > RING_SMEM_MAX:
-            return (f"SMEM_RING={self.SMEM_RING}: {self.ring_smem_bytes()} bytes of static shared memory a CTA, more "
-                    f"than the {RING_SMEM_MAX} a kernel may declare")
         if tiled and self.bna % 16:
             # a gate|up CTA's first column must start a 16-row block, or its tiles would straddle two
             return (f"tiled: the gate|up tile 8 * RP * num_warps = {self.bna} (RP={self.RP}, num_warps="
@@ -197,26 +166,11 @@ class MmaMoEConfig:
         return None
 
 
-RING_SMEM_MAX = 48 * 1024  # static shared memory a kernel may declare (more needs the dynamic kind)
-
-
 @functools.lru_cache(maxsize=None)
-def gate_up_asm(rp: int, tiled: bool = False, hoist: bool = False, ring: int = 0, warps: int = 4) -> dict:
+def gate_up_asm(rp: int, tiled: bool = False, hoist: bool = False) -> dict:
     """gate|up's PTX blocks (tiled: weights in the MMA tile layout) as the kernel's constexpr arguments. hoist
     (MmaMoEConfig.HOIST): LOAD / XLOAD are the hoisted blocks and OFFS their prologue (HOIST, OFFS, OFFS_C and N_OFF
-    are passed only then, so the default variant's arguments stay as they were). ring (MmaMoEConfig.SMEM_RING, tiled
-    only): the hoisted offsets and x loads, and the ring's blocks RBASE / ISSUE / TAKE / DRAIN in place of LOAD's
-    use (`warps`: the CTA's, which sizes the ring)."""
-    if ring:
-        if not tiled:
-            raise ValueError("gate_up_asm: the shared-memory ring serves tiled weights only")
-        blocks = gate_up_asm(rp, tiled, True)
-        rbase, rbase_c = P.ring_base_asm(rp, ring, 32 * warps)
-        issue, issue_c = P.gate_up_ring_issue_asm(rp)
-        take, take_c = P.gate_up_ring_take_asm(rp, ring)
-        drain, drain_c = P.ring_drain_asm()
-        return dict(blocks, RING=ring, SLOT=P.ring_slot_bytes(rp), RBASE=rbase, RBASE_C=rbase_c, ISSUE=issue,
-                    ISSUE_C=issue_c, TAKE=take, TAKE_C=take_c, DRAIN=drain, DRAIN_C=drain_c)
+    are passed only then, so the default variant's arguments stay as they were)."""
     if hoist:
         load, load_c = P.gate_up_load_hoisted_asm(rp, tiled)
         xload, xload_c = P.xload_hoisted_asm()
@@ -241,18 +195,6 @@ def check_hoist_offsets(cfg: MmaMoEConfig, h: int, x_row_bytes: int) -> None:
     if cfg.bna * (h // 2) + 1024 >= 2**32 or MMA_ROWS * x_row_bytes >= 2**32:
         raise ValueError(f"HOIST: the hoisted gate|up offsets are 32-bit; H={h} (BNA {cfg.bna}) or x's row stride of "
                          f"{x_row_bytes} bytes is too large for them")
-
-
-def check_ring_operands(w13, s13, sw13, ss13, i: int, h: int) -> None:
-    """Raise unless the ring's copies are aligned as cp.async needs: 16-byte weight words (the tensors' bases and the
-    up rows' offset I * H / 2), 4-byte scale words (the scale bases and the up rows' offset I * H / 16)."""
-    for name, t, align in (("w13", w13, 16), ("sw13", sw13, 16), ("s13", s13, 4), ("ss13", ss13, 4)):
-        if t.data_ptr() % align:
-            raise ValueError(f"{name}: SMEM_RING copies {align}-byte words; expected a {align}-byte aligned base, "
-                             f"found address % {align} = {t.data_ptr() % align}")
-    if (i * h // 2) % 16 or (i * h // 16) % 4:
-        raise ValueError(f"SMEM_RING: the up rows start I * H / 2 = {i * h // 2} word bytes and I * H / 16 = "
-                         f"{i * h // 16} scale bytes after the gate rows; expected multiples of 16 and 4")
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,52 +224,6 @@ def swiglu_of_sums(g, u, gg, gu, alpha, limit):
     return (g * sg) * (u + 1.0)
 
 
-@helper
-def ring_slot(ring, st, RING: tl.constexpr, SLOT: tl.constexpr):
-    """The thread's slot of step st: slot st % RING of its ring."""
-    return ring + (st % RING) * SLOT
-
-
-@helper
-def ring_issue(ring, st, w_row, s_row, k_lo, last, offs_o, ub, usb, zl, RING: tl.constexpr, SLOT: tl.constexpr,
-               ISSUE: tl.constexpr, ISSUE_C: tl.constexpr):
-    """Start copying step st of the slice (clamped to its last step) into its slot of the thread's ring."""
-    wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + st * 128, last), _NVFP4, True)
-    asm_block((zl + wk, zl + sk, offs_o, ub, usb, ring_slot(ring, st, RING, SLOT)), False, 1, ISSUE, ISSUE_C, False)
-
-
-@helper
-def ring_k_steps(acc, xs, w_row, s_row, offs_o, ub, usb, x_base, k_lo, n_steps, last, zl, zi, x_tail,
-                 N_LOAD: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, NACC: tl.constexpr,
-                 MMA: tl.constexpr, MMA_C: tl.constexpr, RING: tl.constexpr, SLOT: tl.constexpr,
-                 RBASE: tl.constexpr, RBASE_C: tl.constexpr, ISSUE: tl.constexpr, ISSUE_C: tl.constexpr,
-                 TAKE: tl.constexpr, TAKE_C: tl.constexpr, DRAIN: tl.constexpr, DRAIN_C: tl.constexpr):
-    """gate|up's K loop through the shared-memory ring (MmaMoEConfig.SMEM_RING): RING - 1 steps are copied ahead,
-    and each iteration takes step j's slot (its cp.async group done: at most RING - 2 younger groups pending), then
-    issues step j + RING - 1 into the slot step j - 1 freed, then decodes and multiplies step j. x stays one step
-    ahead in registers, two steps an iteration so its two buffers alternate (as paired_k_steps); the same steps in
-    the same order as the register rings, so the same bits. offs_o: the thread's (WO, SO) offsets."""
-    ring = asm_block((zi,), False, 1, RBASE, RBASE_C, False)[0]
-    for d in tl.static_range(RING - 1):
-        ring_issue(ring, d, w_row, s_row, k_lo, last, offs_o, ub, usb, zl, RING, SLOT, ISSUE, ISSUE_C)
-    for kp in range(0, n_steps // 2):
-        j = kp * 2
-        k0 = k_lo + j * 128
-        st = asm_block((ring_slot(ring, j, RING, SLOT), offs_o), False, N_LOAD, TAKE, TAKE_C, False)
-        ring_issue(ring, j + RING - 1, w_row, s_row, k_lo, last, offs_o, ub, usb, zl, RING, SLOT, ISSUE, ISSUE_C)
-        xa = asm_block((zl + (x_base + (k0 + 128) * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
-        acc = asm_block(acc + st + xs, True, NACC, MMA, MMA_C, True)
-        st = asm_block((ring_slot(ring, j + 1, RING, SLOT), offs_o), False, N_LOAD, TAKE, TAKE_C, False)
-        ring_issue(ring, j + RING, w_row, s_row, k_lo, last, offs_o, ub, usb, zl, RING, SLOT, ISSUE, ISSUE_C)
-        xs = asm_block((zl + (x_base + tl.minimum(k0 + 256, last) * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
-        acc = asm_block(acc + st + xa, True, NACC, MMA, MMA_C, True)
-    if n_steps % 2 == 1:
-        st = asm_block((ring_slot(ring, n_steps - 1, RING, SLOT), offs_o), False, N_LOAD, TAKE, TAKE_C, False)
-        acc = asm_block(acc + st + xs, True, NACC, MMA, MMA_C, True)
-    asm_block((zi,), False, 1, DRAIN, DRAIN_C, False)
-    return acc
-
-
 @kernel
 def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_ptr, slot_e_ptr, act_ptr, part_ptr,
                     count_ptr, T, H, I, stride_xb, S, swiglu_alpha, swiglu_limit, GSPLIT, RP: tl.constexpr,
@@ -337,18 +233,13 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
                     MMA_C: tl.constexpr, XLOAD: tl.constexpr, XLOAD_C: tl.constexpr, STORE: tl.constexpr,
                     STORE_C: tl.constexpr, PART: tl.constexpr, PART_C: tl.constexpr, PDL: tl.constexpr = False,
                     HOIST: tl.constexpr = False, OFFS: tl.constexpr = "", OFFS_C: tl.constexpr = "",
-                    N_OFF: tl.constexpr = 0, RING: tl.constexpr = 0, SLOT: tl.constexpr = 0,
-                    RBASE: tl.constexpr = "", RBASE_C: tl.constexpr = "", ISSUE: tl.constexpr = "",
-                    ISSUE_C: tl.constexpr = "", TAKE: tl.constexpr = "", TAKE_C: tl.constexpr = "",
-                    DRAIN: tl.constexpr = "", DRAIN_C: tl.constexpr = ""):
+                    N_OFF: tl.constexpr = 0):
     """grid (I / BNA, S + 1, GSPLIT): program (j, s, k) -> act[s, :T, j*BNA:(j+1)*BNA] over H / GSPLIT columns of
     x. Padding slots (slot_e = -1) exit. SPLITK (GSPLIT > 1): each split stores its raw gate / up sums to
     part [GSPLIT, S + 1, T, 2I] fp32 and the last arrival of the (j, s) tile (count [(S + 1) I / BNA]) sums them in
     split order (_splitk) and applies SwiGLU-OAI (swiglu_of_sums). TILED: w13 / sw13 in the MMA tile layout (LOAD
     is tiled_gate_up_load_asm; BNA a multiple of 16). HOIST (PAIRED only): OFFS (gate_up_lane_offsets_asm) computes
-    the thread's offsets once, and LOAD / XLOAD are the hoisted blocks that take them (gate_up_asm(hoist=True)).
-    RING (>= 3, TILED and PAIRED): the weights and scales come through the thread's shared-memory ring of RING
-    slots (ring_k_steps) instead of the register ring."""
+    the thread's offsets once, and LOAD / XLOAD are the hoisted blocks that take them (gate_up_asm(hoist=True))."""
     pdl_wait(PDL)  # before any global access (_pdl)
     Tn: tl.constexpr = 64 * NW
     BNA: tl.constexpr = 8 * RP * NW
@@ -383,7 +274,7 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
         x_base = x_ptr.to(tl.int64)
         last = k_hi - 128
         acc = (zf,) * NACC
-        if HOIST or RING:
+        if HOIST:
             # the thread's loop-invariant offsets, once (gate_up_lane_offsets_asm: x's, then the weights'); LOAD and
             # XLOAD are then the hoisted blocks, which only add them to a step's bases. Not pure: Triton folds a pure
             # block over uniform (splat) inputs into a splat of its first output, which would hand every thread's
@@ -395,28 +286,23 @@ def mma_moe_gate_up(x_ptr, w13_ptr, s13_ptr, g13_ptr, sw13_ptr, ss13_ptr, sg13_p
             load_tail = (sw, ss, ub, usb)
             x_tail = (sx, mm)
         xs = asm_block((zl + (x_base + k_lo * 2),) + x_tail, False, _NX, XLOAD, XLOAD_C, False)
-        if RING:
-            acc = ring_k_steps(acc, xs, w_row, s_row, offs[1], ub, usb, x_base, k_lo, k_len // 128, last, zl, zi,
-                               x_tail, N_LOAD, XLOAD, XLOAD_C, NACC, MMA, MMA_C, RING, SLOT, RBASE, RBASE_C, ISSUE,
-                               ISSUE_C, TAKE, TAKE_C, DRAIN, DRAIN_C)
+        wk, sk = step_addrs(w_row, s_row, k_lo, _NVFP4, TILED)
+        st0 = asm_block((zl + wk, zl + sk) + load_tail, False, N_LOAD, LOAD, LOAD_C, False)
+        st1 = st0
+        if PAIRED:
+            acc = paired_k_steps(acc, st0, xs, w_row, s_row, load_tail, x_base, k_lo, k_len // 128, last, zl, x_tail,
+                                 _NVFP4, TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
         else:
-            wk, sk = step_addrs(w_row, s_row, k_lo, _NVFP4, TILED)
-            st0 = asm_block((zl + wk, zl + sk) + load_tail, False, N_LOAD, LOAD, LOAD_C, False)
-            st1 = st0
-            if PAIRED:
-                acc = paired_k_steps(acc, st0, xs, w_row, s_row, load_tail, x_base, k_lo, k_len // 128, last, zl,
-                                     x_tail, _NVFP4, TILED, N_LOAD, LOAD, LOAD_C, XLOAD, XLOAD_C, NACC, MMA, MMA_C)
-            else:
-                if STAGES == 3:
-                    wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), _NVFP4, TILED)
-                    st1 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
-                for k0 in range(k_lo, k_hi, 128):
-                    wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), _NVFP4, TILED)
-                    nxt = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
-                    xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD,
-                                   XLOAD_C, False)
-                    acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
-                    xs = xn
+            if STAGES == 3:
+                wk, sk = step_addrs(w_row, s_row, tl.minimum(k_lo + 128, last), _NVFP4, TILED)
+                st1 = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+            for k0 in range(k_lo, k_hi, 128):
+                wk, sk = step_addrs(w_row, s_row, tl.minimum(k0 + 128 * (STAGES - 1), last), _NVFP4, TILED)
+                nxt = asm_block((zl + wk, zl + sk, sw, ss, ub, usb), False, N_LOAD, LOAD, LOAD_C, False)
+                xn = asm_block((zl + (x_base + tl.minimum(k0 + 128, last) * 2), sx, mm), False, _NX, XLOAD, XLOAD_C,
+                               False)
+                acc, st0, st1 = ring_advance(acc, st0, st1, nxt, xs, NACC, MMA, MMA_C, STAGES)
+                xs = xn
         pdl_release(PDL)  # the main loop is done: let the next kernel's CTAs in (_pdl)
         if not SPLITK:
             act_slot = act_ptr.to(tl.int64) + s.to(tl.int64) * T * I * 2
@@ -613,16 +499,13 @@ def launch_mma_moe(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2
             raise ValueError(f"ws: the gate|up split {gs} needs gpart >= {gs * (s + 1) * t * 2 * i} and gcount >= "
                              f"{(s + 1) * (i // cfg.bna)} elements, found {ws.gpart.numel()} / {ws.gcount.numel()} "
                              "(make_moe_workspace sizes them for the token count)")
-        if cfg.HOIST or cfg.SMEM_RING:
+        if cfg.HOIST:
             check_hoist_offsets(cfg, h, x.stride(0) * 2)
-        if cfg.SMEM_RING:
-            check_ring_operands(w13, s13, sw13, ss13, i, h)
         mma_moe_gate_up[(i // cfg.bna, s + 1, gs)](
             x, w13, s13, g13, sw13, ss13, sg13, ws.slot_e, ws.act, ws.gpart, ws.gcount, t, h, i, x.stride(0) * 2, s,
             float(swiglu_alpha), float(swiglu_limit), gs, RP=cfg.RP, NW=cfg.num_warps, STAGES=cfg.STAGES,
             TILED=tiled, SPLITK=gs > 1, PAIRED=cfg.PAIRED and cfg.STAGES == 2,
-            **gate_up_asm(cfg.RP, tiled, cfg.HOIST, cfg.SMEM_RING, cfg.num_warps), num_warps=cfg.num_warps,
-            num_stages=1,
+            **gate_up_asm(cfg.RP, tiled, cfg.HOIST), num_warps=cfg.num_warps, num_stages=1,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and gs > 1 else {}))
     if "d" in launches:
         kt = i // cfg.DSPLIT // STEP
@@ -711,33 +594,6 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
             xs = xn
         return acc
 
-    def smem_ring(warp, n_steps, n0, wb, sb, k_lo, offs_o, x_at, acc):
-        """ring_k_steps: RING - 1 steps issued ahead into the thread's slots, each step taken from its slot before
-        the step RING - 1 later is issued into the slot the previous step freed (the copies land at once here, so a
-        slot overwritten before it is read gives other bits), x one step ahead."""
-        rb = E.run_block(gu["RBASE"], warp, pair(0), 2, mem)[0]
-        n_take = 2 * gu["N_LOAD"]
-
-        def slot(st):
-            return rb + np.uint64((st % gu["RING"]) * gu["SLOT"])
-
-        def issue(st):
-            wk, sk = step(wb + n0 * row_b, sb + n0 * srow_b, k_lo + min(st, n_steps - 1) * STEP)
-            E.run_block(gu["ISSUE"], warp, pair(wk, sk) + offs_o + pair(i * row_b, i * srow_b) + [slot(st)] * 2, 2,
-                        mem)
-
-        for d in range(gu["RING"] - 1):
-            issue(d)
-        xs = x_at(0)
-        for j in range(n_steps):
-            words = E.run_block(gu["TAKE"], warp, [slot(j)] * 2 + offs_o, n_take, mem)
-            issue(j + gu["RING"] - 1)
-            xn = x_at(j + 1)
-            acc = E.run_block(gu["MMA"], warp, acc + words + xs, n_acc, mem)
-            xs = xn
-        E.run_block(gu["DRAIN"], warp, pair(0), 2, mem)
-        return acc
-
     def step(w_row: int, s_row: int, k0: int) -> tuple[int, int]:
         """step_addrs of the kernels."""
         if tiled:
@@ -747,7 +603,7 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
     n_acc = P.acc_regs(cfg.RP)
     # gate|up (split over K when gate_up_split says so: each split's raw sums stored by PART, then the last
     # arrival's ordered sum and swiglu_of_sums, here in numpy fp32)
-    gu = gate_up_asm(cfg.RP, tiled, cfg.HOIST, cfg.SMEM_RING, cfg.num_warps)
+    gu = gate_up_asm(cfg.RP, tiled, cfg.HOIST)
     n_load = 2 * gu["N_LOAD"]
     row_b, srow_b = h // 2, h // 16
     block_b, sblock_b = (16 * row_b, 16 * srow_b) if tiled else (row_b, srow_b)  # the kernels' sw, ss
@@ -770,7 +626,7 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
                 for warp in range(cfg.num_warps):
                     # the load blocks' operands after the step's bases: the strides, or (HOIST) the offsets of the
                     # kernel's prologue, run once before the loop (x's pair first, then the weights')
-                    if cfg.HOIST or cfg.SMEM_RING:
+                    if cfg.HOIST:
                         offs = E.run_block(gu["OFFS"], warp, pair(block_b, sblock_b, h * 2, t - 1), 2 * gu["N_OFF"],
                                            mem)
                         load_tail, x_tail = offs[2:] + pair(i * row_b, i * srow_b), offs[:2]
@@ -785,11 +641,8 @@ def emulate(x, w13, s13, g13, w2, s2, g2, sw13, ss13, sg13, sw2, ss2, sg2, slot_
                         xk = xa + (k_lo + min(st, steps - 1) * STEP) * 2
                         return E.run_block(gu["XLOAD"], warp, pair(xk) + x_tail, P.X_REGS, mem)
 
-                    acc0 = [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)]
-                    if cfg.SMEM_RING:
-                        acc = smem_ring(warp, steps, n0, wb, sb, k_lo, offs[2:4], x_at, acc0)
-                    else:
-                        acc = ring(warp, steps, cfg.STAGES - 1, words_at, x_at, gu["MMA"], n_acc, acc0)
+                    acc = ring(warp, steps, cfg.STAGES - 1, words_at, x_at, gu["MMA"], n_acc,
+                               [np.zeros(E.LANES, np.uint64) for _ in range(n_acc)])
                     if gsplit == 1:
                         E.run_block(gu["STORE"], warp, acc + pair(act_base + sl * t * i * 2, n0, t, i, gg, gup,
                                                                   float(swiglu_alpha), float(swiglu_limit)), 2, mem)

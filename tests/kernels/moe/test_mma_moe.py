@@ -305,8 +305,8 @@ def test_wrong_hoisted_offsets_are_caught(monkeypatch) -> None:
     act, _ = _emulate_weights(case, cfg, weights, True)
     real = MM.gate_up_asm.__wrapped__
 
-    def patched(rp, tiled=False, hoist=False, ring=0, warps=4):
-        blocks = dict(real(rp, tiled, hoist, ring, warps))
+    def patched(rp, tiled=False, hoist=False):
+        blocks = dict(real(rp, tiled, hoist))
         if hoist:
             assert "mad.lo.u32 cb, lane, 16, cb;" in blocks["OFFS"]
             blocks["OFFS"] = blocks["OFFS"].replace("mad.lo.u32 cb, lane, 16, cb;", "mad.lo.u32 cb, lane, 0, cb;")
@@ -382,119 +382,26 @@ def test_hoist_config_errors() -> None:
         P.gate_up_lane_offsets_asm(3, True)
 
 
-# --- gate|up's shared-memory ring (MmaMoEConfig.SMEM_RING) ---------------------------------------------------
-
-# (tokens, I, RP, gate|up warps, GSPLIT, H, ring): tiled only (the ring copies the tile layout's 16-byte words);
-# H = 768 is 6 steps a CTA (3 a split), more than the ring's slots, so every slot is reused and the last steps'
-# clamped copies run; RP 2 reads both halves of its scale words, RP 1 one half chosen by the warp
-RING_CASES = [
-    (1, 128, 1, 2, 1, 768, 4),
-    (3, 128, 2, 1, 1, 768, 3),
-    pytest.param(8, 128, 1, 2, 2, 768, 4, marks=pytest.mark.slow),   # 46 s on one core: slow tier
-    pytest.param(2, 128, 1, 2, 1, 768, 6, marks=pytest.mark.slow),
-]
-
-
-def _ring_case(tokens, i, rp, w, gs, h, seed):
-    """(case, config without the ring, the case's weights tiled) at hidden size h."""
-    cfg = MM.MmaMoEConfig(BT=16, RBE=16, RBK=64, RSPLIT=2, RP=rp, num_warps=w, DSPLIT=1, down_warps=2, GSPLIT=gs,
-                          GSPLIT_SLOTS=64 if gs > 1 else 0)
-    cell = Cell(rows=(tokens, tokens), shape=(16, h, i, 0), why="test", config={"moe": cfg})
-    case = MOE.make_case(cell, tokens, CPU, torch.Generator().manual_seed(seed))
-    MOE.moe_nvfp4(*case.args, launches="r")  # the routing, interpreted
-    weights = {name: tile_nvfp4(*pair) for name, pair in _weights(case).items()}
-    return case, cfg, weights
-
-
-@pytest.mark.parametrize("tokens,i,rp,w,gs,h,ring", RING_CASES)
-def test_smem_ring_gives_the_register_rings_bits(tokens, i, rp, w, gs, h, ring) -> None:
-    """The ring's blocks copy each step into the thread's slot and read it back into the registers the register
-    ring's load fills, in ring_k_steps' order (the copies land at once in the emulation, so a slot overwritten before
-    it is read, or read from the wrong place, gives other bits): act and y are the default loop's bits (both start as
-    NaN, and the ring's shared memory as a poison byte)."""
-    case, cfg, weights = _ring_case(tokens, i, rp, w, gs, h, 300 + tokens + 10 * rp + ring)
-    act, y = _emulate_weights(case, cfg, weights, True)
-    assert bool(torch.isfinite(y.float()).all())
-    act_r, y_r = _emulate_weights(case, dataclasses.replace(cfg, SMEM_RING=ring), weights, True)
-    assert _same_bits(act_r, act)
-    assert _same_bits(y_r, y)
-
-
-@pytest.mark.parametrize("wrong", ["up words over the gate words", "the other scale half"])
-def test_a_wrong_ring_block_is_caught(monkeypatch, wrong) -> None:
-    """The comparison above sees a ring that hands over other bytes: the up words copied over the gate words' place
-    in the slot, or the scales' half chosen by the other warp parity."""
-    case, cfg, weights = _ring_case(1, 128, 1, 2, 1, 384, 311)
-    act, _ = _emulate_weights(case, cfg, weights, True)
-    real = MM.gate_up_asm.__wrapped__
-
-    def patched(rp, tiled=False, hoist=False, ring=0, warps=4):
-        blocks = dict(real(rp, tiled, hoist, ring, warps))
-        if ring:
-            key, old, new = (("ISSUE", "+16], [wb+0]", "+0], [wb+0]") if wrong.startswith("up") else
-                             ("TAKE", "shr.u32 hs, $13, 1;", "shr.u32 hs, $13, 1;\nadd.u32 hs, hs, 1;"))
-            assert old in blocks[key]
-            blocks[key] = blocks[key].replace(old, new)
-        return blocks
-
-    monkeypatch.setattr(MM, "gate_up_asm", patched)
-    act_r, _ = _emulate_weights(case, dataclasses.replace(cfg, SMEM_RING=4), weights, True)
-    assert not _same_bits(act_r, act)
-
-
-def test_smem_ring_config_is_checked() -> None:
-    """The ring serves the paired loop at depths 3..6, tiled weights, and at most 48 KB of static shared memory a
-    CTA; each misuse says what and why."""
-    with pytest.raises(ValueError, match="SMEM_RING"):
-        MM.MmaMoEConfig(SMEM_RING=2)
-    with pytest.raises(ValueError, match="PAIRED=False"):
-        MM.MmaMoEConfig(SMEM_RING=4, PAIRED=False)
-    cfg = MM.MmaMoEConfig(SMEM_RING=4)
-    assert cfg.fits(6144, 3072, tiled=True) is None
-    assert cfg.ring_smem_bytes() == 128 * 4 * 48
-    assert "tiled weights only" in cfg.fits(6144, 3072, tiled=False)
-    big = MM.MmaMoEConfig(SMEM_RING=6, RP=2, num_warps=8)   # 256 threads x 6 slots x 80 bytes
-    assert "static shared memory" in big.fits(6144, 3072, tiled=True)
-    with pytest.raises(ValueError, match="tiled"):
-        MM.gate_up_asm(1, False, False, 4)
-
-
-@pytest.mark.parametrize("rp", [1, 2])
-def test_ring_blocks_take_their_thread_values_from_the_prologue(rp) -> None:
-    """The ring's copy and read blocks read no special register (the prologue's offsets and the ring base carry
-    every per-thread value), the read waits for all but ring - 2 younger copies, and the rest of the block set is
-    the hoisted one's."""
-    ring, hoisted = MM.gate_up_asm(rp, True, False, 4), MM.gate_up_asm(rp, True, True)
-    for key in ("ISSUE", "TAKE", "DRAIN"):
-        assert "%laneid" not in ring[key] and "%tid" not in ring[key]
-    assert "%tid.x" in ring["RBASE"] and f"{P.RING_NAME}[{128 * 4 * P.ring_slot_bytes(rp)}]" in ring["RBASE"]
-    assert "cp.async.wait_group 2;" in ring["TAKE"] and "cp.async.wait_group 0;" in ring["DRAIN"]
-    assert ring["ISSUE"].count("cp.async.cg.shared.global") == 2 * rp
-    assert ring["TAKE_C"].count("=") == hoisted["LOAD_C"].count("=")
-    assert {k: ring[k] for k in hoisted} == hoisted
-
-
-@pytest.mark.slow  # two sm_90 builds of the M3 gate|up launch (~40 s on 2 cores)
+@pytest.mark.slow  # an sm_90 build of the M3 gate|up launch (~20 s on 2 cores)
 def test_no_asm_block_is_folded_to_a_splat() -> None:
     """Triton folds a pure inline-asm block whose inputs are all uniform (splat) into a splat of its first output:
     every element after the first gets that one (the LLVM call shows an `undef` operand). The hoisted offsets'
     prologue has only uniform inputs and per-thread outputs, so folded it handed each thread its word offset as its
     scale offset (a GPU test caught it; the emulation runs the block's text and cannot). No gate|up block of the
-    default, HOIST or SMEM_RING launch may be folded."""
+    HOIST launch may be folded."""
     from m3serve.kernels import aot_check
     from m3serve.kernels._jit import aot_build
     from m3serve.kernels.catalog import all_entries
 
     e = all_entries()["moe.nvfp4"]
     cell = next(c for c in e.cells if isinstance(c.config["moe"], MM.MmaMoEConfig) and c.shape[2] == 3072)
+    one = dataclasses.replace(e, cells=(dataclasses.replace(
+        cell, rows=(1, 1), config=dict(cell.config, moe=dataclasses.replace(cell.config["moe"], HOIST=True))),))
     checked = 0
-    for over in ({"HOIST": True}, {"SMEM_RING": 4, "maxnreg": 64}):
-        one = dataclasses.replace(e, cells=(dataclasses.replace(
-            cell, rows=(1, 1), config=dict(cell.config, moe=dataclasses.replace(cell.config["moe"], **over))),))
-        for _key, (_e, _why, kern, args, kwargs) in aot_check.collect([one]).items():
-            if kern.__name__ != "mma_moe_gate_up":
-                continue
-            calls = [line for line in aot_build(kern, args, kwargs).asm["llir"].splitlines() if " asm " in line]
-            assert calls and not [c for c in calls if "undef" in c], over
-            checked += 1
-    assert checked == 2
+    for _key, (_e, _why, kern, args, kwargs) in aot_check.collect([one]).items():
+        if kern.__name__ != "mma_moe_gate_up":
+            continue
+        calls = [line for line in aot_build(kern, args, kwargs).asm["llir"].splitlines() if " asm " in line]
+        assert calls and not [c for c in calls if "undef" in c]
+        checked += 1
+    assert checked == 1
