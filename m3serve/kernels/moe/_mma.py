@@ -97,7 +97,7 @@ class MmaMoEConfig:
     # 72 registers instead of 64 (ptxas overlaps more loads; capped at 64 it spills): 7 CTAs an SM, so its 960 CTAs
     # take 1.04 waves instead of 0.91 (whole-K launches: 64 -> 63 registers).
     # Its GPU test (hoisted == default, bit for bit) failed on the H100 at bacb4ea: the prologue ran pure and Triton
-    # folded it into a splat (fixed at b717fe1). Off until that test passes and a timing says which way this goes
+    # folded it into a splat (fixed at b717fe1); it passed at 01043e5. Off until a timing says which way this goes
     HOIST: bool = False
     DSPLIT: int = 4
     down_warps: int = 4
