@@ -17,7 +17,8 @@ kernels, graph launches, copies). The roofline is the bytes a step must read (we
 copy bandwidth measured in the same run.
 
     python bench/decode.py --models m3-tiny-verse,minimax-m3:5 --batch 1,8 --context 512
-writes bench/results/decode/decode-target-h200.json (or --out).
+writes bench/results/decode/decode-target-h200.json (or --out), after every row: until the last, the file says
+`"complete": false`, so a run its time limit cuts short keeps the rows it measured and says it was cut short.
 """
 
 from __future__ import annotations
@@ -419,6 +420,8 @@ def main() -> None:
         raise ValueError(f"--kv-rotation: expected auto, off or a non-negative int seed, found {args.kv_rotation!r}")
     bw = copy_bandwidth(dev)
     results, loads = [], {}
+    header = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype, "kv_rotation": args.kv_rotation, "sampling": sampling}
     for name in args.models.split(","):
         embedded = name == "m3-tiny-verse"
         quant = None if (embedded or args.quantization == "none") else args.quantization
@@ -461,16 +464,23 @@ def main() -> None:
                                                             None) for ref, got in zip(target_tokens[b], toks)]
                 print(json.dumps(r), flush=True)
                 results.append(r)
+                # written after every row: a run cut short by a time limit keeps what it measured, marked so
+                write_results(args.out, {**header, "load_s": loads, "results": results}, complete=False)
         del llm, state, init
         gc.collect()   # the routing hooks and graphs hold reference cycles; the next model sizes its KV from free memory
         torch.cuda.empty_cache()
-        # written after every model, so a run cut short by a time limit keeps what it measured
-        out = {"bench": "decode", **run_metadata(), "copy_bandwidth_Bps": bw, "quantization": args.quantization,
-               "kv_cache_dtype": args.kv_cache_dtype, "kv_rotation": args.kv_rotation, "load_s": loads, "sampling": sampling, "results": results}
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {args.out}", flush=True)
+    write_results(args.out, {**header, "load_s": loads, "results": results}, complete=True)
+    print(f"wrote {args.out}", flush=True)
+
+
+def write_results(path: str, out: dict, complete: bool) -> None:
+    """Write the results file whole (a temporary file renamed over it, so a kill mid-write leaves the previous
+    version); `complete` False says the run had rows still to measure (bench/report.py shows it)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({**out, "complete": complete}, f, indent=2)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

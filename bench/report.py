@@ -702,9 +702,13 @@ def render_generate_main_job(files: list[ResultFile]) -> str:
 
 
 def caveat_note(rf: ResultFile) -> str:
-    """The file's `caveat` (a note added by hand after its run, saying so) as a paragraph, or nothing."""
+    """The file's `caveat` (a note added by hand after its run, saying so) as a paragraph, and a note where the run
+    was cut short (`complete` false: bench/decode.py writes after every row), or nothing."""
     caveat = opt(rf.data, "caveat", rf.name, "str")
-    return f"\n\n**Caveat:** {caveat}" if caveat else ""
+    note = f"\n\n**Caveat:** {caveat}" if caveat else ""
+    if opt(rf.data, "complete", rf.name, "bool") is False:
+        note += "\n\n**Cut short:** the run ended (a time limit) before all its rows were measured; the rows shown are those it wrote."
+    return note
 
 
 def render_memory_plan_startup(files: list[ResultFile]) -> str:

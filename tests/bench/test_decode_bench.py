@@ -153,3 +153,20 @@ def test_step_bytes_counts_the_head_as_the_step_reads_it():
     assert step_bytes(llm, 1, 10, greedy=False) == 100 + 20
     head.table12 = None
     assert step_bytes(llm, 1, 10) == 100 + 20
+
+
+def test_results_are_written_whole_and_marked(tmp_path):
+    """write_results replaces the file in one rename (no temporary left behind) and records whether the run had
+    rows still to measure: a partial write, then the final one over it."""
+    import json
+
+    from decode import write_results
+    path = tmp_path / "sub" / "decode.json"
+    write_results(str(path), {"bench": "decode", "results": [{"route": "target"}]}, complete=False)
+    first = json.loads(path.read_text())
+    assert first["complete"] is False and first["results"] == [{"route": "target"}]
+    write_results(str(path), {"bench": "decode", "results": [{"route": "target"}, {"route": "target-pdl"}]},
+                  complete=True)
+    last = json.loads(path.read_text())
+    assert last["complete"] is True and len(last["results"]) == 2
+    assert sorted(p.name for p in path.parent.iterdir()) == ["decode.json"]

@@ -764,3 +764,16 @@ def test_paged_attention_merge_side_by_side(report, tmp_path):
         ["msa nvfp4 decode b1 512 (decode splits)", "16", "in the split kernel", "10.0", "5 %"],
         ["msa nvfp4 decode b1 512 (decode splits)", "16", "combine launch", "14.3", "4 %"]]
     assert "copy bandwidth 3.00 TB/s" in out
+
+
+@pytest.mark.parametrize("complete", [False, True, None])
+def test_decode_run_cut_short_is_said(report, tmp_path, complete):
+    """bench/decode.py writes its file after every row with `complete` false until the last: a file a time limit cut
+    short says so under its table; a finished one (or an older file without the field) does not."""
+    f = decode_target_file()
+    if complete is not None:
+        f["complete"] = complete
+    write(tmp_path, "decode-target-h200.json", f)
+    out = report.render_report(tmp_path)
+    assert len(table_rows(out, "model")) == 6
+    assert ("**Cut short:**" in out) == (complete is False)
