@@ -6,6 +6,7 @@ in one process on the same model, cache and requests.
            target        the same, pure decode steps replayed as CUDA graphs (the defaults)
            target-pdl    the same graphs captured with programmatic dependent launch on (m3serve/kernels/_pdl.py;
            target-nopdl  off), whatever the default
+           target-pdl8   PDL in the graph buckets of 8 rows and more only (DecodeGraphs' pdl_from)
 
 For each (model, route, batch) it prefills `batch` requests of `context` tokens, then times whole engine decode
 steps (schedule + pack + forward + sample + stop checks; median of `--steps` samples: one step, synchronised, on
@@ -210,15 +211,18 @@ def set_route(llm, route: str, state: dict) -> None:
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
         graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route),
-                                  race_sampler=False if route == "target-torch-sampler" else None)
+                                  race_sampler=False if route == "target-torch-sampler" else None,
+                                  pdl_from=8 if route == "target-pdl8" else None)
     llm.engine.runner.graphs = graphs.get(route)
 
 
-def recapture(llm, buckets: tuple[int, ...], pdl: bool | None = None, race_sampler: bool | None = None):
+def recapture(llm, buckets: tuple[int, ...], pdl: bool | None = None, race_sampler: bool | None = None,
+              pdl_from: int | None = None):
     """The target's graphs captured again (these buckets) for a side-by-side run: as the model is bound now (its
     weight layout, its greedy head), with programmatic dependent launch on or off (m3serve.kernels._jit's switch;
     None: as it is); the switch is restored afterwards (a graph keeps what it captured). race_sampler=False: the
-    sampling variant draws with the torch sampler instead of sample.race (DecodeGraphs)."""
+    sampling variant draws with the torch sampler instead of sample.race (DecodeGraphs). pdl_from: buckets of at
+    least this many rows with PDL, the rest without (DecodeGraphs' pdl_from)."""
     from m3serve.kernels import _jit
     from m3serve.runtime.decode_graphs import DecodeGraphs
     eng = llm.engine
@@ -226,7 +230,7 @@ def recapture(llm, buckets: tuple[int, ...], pdl: bool | None = None, race_sampl
     _jit.PDL_ENABLED = before if pdl is None else pdl
     try:
         g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties,
-                         race_sampler=race_sampler)
+                         race_sampler=race_sampler, pdl_from=pdl_from)
         g.capture()
     finally:
         _jit.PDL_ENABLED = before
@@ -380,7 +384,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=WINDOW,
                     help="back-to-back steps a timing sample on the target routes (synchronised at its ends)")
     ap.add_argument("--routes", default="off,auto,target",
-                    help="comma list of off, auto, target, target-pdl, target-nopdl, target-rows (NVFP4 / MXFP8 "
+                    help="comma list of off, auto, target, target-pdl, target-nopdl, target-pdl8, target-rows (NVFP4 / MXFP8 "
                          "weights row-major), target-logits-head (greedy tokens from the head's logits), "
                          "target-<v> for v in CELL_VARIANTS (certified cells changed: gate-up-whole, moe-rolled, "
                          "gate-up-hoist, gate-up-split2, gemv-rolled, rolled, paired, paired-split2, gate-up-split, "

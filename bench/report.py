@@ -84,7 +84,7 @@ VARIANT_ROUTES = ("target-rows", "target-logits-head", "target-gate-up-whole", "
                   "target-mma-gemv-uncapped", "target-splits-up", "target-gemv-split2x", "target-gate-up-stages3",
                   "target-index-gemv", "target-head12", "target-head-bf16", "target-opt-in", "target-round3",
                   "target-pdl", "target-nopdl", "target-head12-logits", "target-torch-sampler", "target-down-stages3",
-                  "target-rings3")
+                  "target-rings3", "target-pdl8")
 # table row order: the product's routes, then the variants in the order above
 ROUTE_ORDER = {r: n for n, r in enumerate(("off", "auto", "target") + VARIANT_ROUTES)}
 NOT_RECORDED = "not recorded"

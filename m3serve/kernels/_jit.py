@@ -112,6 +112,19 @@ PDL_ENABLED = False
 
 
 @contextlib.contextmanager
+def pdl_launches(enabled: bool) -> Iterator[None]:
+    """PDL_ENABLED set to `enabled` inside the block (a CUDA graph captured there keeps what it launched with),
+    restored after it."""
+    global PDL_ENABLED
+    before = PDL_ENABLED
+    PDL_ENABLED = enabled
+    try:
+        yield
+    finally:
+        PDL_ENABLED = before
+
+
+@contextlib.contextmanager
 def capture_launches() -> Iterator[list]:
     """Record (kernel, grid, args, kwargs) instead of launching: raw calls run on 'meta' tensors
     with real shapes yield the exact compiled variants a GPU would build (see aot_check)."""

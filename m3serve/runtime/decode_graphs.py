@@ -30,6 +30,7 @@ Shape legend: S bucket size (sequences = query tokens), B max pages per sequence
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from m3serve.engine.sampler import sample_rows
+from m3serve.kernels import _jit
 from m3serve.kernels.sample import race
 from m3serve.model.m3 import ForwardBatch
 from m3serve.runtime import capture_check
@@ -153,6 +155,19 @@ class _Bucket:
                                  # None in a greedy variant that runs the model's greedy head
 
 
+# Buckets of at least this many rows are captured with programmatic dependent launch (kernels/_jit.py), the
+# smaller ones without; None: every bucket as kernels._jit.PDL_ENABLED says (off). PDL measured ~1 % faster at
+# batch 8 and level to 3 % slower at batch 1 on the H100 (bench/results/decode/decode-target-h100-m3_{5,12}-
+# round11.json, route target-pdl); off until the split at 8 rows (bench/decode.py route target-pdl8) is timed on
+# the H200.
+PDL_FROM_BUCKET: int | None = None
+
+
+def pdl_for_bucket(bucket: int, pdl_from: int | None) -> bool | None:
+    """Whether a bucket's graphs are captured with PDL: None leaves kernels._jit's switch as it is."""
+    return None if pdl_from is None else bucket >= pdl_from
+
+
 class DecodeGraphs:
     """sampling=True also captures, per bucket, a variant that samples on the device (temperature, top-k, top-p,
     per-request keys: m3serve.engine.sampler.sample_rows) from the staged parameters; greedy steps replay the
@@ -161,11 +176,15 @@ class DecodeGraphs:
     replays the sampling variant with every row greedy."""
 
     def __init__(self, model, kv, tables, buckets: tuple[int, ...], sampling: bool = True, penalties=None,
-                 token_masks=None, race_sampler: bool | None = None):
+                 token_masks=None, race_sampler: bool | None = None, pdl_from: int | None = None):
         if model.device.type != "cuda":
             raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA model, found {model.device}")
         self.model, self.kv, self.tables = model, kv, tables
         self.buckets = tuple(sorted(buckets))
+        # pdl_from: buckets of at least this many rows captured with PDL, the rest without (None: PDL_FROM_BUCKET)
+        self.pdl_from = PDL_FROM_BUCKET if pdl_from is None else pdl_from
+        if self.pdl_from is not None and self.pdl_from < 1:
+            raise ValueError(f"pdl_from: expected a bucket size >= 1 or None, found {self.pdl_from}")
         if not self.buckets or self.buckets[-1] > tables.manager.max_seqs:
             raise ValueError(f"buckets: expected sizes in [1, max_num_seqs = {tables.manager.max_seqs}], "
                              f"found {buckets}")
@@ -287,11 +306,13 @@ class DecodeGraphs:
                                  query_start=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
                                  max_query_len=1, num_splits=dense, num_splits_sparse=sparse)
                 blocker = None
+                pdl = pdl_for_bucket(bucket, self.pdl_from)
                 for variant, store in self._variants():
                     self._safe_inputs(bucket)
-                    graph, out, blocker = capture_check.capture(lambda: self._forward(bucket, step, variant),
-                                                                self.model, f"decode ({variant})", bucket, self.pool,
-                                                                stream)
+                    with _jit.pdl_launches(pdl) if pdl is not None else contextlib.nullcontext():
+                        graph, out, blocker = capture_check.capture(lambda: self._forward(bucket, step, variant),
+                                                                    self.model, f"decode ({variant})", bucket,
+                                                                    self.pool, stream)
                     if blocker is not None:
                         break
                     store[bucket] = _Bucket(graph, step, *out)

@@ -68,6 +68,28 @@ def test_the_switch_reaches_the_launch(monkeypatch, enabled: bool) -> None:
     assert pdl and all(kw["PDL"] is enabled for kw in pdl)
 
 
+@pytest.mark.parametrize("inside", [True, False])
+def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch, inside: bool) -> None:
+    """pdl_launches(inside): the launches inside the block see `inside`, those after it the switch as it was, also
+    when the block raises (DecodeGraphs captures a bucket's graphs inside it)."""
+    monkeypatch.setattr(_jit, "PDL_ENABLED", not inside)
+    with _jit.pdl_launches(inside):
+        pdl = [kw for k, _, _, kw in _launches("linear.nvfp4") if k.pdl]
+        assert pdl and all(kw["PDL"] is inside for kw in pdl)
+    assert _jit.PDL_ENABLED is (not inside)
+    with pytest.raises(RuntimeError, match="capture failed"), _jit.pdl_launches(inside):
+        raise RuntimeError("capture failed")
+    assert _jit.PDL_ENABLED is (not inside)
+
+
+def test_buckets_take_pdl_from_their_size() -> None:
+    """DecodeGraphs' pdl_from: buckets of at least that many rows with PDL, smaller ones without; None leaves the
+    switch alone for every bucket."""
+    from m3serve.runtime.decode_graphs import pdl_for_bucket
+    assert [pdl_for_bucket(b, 8) for b in (1, 2, 4, 8, 16, 48)] == [False, False, False, True, True, True]
+    assert {pdl_for_bucket(b, None) for b in (1, 8, 48)} == {None}
+
+
 def test_cpu_launches_never_use_pdl(monkeypatch) -> None:
     """On CPU tensors the interpreter runs with PDL=False, whatever the switch (the helpers are inline PTX)."""
     monkeypatch.setattr(_jit, "PDL_ENABLED", True)

@@ -84,18 +84,20 @@ def test_real_dims_forward_captures_in_a_graph(kv):
         _release(llm)
 
 
-@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("pdl", [True, False, "from 2 rows"])
 def test_real_dims_graphs_give_the_same_tokens_with_and_without_pdl(monkeypatch, pdl):
     """Programmatic dependent launch (kernels._jit.PDL_ENABLED) changes only when a kernel may start, never what
     it computes: minimax-m3:4 (NVFP4 experts, MXFP8 projections, dense + MSA layers) captured with the switch
     `pdl` replays the greedy tokens of the same graphs captured the other way, token for token (the same kernels
     in the same order, so the same bits); a kernel that read its producer's output before the producer's grid
-    finished would part them."""
+    finished would part them. "from 2 rows": DecodeGraphs' pdl_from=2 (buckets of 2 and 4 rows with PDL, the
+    1-row bucket without) against every bucket without."""
     _need_cuda()
     from m3serve import LLM
     from m3serve.kernels import _jit
     from m3serve.runtime.decode_graphs import DecodeGraphs
-    monkeypatch.setattr(_jit, "PDL_ENABLED", not pdl)
+    per_bucket = pdl == "from 2 rows"
+    monkeypatch.setattr(_jit, "PDL_ENABLED", False if per_bucket else not pdl)
     llm = LLM("minimax-m3:4", device="cuda", dtype="bfloat16", random_weights=True, quantization="nvfp4",
               kv_cache_dtype="nvfp4", max_num_seqs=4, max_model_len=2048, gpu_memory_utilization=0.5, route="auto")
     try:
@@ -103,9 +105,12 @@ def test_real_dims_graphs_give_the_same_tokens_with_and_without_pdl(monkeypatch,
         assert eng.runner.graphs is not None
         prompts = [{"prompt_token_ids": list(range(100 + 50 * i, 100 + 50 * i + 600 + 97 * i))} for i in range(4)]
         ref = _greedy(llm, prompts, 12)
-        monkeypatch.setattr(_jit, "PDL_ENABLED", pdl)
+        if not per_bucket:
+            monkeypatch.setattr(_jit, "PDL_ENABLED", pdl)
         g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, tuple(eng.runner.graphs.graphs),
-                         penalties=eng.penalties)
+                         penalties=eng.penalties, pdl_from=2 if per_bucket else None)
+        if per_bucket:
+            assert set(g.buckets) >= {1, 2}
         g.capture()
         eng.runner.graphs = g
         eng.blocks.clear_prefix_cache()
