@@ -192,14 +192,16 @@ round9-bench)  # issue 30, ninth round: the goal rows at the new defaults (paire
     --routes ${ROUTES5:-target,target-round7,target-gate-up-hoist,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round9}.json"
   ;;
-round11)  # issue 30, eleventh round: the goal rows at today's defaults beside PDL (every bucket, or from 8 rows) and
-         # the seventh round's cells (the deep model first: it is the goal), then the GPU tests that certify PDL and HOIST
+round11)  # issue 30, eleventh round: the goal rows at today's defaults beside PDL (from 8 rows, or every bucket), gate|up
+         # split 4 ways at one token (the paired loop compiles it at 64 registers without a spill) and the seventh
+         # round's cells (the deep model first: it is the goal; rows in priority order, each written as it lands),
+         # then the GPU tests that certify PDL and HOIST
   [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
-  phase decode-deep ${T_C:-260} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES:-target,target-pdl,target-pdl8,target-round7} --quantization nvfp4 \
+  phase decode-deep ${T_C:-300} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES:-target,target-pdl8,target-pdl,target-gate-up-split,target-round7} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-round11}.json"
   phase decode-m3_5 ${T_B:-110} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
-    --routes ${ROUTES5:-target,target-pdl,target-pdl8} --quantization nvfp4 \
+    --routes ${ROUTES5:-target,target-pdl8,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round11}.json"
   phase pytest-pdl-hoist ${T_A:-110} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 100 -rfE \
     tests/runtime/test_decode_target_gpu.py tests/kernels/test_gpu.py -k "with_and_without_pdl or mma_moe_hoisted"
