@@ -210,30 +210,23 @@ def set_route(llm, route: str, state: dict) -> None:
                                   "target-msa-bound": False}.get(route, walk_default)
     graphs = state["graphs"]
     if route.startswith("target") and route not in graphs:
-        graphs[route] = recapture(llm, state["buckets"], {"target-pdl": True, "target-nopdl": False}.get(route),
-                                  race_sampler=False if route == "target-torch-sampler" else None,
-                                  pdl_from=8 if route == "target-pdl8" else None)
+        # PDL from this many rows (DecodeGraphs' pdl_from): every bucket, none (past the largest), from 8 rows
+        pdl_from = {"target-pdl": 1, "target-nopdl": max(state["buckets"]) + 1, "target-pdl8": 8}.get(route)
+        graphs[route] = recapture(llm, state["buckets"], pdl_from,
+                                  race_sampler=False if route == "target-torch-sampler" else None)
     llm.engine.runner.graphs = graphs.get(route)
 
 
-def recapture(llm, buckets: tuple[int, ...], pdl: bool | None = None, race_sampler: bool | None = None,
-              pdl_from: int | None = None):
+def recapture(llm, buckets: tuple[int, ...], pdl_from: int | None = None, race_sampler: bool | None = None):
     """The target's graphs captured again (these buckets) for a side-by-side run: as the model is bound now (its
-    weight layout, its greedy head), with programmatic dependent launch on or off (m3serve.kernels._jit's switch;
-    None: as it is); the switch is restored afterwards (a graph keeps what it captured). race_sampler=False: the
-    sampling variant draws with the torch sampler instead of sample.race (DecodeGraphs). pdl_from: buckets of at
-    least this many rows with PDL, the rest without (DecodeGraphs' pdl_from)."""
-    from m3serve.kernels import _jit
+    weight layout, its greedy head), with programmatic dependent launch in the buckets of at least `pdl_from` rows
+    and not in the others (DecodeGraphs' pdl_from; None: as the tree has it). race_sampler=False: the sampling
+    variant draws with the torch sampler instead of sample.race (DecodeGraphs)."""
     from m3serve.runtime.decode_graphs import DecodeGraphs
     eng = llm.engine
-    before = _jit.PDL_ENABLED
-    _jit.PDL_ENABLED = before if pdl is None else pdl
-    try:
-        g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties,
-                         race_sampler=race_sampler, pdl_from=pdl_from)
-        g.capture()
-    finally:
-        _jit.PDL_ENABLED = before
+    g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties,
+                     race_sampler=race_sampler, pdl_from=pdl_from)
+    g.capture()
     return g
 
 

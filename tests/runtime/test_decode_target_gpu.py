@@ -84,34 +84,47 @@ def test_real_dims_forward_captures_in_a_graph(kv):
         _release(llm)
 
 
-@pytest.mark.parametrize("pdl", [True, False, "from 2 rows"])
+@pytest.mark.parametrize("pdl", ["global switch", "every bucket", "from 2 rows"])
 def test_real_dims_graphs_give_the_same_tokens_with_and_without_pdl(monkeypatch, pdl):
-    """Programmatic dependent launch (kernels._jit.PDL_ENABLED) changes only when a kernel may start, never what
-    it computes: minimax-m3:4 (NVFP4 experts, MXFP8 projections, dense + MSA layers) captured with the switch
-    `pdl` replays the greedy tokens of the same graphs captured the other way, token for token (the same kernels
-    in the same order, so the same bits); a kernel that read its producer's output before the producer's grid
-    finished would part them. "from 2 rows": DecodeGraphs' pdl_from=2 (buckets of 2 and 4 rows with PDL, the
-    1-row bucket without) against every bucket without."""
+    """Programmatic dependent launch changes only when a kernel may start, never what it computes: minimax-m3:4
+    (NVFP4 experts, MXFP8 projections, dense + MSA layers) replays the same greedy tokens, token for token, from
+    graphs captured with and without it (the same kernels in the same order, so the same bits); a kernel that read
+    its producer's output before the producer's grid finished would part them. "global switch": the engine's graphs
+    captured with kernels._jit.PDL_ENABLED on, against graphs captured with it off; "every bucket" / "from 2 rows":
+    the engine's graphs without PDL against DecodeGraphs(pdl_from=1 / 2), which must capture the buckets of at least
+    that many rows (of 1, 2, 4) inside pdl_launches(True) and the others inside pdl_launches(False)."""
     _need_cuda()
     from m3serve import LLM
     from m3serve.kernels import _jit
-    from m3serve.runtime.decode_graphs import DecodeGraphs
-    per_bucket = pdl == "from 2 rows"
-    monkeypatch.setattr(_jit, "PDL_ENABLED", False if per_bucket else not pdl)
+    from m3serve.runtime import decode_graphs
+    monkeypatch.setattr(decode_graphs, "PDL_FROM_BUCKET", None)
+    monkeypatch.setattr(_jit, "PDL_ENABLED", pdl == "global switch")
     llm = LLM("minimax-m3:4", device="cuda", dtype="bfloat16", random_weights=True, quantization="nvfp4",
               kv_cache_dtype="nvfp4", max_num_seqs=4, max_model_len=2048, gpu_memory_utilization=0.5, route="auto")
     try:
         eng = llm.engine
-        assert eng.runner.graphs is not None
+        buckets = tuple(eng.runner.graphs.graphs)
+        assert set(buckets) >= {1, 2, 4}
         prompts = [{"prompt_token_ids": list(range(100 + 50 * i, 100 + 50 * i + 600 + 97 * i))} for i in range(4)]
         ref = _greedy(llm, prompts, 12)
-        if not per_bucket:
-            monkeypatch.setattr(_jit, "PDL_ENABLED", pdl)
-        g = DecodeGraphs(llm.model, eng.kv, eng.runner.tables, tuple(eng.runner.graphs.graphs),
-                         penalties=eng.penalties, pdl_from=2 if per_bucket else None)
-        if per_bucket:
-            assert set(g.buckets) >= {1, 2}
+        monkeypatch.setattr(_jit, "PDL_ENABLED", False)
+        seen, real = [], _jit.pdl_launches
+
+        def spy(enabled):
+            seen.append(enabled)
+            return real(enabled)
+
+        monkeypatch.setattr(_jit, "pdl_launches", spy)
+        pdl_from = {"global switch": None, "every bucket": 1, "from 2 rows": 2}[pdl]
+        g = decode_graphs.DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties,
+                                       pdl_from=pdl_from)
         g.capture()
+        assert not g.blocked
+        variants = len(list(g._variants()))   # greedy, sampling, processed: each bucket captures every one
+        assert variants >= 1
+        want = [] if pdl_from is None else [b >= pdl_from for b in sorted(buckets, reverse=True)
+                                            for _ in range(variants)]
+        assert seen == want
         eng.runner.graphs = g
         eng.blocks.clear_prefix_cache()
         assert _greedy(llm, prompts, 12) == ref
