@@ -6,7 +6,7 @@ in one process on the same model, cache and requests.
            target        the same, pure decode steps replayed as CUDA graphs (the defaults)
            target-pdl    the same graphs captured with programmatic dependent launch on (m3serve/kernels/_pdl.py;
            target-nopdl  off), whatever the default
-           target-pdl8   PDL in the graph buckets of 8 rows and more only (DecodeGraphs' pdl_from)
+           target-pdl8   PDL in the graph buckets of 8 rows and more only (DecodeGraphs' pdl_from; today's default)
 
 For each (model, route, batch) it prefills `batch` requests of `context` tokens, then times whole engine decode
 steps (schedule + pack + forward + sample + stop checks; median of `--steps` samples: one step, synchronised, on

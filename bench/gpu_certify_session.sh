@@ -5,7 +5,7 @@
 #   bash bench/gpu_certify_session.sh spec-round     issue 28: prefill graphs' GPU tests, the eager step, closed loop
 #   bash bench/gpu_certify_session.sh final-round    no regression, side by side with an older tree in baseline/
 #   bash bench/gpu_certify_session.sh MODE MODE ...  several modes in turn (NO_MEM / NO_M3 / NO_EMB drop a phase)
-#   ... round11 | target-tests | stream-staged | round9-bench | round9-tests | paired-tests | paired-bench | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
+#   ... round12 | round11 | target-tests | stream-staged | round9-bench | round9-tests | paired-tests | paired-bench | combine-fold | rings-goal | race-sampler | logits-default | head12-logits | spec-warmup | interpreter-ab | head12-last | head12-h200 | head12-mma | deep-decode-h200 | deep-decode-round4 | deep-decode-cells | deep-decode-depth | msa-variants | prefill-round7 | prefill-round6 | prefill-round3 | head12-round | policy-auto2 | memory-check | memory-round | moe-split-round | moe-split-deep | depth-round | head-layout-round | head-layout-decode | moe-round | policy-round2 | policy-round | client-round | defaults-round | serve-round | serve-m3 | prefill-f16 | prefill-round2 | prefill-round | backlog: the open issues' measurement
 #   calls (each mode's comment)
 # Modes of earlier rounds live in git history. Wheels the image lacks (xgrammar and its needs) are installed from
 # .whl/ when present. Output: $OUT.
@@ -191,6 +191,19 @@ round9-bench)  # issue 30, ninth round: the goal rows at the new defaults (paire
   phase decode-m3_5 ${T_B:-100} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
     --routes ${ROUTES5:-target,target-round7,target-gate-up-hoist,target-pdl} --quantization nvfp4 \
     --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round9}.json"
+  ;;
+round12)  # issue 30, twelfth round: PDL from 8 rows as the default. The goal rows at the defaults beside the same graphs
+         # without PDL (the deep model first), then the decode graphs' GPU tests and the PDL ones at that default
+  [ "$TAG" = h100 ] && deep=${MODELS:-minimax-m3:12} || deep=${MODELS:-minimax-m3:24}
+  phase decode-deep ${T_C:-240} python3 bench/decode.py --models $deep --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES:-target,target-nopdl} --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-${deep/minimax-m3:/m3_}-${NAME:-round12}.json"
+  phase decode-m3_5 ${T_B:-60} python3 bench/decode.py --models minimax-m3:5 --batch 1,8 --context 512 --steps 20 \
+    --routes ${ROUTES5:-target,target-nopdl} --quantization nvfp4 \
+    --out "$OUT/decode-target-$TAG-m3_5-${NAME:-round12}.json"
+  phase pytest-target ${T_A2:-200} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 160 -rfE \
+    tests/runtime/test_decode_target_gpu.py tests/kernels/test_gpu.py \
+    -k "(graph or race or mma_moe or paired or real_dims or embedded or pdl) and not warmup"
   ;;
 round11)  # issue 30, eleventh round: the goal rows at today's defaults beside PDL (from 8 rows, or every bucket), gate|up
          # split 4 ways at one token (the paired loop compiles it at 64 registers without a spill) and the seventh

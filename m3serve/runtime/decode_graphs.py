@@ -156,11 +156,12 @@ class _Bucket:
 
 
 # Buckets of at least this many rows are captured with programmatic dependent launch (kernels/_jit.py), the
-# smaller ones without; None: every bucket as kernels._jit.PDL_ENABLED says (off). PDL measured ~1 % faster at
-# batch 8 and level to 3 % slower at batch 1 on the H100 (bench/results/decode/decode-target-h100-m3_{5,12}-
-# round11.json, route target-pdl); off until the split at 8 rows (bench/decode.py route target-pdl8) is timed on
-# the H200.
-PDL_FROM_BUCKET: int | None = None
+# smaller ones without; None: every bucket as kernels._jit.PDL_ENABLED says. From 8 rows: on the H100 PDL measured
+# 1.1-1.3 % faster at batch 8 with the same tokens and level to 3 % slower at batch 1 (bench/results/decode/
+# decode-target-h100-m3_{5,12}-pdl8.json, route target-pdl8 beside target; -round11.json, route target-pdl for
+# every bucket), 2 % faster at minimax-m3:24 on the H200 in the seventh round (decode-target-h200-m3_24-rings.json).
+# The smaller buckets stay without: it bought nothing there (batch 1 level to 3 % slower).
+PDL_FROM_BUCKET: int | None = 8
 
 
 def pdl_for_bucket(bucket: int, pdl_from: int | None) -> bool | None:
