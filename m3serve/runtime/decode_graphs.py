@@ -159,8 +159,9 @@ class _Bucket:
 # smaller ones without; None: every bucket as kernels._jit.PDL_ENABLED says. From 8 rows: on the H100 PDL measured
 # 1.1-1.3 % faster at batch 8 with the same tokens and level to 3 % slower at batch 1 (bench/results/decode/
 # decode-target-h100-m3_{5,12}-pdl8.json, route target-pdl8 beside target; -round11.json, route target-pdl for
-# every bucket), 2 % faster at minimax-m3:24 on the H200 in the seventh round (decode-target-h200-m3_24-rings.json).
-# The smaller buckets stay without: it bought nothing there (batch 1 level to 3 % slower).
+# every bucket); on the H200, with every bucket, minimax-m3:24 9.73 against 9.81 ms at batch 8 and 4.14 against
+# 4.22 at 1, but minimax-m3:5 1-3 % slower at 1 (decode-target-h200-m3_24-rings.json, decode-target-h200-pdl-*.json).
+# The smaller buckets stay without, as the shallow models measured them.
 PDL_FROM_BUCKET: int | None = 8
 
 
