@@ -30,7 +30,6 @@ Shape legend: S bucket size (sequences = query tokens), B max pages per sequence
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -156,18 +155,14 @@ class _Bucket:
 
 
 # Buckets of at least this many rows are captured with programmatic dependent launch (kernels/_jit.py), the
-# smaller ones without; None: every bucket as kernels._jit.PDL_ENABLED says. From 8 rows: on the H100 PDL measured
+# smaller ones without, whatever kernels._jit.PDL_ENABLED (the eager launches' switch) says; a value past the
+# largest bucket captures none with it. From 8 rows: on the H100 PDL measured
 # 1.1-1.3 % faster at batch 8 with the same tokens and level to 3 % slower at batch 1 (bench/results/decode/
 # decode-target-h100-m3_{5,12}-pdl8.json, route target-pdl8 beside target; -round11.json, route target-pdl for
 # every bucket); on the H200, with every bucket, minimax-m3:24 9.73 against 9.81 ms at batch 8 and 4.14 against
 # 4.22 at 1, but minimax-m3:5 1-3 % slower at 1 (decode-target-h200-m3_24-rings.json, decode-target-h200-pdl-*.json).
 # The smaller buckets stay without, as the shallow models measured them.
-PDL_FROM_BUCKET: int | None = 8
-
-
-def pdl_for_bucket(bucket: int, pdl_from: int | None) -> bool | None:
-    """Whether a bucket's graphs are captured with PDL: None leaves kernels._jit's switch as it is."""
-    return None if pdl_from is None else bucket >= pdl_from
+PDL_FROM_BUCKET: int = 8
 
 
 class DecodeGraphs:
@@ -185,8 +180,9 @@ class DecodeGraphs:
         self.buckets = tuple(sorted(buckets))
         # pdl_from: buckets of at least this many rows captured with PDL, the rest without (None: PDL_FROM_BUCKET)
         self.pdl_from = PDL_FROM_BUCKET if pdl_from is None else pdl_from
-        if self.pdl_from is not None and self.pdl_from < 1:
-            raise ValueError(f"pdl_from: expected a bucket size >= 1 or None, found {self.pdl_from}")
+        if self.pdl_from < 1:
+            raise ValueError(f"pdl_from: expected a bucket size >= 1 (or None for PDL_FROM_BUCKET), "
+                             f"found {self.pdl_from}")
         if not self.buckets or self.buckets[-1] > tables.manager.max_seqs:
             raise ValueError(f"buckets: expected sizes in [1, max_num_seqs = {tables.manager.max_seqs}], "
                              f"found {buckets}")
@@ -308,10 +304,9 @@ class DecodeGraphs:
                                  query_start=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
                                  max_query_len=1, num_splits=dense, num_splits_sparse=sparse)
                 blocker = None
-                pdl = pdl_for_bucket(bucket, self.pdl_from)
                 for variant, store in self._variants():
                     self._safe_inputs(bucket)
-                    with _jit.pdl_launches(pdl) if pdl is not None else contextlib.nullcontext():
+                    with _jit.pdl_launches(bucket >= self.pdl_from):
                         graph, out, blocker = capture_check.capture(lambda: self._forward(bucket, step, variant),
                                                                     self.model, f"decode ({variant})", bucket,
                                                                     self.pool, stream)

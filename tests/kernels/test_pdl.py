@@ -82,14 +82,6 @@ def test_pdl_launches_sets_the_switch_for_its_block_only(monkeypatch, inside: bo
     assert _jit.PDL_ENABLED is (not inside)
 
 
-def test_buckets_take_pdl_from_their_size() -> None:
-    """DecodeGraphs' pdl_from: buckets of at least that many rows with PDL, smaller ones without; None leaves the
-    switch alone for every bucket."""
-    from m3serve.runtime.decode_graphs import pdl_for_bucket
-    assert [pdl_for_bucket(b, 8) for b in (1, 2, 4, 8, 16, 48)] == [False, False, False, True, True, True]
-    assert {pdl_for_bucket(b, None) for b in (1, 8, 48)} == {None}
-
-
 def test_cpu_launches_never_use_pdl(monkeypatch) -> None:
     """On CPU tensors the interpreter runs with PDL=False, whatever the switch (the helpers are inline PTX)."""
     monkeypatch.setattr(_jit, "PDL_ENABLED", True)

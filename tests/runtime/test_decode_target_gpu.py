@@ -84,21 +84,20 @@ def test_real_dims_forward_captures_in_a_graph(kv):
         _release(llm)
 
 
-@pytest.mark.parametrize("pdl", ["global switch", "every bucket", "from 2 rows"])
-def test_real_dims_graphs_give_the_same_tokens_with_and_without_pdl(monkeypatch, pdl):
+@pytest.mark.parametrize("pdl_from", [1, 2])
+def test_real_dims_graphs_give_the_same_tokens_with_and_without_pdl(monkeypatch, pdl_from):
     """Programmatic dependent launch changes only when a kernel may start, never what it computes: minimax-m3:4
     (NVFP4 experts, MXFP8 projections, dense + MSA layers) replays the same greedy tokens, token for token, from
     graphs captured with and without it (the same kernels in the same order, so the same bits); a kernel that read
-    its producer's output before the producer's grid finished would part them. "global switch": the engine's graphs
-    captured with kernels._jit.PDL_ENABLED on, against graphs captured with it off; "every bucket" / "from 2 rows":
-    the engine's graphs without PDL against DecodeGraphs(pdl_from=1 / 2), which must capture the buckets of at least
-    that many rows (of 1, 2, 4) inside pdl_launches(True) and the others inside pdl_launches(False)."""
+    its producer's output before the producer's grid finished would part them. The engine's graphs, captured
+    without PDL (PDL_FROM_BUCKET past every bucket), against DecodeGraphs(pdl_from=1 / 2), which must capture the
+    buckets of at least that many rows (of 1, 2, 4) inside pdl_launches(True) and the others inside
+    pdl_launches(False)."""
     _need_cuda()
     from m3serve import LLM
     from m3serve.kernels import _jit
     from m3serve.runtime import decode_graphs
-    monkeypatch.setattr(decode_graphs, "PDL_FROM_BUCKET", None)
-    monkeypatch.setattr(_jit, "PDL_ENABLED", pdl == "global switch")
+    monkeypatch.setattr(decode_graphs, "PDL_FROM_BUCKET", 1 << 30)
     llm = LLM("minimax-m3:4", device="cuda", dtype="bfloat16", random_weights=True, quantization="nvfp4",
               kv_cache_dtype="nvfp4", max_num_seqs=4, max_model_len=2048, gpu_memory_utilization=0.5, route="auto")
     try:
@@ -107,7 +106,6 @@ def test_real_dims_graphs_give_the_same_tokens_with_and_without_pdl(monkeypatch,
         assert set(buckets) >= {1, 2, 4}
         prompts = [{"prompt_token_ids": list(range(100 + 50 * i, 100 + 50 * i + 600 + 97 * i))} for i in range(4)]
         ref = _greedy(llm, prompts, 12)
-        monkeypatch.setattr(_jit, "PDL_ENABLED", False)
         seen, real = [], _jit.pdl_launches
 
         def spy(enabled):
@@ -115,15 +113,13 @@ def test_real_dims_graphs_give_the_same_tokens_with_and_without_pdl(monkeypatch,
             return real(enabled)
 
         monkeypatch.setattr(_jit, "pdl_launches", spy)
-        pdl_from = {"global switch": None, "every bucket": 1, "from 2 rows": 2}[pdl]
         g = decode_graphs.DecodeGraphs(llm.model, eng.kv, eng.runner.tables, buckets, penalties=eng.penalties,
                                        pdl_from=pdl_from)
         g.capture()
         assert not g.blocked
         variants = len(list(g._variants()))   # greedy, sampling, processed: each bucket captures every one
         assert variants >= 1
-        want = [] if pdl_from is None else [b >= pdl_from for b in sorted(buckets, reverse=True)
-                                            for _ in range(variants)]
+        want = [b >= pdl_from for b in sorted(buckets, reverse=True) for _ in range(variants)]
         assert seen == want
         eng.runner.graphs = g
         eng.blocks.clear_prefix_cache()
